@@ -1,0 +1,1 @@
+"""How a model is spread over devices: stage plans, staged models, pipelines, branches."""
