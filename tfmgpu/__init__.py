@@ -1,11 +1,37 @@
-"""tfmgpu: train and serve Keras models on many devices."""
+"""tfmgpu: train and serve Keras models on many devices.
 
-from tfmgpu.devices import DeviceConfigurationError
-from tfmgpu.devices import DeviceLayout
-from tfmgpu.devices import configure_devices
-from tfmgpu.devices import configure_virtual_devices
-from tfmgpu.devices import list_devices
-from tfmgpu.strategies import available_strategies
-from tfmgpu.strategies import get_strategy
+The public API, one name per line. Names resolve on first use so that
+`import tfmgpu` (and every CLI's `--help`) stays fast and TensorFlow loads
+only when something needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "DeviceConfigurationError": "tfmgpu.devices",
+    "DeviceLayout": "tfmgpu.devices",
+    "configure_devices": "tfmgpu.devices",
+    "configure_virtual_devices": "tfmgpu.devices",
+    "list_devices": "tfmgpu.devices",
+    "available_strategies": "tfmgpu.strategies",
+    "get_strategy": "tfmgpu.strategies",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'tfmgpu' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(list(globals()) + __all__)

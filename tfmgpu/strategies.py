@@ -7,6 +7,8 @@ CLI's `--strategy` choices come from it). Data-parallel names build a genuine
 parallelism, registered by `tfmgpu.parallel`) describe how a model is split;
 for them `get_strategy` returns the default strategy, which is what their
 stages run under.
+
+Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import os
 from typing import Any, Callable, Sequence
 
 from absl import logging
-import tensorflow as tf
 
-from tfmgpu import devices as devices_lib
+from tfmgpu._lazy import LazyModule
+
+# The CLIs import this module to list `--strategy` choices, and `--help` must
+# answer before TensorFlow loads: TensorFlow is imported on first use.
+tf = LazyModule("tensorflow")
+devices_lib = LazyModule("tfmgpu.devices")
 
 
 class Kind(str, enum.Enum):
@@ -69,7 +75,6 @@ def register_placement(name: str, description: str, *, needs: str = "") -> None:
 
 def available_strategies() -> dict[str, str]:
   """Returns `{name: one-line description}` for every registered name."""
-  _ensure_placements_registered()
   return {n: e.description for n, e in _REGISTRY.items()}
 
 
@@ -79,18 +84,11 @@ def strategy_entry(name: str) -> StrategyEntry:
   Raises:
     ValueError: unknown name, listing the available ones.
   """
-  _ensure_placements_registered()
   if name not in _REGISTRY:
     raise ValueError(
         f"Unknown strategy name={name!r}. Available names: "
         f"{', '.join(sorted(_REGISTRY))}.")
   return _REGISTRY[name]
-
-
-def _ensure_placements_registered() -> None:
-  # Placement names live beside their implementation in tfmgpu.parallel;
-  # importing the package registers them.
-  import tfmgpu.parallel  # pylint: disable=g-import-not-at-top,unused-import
 
 
 def get_strategy(name: str = "default", **options: Any) -> tf.distribute.Strategy:
@@ -174,7 +172,7 @@ def _is_gpu(device: str) -> bool:
 
 # ------------------------------------------------------ cross-device ops
 
-_CROSS_DEVICE_OPS: dict[str, Callable[[int], tf.distribute.CrossDeviceOps]] = {
+_CROSS_DEVICE_OPS: dict[str, Callable[[int], "tf.distribute.CrossDeviceOps"]] = {
     "nccl": lambda packs: tf.distribute.NcclAllReduce(num_packs=packs),
     "hierarchical_copy":
         lambda packs: tf.distribute.HierarchicalCopyAllReduce(num_packs=packs),
@@ -305,11 +303,7 @@ def _mirrored(devices: Sequence[str] | None = None, num_gpus: int | None = None,
   return tf.distribute.MirroredStrategy(replicas, cross_device_ops=ops)
 
 
-_COMMUNICATION = {
-    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-}
+COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
 
 
 @register_strategy("multi_worker_mirrored", "Synchronous data parallelism "
@@ -318,14 +312,16 @@ _COMMUNICATION = {
 def _multi_worker_mirrored(communication: str = "auto",
                            cluster_resolver: str | Any = "tf_config",
                            ) -> tf.distribute.Strategy:
-  if communication not in _COMMUNICATION:
+  if communication not in COMMUNICATION_CHOICES:
     raise ValueError(f"communication={communication!r} is unknown. Choose one of "
-                     f"{', '.join(_COMMUNICATION)}.")
+                     f"{', '.join(COMMUNICATION_CHOICES)}.")
   if communication == "nccl" and not tf.config.list_physical_devices("GPU"):
     raise ValueError("communication='nccl' needs GPUs and this host has none; "
                      "use communication='ring' or 'auto'.")
   options = tf.distribute.experimental.CommunicationOptions(
-      implementation=_COMMUNICATION[communication])
+      implementation=getattr(
+          tf.distribute.experimental.CommunicationImplementation,
+          communication.upper()))
   return tf.distribute.MultiWorkerMirroredStrategy(
       cluster_resolver=_resolver(cluster_resolver),
       communication_options=options)

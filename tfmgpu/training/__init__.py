@@ -1,0 +1,1 @@
+"""Training: per-replica steps, the distribution wrapper, the loop, checkpoints."""

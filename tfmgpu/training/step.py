@@ -1,0 +1,120 @@
+"""Per-replica math: the loss, gradients and update of one replica's batch.
+
+This is the innermost of the three layers (step, distributed step, loop).
+Nothing here knows how many devices there are, except that losses are
+averaged over the *global* batch (`tf.nn.compute_average_loss`) so that the
+all-reduced SUM of replica gradients is the gradient of the global mean.
+
+A model that spreads itself over devices (a staged or pipelined model)
+provides `compute_loss_and_gradients(x, y, loss_fn)`; the step then lets the
+model run its own per-device backward instead of one `GradientTape`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import keras
+import tensorflow as tf
+
+LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+
+
+def per_example_loss_fn(loss: str | Callable[..., Any] | None) -> LossFn:
+  """Returns `fn(y_true, y_pred) -> per-example loss` (unreduced).
+
+  Args:
+    loss: `None` or `"sparse_categorical_crossentropy"` (from logits, the
+      default), a Keras `Loss` object (its reduction is bypassed), or a
+      function returning per-example losses.
+  """
+  if loss is None or loss == "sparse_categorical_crossentropy":
+    def sparse_ce(y_true, y_pred):
+      return keras.losses.sparse_categorical_crossentropy(
+          y_true, tf.cast(y_pred, tf.float32), from_logits=True)
+    return sparse_ce
+  if isinstance(loss, keras.losses.Loss):
+    return loss.call
+  if isinstance(loss, str):
+    fn = keras.losses.get(loss)
+    return getattr(fn, "call", fn)
+  if callable(loss):
+    return loss
+  raise ValueError(f"loss={loss!r} is not a loss name, Keras Loss or function.")
+
+
+def correct_count(y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
+  """Number of examples whose arg-max logit equals the integer label."""
+  pred = tf.argmax(y_pred, axis=-1, output_type=tf.int32)
+  return tf.reduce_sum(tf.cast(tf.equal(pred, tf.cast(
+      tf.reshape(y_true, tf.shape(pred)), tf.int32)), tf.float32))
+
+
+def _uses_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
+  return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
+                    *, global_batch_size: int, loss: Any = None,
+                    jit_compile: bool = False
+                    ) -> Callable[[tf.Tensor, tf.Tensor], dict[str, tf.Tensor]]:
+  """Builds the per-replica training step.
+
+  Args:
+    model: the Keras model (built in the strategy's scope).
+    optimizer: a built Keras optimizer (a `LossScaleOptimizer` for float16).
+    global_batch_size: examples per step over all replicas.
+    loss: see `per_example_loss_fn`.
+    jit_compile: XLA-compile the forward/backward (not the update, whose
+      variables may live on several devices).
+
+  Returns:
+    `step(x, y) -> {"loss": mean loss share, "correct": count, "count": n}`,
+    to be called once per replica inside `strategy.run`.
+  """
+  per_example = per_example_loss_fn(loss)
+  scaling = _uses_loss_scaling(optimizer)
+
+  def scaled_loss(y_true, y_pred):
+    return tf.nn.compute_average_loss(per_example(y_true, y_pred),
+                                      global_batch_size=global_batch_size)
+
+  def grads_fn(x, y):
+    variables = model.trainable_variables
+    if hasattr(model, "compute_loss_and_gradients"):
+      loss_value, y_pred, grads = model.compute_loss_and_gradients(
+          x, y, scaled_loss)
+      return loss_value, y_pred, grads
+    with tf.GradientTape() as tape:
+      y_pred = model(x, training=True)
+      loss_value = scaled_loss(y, y_pred)
+      if model.losses:
+        loss_value += tf.nn.scale_regularization_loss(
+            tf.add_n([tf.cast(l, tf.float32) for l in model.losses]))
+      target = optimizer.scale_loss(loss_value) if scaling else loss_value
+    return loss_value, y_pred, tape.gradient(target, variables)
+
+  if jit_compile:
+    grads_fn = tf.function(grads_fn, jit_compile=True)
+
+  def step(x, y):
+    loss_value, y_pred, grads = grads_fn(x, y)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return {"loss": loss_value, "correct": correct_count(y, y_pred),
+            "count": tf.cast(tf.shape(y_pred)[0], tf.float32)}
+
+  return step
+
+
+def make_eval_step(model: keras.Model, *, loss: Any = None
+                   ) -> Callable[[tf.Tensor, tf.Tensor], dict[str, tf.Tensor]]:
+  """Builds the per-replica evaluation step: sums, reduced by the caller."""
+  per_example = per_example_loss_fn(loss)
+
+  def step(x, y):
+    y_pred = model(x, training=False)
+    return {"loss_sum": tf.reduce_sum(per_example(y, y_pred)),
+            "correct": correct_count(y, y_pred),
+            "count": tf.cast(tf.shape(y_pred)[0], tf.float32)}
+
+  return step
