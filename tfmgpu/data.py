@@ -80,6 +80,14 @@ def available_datasets() -> dict[str, str]:
   return {n: e.description for n, e in _REGISTRY.items()}
 
 
+def dataset_entry(name: str) -> DatasetEntry:
+  """Looks up a registered dataset; unknown names list the available ones."""
+  if name not in _REGISTRY:
+    raise ValueError(f"Unknown dataset name={name!r}. Available names: "
+                     f"{', '.join(sorted(_REGISTRY))}.")
+  return _REGISTRY[name]
+
+
 def load_dataset(name: str = "digits", **options) -> Arrays:
   """Loads a registered dataset into memory.
 
@@ -95,10 +103,7 @@ def load_dataset(name: str = "digits", **options) -> Arrays:
     ValueError: unknown name (lists the available ones) or bad option.
     DatasetUnavailableError: a download is needed and failed.
   """
-  if name not in _REGISTRY:
-    raise ValueError(f"Unknown dataset name={name!r}. Available names: "
-                     f"{', '.join(sorted(_REGISTRY))}.")
-  return _REGISTRY[name].loader(**options)
+  return dataset_entry(name).loader(**options)
 
 
 def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float,

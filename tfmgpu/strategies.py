@@ -286,8 +286,11 @@ def _default() -> tf.distribute.Strategy:
 
 @register_strategy("one_device", "Everything on one chosen device (first GPU, "
                    "else CPU).", needs="one device")
-def _one_device(device: str | None = None) -> tf.distribute.Strategy:
-  dev = (devices_lib.resolve_devices([device])[0] if device
+def _one_device(devices: Sequence[str] | None = None) -> tf.distribute.Strategy:
+  if devices is not None and len(devices) != 1:
+    raise ValueError(f"one_device takes exactly one device; got devices="
+                     f"{list(devices)}. Use 'mirrored' for several.")
+  dev = (devices_lib.resolve_devices(devices)[0] if devices
          else devices_lib.accelerator_devices()[0])
   return tf.distribute.OneDeviceStrategy(dev)
 

@@ -1,0 +1,194 @@
+"""One training run from a `TrainConfig`: what `python -m tfmgpu.train` does.
+
+devices -> strategy (or stage placement) -> data -> model built where it
+belongs -> `Trainer.fit` -> test evaluation -> saved model -> `RunSummary`.
+A plain function of a config, so a notebook can call it twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from typing import Any, Callable
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfmgpu import data as data_lib
+from tfmgpu import devices as devices_lib
+from tfmgpu import models as models_lib
+from tfmgpu import strategies as strategies_lib
+from tfmgpu.config import TrainConfig
+from tfmgpu.training import checkpoints as ckpt_lib
+from tfmgpu.training.loop import Trainer
+from tfmgpu.training.loop import TrainResult
+
+
+@dataclasses.dataclass
+class RunSummary:
+  """The outcome of `run_training`, printed by the CLI at the end."""
+  strategy: str
+  replicas: int
+  devices: list[str]
+  final_loss: float
+  final_accuracy: float
+  test_loss: float
+  test_accuracy: float
+  examples_per_sec: float
+  seconds: float
+  model_dir: str
+  checkpoint: str | None
+  saved_model: str | None
+  result: TrainResult = dataclasses.field(repr=False)
+  model: Any = dataclasses.field(repr=False, default=None)
+  plan: Any = dataclasses.field(repr=False, default=None)
+
+  def __str__(self) -> str:
+    rows = [
+        ("strategy", self.strategy),
+        ("replicas", f"{self.replicas} on {', '.join(self.devices)}"),
+        ("train loss / accuracy",
+         f"{self.final_loss:.4f} / {self.final_accuracy:.4f}"),
+        ("test loss / accuracy", f"{self.test_loss:.4f} / {self.test_accuracy:.4f}"),
+        ("throughput", f"{self.examples_per_sec:,.0f} examples/s"),
+        ("wall time", f"{self.seconds:.1f} s"),
+        ("checkpoints", self.checkpoint or "none"),
+        ("saved model", self.saved_model or "none"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def short_device(name: str) -> str:
+  """'/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
+  return name.replace("/job:localhost/replica:0/task:0", "")
+
+
+def default_model_dir(strategy: str) -> str:
+  """A fresh run directory, `runs/<time>-<strategy>` (never resumes by accident)."""
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+  return os.path.join("runs", f"{stamp}-{strategy}")
+
+
+@dataclasses.dataclass
+class Placement:
+  """Where a run's model lives: its strategy, devices and the built model."""
+  strategy: tf.distribute.Strategy
+  devices: list[str]
+  model: keras.Model
+  plan: Any = None
+
+
+def _replicated(config: TrainConfig, build: Callable[[], keras.Model]
+                ) -> Placement:
+  """Data parallelism: the whole model built in the strategy's scope."""
+  strategy = strategies_lib.get_strategy(config.strategy,
+                                         **config.strategy_options())
+  with strategy.scope():
+    model = build()
+  devices = [short_device(d) for d in
+             getattr(strategy.extended, "worker_devices", ())] or [
+                 devices_lib.accelerator_devices()[0]]
+  return Placement(strategy, devices, model)
+
+
+# Placements (model/pipeline/branch parallel) register their builder here,
+# from tfmgpu.parallel, keyed by strategy name.
+PLACEMENT_BUILDERS: dict[str, Callable[[TrainConfig, Callable[[], keras.Model]],
+                                       Placement]] = {}
+
+
+def place_model(config: TrainConfig, build: Callable[[], keras.Model]
+                ) -> Placement:
+  """Builds the model where `config.strategy` puts it."""
+  if not config.is_placement:
+    return _replicated(config, build)
+  import tfmgpu.parallel  # pylint: disable=g-import-not-at-top,unused-import  (registers builders)
+  if config.strategy not in PLACEMENT_BUILDERS:
+    raise ValueError(f"strategy {config.strategy!r} has no training placement "
+                     f"yet. Available: {', '.join(PLACEMENT_BUILDERS)}.")
+  return PLACEMENT_BUILDERS[config.strategy](config, build)
+
+
+def run_training(config: TrainConfig, *,
+                 model_fn: models_lib.ModelFn | None = None,
+                 arrays: data_lib.Arrays | None = None,
+                 callbacks=()) -> RunSummary:
+  """Runs one training job end to end.
+
+  Args:
+    config: the run.
+    model_fn: build this instead of `config.model`.
+    arrays: train on these instead of loading `config.dataset`.
+    callbacks: Keras callbacks for the loop.
+
+  Returns:
+    A `RunSummary` (printable) with the trained model.
+  """
+  start = time.perf_counter()
+  layout = devices_lib.configure_virtual_devices(config.virtual_devices)
+  if (config.strategy == "mirrored" and not layout.gpus
+      and len(layout.cpus) == 1):
+    logging.warning(
+        "No GPU found: 'mirrored' trains one replica on the CPU. To simulate "
+        "N devices, add --virtual_devices=N (Python: "
+        "tfmgpu.configure_devices(logical_cpus=N) before any TF work).")
+  if arrays is None:
+    arrays = data_lib.load_dataset(config.dataset, **config.dataset_options())
+  logging.info("Data: %r", arrays)
+
+  def build() -> keras.Model:
+    return models_lib.build_model(
+        model_fn or config.model, input_shape=arrays.input_shape,
+        num_classes=arrays.num_classes,
+        mixed_precision=(None if config.mixed_precision == "float32"
+                         else config.mixed_precision),
+        seed=config.seed)
+
+  placement = place_model(config, build)
+  if placement.plan is not None:
+    print(placement.plan, flush=True)
+  model_dir = config.model_dir or default_model_dir(config.strategy)
+  trainer = Trainer(
+      placement.model, strategy=placement.strategy, optimizer=config.optimizer,
+      learning_rate=config.learning_rate, clip_norm=config.clip_norm,
+      steps_per_execution=config.steps_per_execution,
+      jit_compile=config.jit_compile, model_dir=model_dir,
+      callbacks=callbacks, verbose=config.verbose)
+  try:
+    result = trainer.fit(
+        arrays.x_train, arrays.y_train, epochs=config.epochs,
+        global_batch_size=config.global_batch_size,
+        steps_per_epoch=config.steps_per_epoch, seed=config.seed)
+    test = trainer.evaluate(arrays.x_test, arrays.y_test,
+                            global_batch_size=config.global_batch_size)
+    saved = None
+    if ckpt_lib.is_chief(placement.strategy):
+      saved = save_model(placement.model, os.path.join(model_dir, "model.keras"))
+  finally:
+    trainer.close()
+  history = result.history
+  return RunSummary(
+      strategy=config.strategy, replicas=placement.strategy.num_replicas_in_sync,
+      devices=placement.devices,
+      final_loss=history["loss"][-1] if history else float("nan"),
+      final_accuracy=history["accuracy"][-1] if history else float("nan"),
+      test_loss=test["loss"], test_accuracy=test["accuracy"],
+      examples_per_sec=result.examples_per_sec,
+      seconds=time.perf_counter() - start, model_dir=model_dir,
+      checkpoint=result.checkpoint or (trainer._checkpointer.latest  # pylint: disable=protected-access
+                                       if trainer._checkpointer else None),  # pylint: disable=protected-access
+      saved_model=saved, result=result, model=placement.model,
+      plan=placement.plan)
+
+
+def save_model(model: keras.Model, path: str) -> str:
+  """Saves a servable `.keras` file (a split model is saved unsplit)."""
+  to_unsplit = getattr(model, "to_unsplit", None)
+  servable = to_unsplit() if to_unsplit is not None else model
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  servable.save(path)
+  return path
