@@ -24,7 +24,7 @@ from absl import flags
 # Run from a checkout: make `tfmgpu` importable without installing it.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tfmgpu import launcher  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfmgpu import launcher  # pylint: disable=wrong-import-position
 
 _NUM_WORKERS = flags.DEFINE_integer(
     "num_workers", 2, "Number of 'worker' tasks.", lower_bound=1)

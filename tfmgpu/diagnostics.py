@@ -232,10 +232,17 @@ def collect() -> MachineReport:
 
 
 def summarize_tf_config(raw: str) -> TfConfigSummary:
-  """Validates a `TF_CONFIG` value (as `get_strategy` will) and summarizes it."""
-  from tfmgpu.strategies import validate_tf_config  # pylint: disable=g-import-not-at-top
+  """Validates a `TF_CONFIG` value as `get_strategy` will, and summarizes it.
+
+  Args:
+    raw: the value of the `TF_CONFIG` environment variable.
+
+  Returns:
+    A `TfConfigSummary`; if `raw` is invalid, its `error` says why.
+  """
+  from tfmgpu import strategies  # pylint: disable=g-import-not-at-top
   try:
-    cfg = validate_tf_config(raw)
+    cfg = strategies.validate_tf_config(raw)
   except ValueError as e:
     return TfConfigSummary(error=str(e))
   task = cfg.get("task") or {}
@@ -354,8 +361,8 @@ def _memory_mb() -> int | None:
 
 def _logical_devices(tf) -> tuple[tuple[str, ...], bool]:
   """Logical devices, without starting the runtime if it has not started."""
-  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
-  if devices_lib._runtime_initialized():  # pylint: disable=protected-access
+  from tfmgpu import devices  # pylint: disable=g-import-not-at-top
+  if devices._runtime_initialized():  # pylint: disable=protected-access
     return tuple(d.name for d in tf.config.list_logical_devices()), True
   names, counts = [], {}
   for device in tf.config.get_visible_devices():
@@ -525,7 +532,7 @@ def _mixed_precision(report: MachineReport) -> Recommendation:
   shown = f"{cc[0]}.{cc[1]}"
   if cc >= (8, 0):
     return Recommendation(
-        "mixed_bfloat16", f"compute capability {shown} >= 8.0 has bfloat16 "
+        "mixed_bfloat16", f"compute capability {shown} (8.0+) has bfloat16 "
         "Tensor Cores: float16 speed with float32 range, no loss scaling.")
   if cc >= (7, 0):
     return Recommendation(

@@ -173,6 +173,8 @@ def _claim_ports(config: ClusterConfig, family: socket.AddressFamily
       try:
         sock.bind(("", port))
       except OSError as e:
+        if config.base_port is None:
+          raise
         raise PortInUseError(
             f"base_port={config.base_port}: port {port} (for task "
             f"{task_type}:{index}) cannot be bound on this machine "
@@ -411,8 +413,9 @@ class _Run:
         servers = self.running()
         if servers:
           kinds = sorted({t.type for t in primaries}, key=TASK_TYPES.index)
-          self.say(f"All {' and '.join(kinds)} tasks succeeded; stopping the server tasks, which never exit "
-                   f"on their own: {_names(servers)}.")
+          self.say(f"All {' and '.join(kinds)} tasks succeeded; stopping "
+                   "the server tasks, which never exit on their own: "
+                   f"{_names(servers)}.")
           self.stop(servers)
         return Outcome.SUCCEEDED, 0
       if timeout_s is not None and time.monotonic() - started >= timeout_s:
@@ -557,8 +560,8 @@ def launch(command: Sequence[str], *, num_workers: int, num_ps: int = 0,
   codes = {t.name: t.proc.returncode for t in run.tasks}
   run.say(f"Finished in {duration:.1f} s with exit code {exit_code} "
           f"({outcome.value}): " + ", ".join(
-              f"{t.name} {_describe_exit(t.proc.returncode)}" +
-      (" (stopped)" if t.stopped else "") for t in run.tasks))
+              f"{t.name} {_describe_exit(t.proc.returncode)}"
+              f"{' (stopped)' if t.stopped else ''}" for t in run.tasks))
   return LaunchResult(
       exit_code=exit_code, outcome=outcome, task_exit_codes=codes,
       first_failure=run.first_failure,

@@ -1,0 +1,112 @@
+"""Dataset registry and the per-replica input pipeline."""
+
+import numpy as np
+import pytest
+
+from tfmgpu import data
+
+
+def test_default_digits_are_real_and_shuffled():
+  arrays = data.load_dataset()
+  assert arrays.name == "digits"
+  assert arrays.x_train.shape == (4000, 28, 28, 1)
+  assert arrays.x_test.shape == (1000, 28, 28, 1)
+  assert arrays.x_train.dtype == np.float32 and arrays.x_train.max() <= 1.0
+  assert arrays.num_classes == 10
+  # The source is sorted by label; the split must hold every class.
+  assert set(np.unique(arrays.y_test)) == set(range(10))
+  assert not np.all(np.diff(arrays.y_train) >= 0)
+
+
+def test_digits8x8_and_synthetic():
+  small = data.load_dataset("digits8x8")
+  assert small.input_shape == (8, 8, 1) and small.num_classes == 10
+  syn = data.load_dataset("synthetic", num_examples=100, input_shape=(4,),
+                          num_classes=3)
+  assert syn.input_shape == (4,) and syn.num_classes == 3
+  assert len(syn.x_train) + len(syn.x_test) == 100
+
+
+def test_npz_round_trip(tmp_path):
+  path = tmp_path / "d.npz"
+  rng = np.random.default_rng(0)
+  np.savez(path, x_train=rng.integers(0, 255, (10, 5, 5)),
+           y_train=np.arange(10) % 2, x_test=rng.integers(0, 255, (4, 5, 5)),
+           y_test=np.arange(4) % 2)
+  arrays = data.load_dataset("npz", path=str(path))
+  assert arrays.input_shape == (5, 5, 1) and arrays.num_classes == 2
+  assert arrays.x_train.max() <= 1.0
+
+
+def test_npz_errors(tmp_path):
+  with pytest.raises(ValueError, match=r"dataset 'npz' needs path="):
+    data.load_dataset("npz")
+  with pytest.raises(FileNotFoundError, match=r"path='.*nope.npz' does not exist"):
+    data.load_dataset("npz", path=str(tmp_path / "nope.npz"))
+  np.savez(tmp_path / "bad.npz", x_train=np.zeros(3))
+  with pytest.raises(ValueError, match=r"lacks arrays \['y_train', 'x_test', "
+                     r"'y_test'\]"):
+    data.load_dataset("npz", path=str(tmp_path / "bad.npz"))
+
+
+def test_unknown_dataset_lists_names():
+  with pytest.raises(ValueError, match=r"Unknown dataset name='mnits'. "
+                     r"Available names: cifar10, digits"):
+    data.load_dataset("mnits")
+
+
+def test_offline_download_says_how_to_use_a_local_file(monkeypatch):
+  import keras
+
+  def offline():
+    raise OSError("[Errno -3] Temporary failure in name resolution")
+
+  monkeypatch.setattr(keras.datasets.mnist, "load_data", offline)
+  with pytest.raises(data.DatasetUnavailableError,
+                     match=r"dataset 'mnist' must be downloaded.*Temporary "
+                     r"failure.*--data_path=FILE.npz"):
+    data.load_dataset("mnist")
+
+
+def test_indivisible_global_batch_is_a_clear_error():
+  with pytest.raises(ValueError, match=r"global_batch_size=30 is not divisible "
+                     r"by the 4 replicas of the strategy. Use a multiple of 4, "
+                     r"e.g. 28 or 32."):
+    data.check_global_batch(30, 4)
+  assert data.check_global_batch(32, 4) == 8
+
+
+def test_epoch_order_is_fixed_by_seed_and_epoch():
+  a, b = data.epoch_order(50, 1, 3), data.epoch_order(50, 1, 3)
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, data.epoch_order(50, 1, 4))
+  assert sorted(a) == list(range(50))
+
+
+class _Ctx:
+  def __init__(self, pipelines, pipeline_id, replicas):
+    self.num_input_pipelines = pipelines
+    self.input_pipeline_id = pipeline_id
+    self.num_replicas_in_sync = replicas
+
+  def get_per_replica_batch_size(self, global_batch):
+    return global_batch // self.num_replicas_in_sync
+
+
+def test_sharded_pipelines_cover_each_global_batch():
+  """Two workers' first batches together are the single-process first batch."""
+  x = np.arange(40, dtype=np.float32)[:, None]
+  y = np.arange(40, dtype=np.int32)
+  fn = data.input_fn(x, y, global_batch_size=8, seed=3, epoch=1)
+  single = next(iter(fn(None)))[1].numpy()
+  shards = [next(iter(fn(_Ctx(2, i, 2))))[1].numpy() for i in range(2)]
+  assert sorted(np.concatenate(shards)) == sorted(single)
+  assert len(shards[0]) == 4
+
+
+def test_distribute_rejects_indivisible_batch():
+  import tfmgpu
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=4)
+  with pytest.raises(ValueError, match=r"global_batch_size=6 is not divisible"):
+    data.distribute(strategy, np.zeros((10, 2)), np.zeros(10),
+                    global_batch_size=6)

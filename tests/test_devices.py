@@ -1,0 +1,93 @@
+"""Device configuration: idempotence, too-late errors, GPU logic on CPU."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tensorflow as tf
+
+import tfmgpu
+from tfmgpu import devices
+from tests.conftest import NUM_LOGICAL_DEVICES
+
+
+def test_logical_cpus_exist():
+  assert tfmgpu.list_devices("CPU") == [
+      f"/device:CPU:{i}" for i in range(NUM_LOGICAL_DEVICES)]
+
+
+def test_same_request_again_is_a_no_op():
+  layout = tfmgpu.configure_devices(logical_cpus=NUM_LOGICAL_DEVICES)
+  assert len(layout.cpus) == NUM_LOGICAL_DEVICES
+  assert layout.accelerators == layout.cpus  # No GPU here.
+
+
+def test_different_request_after_init_says_call_it_first():
+  with pytest.raises(tfmgpu.DeviceConfigurationError,
+                     match=r"logical_cpus=2 cannot be applied: TensorFlow is "
+                     r"already initialised with 4 logical CPU.*restart the kernel"):
+    tfmgpu.configure_devices(logical_cpus=2)
+
+
+def test_logical_gpus_without_gpu_is_a_clear_error():
+  with pytest.raises(ValueError, match=r"logical_gpus=2 .* found no GPU. Use "
+                     r"logical_cpus=2"):
+    tfmgpu.configure_devices(logical_gpus=2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"logical_cpus": 0}, r"logical_cpus=0 must be a positive integer"),
+    ({"logical_gpus": -1}, r"logical_gpus=-1 must be a positive integer"),
+    ({"gpu_memory_limit_mb": 0}, r"gpu_memory_limit_mb=0 must be >= 1"),
+])
+def test_bad_counts(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tfmgpu.configure_devices(**kwargs)
+
+
+def test_memory_growth_without_gpu_degrades_with_a_message(caplog):
+  layout = tfmgpu.configure_devices(memory_growth=True)
+  assert layout.memory_growth is False
+
+
+def test_virtual_devices_pick_gpu_when_one_exists(monkeypatch):
+  calls = []
+  fake_gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+  real = tf.config.list_physical_devices
+  monkeypatch.setattr(tf.config, "list_physical_devices",
+                      lambda t=None: [fake_gpu] if t == "GPU" else real(t))
+  monkeypatch.setattr(devices, "configure_devices",
+                      lambda **kw: calls.append(kw))
+  devices.configure_virtual_devices(4)
+  assert calls == [{"logical_gpus": 4}]
+
+
+def test_virtual_devices_fall_back_to_cpu(monkeypatch):
+  calls = []
+  monkeypatch.setattr(devices, "configure_devices",
+                      lambda **kw: calls.append(kw))
+  devices.configure_virtual_devices(3)
+  assert calls == [{"logical_cpus": 3}]
+
+
+def test_resolve_devices_names_what_exists():
+  assert devices.resolve_devices(["/cpu:1", "CPU:2"]) == [
+      "/device:CPU:1", "/device:CPU:2"]
+  with pytest.raises(ValueError, match=r"device '/gpu:0' does not exist here. "
+                     r"Devices found: /device:CPU:0"):
+    devices.resolve_devices(["/gpu:0"])
+
+
+def test_fresh_process_split_and_idempotence():
+  code = textwrap.dedent("""
+      import tfmgpu
+      a = tfmgpu.configure_devices(logical_cpus=3)
+      b = tfmgpu.configure_devices(logical_cpus=3)
+      assert a == b and len(a.cpus) == 3, (a, b)
+      print("OK", tfmgpu.list_devices("CPU"))
+  """)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "/device:CPU:2" in out.stdout

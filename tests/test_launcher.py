@@ -1,0 +1,315 @@
+"""Tests for tfmgpu.launcher and scripts/launch_local_cluster.py.
+
+The tasks are tiny Python programs (no TensorFlow): `_TASK` runs the list of
+actions the test gives for its task name (from TFMGPU_TASK).
+"""
+
+import io
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+
+from tfmgpu import launcher
+
+_SCRIPT = (pathlib.Path(__file__).resolve().parents[1] / "scripts" /
+           "launch_local_cluster.py")
+
+# argv[1] is {"task name" or "*": ["action:arg", ...]}; "{task}" in an arg
+# becomes the task name, e.g. "worker_0".
+_TASK = r"""
+import json, os, signal, subprocess, sys, time
+name = os.environ["TFMGPU_TASK"]
+plan = json.loads(sys.argv[1])
+for action in plan.get(name, plan.get("*", [])):
+  what, _, arg = action.partition(":")
+  arg = arg.replace("{task}", name.replace(":", "_"))
+  if what == "config":
+    print("TF_CONFIG=" + os.environ["TF_CONFIG"])
+  elif what == "echo":
+    print(arg)
+  elif what == "stderr":
+    print(arg, file=sys.stderr)
+  elif what == "partial":
+    sys.stdout.write(arg)
+  elif what == "child":
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"])
+    print("CHILD=%d" % child.pid)
+  elif what == "ignore":
+    signal.signal(getattr(signal, arg), signal.SIG_IGN)
+  elif what == "touch":
+    open(arg, "w").close()
+  elif what == "wait":
+    deadline = time.monotonic() + 20
+    while not os.path.exists(arg) and time.monotonic() < deadline:
+      time.sleep(0.02)
+  elif what == "sleep":
+    time.sleep(float(arg))
+  elif what == "exit":
+    sys.exit(int(arg))
+  elif what == "kill":
+    os.kill(os.getpid(), getattr(signal, arg))
+"""
+
+
+def _launch(plan, **kwargs):
+  """Runs `_TASK` with `plan` on every task; returns (result, output)."""
+  out = io.StringIO()
+  kwargs.setdefault("num_workers", 2)
+  kwargs.setdefault("timeout_s", 30)
+  kwargs.setdefault("grace_s", 5)
+  result = launcher.launch([sys.executable, "-c", _TASK, json.dumps(plan)],
+                           output=out, **kwargs)
+  return result, out.getvalue()
+
+
+def _gone(pid: int) -> bool:
+  """Whether `pid` no longer runs (orphans may stay zombies in containers)."""
+  try:
+    return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
+    return True
+
+
+def _child_pids(output: str) -> list[int]:
+  return [int(line.rsplit("CHILD=", 1)[1]) for line in output.splitlines()
+          if "CHILD=" in line]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_children():
+  yield
+  alive = [p for p in psutil.Process().children(recursive=True)
+           if p.status() != psutil.STATUS_ZOMBIE]
+  assert not alive, f"processes left behind: {alive}"
+
+
+@pytest.mark.parametrize("num_workers,num_ps,chief,jobs", [
+    (1, 0, False, {"worker": 1}),
+    (3, 0, True, {"chief": 1, "worker": 3}),
+    (2, 2, True, {"chief": 1, "worker": 2, "ps": 2}),
+])
+def test_make_cluster_picks_distinct_free_ports(num_workers, num_ps, chief,
+                                                jobs):
+  cluster = launcher.make_cluster(num_workers, num_ps=num_ps, chief=chief)
+
+  assert {job: len(addrs) for job, addrs in cluster.items()} == jobs
+  assert list(cluster) == [t for t in launcher.TASK_TYPES if t in jobs]
+  addresses = [a for addrs in cluster.values() for a in addrs]
+  hosts = {a.rsplit(":", 1)[0] for a in addresses}
+  ports = [int(a.rsplit(":", 1)[1]) for a in addresses]
+  assert hosts == {"127.0.0.1"}
+  assert len(set(ports)) == len(ports)
+  for port in ports:
+    with socket.socket() as sock:
+      sock.bind(("", port))  # Still free.
+
+
+def test_base_port_in_use_names_the_port():
+  with socket.socket() as busy:
+    busy.bind(("", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    with pytest.raises(launcher.PortInUseError,
+                       match=rf"base_port={port}: port {port} \(for task "
+                       r"worker:0\) cannot be bound.*Choose another base_port"):
+      launcher.make_cluster(2, base_port=port)
+    with pytest.raises(launcher.PortInUseError, match=f"port {port}"):
+      _launch({"*": ["exit:0"]}, base_port=port)
+
+
+def test_tf_config_for():
+  cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+
+  assert json.loads(launcher.tf_config_for(cluster, "worker", 1)) == {
+      "cluster": cluster, "task": {"type": "worker", "index": 1}}
+  with pytest.raises(ValueError, match=r"task_type='chief' is not a job of "
+                     r"this cluster. Available: \['ps', 'worker'\]"):
+    launcher.tf_config_for(cluster, "chief", 0)
+  with pytest.raises(ValueError, match=r"index=1 is out of range for "
+                     r"task_type='ps', which has 1 task\(s\): use 0..0"):
+    launcher.tf_config_for(cluster, "ps", 1)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"num_workers": 0}, "num_workers=0 is invalid: a cluster needs at least "
+     "one worker task. Use an integer >= 1."),
+    ({"num_workers": -2}, "num_workers=-2 is invalid"),
+    ({"num_ps": -1}, "num_ps=-1 is invalid"),
+    ({"base_port": 70000}, "base_port=70000 is invalid"),
+    ({"timeout_s": 0}, "timeout_s=0 is invalid: use a number of seconds > 0"),
+    ({"grace_s": -1}, "grace_s=-1 is invalid"),
+    ({"command": []}, "command=[] is invalid: give the program"),
+    ({"command": "python x.py"}, "command='python x.py' is invalid"),
+    ({"command": ["/no/such/program"]},
+     "command[0]='/no/such/program' is not an executable file or on PATH"),
+])
+def test_invalid_arguments_are_named(kwargs, message):
+  kwargs = {"num_workers": 2, "timeout_s": 5, **kwargs}
+  command = kwargs.pop("command", [sys.executable, "-c", "pass"])
+  with pytest.raises(ValueError, match="^" + re.escape(message)):
+    launcher.launch(command, output=io.StringIO(), **kwargs)
+
+
+def test_every_task_sees_the_cluster_and_its_own_task(tmp_path):
+  lines = ["config", "echo:second line", "stderr:to stderr",
+           "partial:no newline"]
+  # The run ends when the coordinator (chief) does: let it wait for the rest.
+  result, output = _launch(
+      {"chief:0": [*lines, *(f"wait:{tmp_path}/{t}"
+                             for t in ("worker_0", "worker_1", "ps_0"))],
+       "*": [*lines, f"touch:{tmp_path}/{{task}}"]},
+      num_workers=2, num_ps=1, chief=True)
+
+  assert result.exit_code == 0, output
+  assert result.outcome == launcher.Outcome.SUCCEEDED
+  names = ["chief:0", "worker:0", "worker:1", "ps:0"]
+  assert list(result.task_exit_codes) == names
+  seen = {}
+  for line in output.splitlines():
+    assert line.startswith(tuple(f"[{n}] " for n in names + ["launcher"]))
+    name, _, text = line[1:].partition("] ")
+    if text.startswith("TF_CONFIG="):
+      seen[name] = json.loads(text[len("TF_CONFIG="):])
+  assert sorted(seen) == sorted(names)
+  for name, config in seen.items():
+    task_type, index = name.split(":")
+    assert config == {"cluster": result.cluster,
+                      "task": {"type": task_type, "index": int(index)}}
+  for name in names:
+    for text in ("second line", "to stderr", "no newline"):
+      assert f"[{name}] {text}\n" in output
+
+
+@pytest.mark.parametrize("action,task_code,exit_code,message", [
+    ("exit:3", 3, 3, "Task worker:1 exited with code 3."),
+    ("kill:SIGKILL", -9, 137,
+     "Task worker:1 was killed by signal SIGKILL (9)."),
+])
+def test_failed_task_stops_the_others(tmp_path, action, task_code, exit_code,
+                                      message):
+  ready = str(tmp_path / "ready")
+  result, output = _launch({"worker:0": ["child", f"touch:{ready}", "sleep:60"],
+                            "worker:1": [f"wait:{ready}", action]})
+
+  assert result.exit_code == exit_code, output
+  assert result.outcome == launcher.Outcome.TASK_FAILED
+  assert result.first_failure == "worker:1"
+  assert message + " Stopping the other tasks: worker:0." in output
+  assert result.task_exit_codes == {"worker:0": -signal.SIGTERM,
+                                    "worker:1": task_code}
+  assert result.stopped == ("worker:0",)
+  assert result.duration_s < 15
+  children = _child_pids(output)
+  assert len(children) == 1
+  assert all(_gone(pid) for pid in [*result.pids.values(), *children])
+
+
+def test_task_ignoring_sigterm_is_killed_after_grace(tmp_path):
+  ready = str(tmp_path / "ready")
+  result, output = _launch(
+      {"worker:0": ["ignore:SIGTERM", f"touch:{ready}", "sleep:60"],
+       "worker:1": [f"wait:{ready}", "exit:1"]}, grace_s=1)
+
+  assert result.exit_code == 1, output
+  assert ("grace_s=1 elapsed and worker:0 still running after SIGTERM; "
+          "sending SIGKILL.") in output
+  assert result.task_exit_codes["worker:0"] == -signal.SIGKILL
+  assert result.duration_s < 10
+  assert _gone(result.pids["worker:0"])
+
+
+@pytest.mark.parametrize("chief,plan,stopped", [
+    # No coordinator: the workers do the work, the ps task serves forever.
+    (False, {"worker:0": ["exit:0"], "worker:1": ["exit:0"],
+             "ps:0": ["sleep:60"]}, ("ps:0",)),
+    # With a coordinator (chief), workers are servers too, as in TF.
+    (True, {"chief:0": ["sleep:0.5", "exit:0"], "*": ["sleep:60"]},
+     ("worker:0", "worker:1", "ps:0")),
+])
+def test_servers_are_stopped_after_the_work_succeeds(chief, plan, stopped):
+  result, output = _launch(plan, num_workers=2, num_ps=1, chief=chief)
+
+  assert result.exit_code == 0, output
+  assert result.outcome == launcher.Outcome.SUCCEEDED
+  assert result.first_failure is None
+  assert result.stopped == stopped
+  assert all(result.task_exit_codes[n] == -signal.SIGTERM for n in stopped)
+  assert ("succeeded; stopping the server tasks, which never exit on their "
+          f"own: {', '.join(stopped)}.") in output
+  assert result.duration_s < 15
+  assert all(_gone(pid) for pid in result.pids.values())
+
+
+def test_timeout_stops_everything():
+  result, output = _launch({"*": ["child", "sleep:60"]}, timeout_s=2)
+
+  assert result.exit_code == launcher.EXIT_TIMEOUT, output
+  assert result.outcome == launcher.Outcome.TIMED_OUT
+  assert ("Timed out: timeout_s=2 elapsed with 2 task(s) still running: "
+          "worker:0, worker:1. Stopping them.") in output
+  assert result.stopped == ("worker:0", "worker:1")
+  assert 2 <= result.duration_s < 10
+  children = _child_pids(output)
+  assert len(children) == 2
+  assert all(_gone(pid) for pid in [*result.pids.values(), *children])
+
+
+@pytest.mark.parametrize("sig,exit_code", [(signal.SIGINT, 130),
+                                           (signal.SIGTERM, 143)])
+def test_signal_to_launcher_stops_tasks(sig, exit_code):
+  handler = signal.getsignal(sig)
+  timer = threading.Timer(1.5, os.kill, (os.getpid(), sig))
+  timer.start()
+  try:
+    result, output = _launch({"*": ["sleep:60"]}, timeout_s=20)
+  finally:
+    timer.cancel()
+
+  assert result.exit_code == exit_code, output
+  assert result.outcome == launcher.Outcome.INTERRUPTED
+  assert f"Received {sig.name}; stopping all tasks." in output
+  assert result.stopped == ("worker:0", "worker:1")
+  assert result.duration_s < 10
+  assert all(_gone(pid) for pid in result.pids.values())
+  assert signal.getsignal(sig) is handler
+
+
+@pytest.mark.slow
+def test_script_end_to_end():
+  proc = subprocess.run(
+      [sys.executable, str(_SCRIPT), "--num_workers=2", "--timeout_s=60",
+       "--", sys.executable, "-c",
+       "import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+       "print(os.environ['TFMGPU_TASK'], len(c['cluster']['worker']))"],
+      capture_output=True, text=True, timeout=60, check=False)
+
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "[worker:0] worker:0 2\n" in proc.stdout
+  assert "[worker:1] worker:1 2\n" in proc.stdout
+  assert "exit code 0 (succeeded)" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,message", [
+    (["--num_workers=2"], "No command given. Put the command every task runs "
+     "after '--'"),
+    (["--base_port=65535", "--", sys.executable, "-c", "pass"],
+     "base_port=65535 is invalid"),
+])
+def test_script_usage_errors(args, message):
+  proc = subprocess.run([sys.executable, str(_SCRIPT), *args],
+                        capture_output=True, text=True, timeout=60,
+                        check=False)
+
+  assert proc.returncode != 0
+  assert message in proc.stderr

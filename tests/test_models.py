@@ -1,0 +1,45 @@
+"""Model registry."""
+
+import keras
+import pytest
+
+from tfmgpu import models
+
+
+def test_convnet_is_the_classic_digit_net():
+  m = models.build_model("convnet", input_shape=(28, 28, 1), num_classes=10)
+  kinds = [type(l).__name__ for l in m.layers]
+  assert kinds == ["Conv2D", "MaxPooling2D", "Conv2D", "MaxPooling2D",
+                   "Flatten", "Dense", "Dense"]
+  assert [m.layers[0].filters, m.layers[2].filters] == [10, 20]
+  assert [m.layers[5].units, m.layers[6].units] == [50, 10]
+  assert m.output_shape == (None, 10)
+
+
+def test_same_seed_same_weights():
+  a = models.build_model("mlp", input_shape=(4,), num_classes=3, seed=7)
+  b = models.build_model("mlp", input_shape=(4,), num_classes=3, seed=7)
+  for wa, wb in zip(a.get_weights(), b.get_weights()):
+    assert (wa == wb).all()
+
+
+def test_mixed_precision_leaves_no_global_state():
+  m = models.build_model("mlp", input_shape=(4,), num_classes=3,
+                         mixed_precision="mixed_bfloat16")
+  assert m.layers[1].dtype_policy.name == "mixed_bfloat16"
+  assert m.layers[-1].dtype_policy.name == "float32"  # Logits in float32.
+  assert keras.config.dtype_policy().name == "float32"
+
+
+def test_user_model_fn_and_unknown_name():
+  def tiny(input_shape, num_classes):
+    return keras.Sequential([keras.Input(input_shape),
+                             keras.layers.Dense(num_classes)])
+  assert models.build_model(tiny, input_shape=(2,), num_classes=5
+                            ).output_shape == (None, 5)
+  with pytest.raises(ValueError, match=r"Unknown model name='resnet9000'. "
+                     r"Available names: "):
+    models.build_model("resnet9000", input_shape=(2,), num_classes=2)
+  with pytest.raises(ValueError, match=r"mixed_precision='fp8' is unknown"):
+    models.build_model("mlp", input_shape=(2,), num_classes=2,
+                       mixed_precision="fp8")

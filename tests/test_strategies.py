@@ -1,0 +1,147 @@
+"""The strategy registry: names, genuine strategies, and every documented error."""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+import tfmgpu
+from tfmgpu import strategies
+
+DATA_PARALLEL = ("default", "one_device", "mirrored", "multi_worker_mirrored",
+                 "parameter_server", "central_storage", "tpu")
+
+
+def test_registry_lists_every_name_with_a_description():
+  names = tfmgpu.available_strategies()
+  for name in DATA_PARALLEL:
+    assert name in names and names[name].endswith(".")
+
+
+@pytest.mark.parametrize("name,replicas", [
+    ("default", 1), ("one_device", 1), ("mirrored", 4), ("central_storage", 4),
+])
+def test_genuine_strategies(name, replicas):
+  strategy = tfmgpu.get_strategy(name)
+  assert isinstance(strategy, tf.distribute.Strategy)
+  assert strategy.num_replicas_in_sync == replicas
+
+
+def test_mirrored_options_choose_devices_and_all_reduce():
+  s = tfmgpu.get_strategy("mirrored", devices=["/cpu:2", "/cpu:3"],
+                          cross_device_ops="hierarchical_copy", num_packs=2)
+  assert s.extended.worker_devices[0].endswith("CPU:2")
+  assert isinstance(s.extended._cross_device_ops,  # pylint: disable=protected-access
+                    tf.distribute.HierarchicalCopyAllReduce)
+  s = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  assert s.num_replicas_in_sync == 2
+  assert isinstance(s.extended._cross_device_ops,  # pylint: disable=protected-access
+                    tf.distribute.ReductionToOneDevice)
+
+
+def test_multi_worker_mirrored_single_process():
+  s = tfmgpu.get_strategy("multi_worker_mirrored", communication="ring")
+  assert isinstance(s, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def test_unknown_name_lists_available():
+  with pytest.raises(ValueError, match=r"Unknown strategy name='mirorred'. "
+                     r"Available names: .*mirrored.*one_device"):
+    tfmgpu.get_strategy("mirorred")
+
+
+def test_unknown_option_lists_options():
+  with pytest.raises(ValueError, match=r"strategy 'mirrored' got an unknown "
+                     r"option .*Its options: devices, num_gpus"):
+    tfmgpu.get_strategy("mirrored", gpus=2)
+
+
+def test_too_many_gpus_names_devices_found():
+  with pytest.raises(ValueError, match=r"num_gpus=2 but this machine has 0 "
+                     r"GPU\(s\). Devices found: /device:CPU:0, /device:CPU:1"):
+    tfmgpu.get_strategy("mirrored", num_gpus=2)
+
+
+def test_too_many_replicas():
+  with pytest.raises(ValueError, match=r"num_replicas=8 but only 4 device"):
+    tfmgpu.get_strategy("mirrored", num_replicas=8)
+
+
+def test_nccl_on_cpu_fails_before_the_first_step():
+  with pytest.raises(ValueError, match=r"cross_device_ops='nccl' needs every "
+                     r"replica on a GPU.*would fail at the first step"):
+    tfmgpu.get_strategy("mirrored", cross_device_ops="nccl")
+  with pytest.raises(ValueError, match=r"communication='nccl' needs GPUs"):
+    tfmgpu.get_strategy("multi_worker_mirrored", communication="nccl")
+
+
+def test_tpu_without_tpu():
+  with pytest.raises(ValueError, match=r"strategy 'tpu' found no TPU"):
+    tfmgpu.get_strategy("tpu")
+
+
+def test_parameter_server_without_cluster(monkeypatch):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  with pytest.raises(ValueError, match=r"parameter_server needs a cluster with "
+                     r"'ps' and 'worker' jobs.*launch_local_cluster"):
+    tfmgpu.get_strategy("parameter_server")
+
+
+@pytest.mark.parametrize("devices,choice,expected", [
+    (["/device:GPU:0", "/device:GPU:1"], "auto", "nccl"),
+    (["/device:GPU:0"], "auto", "reduction_to_one"),
+    (["/device:GPU:0", "/device:CPU:0"], "auto", "reduction_to_one"),
+    (["/device:CPU:0", "/device:CPU:1"], "auto", "reduction_to_one"),
+    (["/device:GPU:0", "/device:GPU:1"], "hierarchical_copy", "hierarchical_copy"),
+])
+def test_auto_never_picks_nccl_unless_all_gpus(devices, choice, expected):
+  assert strategies.choose_cross_device_ops(choice, devices) == expected
+
+
+def test_unknown_cross_device_ops():
+  with pytest.raises(ValueError, match=r"cross_device_ops='ring' is unknown. "
+                     r"Choose one of auto, nccl"):
+    strategies.choose_cross_device_ops("ring", ["/device:CPU:0"])
+
+
+@pytest.mark.parametrize("raw,match", [
+    ("{not json", r"TF_CONFIG is not valid JSON"),
+    (json.dumps({"task": {}}), r"TF_CONFIG needs a 'cluster' object"),
+    (json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
+                 "task": {"type": "worker", "index": 2}}),
+     r"task index 2 is out of range: job 'worker' has 2 task"),
+    (json.dumps({"cluster": {"worker": ["a:1"]},
+                 "task": {"type": "ps", "index": 0}}),
+     r"task type 'ps' is not a job of the cluster"),
+])
+def test_malformed_tf_config(raw, match, monkeypatch):
+  monkeypatch.setenv("TF_CONFIG", raw)
+  with pytest.raises(ValueError, match=match):
+    tfmgpu.get_strategy("multi_worker_mirrored")
+
+
+def test_slurm_resolver_outside_slurm(monkeypatch):
+  monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+  with pytest.raises(ValueError, match=r"cluster_resolver='slurm' but no SLURM "
+                     r"job is visible"):
+    tfmgpu.get_strategy("multi_worker_mirrored", cluster_resolver="slurm")
+
+
+def test_get_strategy_inside_plain_keras_fit():
+  """A Keras pipeline that knows nothing else of tfmgpu."""
+  import keras
+  import numpy as np
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, "relu"),
+                              keras.layers.Dense(3)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+  rng = np.random.default_rng(0)
+  x = rng.random((256, 8), dtype=np.float32)
+  y = (x[:, 0] * 3).astype(np.int32).clip(0, 2)
+  before = model.evaluate(x, y, verbose=0)[0]
+  history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+  assert history.history["loss"][-1] < before
+  assert model.predict(x[:5], verbose=0).shape == (5, 3)
+  assert model.distribute_strategy is strategy

@@ -1,0 +1,152 @@
+"""The training loop: resume, non-finite loss, callbacks, evaluation, summaries."""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmgpu
+from tfmgpu import data, models
+from tfmgpu.training.loop import NonFiniteLossError, Trainer
+
+
+@pytest.fixture(scope="module")
+def digits():
+  arrays = data.load_dataset("digits")
+  return arrays.x_train[:256], arrays.y_train[:256]
+
+
+def make_trainer(strategy, **kwargs):
+  with strategy.scope():
+    model = models.build_model("convnet", input_shape=(28, 28, 1),
+                               num_classes=10, seed=0)
+  kwargs.setdefault("verbose", 0)
+  return Trainer(model, strategy=strategy, **kwargs)
+
+
+def test_resume_after_epoch_2_equals_uninterrupted(digits, tmp_path):
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  whole = make_trainer(strategy, model_dir=str(tmp_path / "whole"))
+  whole.fit(*digits, epochs=4, global_batch_size=32, steps_per_epoch=3)
+
+  run_dir = str(tmp_path / "stopped")
+  first = make_trainer(strategy, model_dir=run_dir)
+  r1 = first.fit(*digits, epochs=2, global_batch_size=32, steps_per_epoch=3)
+  assert (r1.epochs_run, r1.initial_epoch) == (2, 0)
+  del first  # The process "stops"; a new one starts from the directory.
+  second = make_trainer(strategy, model_dir=run_dir)
+  r2 = second.fit(*digits, epochs=4, global_batch_size=32, steps_per_epoch=3)
+  assert (r2.initial_epoch, r2.epochs_run, r2.steps) == (2, 2, 6)
+  for a, b in zip(second.model.get_weights(), whole.model.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # Optimizer state resumed too: Adam's step counter continued.
+  assert int(second.optimizer.iterations.numpy()) == 12
+  assert sorted(os.path.basename(p) for p in glob.glob(
+      os.path.join(run_dir, "checkpoints", "ckpt-*.index"))) == [
+          "ckpt-2.index", "ckpt-3.index", "ckpt-4.index"]
+
+
+def test_resume_under_a_different_replica_count(digits, tmp_path):
+  run_dir = str(tmp_path / "run")
+  make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4),
+               model_dir=run_dir).fit(*digits, epochs=1, global_batch_size=32,
+                                      steps_per_epoch=2)
+  saved = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4),
+                       model_dir=run_dir)
+  saved._checkpoints().restore_latest()  # pylint: disable=protected-access
+  one = make_trainer(tfmgpu.get_strategy("one_device"), model_dir=run_dir)
+  assert one._checkpoints().restore_latest() == 1  # pylint: disable=protected-access
+  for a, b in zip(one.model.get_weights(), saved.model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_non_finite_loss_names_the_step_and_keeps_last_checkpoint(
+    digits, tmp_path):
+  x, y = digits
+  bad_x = x.copy()
+  bad_x[32 * 4:] = np.nan  # Every batch of epoch 2 (shuffle off) is poisoned.
+  trainer = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=2),
+                         model_dir=str(tmp_path))
+  with pytest.raises(NonFiniteLossError, match=r"Loss became nan at step 5 "
+                     r"\(epoch 2\).*last good checkpoint is .*ckpt-1"):
+    trainer.fit(bad_x, y, epochs=3, global_batch_size=32, steps_per_epoch=4,
+                shuffle=False)
+  ckpts = glob.glob(str(tmp_path / "checkpoints" / "ckpt-*.index"))
+  assert [os.path.basename(c) for c in ckpts] == ["ckpt-1.index"]
+
+
+def test_callbacks_are_honoured(digits):
+  seen = []
+
+  class Recorder(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+      seen.append((epoch, sorted(logs)))
+      if epoch == 1:
+        self.model.stop_training = True
+
+  trainer = make_trainer(tfmgpu.get_strategy("default"), callbacks=[Recorder()])
+  result = trainer.fit(*digits, epochs=5, global_batch_size=32,
+                       steps_per_epoch=2, validation_data=digits)
+  assert [e for e, _ in seen] == [0, 1]
+  assert seen[0][1] == ["accuracy", "examples_per_sec", "loss", "val_accuracy",
+                        "val_loss"]
+  assert result.epochs_run == 2
+
+
+def test_evaluate_counts_every_row_on_4_replicas(digits):
+  x, y = digits[0][:101], digits[1][:101]
+  trainer = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4))
+  got = trainer.evaluate(x, y, global_batch_size=8)
+  assert got["count"] == 101
+  logits = trainer.model.predict(x, verbose=0)
+  expected = float(np.mean(np.argmax(logits, -1) == y))
+  assert got["accuracy"] == pytest.approx(expected)
+  ref_loss = float(np.mean(keras.losses.sparse_categorical_crossentropy(
+      y, logits, from_logits=True)))
+  assert got["loss"] == pytest.approx(ref_loss, rel=1e-4)
+
+
+def test_float16_gets_loss_scaling_and_trains(digits):
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = models.build_model("convnet", input_shape=(28, 28, 1),
+                               num_classes=10, seed=0,
+                               mixed_precision="mixed_float16")
+  trainer = Trainer(model, strategy=strategy, verbose=0)
+  assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+  result = trainer.fit(*digits, epochs=2, global_batch_size=32)
+  assert np.isfinite(result.history["loss"]).all()
+  assert result.history["loss"][-1] < result.history["loss"][0]
+
+
+def test_summaries_are_written(digits, tmp_path):
+  trainer = make_trainer(tfmgpu.get_strategy("default"),
+                         model_dir=str(tmp_path))
+  trainer.fit(*digits, epochs=1, global_batch_size=64, steps_per_epoch=2)
+  trainer.close()
+  events = glob.glob(str(tmp_path / "summaries" / "events.out.tfevents.*"))
+  assert events
+  tags = {v.tag for e in tf.compat.v1.train.summary_iterator(events[0])
+          for v in e.summary.value}
+  assert {"train/loss", "epoch/loss"} <= tags
+
+
+def test_model_not_built_in_scope_is_a_clear_error():
+  model = models.build_model("mlp", input_shape=(4,), num_classes=2)
+  with pytest.raises(ValueError, match=r"was not built in the scope of the "
+                     r"strategy.*strategy.scope\(\)"):
+    Trainer(model, strategy=tfmgpu.get_strategy("mirrored", num_replicas=2))
+
+
+def test_bad_arguments(digits):
+  trainer = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4))
+  with pytest.raises(ValueError, match=r"global_batch_size=30 is not divisible "
+                     r"by the 4 replicas"):
+    trainer.fit(*digits, global_batch_size=30)
+  with pytest.raises(ValueError, match=r"steps_per_epoch=99 needs more data"):
+    trainer.fit(*digits, global_batch_size=32, steps_per_epoch=99)
+  with pytest.raises(ValueError, match=r"optimizer='adamax' is unknown"):
+    make_trainer(tfmgpu.get_strategy("default"), optimizer="adamax")

@@ -1,0 +1,391 @@
+"""Device-placed submodel stages: model parallelism with a per-stage backward.
+
+`StagedModel` cuts a Sequential or functional model along a `StagePlan`. Each
+stage is a Keras submodel whose variables are created on its device; the
+forward pass runs each stage under its device, and the backward pass goes back
+stage by stage, each under its own device, with its own `tf.GradientTape`:
+
+    grads_k, grad_in_k = tape_k.gradient(out_k, vars_k + [in_k],
+                                         output_gradients=grad_in_{k+1})
+
+(one tape around everything would put every gradient op on the caller's
+device). Optimizer slots are created next to their variables and the
+optimizer's per-variable update runs on the variable's device
+(`colocate_optimizer_updates`).
+
+From the outside it is a Keras model: `compile`/`fit`/`evaluate`/`predict`,
+`save_weights`/`load_weights`. Weights move to and from the unsplit model with
+`copy_weights_to`, `load_from` and `to_unsplit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import keras
+from keras.src.losses import loss as keras_loss  # unscale_loss_for_distribution
+import tensorflow as tf
+
+from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import partition
+
+LossFn = Callable[[Any, Any], tf.Tensor]
+
+
+def variable_device(variable) -> str:
+  """The device a Keras or TF variable lives on."""
+  if isinstance(variable, keras.Variable):
+    variable = variable.value
+  return variable.device
+
+
+def colocate_optimizer_updates(optimizer: keras.optimizers.Optimizer):
+  """Makes the optimizer run each variable's update on that variable's device.
+
+  Keras 3 already creates slot variables next to their variable, but under
+  the default strategy the update math (moments, bias correction) is traced
+  without a device and would run on the default device. This wraps the
+  optimizer's `update_step` (of the inner optimizer for a
+  `LossScaleOptimizer`) in `tf.device(variable.device)`. Idempotent.
+
+  Not covered: the shared step counter and learning-rate schedule (a few
+  scalars on the default device) and decoupled weight decay.
+
+  Args:
+    optimizer: a Keras 3 optimizer.
+
+  Returns:
+    The same optimizer.
+  """
+  target = getattr(optimizer, "inner_optimizer", optimizer)
+  if getattr(target, "_tfmgpu_colocated", False):
+    return optimizer
+  update_step = target.update_step
+
+  def placed_update_step(gradient, variable, learning_rate):
+    with tf.device(variable_device(variable)):
+      return update_step(gradient, variable, learning_rate)
+
+  target.update_step = placed_update_step
+  target._tfmgpu_colocated = True  # pylint: disable=protected-access
+  return optimizer
+
+
+def regularization_loss(layer: keras.layers.Layer,
+                        scale: Callable[[tf.Tensor], tf.Tensor]):
+  """Sum of `layer.losses` (after its call), scaled, or `None` if none."""
+  losses = layer.losses
+  if not losses:
+    return None
+  total = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in losses])
+  return scale(total)
+
+
+def backward_on_device(tape: tf.GradientTape, device: str, scope: str, *,
+                       outputs: Sequence[tf.Tensor],
+                       output_gradients: Sequence[tf.Tensor],
+                       objective: tf.Tensor | None,
+                       sources: Sequence[Any]) -> list[Any]:
+  """One device's vector-Jacobian product, traced under that device.
+
+  Differentiates `sum(<outputs[i], output_gradients[i]>) + objective` with
+  respect to `sources`, with every gradient op on `device`.
+
+  Returns:
+    One gradient per source (`None` where a source is not connected).
+  """
+  targets, seeds = list(outputs), list(output_gradients)
+  if objective is not None:
+    targets.append(objective)
+    seeds.append(tf.ones_like(objective))
+  if not targets or not sources:
+    return [None] * len(sources)
+  with tf.device(device), tf.name_scope(scope):
+    return tape.gradient(targets, list(sources), output_gradients=seeds)
+
+
+class PerDeviceGradientModel(keras.Model):
+  """A Keras model whose parts live on different devices.
+
+  Subclasses implement `compute_loss_and_gradients`, which computes each
+  part's backward pass on its own device; `train_step` (what `fit` runs)
+  uses it, so `fit` and a custom loop share one mechanism.
+  """
+
+  def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
+                                 scale_regularization=None):
+    raise NotImplementedError
+
+  def compile(self, *args, jit_compile: bool | str = "auto", **kwargs):
+    """`keras.Model.compile`, without XLA and with device-placed updates.
+
+    Raises:
+      ValueError: `jit_compile=True`: XLA cannot compile one step whose
+        variables live on several devices.
+    """
+    if jit_compile is True:
+      raise ValueError(
+          f"jit_compile=True is not supported by {type(self).__name__}: XLA "
+          "cannot compile one step over variables on several devices. Use "
+          "jit_compile=False (or 'auto').")
+    super().compile(*args, jit_compile=False, **kwargs)
+    if self.optimizer is not None:
+      colocate_optimizer_updates(self.optimizer)
+
+  def build_optimizer(self, optimizer: keras.optimizers.Optimizer):
+    """Prepares an optimizer for a custom loop over this model.
+
+    Colocates its updates with the variables and builds its slots (each next
+    to its variable); stateful Keras 3 optimizers need `build` before a
+    `tf.function` step.
+
+    Returns:
+      The same optimizer.
+    """
+    colocate_optimizer_updates(optimizer)
+    optimizer.build(self.trainable_variables)
+    return optimizer
+
+  def train_step(self, data):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if self._compile_loss is None:  # pylint: disable=protected-access
+      raise ValueError(
+          f"{type(self).__name__} has no loss to train on. Call "
+          "compile(loss=...) before fit().")
+    scale = self.optimizer.scale_loss
+
+    def loss_fn(y_true, y_pred):
+      # The compiled loss only: regularisation losses join each part's own
+      # backward in compute_loss_and_gradients.
+      return scale(self._compile_loss(y_true, y_pred, sample_weight))  # pylint: disable=protected-access
+
+    loss, y_pred, grads = self.compute_loss_and_gradients(
+        x, y, loss_fn, scale_regularization=scale)
+    unscaled = loss / tf.cast(scale(tf.constant(1.0)), loss.dtype)
+    batch = tf.shape(tf.nest.flatten(x)[0])[0]
+    self._loss_tracker.update_state(  # pylint: disable=protected-access
+        keras_loss.unscale_loss_for_distribution(unscaled),
+        sample_weight=batch)
+    self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelSpec:
+  """Enough to rebuild the unsplit model (a plain object: Keras won't track it)."""
+  cls: type
+  config: dict
+
+
+def _copy_layers(src: Callable[[str], keras.layers.Layer],
+                 dst: Callable[[str], keras.layers.Layer],
+                 names: Sequence[str]) -> None:
+  for name in names:
+    source, target = src(name), dst(name)
+    try:
+      target.set_weights(source.get_weights())
+    except ValueError as e:
+      raise ValueError(
+          f"cannot copy the weights of layer {name!r}: {e} Are both models "
+          "the same architecture?") from e
+
+
+class StagedModel(PerDeviceGradientModel):
+  """A Keras model split into stages, each on its own device.
+
+  Example:
+
+    model = tfmgpu.parallel.demo_models.deep_mlp((784,), 10)
+    plan = tfmgpu.plan_stages(model, 4)
+    staged = tfmgpu.StagedModel.from_model(model, plan)
+    staged.compile(optimizer="adam", loss=...)
+    staged.fit(x, y)
+    staged.copy_weights_to(model)   # serve unsplit
+
+  Attributes:
+    plan: the `StagePlan`.
+    stages: the stage submodels, `stages[k]` on `plan.devices[k]`.
+    stage_devices: the device of each stage.
+  """
+
+  def __init__(self, model: keras.Model, plan: partition.StagePlan, *,
+               name: str | None = None, **kwargs):
+    """Builds the stages from `model`'s layers and copies its weights.
+
+    Args:
+      model: the unsplit, built Sequential or functional model. It is left
+        untouched; stages get new variables on their devices.
+      plan: a `StagePlan` for this model (from `plan_stages`).
+      name: model name. Defaults to `"<model name>_staged"`.
+      **kwargs: passed to `keras.Model`.
+
+    Raises:
+      ValueError: the plan does not match the model, or names a device that
+        does not exist.
+    """
+    super().__init__(name=name or f"{model.name}_staged", **kwargs)
+    if not isinstance(plan, partition.StagePlan):
+      raise TypeError(f"plan={plan!r} is not a StagePlan; make one with "
+                      "tfmgpu.plan_stages(model, num_stages).")
+    graph = partition.ModelGraph(model)
+    if tuple(graph.names) != plan.layer_names:
+      raise ValueError(
+          f"plan was made for layers {list(plan.layer_names)} but model "
+          f"{model.name!r} has {graph.names}. Make the plan from this model.")
+    devices = devices_lib.resolve_devices(plan.devices)
+    stages = []
+    for k, stage in enumerate(plan.stages):
+      start = graph.position(stage.layers[0])
+      end = start + len(stage.layers)
+      for pos in (start, end):
+        if 0 < pos < len(graph.nodes) and len(graph.crossing(pos)) != 1:
+          raise ValueError(
+              f"plan cuts model {model.name!r} before layer "
+              f"{graph.names[pos]!r}, where {len(graph.crossing(pos))} "
+              "tensors cross; make the plan with plan_stages.")
+      t_in, t_out = graph.boundary(start), graph.boundary(end)
+      sub = keras.Model(t_in, t_out, name=f"{model.name}_stage_{k}")
+      with tf.device(devices[k]):
+        new_in = keras.Input(shape=tuple(t_in.shape)[1:], dtype=t_in.dtype,
+                             name=f"stage_{k}_input")
+        clone = keras.models.clone_model(sub, input_tensors=new_in,
+                                         recursive=True)
+      stages.append(clone)
+    self.plan = plan
+    self.stage_devices = tuple(devices)
+    self.stages = stages
+    self._unsplit_spec = _ModelSpec(type(model), model.get_config())
+    self.load_from(model)
+    self.built = True
+
+  @classmethod
+  def from_model(cls, model: keras.Model,
+                 plan: partition.StagePlan | None = None, *,
+                 num_stages: int | None = None, name: str | None = None,
+                 **plan_kwargs) -> "StagedModel":
+    """Splits `model` along `plan`, or along `plan_stages(model, num_stages, ...)`.
+
+    Args:
+      model: the unsplit, built model.
+      plan: a `StagePlan`; if `None`, one is made from `num_stages` and
+        `plan_kwargs` (`criterion`, `split_points`, `devices`).
+      num_stages: stages to plan when `plan` is `None`. Defaults to the
+        number of accelerators.
+      name: model name.
+
+    Returns:
+      The `StagedModel`, holding a copy of `model`'s weights.
+    """
+    if plan is None:
+      if num_stages is None:
+        num_stages = len(devices_lib.accelerator_devices())
+      plan = partition.plan_stages(model, num_stages, **plan_kwargs)
+    elif num_stages is not None or plan_kwargs:
+      raise ValueError("Pass either plan=... or num_stages/plan options "
+                       f"({sorted(plan_kwargs) or ['num_stages']}), not both.")
+    return cls(model, plan, name=name)
+
+  def call(self, inputs, training=None):
+    h = inputs
+    for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
+      with tf.device(device), tf.name_scope(f"stage_{k}"):
+        h = stage(h, training=training)
+    return h
+
+  def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
+                                 scale_regularization=None):
+    """Forward stage by stage, then backward stage by stage, each on its device.
+
+    This is the hook a custom training loop (tfmgpu's Trainer) calls;
+    `train_step` (what `fit` runs) uses it too.
+
+    Args:
+      x: a batch of inputs.
+      y: its targets.
+      loss_fn: `loss_fn(y_true, y_pred)` returns the scalar loss to
+        differentiate, already averaged and scaled by the caller. It runs on
+        the last stage's device.
+      scale_regularization: applied to each stage's summed regularisation
+        losses (`stage.losses`) before they join that stage's backward, e.g.
+        `optimizer.scale_loss`. Defaults to the identity.
+
+    Returns:
+      `(loss, y_pred, grads)`: the differentiated objective (`loss_fn` plus
+      every stage's scaled regularisation), the model output, and one
+      gradient per variable of `self.trainable_variables`, in that order.
+    """
+    scale = scale_regularization or (lambda t: t)
+    last = len(self.stages) - 1
+    records = []
+    h = x
+    for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
+      sources = [v.value for v in stage.trainable_variables]
+      with tf.device(device), tf.name_scope(f"stage_{k}"):
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+          tape.watch(sources)
+          if k > 0:
+            tape.watch(h)
+          out = stage(h, training=True)
+          objective = regularization_loss(stage, scale)
+          if k == last:
+            with tf.name_scope("loss"):
+              loss = loss_fn(y, out)
+            objective = loss if objective is None else loss + objective
+      records.append((tape, h, out, objective, sources))
+      h = out
+    y_pred = h
+
+    grads: dict[int, Any] = {}
+    upstream = None
+    total = None
+    for k in reversed(range(last + 1)):
+      tape, inp, out, objective, sources = records[k]
+      wrt = sources + ([inp] if k > 0 else [])
+      result = backward_on_device(
+          tape, self.stage_devices[k], f"stage_{k}_backward",
+          outputs=[out] if upstream is not None else [],
+          output_gradients=[upstream] if upstream is not None else [],
+          objective=objective, sources=wrt)
+      if k > 0:
+        upstream = result[-1] if result[-1] is not None else tf.zeros_like(inp)
+        result = result[:-1]
+      for v, g in zip(self.stages[k].trainable_variables, result):
+        grads[id(v)] = g
+      if objective is not None:
+        total = objective if total is None else total + objective
+    return total, y_pred, [grads.get(id(v)) for v in self.trainable_variables]
+
+  # ---------------------------------------------------------------- weights
+
+  def _stage_layer(self, name: str) -> keras.layers.Layer:
+    return self.stages[self.plan.stage_of(name)].get_layer(name)
+
+  def load_from(self, unsplit: keras.Model) -> None:
+    """Copies the weights of the unsplit model into the stages."""
+    _copy_layers(unsplit.get_layer, self._stage_layer, self.plan.layer_names)
+
+  def copy_weights_to(self, unsplit: keras.Model) -> None:
+    """Copies the stages' weights into an unsplit model of the same architecture."""
+    _copy_layers(self._stage_layer, unsplit.get_layer, self.plan.layer_names)
+
+  def to_unsplit(self, *, device: str | None = None,
+                 custom_objects: dict[str, Any] | None = None) -> keras.Model:
+    """Rebuilds the unsplit model (on `device`) holding the stages' weights.
+
+    Args:
+      device: where the new model's variables go. Defaults to the current
+        device scope.
+      custom_objects: custom layer classes, if the model uses any.
+
+    Returns:
+      A new, unsplit model.
+    """
+    spec = self._unsplit_spec
+    place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
+             else contextlib.nullcontext())
+    with place, keras.saving.custom_object_scope(custom_objects or {}):
+      model = spec.cls.from_config(spec.config)
+    self.copy_weights_to(model)
+    return model
