@@ -245,6 +245,7 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def input_fn(x: np.ndarray, y: np.ndarray, *, global_batch_size: int,
+             sample_weight: np.ndarray | None = None,
              shuffle: bool = True, seed: int = 0, epoch: int = 0,
              drop_remainder: bool = True, repeat: bool = False
              ) -> Callable[["tf.distribute.InputContext | None"], "tf.data.Dataset"]:
@@ -258,6 +259,7 @@ def input_fn(x: np.ndarray, y: np.ndarray, *, global_batch_size: int,
   Args:
     x, y: features and labels.
     global_batch_size: examples per step over all replicas.
+    sample_weight: optional per-example weights, yielded as a third element.
     shuffle: use `epoch_order(seed, epoch)`; else input order.
     seed, epoch: fix the order.
     drop_remainder: drop the last partial batch (training); keep it for
@@ -270,17 +272,35 @@ def input_fn(x: np.ndarray, y: np.ndarray, *, global_batch_size: int,
     per_replica = global_batch_size
     if ctx is not None:
       per_replica = ctx.get_per_replica_batch_size(global_batch_size)
-    xs, ys = (x, y) if order is None else (x[order], y[order])
+    arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
+    if order is not None:
+      arrays = tuple(a[order] for a in arrays)
     if ctx is not None and ctx.num_input_pipelines > 1:
-      xs = xs[ctx.input_pipeline_id::ctx.num_input_pipelines]
-      ys = ys[ctx.input_pipeline_id::ctx.num_input_pipelines]
-    ds = tf.data.Dataset.from_tensor_slices((xs, ys))
+      arrays = tuple(a[ctx.input_pipeline_id::ctx.num_input_pipelines]
+                     for a in arrays)
+    ds = tf.data.Dataset.from_tensor_slices(arrays)
     if repeat:
       ds = ds.repeat()
     ds = ds.batch(per_replica, drop_remainder=drop_remainder)
     return ds.prefetch(tf.data.AUTOTUNE)
 
   return dataset_fn
+
+
+def pad_to_multiple(x: np.ndarray, y: np.ndarray, multiple: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Pads rows to a multiple of `multiple`; returns `(x, y, mask)`.
+
+  Evaluation and prediction pad the last partial batch (and trim or mask it
+  afterwards) instead of dropping rows or handing replicas empty batches.
+  """
+  n = len(x)
+  pad = (-n) % multiple
+  mask = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
+  if pad:
+    x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
+    y = np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)])
+  return x, y, mask
 
 
 def distribute(strategy: "tf.distribute.Strategy", x: np.ndarray, y: np.ndarray,

@@ -19,9 +19,9 @@ def digits():
   return arrays.x_train[:256], arrays.y_train[:256]
 
 
-def make_trainer(strategy, **kwargs):
+def make_trainer(strategy, model="convnet", **kwargs):
   with strategy.scope():
-    model = models.build_model("convnet", input_shape=(28, 28, 1),
+    model = models.build_model(model, input_shape=(28, 28, 1),
                                num_classes=10, seed=0)
   kwargs.setdefault("verbose", 0)
   return Trainer(model, strategy=strategy, **kwargs)
@@ -66,14 +66,14 @@ def test_resume_under_a_different_replica_count(digits, tmp_path):
 def test_non_finite_loss_names_the_step_and_keeps_last_checkpoint(
     digits, tmp_path):
   x, y = digits
-  bad_x = x.copy()
-  bad_x[32 * 4:] = np.nan  # Every batch of epoch 2 (shuffle off) is poisoned.
+  # (An MLP: max-pooling would silently drop NaN inputs.)
   trainer = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=2),
-                         model_dir=str(tmp_path))
-  with pytest.raises(NonFiniteLossError, match=r"Loss became nan at step 5 "
+                         "mlp", model_dir=str(tmp_path))
+  trainer.fit(x, y, epochs=1, global_batch_size=32, steps_per_epoch=4)
+  bad_x = np.full_like(x, np.nan)  # Epoch 2 onwards sees poisoned inputs.
+  with pytest.raises(NonFiniteLossError, match=r"Loss became .*n.n.* at step 5 "
                      r"\(epoch 2\).*last good checkpoint is .*ckpt-1"):
-    trainer.fit(bad_x, y, epochs=3, global_batch_size=32, steps_per_epoch=4,
-                shuffle=False)
+    trainer.fit(bad_x, y, epochs=3, global_batch_size=32, steps_per_epoch=4)
   ckpts = glob.glob(str(tmp_path / "checkpoints" / "ckpt-*.index"))
   assert [os.path.basename(c) for c in ckpts] == ["ckpt-1.index"]
 
@@ -101,7 +101,9 @@ def test_evaluate_counts_every_row_on_4_replicas(digits):
   trainer = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4))
   got = trainer.evaluate(x, y, global_batch_size=8)
   assert got["count"] == 101
-  logits = trainer.model.predict(x, verbose=0)
+  # Reference computed eagerly: Keras' own predict under this strategy fails
+  # on the empty replica batches of 101 rows (see README troubleshooting).
+  logits = trainer.model(x, training=False).numpy()
   expected = float(np.mean(np.argmax(logits, -1) == y))
   assert got["accuracy"] == pytest.approx(expected)
   ref_loss = float(np.mean(keras.losses.sparse_categorical_crossentropy(

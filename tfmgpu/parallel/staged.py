@@ -96,14 +96,66 @@ def backward_on_device(tape: tf.GradientTape, device: str, scope: str, *,
   Returns:
     One gradient per source (`None` where a source is not connected).
   """
-  targets, seeds = list(outputs), list(output_gradients)
-  if objective is not None:
-    targets.append(objective)
-    seeds.append(tf.ones_like(objective))
-  if not targets or not sources:
+  if not sources or (not outputs and objective is None):
     return [None] * len(sources)
-  with tf.device(device), tf.name_scope(scope):
+  with tf.name_scope(scope):
+    targets, seeds = list(outputs), list(output_gradients)
+    if objective is not None:
+      targets.append(objective)
+      seeds.append(tf.ones_like(objective))
     return tape.gradient(targets, list(sources), output_gradients=seeds)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPlacement:
+  """Where one traced op was asked to run.
+
+  Attributes:
+    name: the op name; ops inside a function body (while/cond bodies,
+      gradient functions) are prefixed with the name of the op calling it.
+    type: the op type, e.g. `"MatMul"`.
+    device: the requested device, canonical (`"/device:CPU:1"`), inherited
+      from the calling op inside function bodies; `""` if none.
+    colocated: the op is pinned next to another op (e.g. a variable read,
+      placed with its variable) instead of by device.
+  """
+  name: str
+  type: str
+  device: str
+  colocated: bool
+
+
+def op_placements(concrete_function) -> list[OpPlacement]:
+  """Every op of a traced function, including nested function bodies.
+
+  Use it to check placement: get a concrete function with
+  `tf.function(step).get_concrete_function(...)` and read each op's device.
+
+  Args:
+    concrete_function: a `tf.types.experimental.ConcreteFunction`.
+
+  Returns:
+    One `OpPlacement` per op, outer graph first.
+  """
+  graph_def = concrete_function.graph.as_graph_def()
+  library = {f.signature.name: f for f in graph_def.library.function}
+  out: list[OpPlacement] = []
+
+  def walk(nodes, prefix: str, inherited: str, depth: int) -> None:
+    for node in nodes:
+      name = prefix + node.name
+      device = (devices_lib.canonical_device(node.device) if node.device
+                else inherited)
+      out.append(OpPlacement(name, node.op, device, "_class" in node.attr))
+      for attr in node.attr.values():
+        funcs = ([attr.func.name] if attr.HasField("func") else
+                 [f.name for f in attr.list.func])
+        for fname in funcs:
+          if fname in library and depth < 32:
+            walk(library[fname].node_def, name + "/", device, depth + 1)
+
+  walk(graph_def.node, "", "", 0)
+  return out
 
 
 class PerDeviceGradientModel(keras.Model):
@@ -119,7 +171,8 @@ class PerDeviceGradientModel(keras.Model):
     raise NotImplementedError
 
   def compile(self, *args, jit_compile: bool | str = "auto", **kwargs):
-    """`keras.Model.compile`, without XLA and with device-placed updates.
+    """`keras.Model.compile`, without XLA, with slots and updates on each
+    variable's device.
 
     Raises:
       ValueError: `jit_compile=True`: XLA cannot compile one step whose
@@ -132,7 +185,9 @@ class PerDeviceGradientModel(keras.Model):
           "jit_compile=False (or 'auto').")
     super().compile(*args, jit_compile=False, **kwargs)
     if self.optimizer is not None:
-      colocate_optimizer_updates(self.optimizer)
+      # Build now, eagerly: built lazily inside the traced step, Keras would
+      # create every slot on the default device instead of beside its variable.
+      self.build_optimizer(self.optimizer)
 
   def build_optimizer(self, optimizer: keras.optimizers.Optimizer):
     """Prepares an optimizer for a custom loop over this model.
@@ -145,7 +200,8 @@ class PerDeviceGradientModel(keras.Model):
       The same optimizer.
     """
     colocate_optimizer_updates(optimizer)
-    optimizer.build(self.trainable_variables)
+    if not optimizer.built:
+      optimizer.build(self.trainable_variables)
     return optimizer
 
   def train_step(self, data):
@@ -154,6 +210,12 @@ class PerDeviceGradientModel(keras.Model):
       raise ValueError(
           f"{type(self).__name__} has no loss to train on. Call "
           "compile(loss=...) before fit().")
+    if not self.optimizer.built:
+      raise ValueError(
+          f"The optimizer of {type(self).__name__} is not built. Call "
+          "compile() or build_optimizer(optimizer) before training: built "
+          "inside the traced step, its slots would land on the default "
+          "device.")
     scale = self.optimizer.scale_loss
 
     def loss_fn(y_true, y_pred):
@@ -349,7 +411,10 @@ class StagedModel(PerDeviceGradientModel):
           output_gradients=[upstream] if upstream is not None else [],
           objective=objective, sources=wrt)
       if k > 0:
-        upstream = result[-1] if result[-1] is not None else tf.zeros_like(inp)
+        upstream = result[-1]
+        if upstream is None:  # The stage ignores its input.
+          with tf.device(self.stage_devices[k]):
+            upstream = tf.zeros_like(inp)
         result = result[:-1]
       for v, g in zip(self.stages[k].trainable_variables, result):
         grads[id(v)] = g

@@ -52,8 +52,8 @@ def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn
   def evaluate(dataset):
     totals = {"loss_sum": tf.constant(0.0), "correct": tf.constant(0.0),
               "count": tf.constant(0.0)}
-    for x, y in dataset:
-      out = _reduce_sum(strategy, strategy.run(step, args=(x, y)))
+    for batch in dataset:
+      out = _reduce_sum(strategy, strategy.run(step, args=batch))
       totals = {k: totals[k] + tf.cast(out[k], tf.float32) for k in totals}
     return totals
 

@@ -206,9 +206,11 @@ class Trainer:
     if self._eval_fn is None:
       self._eval_fn = distributed.make_eval_function(
           self.strategy, step_lib.make_eval_step(self.model, loss=self.loss))
+    x, y, mask = data_lib.pad_to_multiple(x, y, global_batch_size)
     dataset = data_lib.distribute(
-        self.strategy, x, y, global_batch_size=global_batch_size,
-        shuffle=False, drop_remainder=False)
+        self.strategy, x, y, sample_weight=mask,
+        global_batch_size=global_batch_size, shuffle=False,
+        drop_remainder=True)
     out = {k: float(v) for k, v in self._eval_fn(dataset).items()}
     n = max(out["count"], 1.0)
     return {"loss": out["loss_sum"] / n, "accuracy": out["correct"] / n,
@@ -283,10 +285,12 @@ class Trainer:
         out = train_fn(iterator, tf.constant(n))
         step_loss = float(out["loss"])
         elapsed = time.perf_counter() - start
-        if not math.isfinite(step_loss):
+        if not math.isfinite(step_loss) or float(out["non_finite"]):
           first = epoch * steps_per_epoch + done + 1
+          what = (step_loss if not math.isfinite(step_loss) else
+                  f"non-finite (loss {step_loss:.4g} but NaN/inf gradients)")
           raise NonFiniteLossError(
-              f"Loss became {step_loss} at step {first}"
+              f"Loss became {what} at step {first}"
               + (f"-{first + n - 1}" if n > 1 else "")
               + f" (epoch {epoch + 1}). Training stopped; the last good "
               f"checkpoint is {last_ckpt or 'none (no model_dir)'}. Lower "

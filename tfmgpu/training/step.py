@@ -69,7 +69,8 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
       variables may live on several devices).
 
   Returns:
-    `step(x, y) -> {"loss": mean loss share, "correct": count, "count": n}`,
+    `step(x, y) -> {"loss": mean loss share, "correct": count, "count": n,
+    "non_finite": NaN/inf values seen}`,
     to be called once per replica inside `strategy.run`.
   """
   per_example = per_example_loss_fn(loss)
@@ -101,20 +102,43 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     loss_value, y_pred, grads = grads_fn(x, y)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return {"loss": loss_value, "correct": correct_count(y, y_pred),
-            "count": tf.cast(tf.shape(y_pred)[0], tf.float32)}
+            "count": tf.cast(tf.shape(y_pred)[0], tf.float32),
+            "non_finite": non_finite_count(
+                loss_value, None if scaling else grads)}
 
   return step
 
 
+def non_finite_count(loss_value: tf.Tensor, grads) -> tf.Tensor:
+  """1.0 per NaN/inf among the loss and the gradients' global norm, else 0.
+
+  Gradients are checked because a finite loss can hide a diverged model
+  (on CPU, graph-mode ReLU maps NaN to 0, so NaN weights can still give
+  finite logits). Loss-scaled float16 steps skip non-finite gradients by
+  design, so the caller passes `grads=None` for them.
+  """
+  bad = tf.cast(~tf.math.is_finite(loss_value), tf.float32)
+  if grads is not None:
+    norm = tf.linalg.global_norm([g for g in grads if g is not None])
+    bad += tf.cast(~tf.math.is_finite(norm), tf.float32)
+  return bad
+
+
 def make_eval_step(model: keras.Model, *, loss: Any = None
                    ) -> Callable[[tf.Tensor, tf.Tensor], dict[str, tf.Tensor]]:
-  """Builds the per-replica evaluation step: sums, reduced by the caller."""
+  """Builds the per-replica evaluation step: weighted sums, reduced by the caller.
+
+  `mask` is 1 for real rows and 0 for the padding of the last batch.
+  """
   per_example = per_example_loss_fn(loss)
 
-  def step(x, y):
+  def step(x, y, mask):
     y_pred = model(x, training=False)
-    return {"loss_sum": tf.reduce_sum(per_example(y, y_pred)),
-            "correct": correct_count(y, y_pred),
-            "count": tf.cast(tf.shape(y_pred)[0], tf.float32)}
+    pred = tf.argmax(y_pred, axis=-1, output_type=tf.int32)
+    hits = tf.cast(tf.equal(pred, tf.cast(tf.reshape(y, tf.shape(pred)),
+                                          tf.int32)), tf.float32)
+    return {"loss_sum": tf.reduce_sum(per_example(y, y_pred) * mask),
+            "correct": tf.reduce_sum(hits * mask),
+            "count": tf.reduce_sum(mask)}
 
   return step

@@ -1,0 +1,354 @@
+"""StagedModel: parity with unsplit training, placement read from the traced graph."""
+
+import collections
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import demo_models
+from tfmgpu.parallel import partition
+from tfmgpu.parallel import staged as staged_lib
+
+StagedModel = staged_lib.StagedModel
+
+LR = 0.01
+STEPS = 4
+BATCH = 8
+# Ops that carry no device of their own: captured variable handles and
+# variable reads, which TF colocates with the variable's resource.
+RESOURCE_OPS = {"Placeholder", "ReadVariableOp", "VarHandleOp"}
+
+
+def _mlp(seed=0):
+  """A chain with weight and activity regularisers and a BatchNorm."""
+  keras.utils.set_random_seed(seed)
+  L = keras.layers
+  return keras.Sequential([
+      keras.Input((12,)),
+      L.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(
+          1e-2), name="d0"),
+      L.BatchNormalization(name="bn"),
+      L.Dense(16, activation="relu", activity_regularizer=keras.regularizers.L2(
+          1e-3), name="d1"),
+      L.Dense(16, activation="tanh", name="d2"),
+      L.Dense(3, kernel_regularizer=keras.regularizers.L2(1e-2), name="logits"),
+  ], name="mlp")
+
+
+def _resnet(seed=0):
+  keras.utils.set_random_seed(seed)
+  return demo_models.small_resnet((8, 8, 3), 3, blocks=3, filters=4)
+
+
+def _lstm(seed=0):
+  """Stages whose forward and backward are while loops (nested functions)."""
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([
+      keras.Input((5, 3)),
+      keras.layers.LSTM(4, return_sequences=True, name="lstm_a"),
+      keras.layers.LSTM(4, name="lstm_b"),
+      keras.layers.Dense(3, name="logits"),
+  ], name="lstm")
+
+
+def _data(model, n=STEPS * BATCH):
+  rng = np.random.RandomState(1)
+  x = rng.randn(n, *model.input_shape[1:]).astype("float32")
+  y = rng.randint(0, 3, size=(n,))
+  return x, y
+
+
+def _loss():
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _assert_same_weights(a: keras.Model, b: keras.Model):
+  wa, wb = a.get_weights(), b.get_weights()
+  assert len(wa) == len(wb)
+  for i, (u, v) in enumerate(zip(wa, wb)):
+    np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5, err_msg=f"weight {i}")
+
+
+# ------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("build,num_stages", [(_mlp, 2), (_mlp, 4),
+                                              (_resnet, 3)])
+def test_fit_matches_unsplit_training(build, num_stages):
+  model = build()
+  x, y = _data(model)
+  staged = StagedModel.from_model(model, num_stages=num_stages)
+  assert staged.plan.num_stages == num_stages
+  assert len(set(staged.stage_devices)) == num_stages
+  staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  model.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  got = staged.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+  assert staged.optimizer.iterations.numpy() == STEPS
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
+  _assert_same_weights(staged.to_unsplit(), model)  # Includes BN statistics.
+  np.testing.assert_allclose(staged.evaluate(x, y, verbose=0),
+                             model.evaluate(x, y, verbose=0), rtol=1e-5)
+
+
+def _manual_losses(model, x, y, staged=None):
+  """A custom loop: the staged hook, or one tape on the unsplit model."""
+  loss_obj = _loss()
+  optimizer = keras.optimizers.Adam(LR)
+  if staged is not None:
+    staged.build_optimizer(optimizer)
+    variables = staged.trainable_variables
+  else:
+    optimizer.build(model.trainable_variables)
+    variables = model.trainable_variables
+
+  @tf.function
+  def step(xb, yb):
+    if staged is not None:
+      loss, _, grads = staged.compute_loss_and_gradients(xb, yb, loss_obj)
+    else:
+      with tf.GradientTape() as tape:
+        y_pred = model(xb, training=True)
+        loss = loss_obj(yb, y_pred) + tf.add_n(model.losses)
+      grads = tape.gradient(loss, variables)
+    optimizer.apply_gradients(zip(grads, variables))
+    return loss
+
+  return [float(step(x[i:i + BATCH], y[i:i + BATCH]))
+          for i in range(0, len(x), BATCH)]
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_custom_loop_matches_unsplit_training(num_stages):
+  model = _mlp()
+  x, y = _data(model)
+  staged = StagedModel.from_model(model, num_stages=num_stages)
+  got = _manual_losses(None, x, y, staged=staged)
+  want = _manual_losses(model, x, y)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  _assert_same_weights(staged.to_unsplit(), model)
+
+
+def test_gradients_are_in_trainable_variables_order():
+  model = _mlp()
+  x, y = _data(model, BATCH)
+  staged = StagedModel.from_model(model, num_stages=3)
+  _, y_pred, grads = staged.compute_loss_and_gradients(x, y, _loss())
+  np.testing.assert_allclose(y_pred, model(x, training=True), rtol=1e-5,
+                             atol=1e-6)
+  with tf.GradientTape() as tape:
+    loss = _loss()(y, model(x, training=True)) + tf.add_n(model.losses)
+  key = lambda v: "/".join(v.path.split("/")[-2:])  # layer/weight
+  want = dict(zip([key(v) for v in model.trainable_variables],
+                  tape.gradient(loss, model.trainable_variables)))
+  assert [key(v) for v in staged.trainable_variables] == list(want)
+  for v, g in zip(staged.trainable_variables, grads):
+    np.testing.assert_allclose(g, want[key(v)], rtol=1e-5, atol=1e-6,
+                               err_msg=v.path)
+
+
+# --------------------------------------------------------------- placement
+
+_STAGE = re.compile(r"^stage_(\d+)(_backward)?(?:_\d+)?$")
+
+
+def _ops_by_stage(placements):
+  """{(stage, "forward" | "backward"): [OpPlacement]} from name scopes."""
+  out = collections.defaultdict(list)
+  for p in placements:
+    parts = p.name.split("/")
+    for i, part in enumerate(parts):
+      m = _STAGE.match(part)
+      if m:
+        backward = bool(m.group(2)) or "gradient_tape" in parts[:i]
+        out[(int(m.group(1)), "backward" if backward else "forward")].append(p)
+        break
+  return out
+
+
+def _misplaced(staged, placements):
+  """Stage ops not on their stage's device; checks none of the sets is empty."""
+  by_stage = _ops_by_stage(placements)
+  bad = []
+  for k, device in enumerate(staged.stage_devices):
+    for kind in ("forward", "backward"):
+      ops = by_stage[(k, kind)]
+      assert any(p.type in ("MatMul", "Conv2D", "While") for p in ops), (
+          f"no {kind} compute op found for stage {k}")
+      bad += [(k, kind, p.name, p.device) for p in ops if p.device != device
+              and not (p.device == "" and p.type in RESOURCE_OPS)]
+  return bad
+
+
+def _fit_step(staged, x, y):
+  fn = tf.function(lambda xb, yb: staged.train_step((xb, yb)))
+  return fn.get_concrete_function(tf.TensorSpec(x[:BATCH].shape),
+                                  tf.TensorSpec(y[:BATCH].shape, tf.int64))
+
+
+def _custom_step(staged, x, y):
+  optimizer = staged.optimizer
+
+  def step(xb, yb):
+    loss, _, grads = staged.compute_loss_and_gradients(xb, yb, _loss())
+    optimizer.apply_gradients(zip(grads, staged.trainable_variables))
+    return loss
+
+  return tf.function(step).get_concrete_function(
+      tf.TensorSpec(x[:BATCH].shape), tf.TensorSpec(y[:BATCH].shape, tf.int64))
+
+
+def _single_tape_step(staged, x, y):
+  """The bug this package exists to fix: one tape, backward on device 0."""
+  optimizer = staged.optimizer
+
+  def step(xb, yb):
+    with tf.device(staged.stage_devices[0]):
+      with tf.GradientTape() as tape:
+        loss = _loss()(yb, staged(xb, training=True))
+      grads = tape.gradient(loss, staged.trainable_variables)
+    optimizer.apply_gradients(zip(grads, staged.trainable_variables))
+    return loss
+
+  return tf.function(step).get_concrete_function(
+      tf.TensorSpec(x[:BATCH].shape), tf.TensorSpec(y[:BATCH].shape, tf.int64))
+
+
+@pytest.mark.parametrize("build", [_mlp, _lstm])
+@pytest.mark.parametrize("make_step", [_fit_step, _custom_step])
+def test_every_stage_op_and_update_runs_on_its_device(build, make_step,
+                                                      cpu_devices):
+  model = build()
+  x, y = _data(model)
+  staged = StagedModel.from_model(model, num_stages=3, devices=cpu_devices[1:])
+  staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  placements = staged_lib.op_placements(make_step(staged, x, y))
+
+  assert _misplaced(staged, placements) == []
+  # The optimizer's per-variable update math runs beside the variable: Adam
+  # squares each gradient once.
+  squares = collections.Counter(p.device for p in placements
+                                if p.name.startswith(staged.optimizer.name + "/")
+                                and p.type == "Square")
+  want = collections.Counter()
+  for stage, device in zip(staged.stages, staged.stage_devices):
+    want[device] += len(stage.trainable_variables)
+  assert squares == want
+
+
+def test_single_tape_backward_is_detected_as_misplaced(cpu_devices):
+  model = _mlp()
+  x, y = _data(model)
+  staged = StagedModel.from_model(model, num_stages=3, devices=cpu_devices[1:])
+  staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  bad = _misplaced(staged, staged_lib.op_placements(
+      _single_tape_step(staged, x, y)))
+  # Forward ops stay on their stages (the call is placed), but the backward
+  # of stages 1 and 2 lands on the tape's device, stage 0's.
+  assert {(k, kind) for k, kind, _, _ in bad} == {(1, "backward"),
+                                                  (2, "backward")}
+  assert {device for *_, device in bad} == {staged.stage_devices[0]}
+
+
+def test_each_device_holds_only_its_stage_weights_and_slots(cpu_devices):
+  model = _mlp()
+  staged = StagedModel.from_model(model, num_stages=3, devices=cpu_devices[1:])
+  staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  optimizer = staged.optimizer
+  held = collections.defaultdict(set)
+  nbytes = collections.Counter()
+  for v in list(staged.variables) + list(optimizer.variables):
+    device = devices_lib.canonical_device(staged_lib.variable_device(v))
+    held[device].add(v.path)
+    nbytes[device] += int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+
+  prefix = optimizer.name
+  assert held[cpu_devices[0]] == {f"{prefix}/iteration",
+                                  f"{prefix}/learning_rate"}
+  estimate = staged.plan.memory_estimate(BATCH, optimizer="adam")
+  for stage, sub, device in zip(staged.plan.stages, staged.stages,
+                                staged.stage_devices):
+    slots = {f"{prefix}/{v.path.replace('/', '_')}_{kind}"
+             for v in sub.trainable_variables
+             for kind in ("momentum", "velocity")}
+    assert held[device] == {v.path for v in sub.variables} | slots
+    assert {p.split("/")[0] for p in held[device] - slots} == set(stage.layers)
+    # The plan's byte counts are what the device really holds.
+    assert nbytes[device] == (estimate[device].weights +
+                              estimate[device].optimizer_slots)
+
+
+# ------------------------------------------------------------------ weights
+
+
+def test_weights_move_both_ways_with_identical_outputs(tmp_path):
+  model = _mlp()
+  x, y = _data(model)
+  staged = StagedModel.from_model(model, num_stages=4)
+  np.testing.assert_array_equal(staged.predict(x, verbose=0),
+                                model.predict(x, verbose=0))
+
+  # Train split, serve unsplit.
+  staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  staged.fit(x, y, batch_size=BATCH, verbose=0)
+  served = staged.to_unsplit(device="/cpu:0")
+  assert {staged_lib.variable_device(v) for v in served.variables} == {
+      "/job:localhost/replica:0/task:0/device:CPU:0"}
+  np.testing.assert_array_equal(served.predict(x, verbose=0),
+                                staged.predict(x, verbose=0))
+  staged.copy_weights_to(model)
+  _assert_same_weights(model, served)
+
+  # Train unsplit, load into the split model.
+  model.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  model.fit(x, y, batch_size=BATCH, verbose=0)
+  staged.load_from(model)
+  np.testing.assert_array_equal(staged.predict(x, verbose=0),
+                                model.predict(x, verbose=0))
+
+  # Keras weight files round-trip, into a fresh staged model.
+  path = str(tmp_path / "staged.weights.h5")
+  staged.save_weights(path)
+  other = StagedModel.from_model(_mlp(seed=5), staged.plan)
+  assert not np.allclose(other.predict(x, verbose=0),
+                         staged.predict(x, verbose=0))
+  other.load_weights(path)
+  np.testing.assert_array_equal(other.predict(x, verbose=0),
+                                staged.predict(x, verbose=0))
+
+
+# ------------------------------------------------------------------- errors
+
+
+def test_plan_for_another_model_is_rejected():
+  plan = partition.plan_stages(_mlp(), 2)
+  with pytest.raises(ValueError, match=r"plan was made for layers .*d0"):
+    StagedModel(demo_models.deep_mlp((12,), 3, depth=2, width=4), plan)
+
+
+def test_jit_compile_is_rejected():
+  staged = StagedModel.from_model(_mlp(), num_stages=2)
+  with pytest.raises(ValueError, match=r"jit_compile=True is not supported"):
+    staged.compile(optimizer="adam", loss=_loss(), jit_compile=True)
+
+
+def test_fit_without_a_loss_says_to_compile_with_one():
+  model = _mlp()
+  x, y = _data(model)
+  staged = StagedModel.from_model(model, num_stages=2)
+  staged.compile(optimizer="adam")
+  with pytest.raises(ValueError, match=r"compile\(loss=\.\.\.\)"):
+    staged.fit(x, y, verbose=0)
+
+
+def test_plan_and_options_together_are_rejected():
+  model = _mlp()
+  plan = partition.plan_stages(model, 2)
+  with pytest.raises(ValueError, match=r"either plan=.* or num_stages"):
+    StagedModel.from_model(model, plan, num_stages=2)

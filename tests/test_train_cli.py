@@ -1,0 +1,108 @@
+"""`python -m tfmgpu.train`: in-process with flagsaver, and real subprocesses."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+from absl import flags
+from absl.testing import flagsaver
+import pytest
+
+from tfmgpu import train
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+
+
+@pytest.fixture(autouse=True)
+def parsed_flags():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def test_main_in_process_trains_and_saves(tmp_path, capsys):
+  with flagsaver.flagsaver(strategy="mirrored", num_replicas=2, epochs=1,
+                           steps_per_epoch=5, model_dir=str(tmp_path),
+                           verbose=0):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"replicas\s+2 on /device:CPU:0, /device:CPU:1", out)
+  assert re.search(r"test loss / accuracy\s+\d\.\d+ / 0\.\d+", out)
+  assert (tmp_path / "model.keras").exists()
+  assert (tmp_path / "checkpoints" / "checkpoint").exists()
+
+
+def test_config_errors_become_usage_errors():
+  from absl import app
+  with flagsaver.flagsaver(strategy="mirrored", dataset="npz", data_path=None):
+    with pytest.raises(app.UsageError, match=r"dataset='npz' needs data_path"):
+      train.main(["train"])
+
+
+def test_library_errors_exit_1_with_the_message(capsys):
+  with flagsaver.flagsaver(strategy="mirrored", num_gpus=2, verbose=0):
+    assert train.main(["train"]) == 1
+  assert "num_gpus=2 but this machine has 0 GPU(s)" in capsys.readouterr().err
+
+
+def test_help_and_flag_errors_answer_before_tensorflow_loads():
+  code = ("import sys, tfmgpu.train, tfmgpu.config;"
+          "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=60, check=True)
+  assert out.stdout.split() == ["False", "False"]
+  start = time.perf_counter()
+  bad = subprocess.run([sys.executable, "-m", "tfmgpu.train", "--strategy=bogus"],
+                       capture_output=True, text=True, timeout=60, check=False)
+  assert bad.returncode == 1
+  assert "value should be one of" in bad.stderr and "mirrored" in bad.stderr
+  indivisible = subprocess.run(
+      [sys.executable, "-m", "tfmgpu.train", "--virtual_devices=4",
+       "--global_batch_size=30"], capture_output=True, text=True, timeout=60,
+      check=False)
+  assert indivisible.returncode == 1
+  assert "--global_batch_size=30 is not divisible by the 4 replicas" in (
+      indivisible.stderr)
+  assert time.perf_counter() - start < 20
+
+
+def test_flagfile(tmp_path):
+  flagfile = tmp_path / "run.flags"
+  flagfile.write_text("--strategy=one_device\n--global_batch_size=33\n")
+  flags.FLAGS(["train", f"--flagfile={flagfile}"])
+  try:
+    config = train.config_from_flags()
+    assert (config.strategy, config.global_batch_size) == ("one_device", 33)
+  finally:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS.mark_as_parsed()
+
+
+@pytest.mark.slow
+def test_readme_command_reaches_the_accuracy(tmp_path):
+  """Acceptance: mirrored over 2 virtual devices, 5 epochs, >= 0.93, < 2 min."""
+  start = time.perf_counter()
+  out = subprocess.run(
+      [sys.executable, "-m", "tfmgpu.train", "--strategy=mirrored",
+       "--virtual_devices=2", "--epochs=5", f"--model_dir={tmp_path}",
+       "--verbose=0"], capture_output=True, text=True, timeout=300, env=ENV,
+      check=False)
+  seconds = time.perf_counter() - start
+  assert out.returncode == 0, out.stderr[-3000:]
+  accuracy = float(re.search(r"test loss / accuracy\s+[\d.]+ / ([\d.]+)",
+                             out.stdout).group(1))
+  assert accuracy >= 0.93, out.stdout
+  assert "2 on /device:CPU:0, /device:CPU:1" in out.stdout
+  assert seconds < 120, seconds
+
+
+@pytest.mark.slow
+def test_one_cpu_logs_how_to_simulate_more(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "tfmgpu.train", "--strategy=mirrored",
+       "--epochs=1", "--steps_per_epoch=3", f"--model_dir={tmp_path}",
+       "--verbose=0"], capture_output=True, text=True, timeout=300, env=ENV,
+      check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "--virtual_devices=N" in out.stderr
