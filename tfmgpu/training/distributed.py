@@ -21,24 +21,65 @@ def _reduce_sum(strategy: tf.distribute.Strategy, per_replica):
           for k, v in per_replica.items()}
 
 
-def make_train_function(strategy: tf.distribute.Strategy, step: StepFn
-                        ) -> Callable[..., dict[str, tf.Tensor]]:
-  """Returns `train(iterator, num_steps) -> summed results of num_steps steps`.
+class _ReplicaSums:
+  """Per-replica running sums that are read (SUM over replicas) once per call.
 
-  `num_steps` is a tensor argument, so changing it (e.g. the last, shorter
-  call of an epoch) does not retrace.
+  Accumulating in replica-local (`ON_READ`) variables means a multi-step
+  call adds no cross-device traffic for its metrics: only the gradients are
+  all-reduced at every step.
   """
 
-  def one_step(iterator):
-    x, y = next(iterator)
-    return _reduce_sum(strategy, strategy.run(step, args=(x, y)))
+  def __init__(self, strategy: tf.distribute.Strategy, keys):
+    with strategy.scope():
+      self.vars = {k: tf.Variable(
+          0.0, trainable=False, name=f"sum_{k}",
+          synchronization=tf.VariableSynchronization.ON_READ,
+          aggregation=tf.VariableAggregation.SUM) for k in keys}
+
+  def reset(self):
+    for v in self.vars.values():
+      v.assign(tf.zeros_like(v))
+
+  def add(self, values):
+    for k, v in self.vars.items():
+      v.assign_add(tf.cast(values[k], tf.float32))
+
+  def read(self):
+    return {k: v.read_value() for k, v in self.vars.items()}
+
+
+TRAIN_KEYS = ("loss", "correct", "count", "non_finite")
+
+
+def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
+                        check_fn: Callable[[], tf.Tensor] | None = None
+                        ) -> Callable[..., dict[str, tf.Tensor]]:
+  """Returns `train(iterator, num_steps) -> sums over num_steps steps`.
+
+  `num_steps` is a tensor argument, so changing it (e.g. the last, shorter
+  call of an epoch) does not retrace. Per-replica results are summed in
+  replica-local variables and reduced once at the end of the call.
+
+  Args:
+    strategy: the strategy the step runs under.
+    step: per-replica `step(x, y) -> dict` with the keys of `TRAIN_KEYS`.
+    check_fn: run once at the end of each call in cross-replica context; its
+      result is added to `non_finite` (e.g. a check that weights are finite).
+  """
+  sums = _ReplicaSums(strategy, TRAIN_KEYS)
+
+  def replica_step(x, y):
+    sums.add(step(x, y))
 
   @tf.function
   def train(iterator, num_steps):
-    totals = one_step(iterator)
-    for _ in tf.range(num_steps - 1):
-      out = one_step(iterator)
-      totals = {k: totals[k] + out[k] for k in totals}
+    strategy.run(sums.reset)
+    for _ in tf.range(num_steps):
+      x, y = next(iterator)
+      strategy.run(replica_step, args=(x, y))
+    totals = sums.read()
+    if check_fn is not None:
+      totals["non_finite"] += tf.cast(check_fn(), tf.float32)
     return totals
 
   return train

@@ -173,7 +173,8 @@ class Trainer:
           self.model, self.optimizer, global_batch_size=global_batch_size,
           loss=self.loss, jit_compile=self.jit_compile)
       self._train_fns[global_batch_size] = distributed.make_train_function(
-          self.strategy, step)
+          self.strategy, step,
+          check_fn=lambda: step_lib.non_finite_weights(self.model))
     return self._train_fns[global_batch_size]
 
   def _checkpoints(self) -> ckpt_lib.Checkpointer | None:
@@ -288,7 +289,7 @@ class Trainer:
         if not math.isfinite(step_loss) or float(out["non_finite"]):
           first = epoch * steps_per_epoch + done + 1
           what = (step_loss if not math.isfinite(step_loss) else
-                  f"non-finite (loss {step_loss:.4g} but NaN/inf gradients)")
+                  f"non-finite (loss {step_loss:.4g} but NaN/inf weights)")
           raise NonFiniteLossError(
               f"Loss became {what} at step {first}"
               + (f"-{first + n - 1}" if n > 1 else "")

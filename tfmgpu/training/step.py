@@ -70,7 +70,7 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 
   Returns:
     `step(x, y) -> {"loss": mean loss share, "correct": count, "count": n,
-    "non_finite": NaN/inf values seen}`,
+    "non_finite": 1 if the loss is NaN/inf}`,
     to be called once per replica inside `strategy.run`.
   """
   per_example = per_example_loss_fn(loss)
@@ -103,25 +103,20 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return {"loss": loss_value, "correct": correct_count(y, y_pred),
             "count": tf.cast(tf.shape(y_pred)[0], tf.float32),
-            "non_finite": non_finite_count(
-                loss_value, None if scaling else grads)}
+            "non_finite": tf.cast(~tf.math.is_finite(loss_value), tf.float32)}
 
   return step
 
 
-def non_finite_count(loss_value: tf.Tensor, grads) -> tf.Tensor:
-  """1.0 per NaN/inf among the loss and the gradients' global norm, else 0.
+def non_finite_weights(model: keras.Model) -> tf.Tensor:
+  """Number of trainable variables holding a NaN or inf (0 when healthy).
 
-  Gradients are checked because a finite loss can hide a diverged model
-  (on CPU, graph-mode ReLU maps NaN to 0, so NaN weights can still give
-  finite logits). Loss-scaled float16 steps skip non-finite gradients by
-  design, so the caller passes `grads=None` for them.
+  Checked once per `tf.function` call because a finite loss can hide a
+  diverged model: on CPU, graph-mode ReLU maps NaN to 0, so NaN weights can
+  still give finite logits and loss.
   """
-  bad = tf.cast(~tf.math.is_finite(loss_value), tf.float32)
-  if grads is not None:
-    norm = tf.linalg.global_norm([g for g in grads if g is not None])
-    bad += tf.cast(~tf.math.is_finite(norm), tf.float32)
-  return bad
+  return tf.add_n([tf.cast(~tf.reduce_all(tf.math.is_finite(v)), tf.float32)
+                   for v in model.trainable_variables])
 
 
 def make_eval_step(model: keras.Model, *, loss: Any = None

@@ -1,0 +1,206 @@
+"""Side-by-side training throughput: tfmgpu's loop against its peers.
+
+Every path trains the same model (same initial weights), on the same data,
+under the same strategy and global batch, in one process, and is timed per
+step *call* after a warm-up, so tracing is excluded. Figures are ratios
+measured in one run; on a CPU split into logical devices they measure
+overhead, not multi-GPU speed-up.
+
+Paths:
+  * `tfmgpu`: `Trainer.fit` (strategy.run + reduce in tf.function).
+  * `keras_fit`: Keras `model.fit`, timed per batch with a callback.
+  * `tutorial`: the plain `strategy.run` loop of TF's custom-training
+    tutorial (one step per `tf.function` call, Python iteration).
+  * `floor`: a single-device `tf.function` step with no strategy at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmgpu import data as data_lib
+from tfmgpu import models as models_lib
+from tfmgpu.training import step as step_lib
+from tfmgpu.training.loop import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Median time per optimizer step of one path."""
+  path: str
+  ms_per_step: float
+  global_batch_size: int
+
+  @property
+  def examples_per_sec(self) -> float:
+    return self.global_batch_size / (self.ms_per_step / 1e3)
+
+
+def _build(strategy, model_name, arrays, seed):
+  with strategy.scope():
+    return models_lib.build_model(model_name, input_shape=arrays.input_shape,
+                                  num_classes=arrays.num_classes, seed=seed)
+
+
+class _BatchTimer(keras.callbacks.Callback):
+  """Records the wall time between consecutive `on_train_batch_end` calls."""
+
+  def __init__(self):
+    super().__init__()
+    self.times: list[float] = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.times.append(time.perf_counter())
+
+
+def _median_step_ms(stamps: list[float], steps_per_call: int, skip: int) -> float:
+  gaps = np.diff(stamps)[skip:]
+  if not len(gaps):
+    raise ValueError("too few timed calls; raise steps.")
+  return float(statistics.median(gaps)) * 1e3 / steps_per_call
+
+
+def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
+                steps: int, steps_per_execution: int = 1, seed: int = 0,
+                jit_compile: bool = False, warmup: int = 2) -> Timing:
+  """Times `Trainer.fit`, per call of `steps_per_execution` steps."""
+  model = _build(strategy, model_name, arrays, seed)
+  stamps: list[float] = []
+
+  class Stamp(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      stamps.append(time.perf_counter())
+
+  trainer = Trainer(model, strategy=strategy, steps_per_execution=
+                    steps_per_execution, jit_compile=jit_compile, verbose=0,
+                    callbacks=[Stamp()])
+  trainer.fit(arrays.x_train, arrays.y_train, epochs=1,
+              global_batch_size=global_batch_size, steps_per_epoch=steps,
+              seed=seed)
+  return Timing("tfmgpu", _median_step_ms(stamps, steps_per_execution, warmup),
+                global_batch_size)
+
+
+def time_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
+                   steps: int, steps_per_execution: int = 1, seed: int = 0,
+                   warmup: int = 2) -> Timing:
+  """Times Keras `model.fit` per batch callback (not by wall-clocking fit)."""
+  model = _build(strategy, model_name, arrays, seed)
+  with strategy.scope():
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  metrics=["accuracy"], steps_per_execution=steps_per_execution)
+  timer = _BatchTimer()
+  n = steps * global_batch_size
+  ds = tf.data.Dataset.from_tensor_slices(
+      (arrays.x_train[:n], arrays.y_train[:n])).batch(
+          global_batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  model.fit(ds, epochs=1, verbose=0, callbacks=[timer])
+  return Timing("keras_fit", _median_step_ms(timer.times, steps_per_execution,
+                                             warmup), global_batch_size)
+
+
+def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
+                       steps: int, seed: int = 0, warmup: int = 2) -> Timing:
+  """Times the custom loop of TF's distributed training tutorial."""
+  model = _build(strategy, model_name, arrays, seed)
+  with strategy.scope():
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)
+  loss_obj = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction="none")
+
+  def replica_step(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.nn.compute_average_loss(loss_obj(y, model(x, training=True)),
+                                        global_batch_size=global_batch_size)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  @tf.function
+  def distributed_step(x, y):
+    per_replica = strategy.run(replica_step, args=(x, y))
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+  n = steps * global_batch_size
+  ds = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices(
+          (arrays.x_train[:n], arrays.y_train[:n])).batch(
+              global_batch_size, drop_remainder=True).prefetch(
+                  tf.data.AUTOTUNE))
+  stamps = []
+  for x, y in ds:
+    float(distributed_step(x, y))  # Read the loss, as fit and tfmgpu do.
+    stamps.append(time.perf_counter())
+  return Timing("tutorial", _median_step_ms(stamps, 1, warmup),
+                global_batch_size)
+
+
+def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
+               steps_per_execution: int = 1, seed: int = 0,
+               warmup: int = 2) -> Timing:
+  """A bare single-device `tf.function` loop: the cost floor."""
+  model = models_lib.build_model(model_name, input_shape=arrays.input_shape,
+                                 num_classes=arrays.num_classes, seed=seed)
+  optimizer = keras.optimizers.Adam(1e-3)
+  optimizer.build(model.trainable_variables)
+  per_example = step_lib.per_example_loss_fn(None)
+
+  @tf.function
+  def train(iterator, num_steps):
+    total = tf.constant(0.0)
+    for _ in tf.range(num_steps):
+      x, y = next(iterator)
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(per_example(y, model(x, training=True)))
+      grads = tape.gradient(loss, model.trainable_variables)
+      optimizer.apply_gradients(zip(grads, model.trainable_variables))
+      total += loss
+    return total
+
+  n = steps * global_batch_size
+  it = iter(tf.data.Dataset.from_tensor_slices(
+      (arrays.x_train[:n], arrays.y_train[:n])).batch(
+          global_batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+  stamps = []
+  for _ in range(steps // steps_per_execution):
+    float(train(it, tf.constant(steps_per_execution)))
+    stamps.append(time.perf_counter())
+  return Timing("floor", _median_step_ms(stamps, steps_per_execution, warmup),
+                global_batch_size)
+
+
+PATHS: dict[str, Callable[..., Timing]] = {
+    "tfmgpu": time_tfmgpu,
+    "keras_fit": time_keras_fit,
+    "tutorial": time_tutorial_loop,
+}
+
+
+def compare(strategy, model_name: str, arrays: data_lib.Arrays, *,
+            global_batch_size: int, steps: int, steps_per_execution: int = 1,
+            rounds: int = 2, paths=("tfmgpu", "keras_fit")
+            ) -> dict[str, Timing]:
+  """Times each path `rounds` times, interleaved; keeps each path's best round.
+
+  Interleaving spreads any drift of the machine over all paths equally.
+  """
+  best: dict[str, Timing] = {}
+  for _ in range(rounds):
+    for path in paths:
+      kwargs = dict(global_batch_size=global_batch_size, steps=steps)
+      if path != "tutorial":
+        kwargs["steps_per_execution"] = steps_per_execution
+      t = PATHS[path](strategy, model_name, arrays, **kwargs)
+      if path not in best or t.ms_per_step < best[path].ms_per_step:
+        best[path] = t
+  return best
