@@ -46,24 +46,29 @@ class StrategyEntry:
     builder: for data-parallel names, `builder(**options)` returns a
       `tf.distribute.Strategy`; for placements, `None`.
     needs: what it needs to run, for the docs' strategy table.
+    joins_cluster: the strategy reads a cluster (TF_CONFIG or SLURM) and
+      must be created before TensorFlow's runtime starts in the process.
   """
   name: str
   description: str
   kind: Kind
   builder: Callable[..., tf.distribute.Strategy] | None
   needs: str = ""
+  joins_cluster: bool = False
 
 
 _REGISTRY: dict[str, StrategyEntry] = {}
 
 
 def register_strategy(name: str, description: str, *,
-                      kind: Kind = Kind.DATA_PARALLEL, needs: str = ""):
+                      kind: Kind = Kind.DATA_PARALLEL, needs: str = "",
+                      joins_cluster: bool = False):
   """Decorator (or plain call with `builder=None`) that registers a name."""
   def decorate(builder):
     if name in _REGISTRY:
       raise ValueError(f"strategy name {name!r} is already registered.")
-    _REGISTRY[name] = StrategyEntry(name, description, kind, builder, needs)
+    _REGISTRY[name] = StrategyEntry(name, description, kind, builder, needs,
+                                    joins_cluster)
     return builder
   return decorate
 
@@ -311,10 +316,20 @@ COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
 
 @register_strategy("multi_worker_mirrored", "Synchronous data parallelism "
                    "across hosts on TF's collective runtime (TF_CONFIG or SLURM).",
-                   needs="TF_CONFIG or a SLURM job; one process per host")
+                   needs="TF_CONFIG or a SLURM job; one process per host",
+                   joins_cluster=True)
 def _multi_worker_mirrored(communication: str = "auto",
                            cluster_resolver: str | Any = "tf_config",
                            ) -> tf.distribute.Strategy:
+  """MultiWorkerMirroredStrategy over the cluster of `cluster_resolver`.
+
+  Create it before any other TensorFlow work in the process (it configures
+  collective ops, which TF allows only at program startup). Train with
+  `tfmgpu.training.loop.Trainer`: Keras 3.15 `model.fit` is broken under
+  this strategy (keras-team/keras#20585). On CPU-only hosts TF uses one
+  replica per worker (CPU:0), whatever `--virtual_devices` says; GPUs give
+  one replica per (logical) GPU.
+  """
   if communication not in COMMUNICATION_CHOICES:
     raise ValueError(f"communication={communication!r} is unknown. Choose one of "
                      f"{', '.join(COMMUNICATION_CHOICES)}.")
@@ -325,17 +340,41 @@ def _multi_worker_mirrored(communication: str = "auto",
       implementation=getattr(
           tf.distribute.experimental.CommunicationImplementation,
           communication.upper()))
-  return tf.distribute.MultiWorkerMirroredStrategy(
-      cluster_resolver=_resolver(cluster_resolver),
-      communication_options=options)
+  resolver = _resolver(cluster_resolver)
+  try:
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=resolver, communication_options=options)
+  except RuntimeError as e:
+    if "program startup" not in str(e):
+      raise
+    raise RuntimeError(
+        "strategy 'multi_worker_mirrored' must be created before TensorFlow "
+        "starts its runtime in this process: it configures collective ops for "
+        f"the cluster (task {resolver.task_type}:{resolver.task_id}), which TF "
+        f"allows only at program startup ({e}). Create it first, right after "
+        "tfmgpu.configure_devices(...) and before any other TF op "
+        "(tfmgpu.experiment.run_training does this); in a notebook, restart "
+        "the kernel.") from e
+  if strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
+    logging.info("multi_worker_mirrored: train with tfmgpu's Trainer; Keras "
+                 "3.15 model.fit is broken under this strategy "
+                 "(keras-team/keras#20585).")
+  return strategy
 
 
 @register_strategy("parameter_server", "Asynchronous training with variables on "
                    "parameter servers, driven by a coordinator.",
-                   needs="a cluster with 'ps' and 'worker' jobs (TF_CONFIG)")
+                   needs="a cluster with 'ps' and 'worker' jobs (TF_CONFIG)",
+                   joins_cluster=True)
 def _parameter_server(cluster_resolver: str | Any = "tf_config",
                       variable_shards: int | None = None,
                       ) -> tf.distribute.Strategy:
+  """ParameterServerStrategy, for the coordinator (the "chief" task).
+
+  The "ps" and "worker" tasks only run servers (`tfmgpu.cluster.run_server`).
+  Keras 3 `model.fit` does not support this strategy: train with
+  `tfmgpu.training.parameter_server.ParameterServerTrainer`.
+  """
   resolver = _resolver(cluster_resolver)
   spec = resolver.cluster_spec().as_dict()
   missing = [j for j in ("ps", "worker") if not spec.get(j)]
@@ -378,3 +417,19 @@ def _tpu(tpu: str = "") -> tf.distribute.Strategy:
         "Run on a TPU VM or pass tpu='<name>'; on other machines use "
         "'mirrored'.") from e
   return tf.distribute.TPUStrategy(resolver)
+
+
+# -------------------------------------------------- placements (the model is split)
+# Implemented in tfmgpu.parallel; training and inference dispatch on the name.
+
+register_placement(
+    "model_parallel",
+    "Model parallelism: consecutive layer stages on separate devices, each "
+    "stage's forward and backward on its own device (StagedModel).",
+    needs="2+ devices (GPUs, or logical CPUs for testing) and a chain-like "
+    "Sequential/functional model")
+register_placement(
+    "branch_parallel",
+    "Parallel sub-models (towers, ensemble members) on separate devices on "
+    "the same input, outputs combined (BranchParallel).",
+    needs="one device per branch (GPUs, or logical CPUs for testing)")

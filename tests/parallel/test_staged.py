@@ -260,6 +260,8 @@ def test_each_device_holds_only_its_stage_weights_and_slots(cpu_devices):
   model = _mlp()
   staged = StagedModel.from_model(model, num_stages=3, devices=cpu_devices[1:])
   staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  x, y = _data(model)
+  staged.fit(x, y, batch_size=BATCH, verbose=0)  # Slots exist after fit.
   optimizer = staged.optimizer
   held = collections.defaultdict(set)
   nbytes = collections.Counter()
@@ -290,7 +292,10 @@ def test_each_device_holds_only_its_stage_weights_and_slots(cpu_devices):
 def test_weights_move_both_ways_with_identical_outputs(tmp_path):
   model = _mlp()
   x, y = _data(model)
+  calls = lambda: [len(l._inbound_nodes) for l in model.layers]  # pylint: disable=protected-access
+  before = calls()
   staged = StagedModel.from_model(model, num_stages=4)
+  assert calls() == before  # Splitting leaves the user's model untouched.
   np.testing.assert_array_equal(staged.predict(x, verbose=0),
                                 model.predict(x, verbose=0))
 

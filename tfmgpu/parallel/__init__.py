@@ -1,19 +1,36 @@
-"""How a model is spread over devices: stage plans, staged models, pipelines, branches."""
+"""How a model is spread over devices: stage plans, staged models, pipelines, branches.
 
-from tfmgpu import strategies as _strategies
-from tfmgpu.parallel.branches import BranchParallel
-from tfmgpu.parallel.partition import StagePlan
-from tfmgpu.parallel.partition import plan_stages
-from tfmgpu.parallel.staged import StagedModel
+Its placement names ("model_parallel", "branch_parallel", "pipeline") are
+registered in `tfmgpu.strategies`, the one list of names. Importing this
+package does not import TensorFlow: the public names below resolve on first
+use, like `tfmgpu`'s own.
+"""
 
-_strategies.register_placement(
-    "model_parallel",
-    "Model parallelism: consecutive layer stages on separate devices, each "
-    "stage's forward and backward on its own device (StagedModel).",
-    needs="2+ devices (GPUs, or logical CPUs for testing) and a chain-like "
-    "Sequential/functional model")
-_strategies.register_placement(
-    "branch_parallel",
-    "Parallel sub-models (towers, ensemble members) on separate devices on "
-    "the same input, outputs combined (BranchParallel).",
-    needs="one device per branch (GPUs, or logical CPUs for testing)")
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BranchParallel": "tfmgpu.parallel.branches",
+    "StagePlan": "tfmgpu.parallel.partition",
+    "StagedModel": "tfmgpu.parallel.staged",
+    "plan_stages": "tfmgpu.parallel.partition",
+}
+_SUBMODULES = ("branches", "demo_models", "partition", "staged")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  if name in _SUBMODULES:
+    return importlib.import_module(f"tfmgpu.parallel.{name}")
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'tfmgpu.parallel' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(list(globals()) + __all__ + list(_SUBMODULES))

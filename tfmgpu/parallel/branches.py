@@ -139,16 +139,23 @@ class BranchParallel(staged.PerDeviceGradientModel):
     self.built = True
 
   def _make_combine(self, combine, placed):
-    specs = []
+    specs, first = [], None
     for i, b in enumerate(placed):
-      shapes = {tuple(t.shape)[1:] for t in b.inputs}
-      specs.append(b.compute_output_spec(
-          keras.KerasTensor(b.inputs[0].shape, b.inputs[0].dtype)))
-      if i and shapes != {tuple(t.shape)[1:] for t in placed[0].inputs}:
+      try:
+        (spec_in,) = b.inputs
+      except (AttributeError, ValueError, TypeError):
         raise ValueError(
-            f"branches[{i}] takes inputs of shape {sorted(shapes)} but "
-            f"branches[0] takes {tuple(placed[0].inputs[0].shape)[1:]}; all "
-            "branches get the same input.")
+            f"branches[{i}] ({b.name!r}) must have exactly one symbolic input "
+            "(a Sequential or functional model built from a keras.Input)."
+        ) from None
+      shape = tuple(spec_in.shape)[1:]
+      if first is not None and shape != first:
+        raise ValueError(
+            f"branches[{i}] takes inputs of shape {shape} but branches[0] "
+            f"takes {first}; all branches get the same input.")
+      first = shape
+      specs.append(b.compute_output_spec(
+          keras.KerasTensor(spec_in.shape, spec_in.dtype)))
     if isinstance(combine, str):
       if combine not in _COMBINE:
         raise ValueError(f"combine={combine!r} is unknown; use one of "

@@ -129,7 +129,9 @@ class ModelGraph:
           "shared layer cannot be placed on one stage device. Give each call "
           "its own layer.")
     # Kahn's algorithm, ties broken by the model's own layer order.
-    order = {id(l): i for i, l in enumerate(model.layers)}
+    # Functional models list bare ops (keras.ops.*) in `_operations` only.
+    known = getattr(model, "_operations", None) or model.layers
+    order = {id(l): i for i, l in enumerate(known)}
     producers = {id(t): k for k, n in found.items() for t in n.output_tensors}
     users: dict[int, list[int]] = {k: [] for k in found}
     missing = {}
@@ -197,7 +199,9 @@ class ModelGraph:
 
 def param_bytes(layer: keras.layers.Layer, trainable_only: bool = False) -> int:
   """Bytes of a layer's weights (all of them, or only the trainable ones)."""
-  weights = layer.trainable_weights if trainable_only else layer.weights
+  # Bare ops (keras.ops.* in a functional model) have no weights.
+  weights = (getattr(layer, "trainable_weights", []) if trainable_only
+             else getattr(layer, "weights", []))
   return sum(math.prod(v.shape) * _dtype_size(v.dtype) for v in weights)
 
 

@@ -98,7 +98,7 @@ def backward_on_device(tape: tf.GradientTape, device: str, scope: str, *,
   """
   if not sources or (not outputs and objective is None):
     return [None] * len(sources)
-  with tf.name_scope(scope):
+  with tf.device(device), tf.name_scope(scope):
     targets, seeds = list(outputs), list(output_gradients)
     if objective is not None:
       targets.append(objective)
@@ -168,6 +168,11 @@ class PerDeviceGradientModel(keras.Model):
 
   def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
                                  scale_regularization=None):
+    """Returns `(loss, y_pred, grads)`, each part's backward on its device.
+
+    `grads` follow the order of `self.trainable_variables`; see the
+    subclasses for the arguments.
+    """
     raise NotImplementedError
 
   def compile(self, *args, jit_compile: bool | str = "auto", **kwargs):
@@ -241,17 +246,58 @@ class _ModelSpec:
   config: dict
 
 
-def _copy_layers(src: Callable[[str], keras.layers.Layer],
-                 dst: Callable[[str], keras.layers.Layer],
-                 names: Sequence[str]) -> None:
+def _weighted_layers(models: Sequence[keras.Model]) -> dict[str, Any]:
+  """`{name: layer}` for the layers (not bare ops) of `models` with weights."""
+  return {l.name: l for m in models for l in m.layers if l.weights}
+
+
+def _copy_weights(src: dict[str, Any], dst: dict[str, Any],
+                  names: Sequence[str], what: str) -> None:
   for name in names:
-    source, target = src(name), dst(name)
-    try:
-      target.set_weights(source.get_weights())
-    except ValueError as e:
+    if name not in src or name not in dst:
       raise ValueError(
-          f"cannot copy the weights of layer {name!r}: {e} Are both models "
-          "the same architecture?") from e
+          f"layer {name!r} with weights is missing from the {what} model; "
+          "both models must have the same architecture and layer names.")
+    try:
+      dst[name].set_weights(src[name].get_weights())
+    except ValueError as e:
+      raise ValueError(f"cannot copy the weights of layer {name!r}: {e} Are "
+                       "both models the same architecture?") from e
+
+
+def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
+  """A fresh, unbuilt copy of a layer (nested models are cloned whole)."""
+  if isinstance(layer, keras.Model):
+    try:
+      return keras.models.clone_model(layer, recursive=True)
+    except (ValueError, TypeError):
+      pass  # Subclassed: fall through to its config.
+  try:
+    return layer.__class__.from_config(layer.get_config())
+  except (NotImplementedError, TypeError, ValueError) as e:
+    raise ValueError(
+        f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
+        f"from its config ({e}); give it a get_config() that returns its "
+        "constructor arguments.") from e
+
+
+def _build_stage(graph: partition.ModelGraph, start: int, end: int,
+                 name: str, input_name: str) -> keras.Model:
+  """Replays nodes `start:end` of `graph` with fresh layers, as a model.
+
+  Called under the stage's device scope, so the new variables are created
+  there. The original model is not touched (no new nodes on its layers).
+  """
+  t_in, t_out = graph.boundary(start), graph.boundary(end)
+  new_in = keras.Input(shape=tuple(t_in.shape)[1:], dtype=t_in.dtype,
+                       name=input_name)
+  tensors = {id(t_in): new_in}
+  for node in graph.nodes[start:end]:
+    args, kwargs = node.arguments.fill_in(tensors)
+    outputs = _clone_layer(node.operation)(*args, **kwargs)
+    for old, new in zip(node.output_tensors, tf.nest.flatten(outputs)):
+      tensors[id(old)] = new
+  return keras.Model(new_in, tensors[id(t_out)], name=name)
 
 
 class StagedModel(PerDeviceGradientModel):
@@ -307,14 +353,10 @@ class StagedModel(PerDeviceGradientModel):
               f"plan cuts model {model.name!r} before layer "
               f"{graph.names[pos]!r}, where {len(graph.crossing(pos))} "
               "tensors cross; make the plan with plan_stages.")
-      t_in, t_out = graph.boundary(start), graph.boundary(end)
-      sub = keras.Model(t_in, t_out, name=f"{model.name}_stage_{k}")
       with tf.device(devices[k]):
-        new_in = keras.Input(shape=tuple(t_in.shape)[1:], dtype=t_in.dtype,
-                             name=f"stage_{k}_input")
-        clone = keras.models.clone_model(sub, input_tensors=new_in,
-                                         recursive=True)
-      stages.append(clone)
+        stages.append(_build_stage(graph, start, end,
+                                   f"{model.name}_stage_{k}",
+                                   f"stage_{k}_input"))
     self.plan = plan
     self.stage_devices = tuple(devices)
     self.stages = stages
@@ -424,16 +466,15 @@ class StagedModel(PerDeviceGradientModel):
 
   # ---------------------------------------------------------------- weights
 
-  def _stage_layer(self, name: str) -> keras.layers.Layer:
-    return self.stages[self.plan.stage_of(name)].get_layer(name)
-
   def load_from(self, unsplit: keras.Model) -> None:
     """Copies the weights of the unsplit model into the stages."""
-    _copy_layers(unsplit.get_layer, self._stage_layer, self.plan.layer_names)
+    mine = _weighted_layers(self.stages)
+    _copy_weights(_weighted_layers([unsplit]), mine, list(mine), "unsplit")
 
   def copy_weights_to(self, unsplit: keras.Model) -> None:
     """Copies the stages' weights into an unsplit model of the same architecture."""
-    _copy_layers(self._stage_layer, unsplit.get_layer, self.plan.layer_names)
+    mine = _weighted_layers(self.stages)
+    _copy_weights(mine, _weighted_layers([unsplit]), list(mine), "unsplit")
 
   def to_unsplit(self, *, device: str | None = None,
                  custom_objects: dict[str, Any] | None = None) -> keras.Model:
