@@ -95,10 +95,57 @@ def _replicated(config: TrainConfig, build: Callable[[], keras.Model]
   return Placement(strategy, devices, model)
 
 
-# Placements (model/pipeline/branch parallel) register their builder here,
-# from tfmgpu.parallel, keyed by strategy name.
+def _build_unsplit(build: Callable[[], keras.Model]) -> keras.Model:
+  # The whole model exists once on the host, then each stage is rebuilt on
+  # its own device; building it on GPU:0 would defeat the split.
+  with tf.device("/cpu:0"):
+    return build()
+
+
+def plan_for(config: TrainConfig, model: keras.Model):
+  """The `StagePlan` that `config` asks for (num_stages, partition, split)."""
+  from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
+  split = list(config.split_points) if config.split_points else None
+  stages = len(split) + 1 if split else config.num_stages
+  return partition.plan_stages(model, stages, criterion=config.partition,
+                               split_points=split)
+
+
+def _staged(config: TrainConfig, build: Callable[[], keras.Model]) -> Placement:
+  from tfmgpu.parallel import staged  # pylint: disable=g-import-not-at-top
+  model = _build_unsplit(build)
+  plan = plan_for(config, model)
+  return Placement(tf.distribute.get_strategy(), list(plan.devices),
+                   staged.StagedModel(model, plan), plan)
+
+
+def _branches(config: TrainConfig, build: Callable[[], keras.Model]
+              ) -> Placement:
+  """`num_stages` independently initialised members, averaged (an ensemble)."""
+  from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
+  devices = devices_lib.accelerator_devices()
+  if config.num_stages > len(devices):
+    raise ValueError(
+        f"branch_parallel with num_stages={config.num_stages} needs one device "
+        f"per branch but only {len(devices)} exist ({', '.join(devices)}). "
+        "Use --virtual_devices or fewer branches.")
+  members = []
+  for i in range(config.num_stages):
+    keras.utils.set_random_seed(config.seed + i)
+    members.append(_build_unsplit(build))
+  model = branches.BranchParallel(members, devices=devices[:config.num_stages],
+                                  combine="mean")
+  return Placement(tf.distribute.get_strategy(), devices[:config.num_stages],
+                   model)
+
+
+# How each placement name builds its model: the registry of strategies says
+# which names exist; this says how to train them.
 PLACEMENT_BUILDERS: dict[str, Callable[[TrainConfig, Callable[[], keras.Model]],
-                                       Placement]] = {}
+                                       Placement]] = {
+    "model_parallel": _staged,
+    "branch_parallel": _branches,
+}
 
 
 def place_model(config: TrainConfig, build: Callable[[], keras.Model]
@@ -106,11 +153,37 @@ def place_model(config: TrainConfig, build: Callable[[], keras.Model]
   """Builds the model where `config.strategy` puts it."""
   if not config.is_placement:
     return _replicated(config, build)
-  import tfmgpu.parallel  # pylint: disable=g-import-not-at-top,unused-import  (registers builders)
   if config.strategy not in PLACEMENT_BUILDERS:
     raise ValueError(f"strategy {config.strategy!r} has no training placement "
                      f"yet. Available: {', '.join(PLACEMENT_BUILDERS)}.")
   return PLACEMENT_BUILDERS[config.strategy](config, build)
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.2f} MiB"
+
+
+def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
+                  ) -> str:
+  """The stage plan and per-device memory estimate, without training."""
+  devices_lib.configure_virtual_devices(config.virtual_devices)
+  if arrays is None:
+    arrays = data_lib.load_dataset(config.dataset, **config.dataset_options())
+  model = _build_unsplit(lambda: models_lib.build_model(
+      config.model, input_shape=arrays.input_shape,
+      num_classes=arrays.num_classes, seed=config.seed))
+  plan = plan_for(config, model)
+  per_replica = config.global_batch_size
+  lines = [str(plan), "",
+           f"Estimated memory per device (batch {per_replica}, "
+           f"{config.optimizer} slots):"]
+  for device, est in plan.memory_estimate(
+      per_replica, optimizer=config.optimizer).items():
+    lines.append(
+        f"  {device}: {_mib(est.total)} total = weights {_mib(est.weights)} "
+        f"+ gradients {_mib(est.gradients)} + optimizer slots "
+        f"{_mib(est.optimizer_slots)} + activations {_mib(est.activations)}")
+  return "\n".join(lines)
 
 
 def run_training(config: TrainConfig, *,

@@ -130,3 +130,19 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, *,
   stack += [layers.Dense(width, activation="relu", name=f"dense{i}")
             for i in range(depth)]
   return keras.Sequential(stack + [_logits(num_classes)], name="mlp")
+
+
+@register_model("deep_mlp", "Eight hidden layers of 256 units: deep enough "
+                "to split into 2-8 stages (model/pipeline parallelism).")
+def deep_mlp(input_shape: tuple[int, ...], num_classes: int, **options
+             ) -> "keras.Model":
+  from tfmgpu.parallel import demo_models  # pylint: disable=g-import-not-at-top
+  return demo_models.deep_mlp(input_shape, num_classes, **options)
+
+
+@register_model("small_resnet", "A small convolutional ResNet (residual "
+                "blocks are never cut inside).")
+def small_resnet(input_shape: tuple[int, ...], num_classes: int, **options
+                 ) -> "keras.Model":
+  from tfmgpu.parallel import demo_models  # pylint: disable=g-import-not-at-top
+  return demo_models.small_resnet(input_shape, num_classes, **options)

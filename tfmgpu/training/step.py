@@ -83,9 +83,16 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
   def grads_fn(x, y):
     variables = model.trainable_variables
     if hasattr(model, "compute_loss_and_gradients"):
-      loss_value, y_pred, grads = model.compute_loss_and_gradients(
-          x, y, scaled_loss)
-      return loss_value, y_pred, grads
+      # The model runs each part's backward on that part's device.
+      def objective(y_true, y_pred):
+        value = scaled_loss(y_true, y_pred)
+        return optimizer.scale_loss(value) if scaling else value
+      total, y_pred, grads = model.compute_loss_and_gradients(
+          x, y, objective,
+          scale_regularization=optimizer.scale_loss if scaling else None)
+      if scaling:
+        total = total / optimizer.scale_loss(tf.constant(1.0))
+      return total, y_pred, grads
     with tf.GradientTape() as tape:
       y_pred = model(x, training=True)
       loss_value = scaled_loss(y, y_pred)
@@ -96,6 +103,11 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     return loss_value, y_pred, tape.gradient(target, variables)
 
   if jit_compile:
+    if hasattr(model, "compute_loss_and_gradients"):
+      raise ValueError(
+          f"jit_compile=True is not supported for {type(model).__name__}: XLA "
+          "cannot compile one step whose variables live on several devices. "
+          "Use jit_compile=False.")
     grads_fn = tf.function(grads_fn, jit_compile=True)
 
   def step(x, y):
