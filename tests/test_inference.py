@@ -1,0 +1,175 @@
+"""Multi-device inference: every placement gives single-device predictions."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from absl import flags
+from absl.testing import flagsaver
+import keras
+import numpy as np
+import pytest
+
+import tfmgpu
+from tfmgpu import data, inference, models
+from tfmgpu.parallel import branches, partition, staged
+
+ROWS = 1001  # Not a multiple of any batch size or replica count used here.
+
+
+@pytest.fixture(scope="module")
+def rows():
+  return data.load_dataset("digits").x_train[:ROWS]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return models.build_model("convnet", input_shape=(28, 28, 1),
+                            num_classes=10, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model, rows):
+  return model.predict(rows, batch_size=128, verbose=0)
+
+
+@pytest.mark.parametrize("strategy", [
+    "default", "one_device",
+    pytest.param(lambda: tfmgpu.get_strategy("mirrored", num_replicas=2),
+                 id="mirrored2"),
+    pytest.param(lambda: tfmgpu.get_strategy("mirrored", num_replicas=4),
+                 id="mirrored4"),
+])
+@pytest.mark.parametrize("batch_size,steps_per_execution", [(64, 1), (96, 4)])
+def test_data_parallel_equals_single_device(model, rows, reference, strategy,
+                                            batch_size, steps_per_execution):
+  strategy = strategy() if callable(strategy) else strategy
+  got = inference.predict(model, rows, strategy=strategy, batch_size=batch_size,
+                          steps_per_execution=steps_per_execution)
+  assert got.shape == (ROWS, 10) and got.dtype == np.float32
+  np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_model_built_in_strategy_scope_is_used_in_place(rows, reference, model):
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=4)
+  with strategy.scope():
+    replicated = keras.models.clone_model(model)
+    replicated.set_weights(model.get_weights())
+  predictor = inference.Predictor(replicated, batch_size=64)
+  assert predictor.runner is replicated  # No copy: its own strategy.
+  assert predictor.strategy.num_replicas_in_sync == 4
+  np.testing.assert_allclose(predictor.predict(rows), reference, rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_model_parallel_equals_single_device(model, rows, reference, num_stages):
+  split = staged.StagedModel(model, partition.plan_stages(model, num_stages))
+  got = inference.predict(split, rows, batch_size=64)
+  np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_branch_parallel_equals_members_one_after_the_other(rows, model):
+  other = models.build_model("convnet", input_shape=(28, 28, 1),
+                             num_classes=10, seed=2)
+  side_by_side = branches.BranchParallel([model, other], combine="mean")
+  expected = (model.predict(rows, verbose=0) + other.predict(rows, verbose=0)) / 2
+  got = inference.predict(side_by_side, rows, batch_size=64)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reduced_precision_outputs_float32(model, rows, reference):
+  got = inference.predict(model, rows, strategy="mirrored", precision="bfloat16")
+  assert got.dtype == np.float32
+  np.testing.assert_allclose(got, reference, atol=0.05)
+  assert np.mean(np.argmax(got, -1) == np.argmax(reference, -1)) > 0.98
+
+
+def test_train_split_serve_unsplit_and_the_reverse(tmp_path, rows):
+  x, y = rows[:128], np.arange(128) % 10
+  unsplit = models.build_model("deep_mlp", input_shape=(28, 28, 1),
+                               num_classes=10, seed=0, depth=4, width=32)
+  split = staged.StagedModel(unsplit, partition.plan_stages(unsplit, 2))
+  split.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True))
+  split.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  trained = inference.predict(split, rows)
+  path = str(tmp_path / "served.keras")
+  split.to_unsplit().save(path)
+  served = inference.load_model(path)
+  np.testing.assert_allclose(inference.predict(served, rows), trained,
+                             rtol=1e-5, atol=1e-5)
+  # The reverse: an unsplit model served split.
+  resplit = staged.StagedModel(served, partition.plan_stages(served, 4))
+  np.testing.assert_allclose(inference.predict(resplit, rows), trained,
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_saved_model_loads_in_plain_tensorflow(tmp_path, model, rows, reference):
+  path = inference.export_saved_model(model, str(tmp_path / "sm"))
+  np.save(tmp_path / "x.npy", rows[:7])
+  code = textwrap.dedent(f"""
+      import sys, numpy as np, tensorflow as tf
+      loaded = tf.saved_model.load({path!r})
+      out = loaded.serve(tf.constant(np.load({str(tmp_path / 'x.npy')!r})))
+      assert "tfmgpu" not in sys.modules
+      np.save({str(tmp_path / 'out.npy')!r}, out.numpy())
+  """)
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=180, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference[:7],
+                             rtol=1e-5, atol=1e-5)
+  # And through tfmgpu's own loader.
+  np.testing.assert_allclose(
+      inference.predict(inference.load_model(path), rows), reference,
+      rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_name_the_file_or_shapes(tmp_path, model, rows):
+  with pytest.raises(FileNotFoundError, match=r"model_path='.*missing.keras' "
+                     r"does not exist"):
+    inference.load_model(str(tmp_path / "missing.keras"))
+  other = models.build_model("mlp", input_shape=(28, 28, 1), num_classes=10)
+  wrong = str(tmp_path / "mlp.weights.h5")
+  other.save_weights(wrong)
+  with pytest.raises(ValueError, match=r"weights file '.*mlp.weights.h5' does "
+                     r"not match model 'convnet'"):
+    inference.load_weights(keras.models.clone_model(model), wrong)
+  with pytest.raises(ValueError, match=r"data rows have shape \(8, 8, 1\) but "
+                     r"model 'convnet' expects \(28, 28, 1\)"):
+    inference.predict(model, np.zeros((5, 8, 8, 1), np.float32))
+
+
+@pytest.fixture
+def parsed_flags():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def test_cli_serves_a_trained_model(tmp_path, model, parsed_flags, capsys):
+  from tfmgpu import predict
+  path = str(tmp_path / "m.keras")
+  model.save(path)
+  out = str(tmp_path / "preds.npy")
+  with flagsaver.flagsaver(model_path=[path], strategy="mirrored",
+                           num_replicas=2, output=out, batch_size=96):
+    assert predict.main(["predict"]) == 0
+  printed = capsys.readouterr().out
+  assert "throughput" in printed and "accuracy" in printed
+  x_test = data.load_dataset("digits").x_test
+  np.testing.assert_allclose(np.load(out), model.predict(x_test, verbose=0),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_cli_failure_writes_no_output(tmp_path, model, parsed_flags, capsys):
+  from tfmgpu import predict
+  path = str(tmp_path / "m.keras")
+  model.save(path)
+  out = tmp_path / "preds.npy"
+  with flagsaver.flagsaver(model_path=[path], strategy="default",
+                           dataset="digits8x8", output=str(out)):
+    assert predict.main(["predict"]) == 1
+  assert "data rows have shape (8, 8, 1)" in capsys.readouterr().err
+  assert not out.exists() and not list(tmp_path.glob("*.npy"))

@@ -1,0 +1,365 @@
+"""Multi-device inference: one `predict` for every placement.
+
+* Data parallel (`default`, `one_device`, `mirrored`, ...): the batch is
+  split across replicas; the last partial batch is padded and trimmed, never
+  dropped, so every input row gets exactly one output row, in input order.
+* Placements (staged, pipelined, branch-parallel models) place themselves:
+  they are called batch by batch and route work to their own devices.
+
+Several batches run per `tf.function` call (`steps_per_execution`), inputs
+are prefetched by the strategy's distributed dataset (to the device where
+the platform supports it), and `precision="bfloat16"` / `"float16"`
+computes in reduced precision with float32 outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmgpu import strategies as strategies_lib
+
+PRECISIONS = ("float32", "bfloat16", "float16")
+
+
+def _is_placement(model: Any) -> bool:
+  """Staged/pipelined/branch models carry their own device placement."""
+  return bool(getattr(model, "places_itself", False)
+              or hasattr(model, "compute_loss_and_gradients"))
+
+
+def _built_in(model: keras.Model, strategy: tf.distribute.Strategy) -> bool:
+  v = model.weights[0] if model.weights else None
+  return v is None or strategy.extended.variable_created_in_scope(
+      getattr(v, "value", v))
+
+
+def _clone(model: keras.Model, dtype: str | None = None) -> keras.Model:
+  """A copy of `model` (optionally in another dtype) with the same weights."""
+  if dtype is None:
+    clone = keras.models.clone_model(model)
+  else:
+    config = model.get_config()
+    clone = model.__class__.from_config(_with_dtype(config, dtype))
+  if not clone.built:
+    clone.build(model.input_shape)
+  clone.set_weights(model.get_weights())
+  return clone
+
+
+def _with_dtype(config: Any, dtype: str) -> Any:
+  """Rewrites every layer's `dtype` in a (nested) model config."""
+  if isinstance(config, dict):
+    out = {k: _with_dtype(v, dtype) for k, v in config.items()}
+    if "dtype" in out and isinstance(config.get("dtype"), (str, dict)) and (
+        "name" in config or "units" in config or "filters" in config):
+      out["dtype"] = dtype
+    return out
+  if isinstance(config, list):
+    return [_with_dtype(c, dtype) for c in config]
+  return config
+
+
+def check_input_shape(model: Any, x: np.ndarray) -> None:
+  """Raises a clear error when rows of `x` do not fit the model's input."""
+  expected = getattr(model, "input_shape", None)
+  if expected is None or isinstance(expected, list):
+    return
+  want = tuple(expected[1:])
+  got = tuple(x.shape[1:])
+  if len(want) != len(got) or any(w is not None and w != g
+                                  for w, g in zip(want, got)):
+    raise ValueError(
+        f"data rows have shape {got} but model {getattr(model, 'name', '')!r} "
+        f"expects {want} (input_shape={tuple(expected)}). Reshape the data "
+        "or pick the dataset the model was trained on.")
+
+
+def _resolve_strategy(model, strategy) -> tf.distribute.Strategy:
+  if isinstance(strategy, str):
+    return strategies_lib.get_strategy(strategy)
+  if strategy is not None:
+    return strategy
+  return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+
+
+def _prepare_model(model, strategy, precision: str):
+  """The model to run: cast to `precision`, and replicated under `strategy`."""
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision={precision!r} is unknown. Choose one of "
+                     f"{', '.join(PRECISIONS)}.")
+  if _is_placement(model):
+    if precision != "float32":
+      raise ValueError(f"precision={precision!r} is not supported for placed "
+                       f"model {model.name!r}; use precision='float32'.")
+    return model, tf.distribute.get_strategy()
+  needs_clone = precision != "float32" or not _built_in(model, strategy)
+  if not needs_clone:
+    return model, strategy
+  with strategy.scope():
+    return _clone(model, None if precision == "float32" else precision), strategy
+
+
+class Predictor:
+  """Compiled multi-device prediction for one model and placement.
+
+  Holds the (possibly replicated or reduced-precision) copy of the model and
+  its compiled `tf.function`, so repeated calls do not retrace. `predict()`
+  keeps one per model and options.
+
+  Args:
+    model: a Keras model, or a staged / pipelined / branch-parallel model.
+    strategy: a `tf.distribute.Strategy` or registered name; defaults to the
+      strategy the model was built under. Ignored for placed models.
+    batch_size: global batch per step; rounded up to a multiple of the
+      replica count. Defaults to `1024` (large batches amortise overhead).
+    steps_per_execution: batches per `tf.function` call. Defaults to `4`.
+    precision: `float32`, `bfloat16` or `float16` compute; outputs are
+      always float32.
+  """
+
+  def __init__(self, model: Any, *, strategy: Any = None,
+               batch_size: int = 1024, steps_per_execution: int = 4,
+               precision: str = "float32"):
+    if batch_size < 1 or steps_per_execution < 1:
+      raise ValueError(f"batch_size={batch_size} and steps_per_execution="
+                       f"{steps_per_execution} must be >= 1.")
+    self.model = model
+    self.runner, self.strategy = _prepare_model(
+        model, _resolve_strategy(model, strategy), precision)
+    replicas = self.strategy.num_replicas_in_sync
+    self.batch_size = -(-batch_size // replicas) * replicas
+    self.steps_per_execution = steps_per_execution
+    self._fn = _predict_function(self.runner, self.strategy)
+
+  def predict(self, x: np.ndarray) -> np.ndarray:
+    """Predictions for every row of `x`, in input order (float32 numpy).
+
+    Raises:
+      ValueError: rows that do not fit the model's input.
+    """
+    x = np.asarray(x)
+    check_input_shape(self.model, x)
+    n = len(x)
+    if n == 0:
+      return np.zeros((0,) + tuple(self.model.output_shape[1:]), np.float32)
+    replicas = self.strategy.num_replicas_in_sync
+    # No bigger than needed, so small inputs are not padded to a huge batch.
+    batch = min(self.batch_size, -(-n // replicas) * replicas)
+    steps = -(-n // batch)
+    pad = steps * batch - n
+    if pad:
+      x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(
+        batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    iterator = iter(self.strategy.experimental_distribute_dataset(dataset))
+    outputs, done = [], 0
+    while done < steps:
+      k = min(self.steps_per_execution, steps - done)
+      outputs.append(self._fn(iterator, tf.constant(k)).numpy())
+      done += k
+    return np.concatenate(outputs)[:n].astype(np.float32, copy=False)
+
+
+def _predict_function(model, strategy) -> Callable[..., tf.Tensor]:
+  """`fn(iterator, k)`: k batches' outputs, gathered in replica order."""
+
+  def replica_fn(x):
+    return tf.cast(model(x, training=False), tf.float32)
+
+  @tf.function
+  def run(iterator, k):
+    ta = tf.TensorArray(tf.float32, size=k)
+    for i in tf.range(k):
+      per_replica = strategy.run(replica_fn, args=(next(iterator),))
+      ta = ta.write(i, strategy.gather(per_replica, axis=0))
+    return ta.concat()
+
+  return run
+
+
+_PREDICTORS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def predict(model: Any, x: np.ndarray, *, strategy: Any = None,
+            batch_size: int = 1024, steps_per_execution: int = 4,
+            precision: str = "float32") -> np.ndarray:
+  """Predictions for every row of `x`, in input order, on any placement.
+
+  A final partial batch is padded and trimmed, so no row is dropped or
+  duplicated whatever the batch size and replica count. The compiled
+  function is kept per model and options (see `Predictor`).
+
+  Args:
+    model: a Keras model, or a staged / pipelined / branch-parallel model.
+    x: input rows (numpy).
+    strategy, batch_size, steps_per_execution, precision: see `Predictor`.
+
+  Returns:
+    A float32 numpy array with `len(x)` rows.
+
+  Raises:
+    ValueError: rows that do not fit the model's input, or bad options.
+  """
+  key = (id(strategy) if not isinstance(strategy, str) else strategy,
+         batch_size, steps_per_execution, precision)
+  cache = _PREDICTORS.setdefault(model, {})
+  if key not in cache:
+    cache[key] = Predictor(model, strategy=strategy, batch_size=batch_size,
+                           steps_per_execution=steps_per_execution,
+                           precision=precision)
+  return cache[key].predict(x)
+
+
+# ------------------------------------------------------- load and export
+
+class SavedModelPredictor:
+  """Wraps a SavedModel's serving function so `predict` can call it."""
+
+  places_itself = True  # Runs where the SavedModel's ops were placed.
+
+  def __init__(self, path: str):
+    self.path = path
+    self._loaded = tf.saved_model.load(path)
+    self._fn = getattr(self._loaded, "signatures", {}).get("serving_default")
+    if self._fn is None:
+      raise ValueError(f"SavedModel {path!r} has no 'serving_default' "
+                       "signature to predict with.")
+    args, kwargs = self._fn.structured_input_signature
+    specs = list(args) + list(kwargs.values())
+    if len(specs) != 1:
+      raise ValueError(f"SavedModel {path!r} takes {len(specs)} inputs; "
+                       "predict serves single-input models.")
+    self._input_name = next(iter(kwargs), None)
+    self.input_shape = tuple(specs[0].shape)
+    self.name = os.path.basename(path.rstrip("/"))
+    outputs = self._fn.structured_outputs
+    self.output_shape = tuple(next(iter(outputs.values())).shape) if isinstance(
+        outputs, dict) else None
+
+  def __call__(self, x, training=False):
+    del training  # A SavedModel's serving function is inference-only.
+    out = self._fn(**{self._input_name: x}) if self._input_name else self._fn(x)
+    if isinstance(out, dict):
+      out = next(iter(out.values()))
+    return out
+
+
+def load_model(path: str) -> Any:
+  """Loads a `.keras` file or a SavedModel directory for `predict`.
+
+  Raises:
+    FileNotFoundError: `path` does not exist (named in the message).
+    ValueError: a file that is neither.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"model_path={path!r} does not exist. Train one with "
+        "`python -m tfmgpu.train --model_dir=DIR` (it saves DIR/model.keras).")
+  if os.path.isdir(path):
+    if not os.path.exists(os.path.join(path, "saved_model.pb")):
+      raise ValueError(f"model_path={path!r} is a directory without "
+                       "saved_model.pb; pass a .keras file or a SavedModel.")
+    return SavedModelPredictor(path)
+  if not path.endswith(".keras"):
+    raise ValueError(f"model_path={path!r} is not a .keras file or a "
+                     "SavedModel directory.")
+  import tfmgpu.parallel  # pylint: disable=g-import-not-at-top,unused-import  (registers custom classes)
+  return keras.saving.load_model(path, compile=False)
+
+
+def load_weights(model: keras.Model, path: str) -> keras.Model:
+  """Loads a `.weights.h5` file into `model`, naming both on a mismatch."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"weights file {path!r} does not exist.")
+  try:
+    model.load_weights(path)
+  except (ValueError, KeyError) as e:
+    shapes = [tuple(w.shape) for w in model.weights]
+    raise ValueError(
+        f"weights file {path!r} does not match model {model.name!r} (its "
+        f"weights have shapes {shapes}): {str(e).splitlines()[0]}") from e
+  return model
+
+
+def export_saved_model(model: Any, path: str) -> str:
+  """Exports a SavedModel that plain TF (or TF Serving) loads without tfmgpu.
+
+  A staged or replicated model is exported unsplit, from a single-device
+  copy, so the SavedModel holds plain variables.
+  """
+  to_unsplit = getattr(model, "to_unsplit", None)
+  model = to_unsplit() if to_unsplit is not None else model
+  with tf.distribute.get_strategy().scope():
+    plain = _clone(model)
+  plain.export(path, format="tf_saved_model", verbose=False)
+  return path
+
+
+# ------------------------------------------------------- serving a run
+
+def _data_parallel(models: list, strategy: str, options: dict):
+  if len(models) != 1:
+    raise ValueError(f"strategy {strategy!r} serves one model; got "
+                     f"{len(models)} model paths.")
+  return models[0], strategies_lib.get_strategy(strategy, **options)
+
+
+def _staged(models: list, strategy: str, options: dict):
+  del strategy  # Placements run under the default strategy.
+  from tfmgpu.parallel import partition, staged  # pylint: disable=g-import-not-at-top
+  if len(models) != 1:
+    raise ValueError(f"model_parallel serves one model; got {len(models)}.")
+  plan = partition.plan_stages(models[0], options.get("num_stages", 2))
+  return staged.StagedModel(models[0], plan), None
+
+
+def _branches(models: list, strategy: str, options: dict):
+  del strategy, options
+  from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
+  if len(models) < 2:
+    raise ValueError("branch_parallel serves 2+ models side by side (one "
+                     f"model path per branch); got {len(models)}.")
+  return branches.BranchParallel(models, combine="mean"), None
+
+
+# How each placement serves loaded models; data-parallel names share one path.
+SERVING_PLACEMENTS: dict[str, Callable[[list, str, dict], tuple]] = {
+    "model_parallel": _staged,
+    "branch_parallel": _branches,
+}
+
+
+def place_for_serving(models: list, strategy: str, **options) -> tuple:
+  """Places loaded models for `strategy`; returns `(model, tf_strategy|None)`."""
+  entry = strategies_lib.strategy_entry(strategy)
+  if entry.kind is strategies_lib.Kind.DATA_PARALLEL:
+    keep = {k: v for k, v in options.items()
+            if k in ("devices", "num_gpus", "num_replicas", "cross_device_ops")}
+    return _data_parallel(models, strategy, keep)
+  if strategy not in SERVING_PLACEMENTS:
+    raise ValueError(f"strategy {strategy!r} cannot serve yet; use one of "
+                     f"{', '.join(SERVING_PLACEMENTS)} or a data-parallel name.")
+  return SERVING_PLACEMENTS[strategy](models, strategy, options)
+
+
+def save_predictions(path: str, predictions: np.ndarray) -> str:
+  """Writes `.npy` atomically: a failed run never leaves a partial file."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".npy", dir=directory)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      np.save(f, predictions)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  return path
