@@ -204,3 +204,117 @@ def compare(strategy, model_name: str, arrays: data_lib.Arrays, *,
       if path not in best or t.ms_per_step < best[path].ms_per_step:
         best[path] = t
   return best
+
+
+# ------------------------------------------------------------ inference
+
+def compare_predict(strategy, model_name: str, x: np.ndarray, *,
+                    batch_size: int = 1024, rounds: int = 3, seed: int = 0
+                    ) -> dict[str, Timing]:
+  """`tfmgpu.predict` vs Keras `model.predict`, same model, strategy, batch.
+
+  Both models are built in `strategy`'s scope with the same weights; each
+  path is warmed up once (tracing) and its best of `rounds` full passes over
+  `x` is kept, interleaved.
+  """
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  arrays_shape = x.shape[1:]
+  with strategy.scope():
+    model = models_lib.build_model(model_name, input_shape=arrays_shape,
+                                   num_classes=10, seed=seed)
+  predictor = inference.Predictor(model, strategy=strategy,
+                                  batch_size=batch_size)
+  predictor.predict(x)
+  model.predict(x, batch_size=batch_size, verbose=0)
+  best = {"tfmgpu": float("inf"), "keras_predict": float("inf")}
+  for _ in range(rounds):
+    start = time.perf_counter()
+    predictor.predict(x)
+    best["tfmgpu"] = min(best["tfmgpu"], time.perf_counter() - start)
+    start = time.perf_counter()
+    model.predict(x, batch_size=batch_size, verbose=0)
+    best["keras_predict"] = min(best["keras_predict"],
+                                time.perf_counter() - start)
+  return {k: Timing(k, v * 1e3, len(x)) for k, v in best.items()}
+
+
+# ---------------------------------------------------- ceiling and comms
+
+def matmul_gflops(n: int = 1024, repeats: int = 20) -> float:
+  """This machine's float32 matmul throughput (GFLOP/s), one device."""
+  a = tf.random.uniform((n, n), seed=1)
+  b = tf.random.uniform((n, n), seed=2)
+
+  @tf.function
+  def chain(a, b):
+    c = a
+    for _ in range(repeats):
+      c = tf.matmul(c, b) * 1e-3  # Scale keeps values finite.
+    return tf.reduce_sum(c)
+
+  float(chain(a, b))
+  best = float("inf")
+  for _ in range(3):
+    start = time.perf_counter()
+    float(chain(a, b))
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 * repeats / best / 1e9
+
+
+def training_flops_per_example(model: keras.Model) -> int:
+  """Forward FLOPs counted layer by layer, times 3 (backward is ~2x forward)."""
+  from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
+  graph = partition.ModelGraph(model)
+  return 3 * sum(partition.node_flops(n) for n in graph.nodes)
+
+
+def gradient_bytes(model: keras.Model, dtype: str = "float32") -> int:
+  """Bytes each replica all-reduces per step (one gradient per weight)."""
+  size = tf.as_dtype(dtype).size
+  return sum(int(np.prod(v.shape)) for v in model.trainable_variables) * size
+
+
+# Unidirectional per-GPU link bandwidth in GB/s (nominal; real all-reduce
+# bus bandwidth is typically 70-90% of these).
+LINK_PRESETS = {
+    "pcie3": 12.0,
+    "pcie4": 24.0,
+    "nvlink_v100": 150.0,
+    "nvlink_a100": 300.0,
+    "nvlink_h100": 450.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+  """A projected (not measured) data-parallel step on an N-GPU host."""
+  num_gpus: int
+  link: str
+  compute_ms: float
+  allreduce_ms: float
+
+  @property
+  def step_ms(self) -> float:
+    return self.compute_ms + self.allreduce_ms
+
+  @property
+  def scaling_efficiency(self) -> float:
+    """Fraction of ideal N-fold speed-up (1.0 = perfect)."""
+    return self.compute_ms / self.step_ms
+
+
+def project_data_parallel(compute_ms: float, grad_bytes: int, num_gpus: int,
+                          link: str = "pcie4") -> Projection:
+  """Projects step time with ring all-reduce: 2(N-1)/N x bytes / bandwidth.
+
+  Assumes no overlap of communication with the backward pass (a pessimistic
+  bound) and the same per-GPU batch (weak scaling).
+  """
+  if link not in LINK_PRESETS:
+    raise ValueError(f"link={link!r} is unknown. Choose one of "
+                     f"{', '.join(LINK_PRESETS)}.")
+  if num_gpus < 1:
+    raise ValueError(f"num_gpus={num_gpus} must be >= 1.")
+  comm_s = (2 * (num_gpus - 1) / num_gpus * grad_bytes /
+            (LINK_PRESETS[link] * 1e9))
+  return Projection(num_gpus, link, compute_ms, comm_s * 1e3)

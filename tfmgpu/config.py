@@ -19,6 +19,8 @@ from tfmgpu import strategies as strategies_lib
 OPTIMIZER_CHOICES = ("adam", "sgd", "momentum", "rmsprop", "adamw")
 PARTITION_CHOICES = ("balanced", "params", "flops")
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
+# Mirrors tfmgpu.training.allreduce (which imports TensorFlow).
+COMPRESSION_CHOICES = ("none", "float16", "bfloat16")
 
 
 def _positive(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -54,7 +56,10 @@ class TrainConfig:
       copy of a downloadable one.
     global_batch_size: examples per step over all replicas.
     epochs, steps_per_epoch: how long (`None`: one pass per epoch).
-    optimizer, learning_rate, clip_norm: the update.
+    optimizer, learning_rate, clip_norm: the update (the clip applies to
+      the all-reduced gradient).
+    gradient_compression: all-reduce gradients in `float16`/`bfloat16`.
+    bytes_per_pack: all-reduce pack size (0: TF's default).
     mixed_precision: `float32`, `mixed_float16` or `mixed_bfloat16`.
     steps_per_execution: steps per `tf.function` call.
     jit_compile: XLA-compile each replica's forward/backward.
@@ -83,6 +88,8 @@ class TrainConfig:
   optimizer: str = "adam"
   learning_rate: float = 2e-3
   clip_norm: float | None = None
+  gradient_compression: str = "none"
+  bytes_per_pack: int = 0
   mixed_precision: str = "float32"
   steps_per_execution: int = 10
   jit_compile: bool = False
@@ -110,6 +117,10 @@ class TrainConfig:
     _choice("mixed_precision", self.mixed_precision,
             models_lib.MIXED_PRECISION_POLICIES)
     _choice("partition", self.partition, PARTITION_CHOICES)
+    _choice("gradient_compression", self.gradient_compression,
+            COMPRESSION_CHOICES)
+    if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+      raise ValueError(f"bytes_per_pack={self.bytes_per_pack!r} must be >= 0.")
     _choice("schedule", self.schedule, SCHEDULE_CHOICES)
     for name in ("global_batch_size", "epochs", "num_packs",
                  "steps_per_execution", "num_stages", "micro_batches"):

@@ -163,6 +163,36 @@ def configure_virtual_devices(count: int | None) -> DeviceLayout:
   return configure_devices(logical_cpus=count)
 
 
+def split_virtual_devices(count: int | None) -> None:
+  """Like `configure_virtual_devices`, but leaves TensorFlow's runtime unstarted.
+
+  Strategies that join a cluster (`multi_worker_mirrored`,
+  `parameter_server`) configure the runtime themselves when they are created
+  ("collective ops must be configured at program startup"), so
+  `run_training` splits the devices with this, creates the strategy, and only
+  then reads the layout.
+
+  Args:
+    count: number of logical devices; `None` or `0` changes nothing.
+
+  Raises:
+    DeviceConfigurationError: the runtime already started with another layout.
+  """
+  if not count:
+    return
+  gpus = tf.config.list_physical_devices("GPU")
+  if gpus:
+    _split(gpus[0], count, 1024, "logical_gpus")
+  else:
+    _split(tf.config.list_physical_devices("CPU")[0], count, None,
+           "logical_cpus")
+
+
+def runtime_initialized() -> bool:
+  """Whether TensorFlow's runtime (and so its device layout) has started."""
+  return _runtime_initialized()
+
+
 def current_layout(*, memory_growth: bool | None = None) -> DeviceLayout:
   """Returns the logical devices TensorFlow exposes (initialises the runtime)."""
   physical_gpus = tf.config.list_physical_devices("GPU")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import os
 import time
 from typing import Any, Callable
 
 from absl import logging
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
@@ -23,6 +25,7 @@ from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.config import TrainConfig
 from tfmgpu.training import checkpoints as ckpt_lib
+from tfmgpu.training import parameter_server as ps_lib
 from tfmgpu.training.loop import Trainer
 from tfmgpu.training.loop import TrainResult
 
@@ -45,6 +48,7 @@ class RunSummary:
   result: TrainResult = dataclasses.field(repr=False)
   model: Any = dataclasses.field(repr=False, default=None)
   plan: Any = dataclasses.field(repr=False, default=None)
+  weights_digest: str = ""
 
   def __str__(self) -> str:
     rows = [
@@ -57,6 +61,7 @@ class RunSummary:
         ("wall time", f"{self.seconds:.1f} s"),
         ("checkpoints", self.checkpoint or "none"),
         ("saved model", self.saved_model or "none"),
+        ("weights sha256", self.weights_digest or "n/a"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -65,6 +70,15 @@ class RunSummary:
 def short_device(name: str) -> str:
   """'/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
   return name.replace("/job:localhost/replica:0/task:0", "")
+
+
+def weights_digest(model: keras.Model) -> str:
+  """A short SHA-256 of the model's weights: equal on every worker of a
+  synchronous multi-worker job (compare the summaries the workers print)."""
+  digest = hashlib.sha256()
+  for w in model.get_weights():
+    digest.update(np.ascontiguousarray(w).tobytes())
+  return digest.hexdigest()[:16]
 
 
 def default_model_dir(strategy: str) -> str:
@@ -82,11 +96,11 @@ class Placement:
   plan: Any = None
 
 
-def _replicated(config: TrainConfig, build: Callable[[], keras.Model]
-                ) -> Placement:
+def _replicated(config: TrainConfig, build: Callable[[], keras.Model],
+                strategy: tf.distribute.Strategy | None = None) -> Placement:
   """Data parallelism: the whole model built in the strategy's scope."""
-  strategy = strategies_lib.get_strategy(config.strategy,
-                                         **config.strategy_options())
+  strategy = strategy or strategies_lib.get_strategy(
+      config.strategy, **config.strategy_options())
   with strategy.scope():
     model = build()
   devices = [short_device(d) for d in
@@ -148,11 +162,11 @@ PLACEMENT_BUILDERS: dict[str, Callable[[TrainConfig, Callable[[], keras.Model]],
 }
 
 
-def place_model(config: TrainConfig, build: Callable[[], keras.Model]
-                ) -> Placement:
-  """Builds the model where `config.strategy` puts it."""
+def place_model(config: TrainConfig, build: Callable[[], keras.Model], *,
+                strategy: tf.distribute.Strategy | None = None) -> Placement:
+  """Builds the model where `config.strategy` puts it (in `strategy` if given)."""
   if not config.is_placement:
-    return _replicated(config, build)
+    return _replicated(config, build, strategy)
   if config.strategy not in PLACEMENT_BUILDERS:
     raise ValueError(f"strategy {config.strategy!r} has no training placement "
                      f"yet. Available: {', '.join(PLACEMENT_BUILDERS)}.")
@@ -202,6 +216,13 @@ def run_training(config: TrainConfig, *,
     A `RunSummary` (printable) with the trained model.
   """
   start = time.perf_counter()
+  strategy = None
+  if strategies_lib.strategy_entry(config.strategy).joins_cluster:
+    # Collective ops and the cluster are configured when TF's runtime starts:
+    # split the devices without starting it, create the strategy, then look.
+    devices_lib.split_virtual_devices(config.virtual_devices)
+    strategy = strategies_lib.get_strategy(config.strategy,
+                                           **config.strategy_options())
   layout = devices_lib.configure_virtual_devices(config.virtual_devices)
   if (config.strategy == "mirrored" and not layout.gpus
       and len(layout.cpus) == 1):
@@ -221,13 +242,18 @@ def run_training(config: TrainConfig, *,
                          else config.mixed_precision),
         seed=config.seed)
 
-  placement = place_model(config, build)
+  placement = place_model(config, build, strategy=strategy)
   if placement.plan is not None:
     print(placement.plan, flush=True)
   model_dir = config.model_dir or default_model_dir(config.strategy)
-  trainer = Trainer(
+  trainer_class = (ps_lib.ParameterServerTrainer
+                   if ps_lib.is_parameter_server(placement.strategy)
+                   else Trainer)
+  trainer = trainer_class(
       placement.model, strategy=placement.strategy, optimizer=config.optimizer,
       learning_rate=config.learning_rate, clip_norm=config.clip_norm,
+      gradient_compression=config.gradient_compression,
+      bytes_per_pack=config.bytes_per_pack,
       steps_per_execution=config.steps_per_execution,
       jit_compile=config.jit_compile, model_dir=model_dir,
       callbacks=callbacks, verbose=config.verbose)
@@ -255,7 +281,7 @@ def run_training(config: TrainConfig, *,
       checkpoint=result.checkpoint or (trainer._checkpointer.latest  # pylint: disable=protected-access
                                        if trainer._checkpointer else None),  # pylint: disable=protected-access
       saved_model=saved, result=result, model=placement.model,
-      plan=placement.plan)
+      plan=placement.plan, weights_digest=weights_digest(placement.model))
 
 
 def save_model(model: keras.Model, path: str) -> str:

@@ -433,3 +433,10 @@ register_placement(
     "Parallel sub-models (towers, ensemble members) on separate devices on "
     "the same input, outputs combined (BranchParallel).",
     needs="one device per branch (GPUs, or logical CPUs for testing)")
+register_placement(
+    "pipeline",
+    "Pipeline parallelism: stages on separate devices fed micro-batches "
+    "(GPipe or 1F1B schedule), overlapping stages; gradients accumulated and "
+    "applied once (PipelinedModel).",
+    needs="2+ devices (GPUs, or logical CPUs for testing), a chain-like "
+    "Sequential/functional model and a batch divisible by micro_batches")

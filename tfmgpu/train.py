@@ -9,6 +9,15 @@ Examples:
   python -m tfmgpu.train --strategy=mirrored --num_gpus=4 \
       --global_batch_size=256 --mixed_precision=mixed_bfloat16
   python -m tfmgpu.train --flagfile=run.flags
+  python scripts/launch_local_cluster.py --num_workers=2 -- \
+      python -m tfmgpu.train --strategy=multi_worker_mirrored --model_dir=run
+
+In a cluster (TF_CONFIG), every task runs the same command; the "ps" and
+"worker" tasks of a parameter-server cluster only serve (tfmgpu/cluster.py).
+
+Exit codes: 0 done; 1 bad input or a training error (the message says which);
+42 (`checkpoints.EXIT_PREEMPTED`) stopped by SIGTERM after saving a
+checkpoint: run the same command again to resume.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from absl import app
 from absl import flags
 
 from tfmgpu import cli_flags as cf
+from tfmgpu import cluster
 from tfmgpu import config as config_lib
 
 _EPOCHS = flags.DEFINE_integer("epochs", 5, "Epochs to train.", lower_bound=1)
@@ -36,6 +46,14 @@ _LEARNING_RATE = flags.DEFINE_float(
 
 _CLIP_NORM = flags.DEFINE_float(
     "clip_norm", None, "Clip gradients to this global norm.")
+
+_GRADIENT_COMPRESSION = flags.DEFINE_enum(
+    "gradient_compression", "none", list(config_lib.COMPRESSION_CHOICES),
+    "All-reduce gradients in 16 bits (half the bytes on the wire).")
+
+_BYTES_PER_PACK = flags.DEFINE_integer(
+    "bytes_per_pack", 0, "All-reduce pack size in bytes (0: TF's default).",
+    lower_bound=0)
 
 _MODEL_DIR = flags.DEFINE_string(
     "model_dir", None, "Checkpoints, summaries and model.keras go here; an "
@@ -58,6 +76,8 @@ def config_from_flags() -> config_lib.TrainConfig:
       global_batch_size=cf.GLOBAL_BATCH_SIZE.value, epochs=_EPOCHS.value,
       steps_per_epoch=_STEPS_PER_EPOCH.value, optimizer=_OPTIMIZER.value,
       learning_rate=_LEARNING_RATE.value, clip_norm=_CLIP_NORM.value,
+      gradient_compression=_GRADIENT_COMPRESSION.value,
+      bytes_per_pack=_BYTES_PER_PACK.value,
       mixed_precision=cf.MIXED_PRECISION.value,
       steps_per_execution=cf.STEPS_PER_EXECUTION.value,
       jit_compile=cf.JIT_COMPILE.value, model_dir=_MODEL_DIR.value,
@@ -75,14 +95,24 @@ def main(argv: list[str]) -> int:
     config = config_from_flags()
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  try:
+    role = cluster.preflight(config)  # TF_CONFIG and ports, before TF loads.
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   cf.quiet_tensorflow()
+  cluster.run_server_if_needed(role)  # Parameter-server ps/worker: serves.
   from tfmgpu import experiment  # pylint: disable=g-import-not-at-top  (loads TF)
+  from tfmgpu.training import checkpoints  # pylint: disable=g-import-not-at-top
   if _PLAN_ONLY.value:
     print(experiment.describe_plan(config))
     return 0
   try:
     summary = experiment.run_training(config)
+  except checkpoints.PreemptedError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return checkpoints.EXIT_PREEMPTED
   except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

@@ -10,6 +10,7 @@ distributed `tf.function`) and drives the compiled functions of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -21,13 +22,30 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
+from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import distributed
+from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import step as step_lib
 
 
 class NonFiniteLossError(FloatingPointError):
   """Training produced a NaN or infinite loss."""
+
+
+def _watching_preemption(fit):
+  """Runs `fit` with SIGTERM caught (`self._watcher`) if it checkpoints."""
+  @functools.wraps(fit)
+  def wrapper(self, *args, **kwargs):
+    if not self.model_dir:
+      return fit(self, *args, **kwargs)
+    with preemption_lib.PreemptionWatcher(self.strategy) as watcher:
+      self._watcher = watcher  # pylint: disable=protected-access
+      try:
+        return fit(self, *args, **kwargs)
+      finally:
+        self._watcher = None  # pylint: disable=protected-access
+  return wrapper
 
 
 @dataclasses.dataclass
@@ -43,6 +61,7 @@ class TrainResult:
     examples_per_sec: training throughput over this call, excluding the
       first (tracing) call.
     checkpoint: the last checkpoint written, if any.
+    initial_step: the global step this call started from (resumed).
   """
   history: dict[str, list[float]]
   epochs_run: int
@@ -50,6 +69,7 @@ class TrainResult:
   steps: int
   examples_per_sec: float
   checkpoint: str | None
+  initial_step: int = 0
 
 
 _OPTIMIZERS = {
@@ -114,7 +134,11 @@ class Trainer:
     optimizer: a name (see `OPTIMIZER_CHOICES`) or a Keras optimizer.
       Defaults to `"adam"`. Float16 models get a `LossScaleOptimizer`.
     learning_rate: used with an optimizer name. Defaults to `1e-3`.
-    clip_norm: clip gradients to this global norm. Defaults to `None`.
+    clip_norm: clip the all-reduced gradient to this global norm (Keras
+      would clip each replica's partial gradient). Defaults to `None`.
+    gradient_compression: `"none"`, `"float16"` or `"bfloat16"`: the dtype
+      gradients are all-reduced in (half the bytes). Defaults to `"none"`.
+    bytes_per_pack: all-reduce pack size in bytes (0: TF's default).
     loss: see `tfmgpu.training.step.per_example_loss_fn`.
     steps_per_execution: steps run per `tf.function` call. Defaults to `1`.
     jit_compile: XLA-compile each replica's forward/backward.
@@ -128,6 +152,7 @@ class Trainer:
                strategy: tf.distribute.Strategy | None = None,
                optimizer: str | keras.optimizers.Optimizer = "adam",
                learning_rate: float = 1e-3, clip_norm: float | None = None,
+               gradient_compression: str = "none", bytes_per_pack: int = 0,
                loss: Any = None, steps_per_execution: int = 1,
                jit_compile: bool = False, model_dir: str | None = None,
                callbacks: Sequence[keras.callbacks.Callback] = (),
@@ -142,9 +167,18 @@ class Trainer:
     self.model_dir = model_dir
     self.verbose = verbose
     _check_built_in_scope(model, self.strategy)
+    # tfmgpu sums replica gradients itself (then clips), except under
+    # parameter servers, where gradients go to the variables' servers.
+    owns_allreduce = not isinstance(
+        self.strategy, tf.distribute.experimental.ParameterServerStrategy)
+    self.allreduce = allreduce_lib.AllReduceOptions(
+        compression=gradient_compression, bytes_per_pack=bytes_per_pack,
+        clip_norm=clip_norm) if owns_allreduce else None
     with self.strategy.scope():
       if isinstance(optimizer, str):
-        optimizer = make_optimizer(optimizer, learning_rate, clip_norm=clip_norm)
+        optimizer = make_optimizer(
+            optimizer, learning_rate,
+            clip_norm=None if owns_allreduce else clip_norm)
       if _uses_float16(model) and not isinstance(
           optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
@@ -154,11 +188,14 @@ class Trainer:
         build(optimizer)  # Staged models place each stage's slots themselves.
       else:
         optimizer.build(model.trainable_variables)
+    if owns_allreduce:
+      allreduce_lib.take_over_aggregation(optimizer)
     self.optimizer = optimizer
     self.callbacks = list(callbacks)
     self._train_fns: dict[int, Any] = {}
     self._eval_fn = None
     self._checkpointer = None
+    self._watcher: preemption_lib.PreemptionWatcher | None = None
     self._writer = None
 
   # ------------------------------------------------------------ helpers
@@ -171,7 +208,8 @@ class Trainer:
     if global_batch_size not in self._train_fns:
       step = step_lib.make_train_step(
           self.model, self.optimizer, global_batch_size=global_batch_size,
-          loss=self.loss, jit_compile=self.jit_compile)
+          loss=self.loss, jit_compile=self.jit_compile,
+          allreduce=self.allreduce)
       self._train_fns[global_batch_size] = distributed.make_train_function(
           self.strategy, step,
           check_fn=lambda: step_lib.non_finite_weights(self.model))
@@ -217,6 +255,7 @@ class Trainer:
     return {"loss": out["loss_sum"] / n, "accuracy": out["correct"] / n,
             "count": out["count"]}
 
+  @_watching_preemption
   def fit(self, x: np.ndarray, y: np.ndarray, *, epochs: int = 1,
           global_batch_size: int = 64, steps_per_epoch: int | None = None,
           validation_data: tuple[np.ndarray, np.ndarray] | None = None,
@@ -238,9 +277,13 @@ class Trainer:
       A `TrainResult`.
 
     Raises:
-      ValueError: bad sizes (indivisible batch, too few examples).
+      ValueError: bad sizes (indivisible batch, too few examples), or a
+        checkpoint saved mid-epoch beyond `steps_per_epoch`.
       NonFiniteLossError: the loss became NaN/inf; the last good checkpoint
         is kept and the message names the step.
+      tfmgpu.training.checkpoints.PreemptedError: SIGTERM arrived (with a
+        `model_dir`); every worker saved a checkpoint at the same step. Call
+        `fit` again (in a new process) to resume from it.
     """
     data_lib.check_global_batch(global_batch_size, self.num_replicas)
     if epochs < 1:
@@ -256,6 +299,14 @@ class Trainer:
                        f"{global_batch_size}); use at most {full}.")
     checkpointer = self._checkpoints()
     initial_epoch = checkpointer.restore_latest() if checkpointer else 0
+    progress = checkpointer.progress if checkpointer else ckpt_lib.Progress()
+    skip = progress.epoch_step  # Steps of epoch initial_epoch + 1 already done.
+    if skip >= steps_per_epoch:
+      raise ValueError(
+          f"The checkpoint in {checkpointer.chief_directory} was saved {skip} "
+          f"steps into epoch {initial_epoch + 1}, but steps_per_epoch="
+          f"{steps_per_epoch}. Resume with the steps_per_epoch and "
+          "global_batch_size of the run that wrote it.")
     if initial_epoch >= epochs:
       logging.info("model_dir already holds %d epoch(s) >= epochs=%d; nothing "
                    "to train.", initial_epoch, epochs)
@@ -265,21 +316,22 @@ class Trainer:
         epochs=epochs, steps=steps_per_epoch, verbose=0)
     history: dict[str, list[float]] = {}
     total_steps, timed_examples, timed_seconds = 0, 0, 0.0
+    global_step = progress.step
     last_ckpt = checkpointer.latest if checkpointer else None
     self.model.stop_training = False
     callbacks.on_train_begin()
     writer = self._summary_writer()
     for epoch in range(initial_epoch, epochs):
       callbacks.on_epoch_begin(epoch)
-      dataset = data_lib.distribute(
-          self.strategy, x, y, global_batch_size=global_batch_size,
-          shuffle=shuffle, seed=seed, epoch=epoch, drop_remainder=True)
-      iterator = iter(dataset)
+      first_step = skip if epoch == initial_epoch else 0
+      iterator = iter(self._epoch_dataset(
+          x, y, global_batch_size=global_batch_size, shuffle=shuffle,
+          seed=seed, epoch=epoch, first_step=first_step))
       bar = (keras.utils.Progbar(steps_per_epoch, stateful_metrics=[
           "loss", "accuracy", "examples/s"]) if self.verbose else None)
       if bar is not None:
         print(f"Epoch {epoch + 1}/{epochs}", flush=True)
-      loss_sum, correct, count, done = 0.0, 0.0, 0.0, 0
+      loss_sum, correct, count, done = 0.0, 0.0, 0.0, first_step
       while done < steps_per_epoch:
         n = min(self.steps_per_execution, steps_per_epoch - done)
         start = time.perf_counter()
@@ -287,7 +339,7 @@ class Trainer:
         step_loss = float(out["loss"])
         elapsed = time.perf_counter() - start
         if not math.isfinite(step_loss) or float(out["non_finite"]):
-          first = epoch * steps_per_epoch + done + 1
+          first = global_step + 1
           what = (step_loss if not math.isfinite(step_loss) else
                   f"non-finite (loss {step_loss:.4g} but NaN/inf weights)")
           raise NonFiniteLossError(
@@ -304,14 +356,22 @@ class Trainer:
         count += float(out["count"])
         done += n
         total_steps += n
-        logs = {"loss": loss_sum / done, "accuracy": correct / max(count, 1.0)}
+        global_step += n
+        logs = {"loss": loss_sum / (done - first_step),
+                "accuracy": correct / max(count, 1.0)}
         rate = n * global_batch_size / elapsed if elapsed > 0 else 0.0
         if bar is not None:
           bar.update(done, values=list(logs.items()) + [("examples/s", rate)])
         callbacks.on_train_batch_end(done - 1, logs)
-        with writer.as_default(step=epoch * steps_per_epoch + done):
+        with writer.as_default(step=global_step):
           tf.summary.scalar("train/loss", step_loss / n)
           tf.summary.scalar("train/examples_per_sec", rate)
+        if (self._watcher and done < steps_per_epoch and
+            self._watcher.stop_requested()):
+          writer.flush()
+          self._preempted(checkpointer, checkpointer.save(
+              epoch, step=global_step, epoch_step=done), global_step, epoch,
+                          done, steps_per_epoch)
       epoch_logs = dict(logs)
       if validation_data is not None:
         val = self.evaluate(*validation_data,
@@ -325,11 +385,16 @@ class Trainer:
         for k, v in epoch_logs.items():
           tf.summary.scalar(f"epoch/{k}", v)
       if checkpointer:
-        last_ckpt = checkpointer.save(epoch + 1)
+        last_ckpt = checkpointer.save(epoch + 1, step=global_step)
       if not self.verbose:
         logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
             f"{k}={v:.4g}" for k, v in epoch_logs.items()))
       callbacks.on_epoch_end(epoch, epoch_logs)
+      if (self._watcher and epoch + 1 < epochs and
+          self._watcher.stop_requested()):
+        writer.flush()
+        self._preempted(checkpointer, last_ckpt, global_step, epoch + 1, 0,
+                        steps_per_epoch)
       if self.model.stop_training:
         logging.info("A callback stopped training after epoch %d.", epoch + 1)
         break
@@ -339,7 +404,41 @@ class Trainer:
         history=history, epochs_run=len(history.get("loss", [])),
         initial_epoch=initial_epoch, steps=total_steps,
         examples_per_sec=timed_examples / timed_seconds if timed_seconds else 0.0,
-        checkpoint=last_ckpt if checkpointer and checkpointer.chief else None)
+        checkpoint=last_ckpt if checkpointer and checkpointer.chief else None,
+        initial_step=progress.step)
+
+  def _epoch_dataset(self, x: np.ndarray, y: np.ndarray, *,
+                     global_batch_size: int, shuffle: bool, seed: int,
+                     epoch: int, first_step: int):
+    """The epoch's distributed dataset, from step `first_step` on (resume)."""
+    if not first_step:
+      return data_lib.distribute(
+          self.strategy, x, y, global_batch_size=global_batch_size,
+          shuffle=shuffle, seed=seed, epoch=epoch, drop_remainder=True)
+    # The rest of the same order: with `input_fn`'s interleaved sharding, each
+    # global batch is a contiguous slice of the epoch's order.
+    order = (data_lib.epoch_order(len(x), seed, epoch) if shuffle
+             else np.arange(len(x)))
+    rest = order[first_step * global_batch_size:]
+    return data_lib.distribute(
+        self.strategy, x[rest], y[rest], global_batch_size=global_batch_size,
+        shuffle=False, drop_remainder=True)
+
+  def _preempted(self, checkpointer: ckpt_lib.Checkpointer, checkpoint: str,
+                 global_step: int, epoch: int, epoch_step: int,
+                 steps_per_epoch: int) -> None:
+    """Raises `PreemptedError` after the checkpoint of a SIGTERM was saved."""
+    if not checkpointer.chief:  # Name the chief's copy, which is kept.
+      checkpoint = os.path.join(checkpointer.chief_directory,
+                                os.path.basename(checkpoint))
+    where = (f"{epoch_step} of {steps_per_epoch} steps into epoch {epoch + 1}"
+             if epoch_step else f"the end of epoch {epoch}")
+    who = ("this process" if self._watcher.received else "another worker")
+    raise ckpt_lib.PreemptedError(
+        f"Preempted: SIGTERM reached {who}. Saved {checkpoint} at global step "
+        f"{global_step} ({where}). Run the same command again to resume from "
+        f"there (python -m tfmgpu.train exits with code "
+        f"{ckpt_lib.EXIT_PREEMPTED}).", checkpoint=checkpoint, step=global_step)
 
   def close(self) -> None:
     """Flushes summaries and removes a non-chief worker's temporary files."""

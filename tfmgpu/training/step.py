@@ -17,6 +17,8 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from tfmgpu.training import allreduce as allreduce_lib
+
 LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
 
@@ -56,7 +58,8 @@ def _uses_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
 
 def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                     *, global_batch_size: int, loss: Any = None,
-                    jit_compile: bool = False
+                    jit_compile: bool = False,
+                    allreduce: allreduce_lib.AllReduceOptions | None = None
                     ) -> Callable[[tf.Tensor, tf.Tensor], dict[str, tf.Tensor]]:
   """Builds the per-replica training step.
 
@@ -67,6 +70,9 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     loss: see `per_example_loss_fn`.
     jit_compile: XLA-compile the forward/backward (not the update, whose
       variables may live on several devices).
+    allreduce: if given, the step sums replica gradients itself (then clips
+      and optionally compresses, see `allreduce.AllReduceOptions`); the
+      caller must have called `allreduce.take_over_aggregation(optimizer)`.
 
   Returns:
     `step(x, y) -> {"loss": mean loss share, "correct": count, "count": n,
@@ -112,6 +118,8 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 
   def step(x, y):
     loss_value, y_pred, grads = grads_fn(x, y)
+    if allreduce is not None:
+      grads = allreduce_lib.all_reduce_gradients(grads, allreduce)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return {"loss": loss_value, "correct": correct_count(y, y_pred),
             "count": tf.cast(tf.shape(y_pred)[0], tf.float32),

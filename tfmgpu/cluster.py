@@ -1,0 +1,212 @@
+"""This task's role in a cluster, checked before training; the ps/worker servers.
+
+`python -m tfmgpu.train` runs the same command in every task of a cluster
+(`scripts/launch_local_cluster.py` starts them locally). `preflight` reads
+TF_CONFIG before TensorFlow loads, checks it against the strategy, and says
+what this task does:
+
+* `multi_worker_mirrored`: every task ("chief"/"worker") trains in lockstep;
+  the chief (else worker 0) writes checkpoints, summaries and model.keras.
+* `parameter_server`: the "ps" and "worker" tasks run a
+  `tf.distribute.Server` until they are stopped (`run_server_if_needed`);
+  the "chief" task is the coordinator that runs the training.
+
+Bad input fails here, with exit code 1 from the CLI: malformed TF_CONFIG, a
+task index out of range, a cluster that does not fit the strategy, or this
+task's own port already in use.
+
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Any, Mapping
+
+from absl import logging
+
+from tfmgpu import strategies as strategies_lib
+from tfmgpu.launcher import PortInUseError
+
+# Inter-op threads of a ps/worker server: with 2, a worker can deadlock
+# (a scheduled function waits on ops that need another inter-op thread).
+SERVER_INTER_OP_THREADS = 4
+
+_JOBS = {"multi_worker_mirrored": ("chief", "worker"),
+         "parameter_server": ("chief", "worker", "ps")}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskRole:
+  """What this process is in its cluster.
+
+  Attributes:
+    task_type: "chief", "worker" or "ps"; `None` outside a TF_CONFIG cluster
+      (one process, or a SLURM job whose resolver TF builds itself).
+    index: the task's index in its job.
+    cluster: the cluster spec, e.g. `{"worker": ["host:port", ...]}`.
+  """
+  task_type: str | None = None
+  index: int = 0
+  cluster: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+  @property
+  def name(self) -> str:
+    """`"worker:1"`, or `"local"` outside a cluster."""
+    return f"{self.task_type}:{self.index}" if self.task_type else "local"
+
+  @property
+  def address(self) -> str | None:
+    """This task's `host:port` in TF_CONFIG."""
+    if not self.task_type:
+      return None
+    return self.cluster[self.task_type][self.index]
+
+  @property
+  def runs_server(self) -> bool:
+    """True for "ps" and "worker" tasks of a parameter-server cluster."""
+    return "ps" in self.cluster and self.task_type in ("ps", "worker")
+
+
+def task_role(tf_config: str | None) -> TaskRole:
+  """Parses a TF_CONFIG value (`None` or empty: no cluster).
+
+  Raises:
+    ValueError: malformed JSON, no cluster, or a task index out of range.
+  """
+  if not tf_config:
+    return TaskRole()
+  cfg = strategies_lib.validate_tf_config(tf_config)
+  task = cfg.get("task") or {}
+  if not task.get("type"):
+    raise ValueError(
+        f"TF_CONFIG has a cluster but no task: add e.g. \"task\": {{\"type\": "
+        f"\"worker\", \"index\": 0}} naming this process's place in "
+        f"{describe_jobs(cfg['cluster'])}.")
+  cluster = {job: list(addrs) for job, addrs in cfg["cluster"].items()}
+  return TaskRole(task["type"], task.get("index", 0), cluster)
+
+
+def describe_jobs(cluster: Mapping[str, Any]) -> str:
+  """`"chief: 1, worker: 2, ps: 1"` for messages."""
+  return ", ".join(f"{job}: {len(addrs)}" for job, addrs in cluster.items())
+
+
+def check_port_free(role: TaskRole) -> None:
+  """Checks that this task's own port can be bound (TF's server listens on it).
+
+  Raises:
+    PortInUseError: another process listens on the port, or it is invalid.
+  """
+  host, sep, port_text = (role.address or "").rpartition(":")
+  if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    raise PortInUseError(
+        f"TF_CONFIG gives task {role.name} the address {role.address!r}, "
+        "which has no valid port. Use 'host:port', e.g. '10.0.0.2:2222'.")
+  port = int(port_text)
+  family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+  with socket.socket(family, socket.SOCK_STREAM) as sock:
+    # Like gRPC, reuse a port whose old connections linger in TIME_WAIT.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      sock.bind(("", port))
+    except OSError as e:
+      raise PortInUseError(
+          f"TF_CONFIG gives task {role.name} the address {role.address}, but "
+          f"port {port} cannot be bound on this machine ({e.strerror}): "
+          "another process is using it. Stop that process (see `ss -ltnp "
+          f"'sport = :{port}'`), or give this task a free port in TF_CONFIG "
+          "(scripts/launch_local_cluster.py picks free ports).") from e
+
+
+def preflight(config: Any, environ: Mapping[str, str] | None = None
+              ) -> TaskRole:
+  """Checks the cluster against `config.strategy` before TensorFlow loads.
+
+  Args:
+    config: the run's `TrainConfig` (its `strategy` and `cluster_resolver`).
+    environ: where TF_CONFIG is read. Defaults to `os.environ`.
+
+  Returns:
+    This task's `TaskRole`.
+
+  Raises:
+    ValueError: malformed TF_CONFIG, task index out of range, a cluster that
+      does not fit the strategy, or (`PortInUseError`) this task's port is
+      taken.
+  """
+  environ = os.environ if environ is None else environ
+  strategy = config.strategy
+  joins = strategies_lib.strategy_entry(strategy).joins_cluster
+  if joins and config.cluster_resolver == "slurm":
+    if strategy == "parameter_server":
+      raise ValueError(
+          "strategy='parameter_server' with cluster_resolver='slurm' is not "
+          "supported: SLURM gives every task the same role. Describe the ps, "
+          "worker and chief tasks in TF_CONFIG (cluster_resolver='tf_config').")
+    return TaskRole()  # SlurmClusterResolver checks the SLURM job itself.
+  role = task_role(environ.get("TF_CONFIG"))
+  if not role.task_type:
+    if strategy == "parameter_server":
+      raise ValueError(
+          "strategy='parameter_server' needs a cluster with 'chief', 'worker' "
+          "and 'ps' tasks in TF_CONFIG, which is unset. Start one with "
+          "scripts/launch_local_cluster.py --num_workers=2 --num_ps=1 "
+          "--coordinator -- python -m tfmgpu.train --strategy=parameter_server")
+    return role
+  if not joins:
+    raise ValueError(
+        f"TF_CONFIG puts this process in a cluster (task {role.name}; "
+        f"{describe_jobs(role.cluster)}) but strategy={strategy!r} trains on one "
+        "host, so every task would train alone. Use "
+        f"--strategy={'parameter_server' if 'ps' in role.cluster else 'multi_worker_mirrored'}"
+        ", or unset TF_CONFIG.")
+  allowed = _JOBS[strategy]
+  extra = [job for job in role.cluster if job not in allowed]
+  if extra:
+    hint = ("use --strategy=parameter_server for a cluster with 'ps' tasks"
+            if "ps" in extra else "tfmgpu.train runs only these jobs")
+    raise ValueError(
+        f"TF_CONFIG has job(s) {', '.join(map(repr, extra))}, which "
+        f"strategy={strategy!r} does not use (it takes "
+        f"{', '.join(map(repr, allowed))}): {hint}.")
+  if strategy == "parameter_server":
+    missing = [job for job in ("chief", "worker", "ps") if job not in role.cluster]
+    if missing:
+      raise ValueError(
+          f"strategy='parameter_server' needs 'chief' (the coordinator), "
+          f"'worker' and 'ps' tasks; TF_CONFIG's cluster ({describe_jobs(role.cluster)}) "
+          f"lacks {', '.join(map(repr, missing))}. With the launcher: "
+          "--num_ps=1 --coordinator.")
+  check_port_free(role)
+  return role
+
+
+def run_server(role: TaskRole, *,
+               inter_op_threads: int = SERVER_INTER_OP_THREADS) -> None:
+  """Runs this task's `tf.distribute.Server` until the process is stopped."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if inter_op_threads < 4:
+    raise ValueError(f"inter_op_threads={inter_op_threads}: parameter-server "
+                     "workers can deadlock with fewer than 4. Use >= 4.")
+  server = tf.distribute.Server(
+      tf.train.ClusterSpec(role.cluster), job_name=role.task_type,
+      task_index=role.index, protocol="grpc",
+      config=tf.compat.v1.ConfigProto(
+          inter_op_parallelism_threads=inter_op_threads),
+      start=True)
+  logging.info("Task %s serves at %s for the coordinator; it runs until "
+               "stopped.", role.name, role.address)
+  server.join()
+
+
+def run_server_if_needed(role: TaskRole) -> None:
+  """Serves forever if this is a ps/worker task of a parameter-server cluster.
+
+  Returns only for tasks that train (the coordinator, multi-worker mirrored
+  workers, or a single process).
+  """
+  if role.runs_server:
+    run_server(role)
