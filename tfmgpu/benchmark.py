@@ -43,6 +43,14 @@ class Timing:
     return self.global_batch_size / (self.ms_per_step / 1e3)
 
 
+def _batches(arrays, global_batch_size: int, steps: int):
+  """`steps` batches of the training data, repeated as needed, prefetched."""
+  return tf.data.Dataset.from_tensor_slices(
+      (arrays.x_train, arrays.y_train)).repeat().batch(
+          global_batch_size, drop_remainder=True).take(steps).prefetch(
+              tf.data.AUTOTUNE)
+
+
 def _build(strategy, model_name, arrays, seed):
   with strategy.scope():
     return models_lib.build_model(model_name, input_shape=arrays.input_shape,
@@ -69,8 +77,12 @@ def _median_step_ms(stamps: list[float], steps_per_call: int, skip: int) -> floa
 
 def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
                 steps: int, steps_per_execution: int = 1, seed: int = 0,
-                jit_compile: bool = False, warmup: int = 2) -> Timing:
-  """Times `Trainer.fit`, per call of `steps_per_execution` steps."""
+                jit_compile: bool = False, warmup: int = 1,
+                **trainer_options) -> Timing:
+  """Times `Trainer.fit`, per call of `steps_per_execution` steps.
+
+  `trainer_options` go to `Trainer` (e.g. `gradient_compression`).
+  """
   model = _build(strategy, model_name, arrays, seed)
   stamps: list[float] = []
 
@@ -80,9 +92,12 @@ def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
 
   trainer = Trainer(model, strategy=strategy, steps_per_execution=
                     steps_per_execution, jit_compile=jit_compile, verbose=0,
-                    callbacks=[Stamp()])
-  trainer.fit(arrays.x_train, arrays.y_train, epochs=1,
-              global_batch_size=global_batch_size, steps_per_epoch=steps,
+                    callbacks=[Stamp()], **trainer_options)
+  per_epoch = len(arrays.x_train) // global_batch_size
+  per_epoch = max(min(steps, per_epoch) // steps_per_execution, 1) * (
+      steps_per_execution)
+  trainer.fit(arrays.x_train, arrays.y_train, epochs=-(-steps // per_epoch),
+              global_batch_size=global_batch_size, steps_per_epoch=per_epoch,
               seed=seed)
   return Timing("tfmgpu", _median_step_ms(stamps, steps_per_execution, warmup),
                 global_batch_size)
@@ -90,7 +105,7 @@ def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
 
 def time_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
                    steps: int, steps_per_execution: int = 1, seed: int = 0,
-                   warmup: int = 2) -> Timing:
+                   warmup: int = 1) -> Timing:
   """Times Keras `model.fit` per batch callback (not by wall-clocking fit)."""
   model = _build(strategy, model_name, arrays, seed)
   with strategy.scope():
@@ -99,17 +114,14 @@ def time_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
                       from_logits=True),
                   metrics=["accuracy"], steps_per_execution=steps_per_execution)
   timer = _BatchTimer()
-  n = steps * global_batch_size
-  ds = tf.data.Dataset.from_tensor_slices(
-      (arrays.x_train[:n], arrays.y_train[:n])).batch(
-          global_batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  ds = _batches(arrays, global_batch_size, steps)
   model.fit(ds, epochs=1, verbose=0, callbacks=[timer])
   return Timing("keras_fit", _median_step_ms(timer.times, steps_per_execution,
                                              warmup), global_batch_size)
 
 
 def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
-                       steps: int, seed: int = 0, warmup: int = 2) -> Timing:
+                       steps: int, seed: int = 0, warmup: int = 1) -> Timing:
   """Times the custom loop of TF's distributed training tutorial."""
   model = _build(strategy, model_name, arrays, seed)
   with strategy.scope():
@@ -131,12 +143,8 @@ def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
     per_replica = strategy.run(replica_step, args=(x, y))
     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
-  n = steps * global_batch_size
   ds = strategy.experimental_distribute_dataset(
-      tf.data.Dataset.from_tensor_slices(
-          (arrays.x_train[:n], arrays.y_train[:n])).batch(
-              global_batch_size, drop_remainder=True).prefetch(
-                  tf.data.AUTOTUNE))
+      _batches(arrays, global_batch_size, steps))
   stamps = []
   for x, y in ds:
     float(distributed_step(x, y))  # Read the loss, as fit and tfmgpu do.
@@ -147,7 +155,7 @@ def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
 
 def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
                steps_per_execution: int = 1, seed: int = 0,
-               warmup: int = 2) -> Timing:
+               warmup: int = 1) -> Timing:
   """A bare single-device `tf.function` loop: the cost floor."""
   model = models_lib.build_model(model_name, input_shape=arrays.input_shape,
                                  num_classes=arrays.num_classes, seed=seed)
@@ -167,10 +175,7 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
       total += loss
     return total
 
-  n = steps * global_batch_size
-  it = iter(tf.data.Dataset.from_tensor_slices(
-      (arrays.x_train[:n], arrays.y_train[:n])).batch(
-          global_batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+  it = iter(_batches(arrays, global_batch_size, steps))
   stamps = []
   for _ in range(steps // steps_per_execution):
     float(train(it, tf.constant(steps_per_execution)))

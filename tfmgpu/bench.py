@@ -1,0 +1,61 @@
+r"""Benchmark suite: `python -m tfmgpu.bench [--quick]`.
+
+Trains and serves the same models, data and strategies through tfmgpu,
+Keras `fit`/`predict`, TF's tutorial loop and a bare single-device loop, in
+one process, and prints ratios, a compute-ceiling check, optimisations
+on/off, and a labelled projection for multi-GPU hosts. Writes
+`<output_dir>/results.csv` and `throughput.png`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app
+from absl import flags
+
+from tfmgpu import cli_flags as cf
+
+_QUICK = flags.DEFINE_bool(
+    "quick", False, "Fewer steps and rounds: the whole suite in < 5 minutes.")
+_MODELS = flags.DEFINE_list("models", ["convnet", "mlp"], "Models to train.")
+_REPLICAS = flags.DEFINE_list("replicas", ["1", "2", "4"],
+                              "Replica counts for 'mirrored'.")
+_STEPS = flags.DEFINE_integer("steps", 60, "Timed steps per run.",
+                              lower_bound=10)
+_SECTIONS = flags.DEFINE_list(
+    "sections", ["training", "ceiling", "optimisations", "compression",
+                 "inference", "projection"], "Which parts of the suite to run.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", "bench_results",
+                                  "Where results.csv and plots go.")
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  replicas = tuple(int(r) for r in _REPLICAS.value)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  cf.quiet_tensorflow()
+  from tfmgpu import bench_suite  # pylint: disable=g-import-not-at-top
+  from tfmgpu import devices  # pylint: disable=g-import-not-at-top
+  devices.configure_virtual_devices(cf.VIRTUAL_DEVICES.value or max(replicas))
+  quick = _QUICK.value
+  options = bench_suite.SuiteOptions(
+      models=tuple(_MODELS.value), replicas=replicas,
+      steps=(5 if quick else 8) * cf.STEPS_PER_EXECUTION.value
+      if quick else max(_STEPS.value, 8 * cf.STEPS_PER_EXECUTION.value),
+      global_batch_size=cf.GLOBAL_BATCH_SIZE.value,
+      steps_per_execution=cf.STEPS_PER_EXECUTION.value,
+      rounds=1 if quick else 2, output_dir=_OUTPUT_DIR.value, quick=quick)
+  bench_suite.run_suite(options, sections=_SECTIONS.value,
+                        out=lambda s: print(s, flush=True))
+  return 0
+
+
+def run() -> None:
+  """Console-script entry point (`tfmgpu-bench`)."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
