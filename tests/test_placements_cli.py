@@ -1,0 +1,67 @@
+"""Placements through the same loop and CLI as data parallelism."""
+
+import re
+
+from absl import flags
+from absl.testing import flagsaver
+import numpy as np
+import pytest
+
+import tfmgpu
+from tfmgpu import data, models, train
+from tfmgpu.parallel import partition, staged
+from tfmgpu.training.loop import Trainer
+
+
+@pytest.fixture(autouse=True)
+def parsed_flags():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_trainer_drives_a_staged_model_to_the_unsplit_weights(num_stages):
+  arrays = data.load_dataset("digits")
+  x, y = arrays.x_train[:128], arrays.y_train[:128]
+
+  def fit(model):
+    Trainer(model, strategy=tfmgpu.get_strategy("default"), learning_rate=1e-3,
+            steps_per_execution=2, verbose=0).fit(
+                x, y, epochs=1, global_batch_size=32, seed=0)
+
+  unsplit = models.build_model("deep_mlp", input_shape=(28, 28, 1),
+                               num_classes=10, seed=0, depth=6, width=32)
+  split = staged.StagedModel(unsplit, partition.plan_stages(unsplit,
+                                                            num_stages))
+  fit(unsplit)
+  fit(split)
+  back = split.to_unsplit()
+  for a, b in zip(back.get_weights(), unsplit.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_only_prints_the_plan_and_memory(capsys):
+  with flagsaver.flagsaver(strategy="model_parallel", model="deep_mlp",
+                           num_stages=4, plan_only=True):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert "StagePlan for 'deep_mlp': 4 stage(s), criterion=balanced" in out
+  assert len(re.findall(r"^\d\s+/device:CPU:\d", out, re.M)) == 4
+  assert out.count("MiB total = weights") == 4
+
+
+def test_cli_trains_model_parallel(tmp_path, capsys):
+  with flagsaver.flagsaver(strategy="model_parallel", model="deep_mlp",
+                           num_stages=2, epochs=1, steps_per_epoch=4,
+                           model_dir=str(tmp_path), verbose=0):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert "stage(s)" in out and "/device:CPU:1" in out
+  assert (tmp_path / "model.keras").exists()  # Saved unsplit, servable.
+
+
+def test_cli_split_point_errors_are_clear(capsys):
+  with flagsaver.flagsaver(strategy="model_parallel", model="convnet",
+                           split_points=["nope"], verbose=0):
+    assert train.main(["train"]) == 1
+  assert "nope" in capsys.readouterr().err
