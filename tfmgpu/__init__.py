@@ -20,6 +20,10 @@ _EXPORTS = {
     "list_devices": "tfmgpu.devices",
     "available_strategies": "tfmgpu.strategies",
     "get_strategy": "tfmgpu.strategies",
+    "Trainer": "tfmgpu.training.loop",
+    "ParameterServerTrainer": "tfmgpu.training.parameter_server",
+    "PreemptedError": "tfmgpu.training.checkpoints",
+    "EXIT_PREEMPTED": "tfmgpu.training.checkpoints",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,6 +8,9 @@ the docs cannot drift from what the CLIs accept.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import sys
 
 from absl import flags
 
@@ -21,7 +24,23 @@ SECTIONS = (
     ("tfmgpu.predict", "`python -m tfmgpu.predict`"),
     ("tfmgpu.bench", "`python -m tfmgpu.bench`"),
     ("tfmgpu.doctor", "`python -m tfmgpu.doctor`"),
+    ("scripts/launch_local_cluster.py",
+     "`python scripts/launch_local_cluster.py ... -- COMMAND`"),
 )
+
+
+def _load(module: str) -> str:
+  """Imports a CLI module (or a script under the repo root); returns its name."""
+  if not module.endswith(".py"):
+    importlib.import_module(module)
+    return module
+  name = os.path.splitext(os.path.basename(module))[0]
+  if name not in sys.modules:
+    path = os.path.join(os.path.dirname(__file__), "..", module)
+    spec = importlib.util.spec_from_file_location(name, path)
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
+  return name
 
 
 def _cell(text: str) -> str:
@@ -30,11 +49,11 @@ def _cell(text: str) -> str:
 
 def markdown() -> str:
   """The reference as Markdown tables, one per CLI module."""
-  for module, _ in SECTIONS:
-    importlib.import_module(module)  # Defines its flags.
+  names = {module: _load(module) for module, _ in SECTIONS}  # Defines flags.
   registry = flags.FLAGS
   lines = [BEGIN]
   for module, heading in SECTIONS:
+    module = names[module]
     lines += ["", f"#### {heading}", "", "| flag | default | meaning |",
               "|---|---|---|"]
     for flag in sorted(registry.get_flags_for_module(module),

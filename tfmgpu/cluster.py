@@ -1,4 +1,4 @@
-"""This task's role in a cluster, checked before training; the ps/worker servers.
+"""This task's role in a cluster, checked before training; ps/worker servers.
 
 `python -m tfmgpu.train` runs the same command in every task of a cluster
 (`scripts/launch_local_cluster.py` starts them locally). `preflight` reads
@@ -157,12 +157,13 @@ def preflight(config: Any, environ: Mapping[str, str] | None = None
           "--coordinator -- python -m tfmgpu.train --strategy=parameter_server")
     return role
   if not joins:
+    fit = ("parameter_server" if "ps" in role.cluster
+           else "multi_worker_mirrored")
     raise ValueError(
         f"TF_CONFIG puts this process in a cluster (task {role.name}; "
-        f"{describe_jobs(role.cluster)}) but strategy={strategy!r} trains on one "
-        "host, so every task would train alone. Use "
-        f"--strategy={'parameter_server' if 'ps' in role.cluster else 'multi_worker_mirrored'}"
-        ", or unset TF_CONFIG.")
+        f"{describe_jobs(role.cluster)}) but strategy={strategy!r} trains on "
+        f"one host, so every task would train alone. Use --strategy={fit}, "
+        "or unset TF_CONFIG.")
   allowed = _JOBS[strategy]
   extra = [job for job in role.cluster if job not in allowed]
   if extra:
@@ -173,13 +174,15 @@ def preflight(config: Any, environ: Mapping[str, str] | None = None
         f"strategy={strategy!r} does not use (it takes "
         f"{', '.join(map(repr, allowed))}): {hint}.")
   if strategy == "parameter_server":
-    missing = [job for job in ("chief", "worker", "ps") if job not in role.cluster]
+    missing = [job for job in ("chief", "worker", "ps")
+               if job not in role.cluster]
     if missing:
       raise ValueError(
-          f"strategy='parameter_server' needs 'chief' (the coordinator), "
-          f"'worker' and 'ps' tasks; TF_CONFIG's cluster ({describe_jobs(role.cluster)}) "
-          f"lacks {', '.join(map(repr, missing))}. With the launcher: "
-          "--num_ps=1 --coordinator.")
+          "strategy='parameter_server' needs 'chief' (the coordinator), "
+          "'worker' and 'ps' tasks; TF_CONFIG's cluster "
+          f"({describe_jobs(role.cluster)}) lacks "
+          f"{', '.join(map(repr, missing))}. With the launcher: --num_ps=1 "
+          "--coordinator.")
   check_port_free(role)
   return role
 

@@ -214,6 +214,10 @@ def run_training(config: TrainConfig, *,
 
   Returns:
     A `RunSummary` (printable) with the trained model.
+
+  Raises:
+    tfmgpu.training.checkpoints.PreemptedError: SIGTERM during training; a
+      checkpoint was saved in `model_dir` and a new call resumes from it.
   """
   start = time.perf_counter()
   strategy = None

@@ -235,7 +235,33 @@ def _slurm_resolver():
     raise ValueError(
         "cluster_resolver='slurm' but no SLURM job is visible (SLURM_JOB_ID is "
         "unset). Run under srun/sbatch, or use cluster_resolver='tf_config'.")
-  return tf.distribute.cluster_resolver.SlurmClusterResolver()
+  if tf.config.list_physical_devices("GPU"):
+    return tf.distribute.cluster_resolver.SlurmClusterResolver()
+  return _cpu_slurm_resolver()
+
+
+def _cpu_slurm_resolver():
+  """`SlurmClusterResolver` for nodes without GPUs.
+
+  TF's resolver gives each task its own GPUs, so on a node without any it
+  resolves no task at all (or fails looking for nvidia-smi). Here each task
+  gets one placeholder GPU slot that is never used: CUDA_VISIBLE_DEVICES is
+  left alone and `num_accelerators()` reports none, so each task trains on
+  its CPU.
+  """
+
+  class CpuSlurmClusterResolver(
+      tf.distribute.cluster_resolver.SlurmClusterResolver):
+
+    def num_accelerators(self, task_type=None, task_id=None,
+                         config_proto=None):
+      del task_type, task_id, config_proto
+      return {}
+
+  tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS")
+              or os.environ.get("SLURM_NTASKS") or 1)
+  return CpuSlurmClusterResolver(gpus_per_node=tasks, gpus_per_task=1,
+                                 auto_set_gpu=False)
 
 
 CLUSTER_RESOLVERS: dict[str, Callable[[], Any]] = {

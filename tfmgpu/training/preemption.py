@@ -22,8 +22,9 @@ import tensorflow as tf
 
 
 def _is_collective_multi_worker(strategy: tf.distribute.Strategy) -> bool:
-  return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and
-          strategy.extended._in_multi_worker_mode())  # pylint: disable=protected-access
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return False
+  return strategy.extended._in_multi_worker_mode()  # pylint: disable=protected-access
 
 
 class PreemptionWatcher:

@@ -1,0 +1,186 @@
+"""Bad cluster input fails before training, with the message and exit code 1.
+
+`tfmgpu.cluster.preflight` reads TF_CONFIG before TensorFlow loads; the train
+CLI prints its error and exits 1.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+from absl import flags
+from absl.testing import flagsaver
+import pytest
+
+from tfmgpu import cluster
+from tfmgpu import train
+from tfmgpu.config import TrainConfig
+from tfmgpu.launcher import PortInUseError
+from tests.cluster import helpers
+
+MWMS = TrainConfig(strategy="multi_worker_mirrored")
+PS = TrainConfig(strategy="parameter_server")
+
+
+def tf_config(cluster_spec, task_type="worker", index=0) -> str:
+  return json.dumps({"cluster": cluster_spec,
+                     "task": {"type": task_type, "index": index}})
+
+
+def free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+@pytest.fixture
+def busy_port():
+  """A port another "process" listens on."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def parsed_flags():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+TWO_WORKERS = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+PS_CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
+              "ps": ["127.0.0.1:3"]}
+
+
+@pytest.mark.parametrize("config,raw,match", [
+    (MWMS, "{not json", r"TF_CONFIG is not valid JSON"),
+    (MWMS, json.dumps({"task": {"type": "worker"}}),
+     r"TF_CONFIG needs a 'cluster' object"),
+    (MWMS, tf_config(TWO_WORKERS, index=2),
+     r"TF_CONFIG task index 2 is out of range: job 'worker' has 2 task\(s\) "
+     r"\(indices 0..1\)"),
+    (MWMS, tf_config(TWO_WORKERS, index=-1), r"task index -1 is out of range"),
+    (MWMS, tf_config(TWO_WORKERS, "chief"),
+     r"task type 'chief' is not a job of the cluster \(worker\)"),
+    (MWMS, json.dumps({"cluster": TWO_WORKERS}),
+     r"TF_CONFIG has a cluster but no task: add e\.g\. \"task\""),
+    (MWMS, tf_config(PS_CLUSTER, "worker"),
+     r"TF_CONFIG has job\(s\) 'ps', which strategy='multi_worker_mirrored' "
+     r"does not use .*use --strategy=parameter_server"),
+    (PS, tf_config({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}),
+     r"needs 'chief' \(the coordinator\), 'worker' and 'ps' tasks; .* lacks "
+     r"'chief'\. With the launcher: --num_ps=1 --coordinator"),
+    (PS, None, r"parameter_server' needs a cluster .* TF_CONFIG, which is "
+     r"unset\. Start one with scripts/launch_local_cluster\.py"),
+    (TrainConfig(strategy="mirrored"), tf_config(TWO_WORKERS),
+     r"TF_CONFIG puts this process in a cluster \(task worker:0; worker: 2\) "
+     r"but strategy='mirrored' trains on one host.*"
+     r"--strategy=multi_worker_mirrored, or unset TF_CONFIG"),
+    (PS.replace(cluster_resolver="slurm"), None,
+     r"'parameter_server' with cluster_resolver='slurm' is not supported"),
+])
+def test_preflight_errors(config, raw, match):
+  environ = {} if raw is None else {"TF_CONFIG": raw}
+  with pytest.raises(ValueError, match=match):
+    cluster.preflight(config, environ)
+
+
+def test_preflight_roles():
+  port = free_port()
+  spec = {"chief": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:2"],
+          "ps": ["127.0.0.1:3"]}
+  chief = cluster.preflight(PS, {"TF_CONFIG": tf_config(spec, "chief")})
+  assert (chief.name, chief.runs_server) == ("chief:0", False)
+  assert cluster.task_role(tf_config(spec, "ps")).runs_server
+  assert cluster.task_role(tf_config(spec, "worker")).runs_server
+  assert not cluster.task_role(tf_config(TWO_WORKERS, "worker", 1)).runs_server
+  assert cluster.preflight(MWMS, {}).name == "local"  # One-worker MWMS.
+  assert cluster.preflight(TrainConfig(), {}).task_type is None
+
+
+def test_own_port_in_use(busy_port):
+  raw = tf_config({"worker": [f"127.0.0.1:{busy_port}", "127.0.0.1:2"]})
+  with pytest.raises(PortInUseError,
+                     match=rf"TF_CONFIG gives task worker:0 the address "
+                     rf"127\.0\.0\.1:{busy_port}, but port {busy_port} cannot "
+                     r"be bound on this machine \(Address already in use\): "
+                     r"another process is using it\."):
+    cluster.preflight(MWMS, {"TF_CONFIG": raw})
+  with pytest.raises(PortInUseError, match=r"address 'localhost', which has "
+                     r"no valid port"):
+    cluster.preflight(MWMS, {"TF_CONFIG": tf_config({"worker": ["localhost"]})})
+
+
+def test_server_threads_floor():
+  with pytest.raises(ValueError, match=r"inter_op_threads=2: .*deadlock"):
+    cluster.run_server(cluster.TaskRole("worker", 0, PS_CLUSTER),
+                       inter_op_threads=2)
+
+
+@pytest.mark.parametrize("raw,message", [
+    (tf_config(TWO_WORKERS, index=5), "TF_CONFIG task index 5 is out of range"),
+    ("[1, 2", "TF_CONFIG is not valid JSON"),
+])
+def test_train_cli_exits_1_with_the_message(raw, message, monkeypatch,
+                                            capsys):
+  monkeypatch.setenv("TF_CONFIG", raw)
+  with flagsaver.flagsaver(strategy="multi_worker_mirrored"):
+    assert train.main(["train"]) == 1
+  assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_train_cli_port_in_use(busy_port, monkeypatch, capsys):
+  monkeypatch.setenv("TF_CONFIG", tf_config(
+      {"worker": [f"127.0.0.1:{busy_port}"]}))
+  with flagsaver.flagsaver(strategy="multi_worker_mirrored"):
+    assert train.main(["train"]) == 1
+  assert f"port {busy_port} cannot be bound" in capsys.readouterr().err
+
+
+def test_subprocess_bad_tf_config_fails_before_tensorflow_loads():
+  env = dict(helpers.ENV, TF_CONFIG=tf_config(TWO_WORKERS, index=7))
+  start = time.perf_counter()
+  out = subprocess.run(
+      helpers.train_command("--strategy=multi_worker_mirrored"), env=env,
+      capture_output=True, text=True, timeout=60, check=False)
+  assert out.returncode == 1
+  assert "error: TF_CONFIG task index 7 is out of range" in out.stderr
+  assert time.perf_counter() - start < 20
+
+
+def test_launcher_script_base_port_in_use(busy_port):
+  script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts",
+                        "launch_local_cluster.py")
+  out = subprocess.run(
+      [sys.executable, script, "--num_workers=2", f"--base_port={busy_port}",
+       "--", *helpers.train_command("--strategy=multi_worker_mirrored")],
+      env=helpers.ENV, capture_output=True, text=True, timeout=60,
+      check=False)
+  assert out.returncode == 1
+  assert f"port {busy_port} (for task worker:0) cannot be bound" in out.stderr
+
+
+@pytest.mark.slow
+def test_mwms_after_tensorflow_started_says_what_to_do():
+  code = textwrap.dedent(f"""
+      import os
+      os.environ["TF_CONFIG"] = {tf_config({"worker": [
+          f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]})!r}
+      import tensorflow as tf, tfmgpu
+      tf.constant(1.0) + 1  # Starts the runtime.
+      try:
+        tfmgpu.get_strategy("multi_worker_mirrored")
+      except RuntimeError as e:
+        print("ERROR:", e)
+      """)
+  out = subprocess.run([sys.executable, "-c", code], env=helpers.ENV,
+                       capture_output=True, text=True, timeout=120,
+                       check=False)
+  assert ("ERROR: strategy 'multi_worker_mirrored' must be created before "
+          "TensorFlow starts its runtime") in out.stdout, out.stderr[-3000:]
+  assert "task worker:0" in out.stdout and "restart the kernel" in out.stdout

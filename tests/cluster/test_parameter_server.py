@@ -1,0 +1,69 @@
+"""parameter_server through `python -m tfmgpu.train`: chief + 2 workers + 1 ps.
+
+The chief coordinates (ClusterCoordinator), the workers and the ps only
+serve; the launcher stops the servers once the chief is done. The run is
+preempted once (SIGTERM to the coordinator: checkpoint, exit 42) and resumed
+by the same command. Training is asynchronous, so the check is the accuracy,
+against one process trained for the same number of steps.
+"""
+
+import os
+import re
+import signal
+
+import pytest
+import tensorflow as tf
+
+from tfmgpu import experiment
+from tfmgpu.config import TrainConfig
+from tfmgpu.training import checkpoints
+from tests.cluster import helpers
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 3  # Full passes over the 4,000 training digits (62 steps of 64).
+
+
+def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
+    tmp_path):
+  model_dir = tmp_path / "run"
+  command = helpers.train_command(
+      "--strategy=parameter_server", f"--epochs={EPOCHS}", "--verbose=0",
+      "--steps_per_execution=2", f"--model_dir={model_dir}")
+  cluster = dict(num_workers=2, num_ps=1, chief=True)
+  run = helpers.ClusterRun(command, **cluster)
+  run.wait_for(rf"\[chief:0\] .*epoch 1/{EPOCHS}")
+  run.signal_task("chief:0", signal.SIGTERM)
+  result = run.join()
+  assert result.exit_code == checkpoints.EXIT_PREEMPTED, run.text[-5000:]
+  for task in ("worker:0", "worker:1", "ps:0"):
+    assert re.search(rf"\[{task}\] .*Task {task} serves at 127\.0\.0\.1:\d+",
+                     run.text), run.text[-3000:]
+  saved = re.search(r"\[chief:0\] error: Preempted: SIGTERM reached the "
+                    r"coordinator\. Saved (\S+) at global step (\d+)", run.text)
+  assert saved, run.text[-5000:]
+  step = int(saved.group(2))
+  assert step > 62
+  assert tf.train.load_variable(saved.group(1),
+                                "step/.ATTRIBUTES/VARIABLE_VALUE") == step
+
+  resumed = helpers.ClusterRun(command, **cluster)
+  result = resumed.join()
+  text = resumed.text
+  assert result.exit_code == 0, text[-5000:]
+  assert set(result.stopped) == {"worker:0", "worker:1", "ps:0"}
+  assert re.search(rf"\[chief:0\] .*Resumed from .*global step {step}\.", text)
+  accuracy = float(helpers.summary_value(
+      text, "chief:0", "test loss / accuracy").split(" / ")[1])
+  assert sorted(f for f in os.listdir(model_dir / "checkpoints")
+                if f.endswith(".index")) == [
+                    f"ckpt-{e}.index" for e in range(1, EPOCHS + 1)]
+  assert (model_dir / "model.keras").exists()
+
+  reference = experiment.run_training(TrainConfig(
+      strategy="one_device", epochs=EPOCHS, verbose=0,
+      model_dir=str(tmp_path / "ref")))
+  print(f"parameter_server test accuracy {accuracy:.4f}, one process "
+        f"{reference.test_accuracy:.4f}")
+  assert accuracy >= 0.9
+  assert accuracy >= reference.test_accuracy - 0.02
