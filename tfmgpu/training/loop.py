@@ -372,24 +372,12 @@ class Trainer:
           self._preempted(checkpointer, checkpointer.save(
               epoch, step=global_step, epoch_step=done), global_step, epoch,
                           done, steps_per_epoch)
-      epoch_logs = dict(logs)
-      if validation_data is not None:
-        val = self.evaluate(*validation_data,
-                            global_batch_size=global_batch_size)
-        epoch_logs.update(val_loss=val["loss"], val_accuracy=val["accuracy"])
-      epoch_logs["examples_per_sec"] = (
-          timed_examples / timed_seconds if timed_seconds else 0.0)
-      for k, v in epoch_logs.items():
-        history.setdefault(k, []).append(v)
-      with writer.as_default(step=epoch + 1):
-        for k, v in epoch_logs.items():
-          tf.summary.scalar(f"epoch/{k}", v)
-      if checkpointer:
-        last_ckpt = checkpointer.save(epoch + 1, step=global_step)
-      if not self.verbose:
-        logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
-            f"{k}={v:.4g}" for k, v in epoch_logs.items()))
-      callbacks.on_epoch_end(epoch, epoch_logs)
+      last_ckpt = self._finish_epoch(
+          epoch, epochs, logs, history=history, callbacks=callbacks,
+          writer=writer, checkpointer=checkpointer, global_step=global_step,
+          validation_data=validation_data, global_batch_size=global_batch_size,
+          examples_per_sec=(timed_examples / timed_seconds
+                            if timed_seconds else 0.0)) or last_ckpt
       if (self._watcher and epoch + 1 < epochs and
           self._watcher.stop_requested()):
         writer.flush()
@@ -439,6 +427,34 @@ class Trainer:
         f"{global_step} ({where}). Run the same command again to resume from "
         f"there (python -m tfmgpu.train exits with code "
         f"{ckpt_lib.EXIT_PREEMPTED}).", checkpoint=checkpoint, step=global_step)
+
+  def _finish_epoch(self, epoch: int, epochs: int, logs: dict[str, float], *,
+                    history: dict[str, list[float]], callbacks, writer,
+                    checkpointer, global_step: int, validation_data,
+                    global_batch_size: int, examples_per_sec: float
+                    ) -> str | None:
+    """Validation, history, summaries, checkpoint, callbacks for one epoch.
+
+    Returns:
+      The checkpoint written, or `None` without a `model_dir`.
+    """
+    epoch_logs = dict(logs)
+    if validation_data is not None:
+      val = self.evaluate(*validation_data, global_batch_size=global_batch_size)
+      epoch_logs.update(val_loss=val["loss"], val_accuracy=val["accuracy"])
+    epoch_logs["examples_per_sec"] = examples_per_sec
+    for k, v in epoch_logs.items():
+      history.setdefault(k, []).append(v)
+    with writer.as_default(step=epoch + 1):
+      for k, v in epoch_logs.items():
+        tf.summary.scalar(f"epoch/{k}", v)
+    saved = (checkpointer.save(epoch + 1, step=global_step) if checkpointer
+             else None)
+    if not self.verbose:
+      logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
+          f"{k}={v:.4g}" for k, v in epoch_logs.items()))
+    callbacks.on_epoch_end(epoch, epoch_logs)
+    return saved
 
   def close(self) -> None:
     """Flushes summaries and removes a non-chief worker's temporary files."""

@@ -234,24 +234,12 @@ class ParameterServerTrainer(Trainer):
               f"(python -m tfmgpu.train exits with code "
               f"{ckpt_lib.EXIT_PREEMPTED}).", checkpoint=path,
               step=global_step)
-      epoch_logs = dict(logs)
-      if validation_data is not None:
-        val = self.evaluate(*validation_data,
-                            global_batch_size=global_batch_size)
-        epoch_logs.update(val_loss=val["loss"], val_accuracy=val["accuracy"])
-      epoch_logs["examples_per_sec"] = (
-          total_steps * global_batch_size / seconds if seconds else 0.0)
-      for k, v in epoch_logs.items():
-        history.setdefault(k, []).append(v)
-      with writer.as_default(step=epoch + 1):
-        for k, v in epoch_logs.items():
-          tf.summary.scalar(f"epoch/{k}", v)
-      if checkpointer:
-        last_ckpt = checkpointer.save(epoch + 1, step=global_step)
-      if not self.verbose:
-        logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
-            f"{k}={v:.4g}" for k, v in epoch_logs.items()))
-      callbacks.on_epoch_end(epoch, epoch_logs)
+      last_ckpt = self._finish_epoch(
+          epoch, epochs, logs, history=history, callbacks=callbacks,
+          writer=writer, checkpointer=checkpointer, global_step=global_step,
+          validation_data=validation_data, global_batch_size=global_batch_size,
+          examples_per_sec=(total_steps * global_batch_size / seconds
+                            if seconds else 0.0)) or last_ckpt
       if watcher and watcher.received and epoch + 1 < epochs:
         raise ckpt_lib.PreemptedError(
             f"Preempted: SIGTERM reached the coordinator. Saved {last_ckpt} "
