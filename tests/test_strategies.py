@@ -39,6 +39,20 @@ def test_mirrored_options_choose_devices_and_all_reduce():
                     tf.distribute.ReductionToOneDevice)
 
 
+def test_one_replica_mirrored_skips_the_wrapper_unless_asked():
+  assert tfmgpu.get_strategy("mirrored", num_replicas=1) is (
+      tfmgpu.get_strategy("default"))
+  kept = tfmgpu.get_strategy("mirrored", num_replicas=1,
+                             single_replica="mirrored")
+  assert isinstance(kept, tf.distribute.MirroredStrategy)
+  assert kept.num_replicas_in_sync == 1
+  # A single replica elsewhere than the default device stays mirrored.
+  other = tfmgpu.get_strategy("mirrored", devices=["/cpu:3"])
+  assert isinstance(other, tf.distribute.MirroredStrategy)
+  with pytest.raises(ValueError, match=r"single_replica='never' is unknown"):
+    tfmgpu.get_strategy("mirrored", single_replica="never")
+
+
 def test_multi_worker_mirrored_single_process():
   s = tfmgpu.get_strategy("multi_worker_mirrored", communication="ring")
   assert isinstance(s, tf.distribute.MultiWorkerMirroredStrategy)

@@ -70,13 +70,14 @@ def test_help_and_flag_errors_answer_before_tensorflow_loads():
 def test_flagfile(tmp_path):
   flagfile = tmp_path / "run.flags"
   flagfile.write_text("--strategy=one_device\n--global_batch_size=33\n")
-  flags.FLAGS(["train", f"--flagfile={flagfile}"])
-  try:
+  args = flags.FLAGS.read_flags_from_files([f"--flagfile={flagfile}"])
+  assert args == ["--strategy=one_device", "--global_batch_size=33"]
+  with flagsaver.flagsaver():
+    for arg in args:
+      name, value = arg[2:].split("=", 1)
+      flags.FLAGS[name].parse(value)
     config = train.config_from_flags()
-    assert (config.strategy, config.global_batch_size) == ("one_device", 33)
-  finally:
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS.mark_as_parsed()
+  assert (config.strategy, config.global_batch_size) == ("one_device", 33)
 
 
 @pytest.mark.slow

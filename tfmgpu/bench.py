@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
       if quick else max(_STEPS.value, 8 * cf.STEPS_PER_EXECUTION.value),
       global_batch_size=cf.GLOBAL_BATCH_SIZE.value,
       steps_per_execution=cf.STEPS_PER_EXECUTION.value,
-      rounds=1 if quick else 2, output_dir=_OUTPUT_DIR.value, quick=quick)
+      rounds=2 if quick else 3, output_dir=_OUTPUT_DIR.value, quick=quick)
   bench_suite.run_suite(options, sections=_SECTIONS.value,
                         out=lambda s: print(s, flush=True))
   return 0

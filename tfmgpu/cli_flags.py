@@ -33,6 +33,10 @@ CROSS_DEVICE_OPS = flags.DEFINE_enum(
     "every replica is a GPU.")
 NUM_PACKS = flags.DEFINE_integer(
     "num_packs", 1, "Gradient packs for all-reduce.", lower_bound=1)
+SINGLE_REPLICA = flags.DEFINE_enum(
+    "single_replica", "default", list(strategies_lib.SINGLE_REPLICA_CHOICES),
+    "'mirrored' with one replica: 'default' skips MirroredStrategy's "
+    "overhead; 'mirrored' keeps it.")
 COMMUNICATION = flags.DEFINE_enum(
     "communication", "auto", list(strategies_lib.COMMUNICATION_CHOICES),
     "Collective implementation for 'multi_worker_mirrored'.")

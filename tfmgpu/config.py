@@ -49,6 +49,8 @@ class TrainConfig:
     num_replicas: use the first N accelerator devices.
     cross_device_ops: `auto`, `nccl`, `hierarchical_copy`, `reduction_to_one`.
     num_packs: gradient packs for all-reduce.
+    single_replica: `mirrored` with one replica on the default device uses
+      the `default` strategy (no wrapping overhead), or stays `mirrored`.
     communication: multi-worker collectives: `auto`, `ring`, `nccl`.
     cluster_resolver: `tf_config` or `slurm`.
     model: a registered model name.
@@ -77,6 +79,7 @@ class TrainConfig:
   num_replicas: int | None = None
   cross_device_ops: str = "auto"
   num_packs: int = 1
+  single_replica: str = "default"
   communication: str = "auto"
   cluster_resolver: str = "tf_config"
   model: str = "convnet"
@@ -109,6 +112,8 @@ class TrainConfig:
     _choice("dataset", self.dataset, tuple(data_lib.available_datasets()))
     _choice("cross_device_ops", self.cross_device_ops,
             strategies_lib.CROSS_DEVICE_OPS_CHOICES)
+    _choice("single_replica", self.single_replica,
+            strategies_lib.SINGLE_REPLICA_CHOICES)
     _choice("communication", self.communication,
             strategies_lib.COMMUNICATION_CHOICES)
     _choice("cluster_resolver", self.cluster_resolver,

@@ -103,10 +103,17 @@ def _replicated(config: TrainConfig, build: Callable[[], keras.Model],
       config.strategy, **config.strategy_options())
   with strategy.scope():
     model = build()
-  devices = [short_device(d) for d in
-             getattr(strategy.extended, "worker_devices", ())] or [
-                 devices_lib.accelerator_devices()[0]]
-  return Placement(strategy, devices, model)
+  return Placement(strategy, replica_devices(strategy), model)
+
+
+def replica_devices(strategy: tf.distribute.Strategy) -> list[str]:
+  """The devices a strategy's replicas run on, short names."""
+  try:
+    devices = list(strategy.extended.worker_devices)
+  except (AttributeError, RuntimeError):  # The default strategy has none.
+    devices = []
+  return [short_device(d) for d in devices] or [
+      devices_lib.accelerator_devices()[0]]
 
 
 def _build_unsplit(build: Callable[[], keras.Model]) -> keras.Model:

@@ -70,6 +70,7 @@ def config_from_flags() -> config_lib.TrainConfig:
       devices=tuple(cf.DEVICES.value) if cf.DEVICES.value else None,
       num_gpus=cf.NUM_GPUS.value, num_replicas=cf.NUM_REPLICAS.value,
       cross_device_ops=cf.CROSS_DEVICE_OPS.value, num_packs=cf.NUM_PACKS.value,
+      single_replica=cf.SINGLE_REPLICA.value,
       communication=cf.COMMUNICATION.value,
       cluster_resolver=cf.CLUSTER_RESOLVER.value, model=cf.MODEL.value,
       dataset=cf.DATASET.value, data_path=cf.DATA_PATH.value,
