@@ -70,6 +70,16 @@ def test_model_parallel_equals_single_device(model, rows, reference, num_stages)
   np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_pipeline_streams_micro_batches_to_the_same_predictions(
+    model, rows, reference, micro_batches):
+  from tfmgpu.parallel import pipeline
+  piped = pipeline.PipelinedModel(model, partition.plan_stages(model, 2),
+                                  micro_batches=micro_batches)
+  got = inference.predict(piped, rows, batch_size=64)
+  np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_branch_parallel_equals_members_one_after_the_other(rows, model):
   other = models.build_model("convnet", input_shape=(28, 28, 1),
                              num_classes=10, seed=2)

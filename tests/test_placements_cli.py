@@ -65,3 +65,25 @@ def test_cli_split_point_errors_are_clear(capsys):
                            split_points=["nope"], verbose=0):
     assert train.main(["train"]) == 1
   assert "nope" in capsys.readouterr().err
+
+
+def test_cli_trains_a_pipeline_like_the_unsplit_model(tmp_path, capsys):
+  losses = {}
+  for strategy in ("default", "pipeline"):
+    with flagsaver.flagsaver(strategy=strategy, model="mlp", num_stages=2,
+                             micro_batches=4, epochs=1, steps_per_epoch=4,
+                             model_dir=str(tmp_path / strategy), verbose=0):
+      assert train.main(["train"]) == 0
+    out = capsys.readouterr().out
+    losses[strategy] = re.search(r"train loss / accuracy\s+([\d.]+)",
+                                 out).group(1)
+  assert "stages" in out
+  assert losses["pipeline"] == losses["default"]
+
+
+def test_cli_pipeline_batch_not_divisible_by_micro_batches(capsys):
+  with flagsaver.flagsaver(strategy="pipeline", global_batch_size=30,
+                           micro_batches=4, verbose=0):
+    assert train.main(["train"]) == 1
+  assert ("global_batch_size=30 is not divisible by micro_batches=4"
+          in capsys.readouterr().err)

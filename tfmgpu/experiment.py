@@ -50,10 +50,18 @@ class RunSummary:
   plan: Any = dataclasses.field(repr=False, default=None)
   weights_digest: str = ""
 
+  def _layout_row(self) -> tuple[str, str]:
+    on = ", ".join(self.devices)
+    if self.plan is not None:
+      return ("stages", f"{len(self.devices)} on {on}")
+    if self.strategy == "branch_parallel":
+      return ("branches", f"{len(self.devices)} on {on}")
+    return ("replicas", f"{self.replicas} on {on}")
+
   def __str__(self) -> str:
     rows = [
         ("strategy", self.strategy),
-        ("replicas", f"{self.replicas} on {', '.join(self.devices)}"),
+        self._layout_row(),
         ("train loss / accuracy",
          f"{self.final_loss:.4f} / {self.final_accuracy:.4f}"),
         ("test loss / accuracy", f"{self.test_loss:.4f} / {self.test_accuracy:.4f}"),
@@ -140,6 +148,23 @@ def _staged(config: TrainConfig, build: Callable[[], keras.Model]) -> Placement:
                    staged.StagedModel(model, plan), plan)
 
 
+def _pipelined(config: TrainConfig, build: Callable[[], keras.Model]
+               ) -> Placement:
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  if config.global_batch_size % config.micro_batches:
+    raise ValueError(
+        f"global_batch_size={config.global_batch_size} is not divisible by "
+        f"micro_batches={config.micro_batches}. Use a multiple of "
+        f"{config.micro_batches}.")
+  model = _build_unsplit(build)
+  plan = plan_for(config, model)
+  return Placement(tf.distribute.get_strategy(), list(plan.devices),
+                   pipeline.PipelinedModel(
+                       model, plan, micro_batches=config.micro_batches,
+                       schedule=config.schedule, recompute=config.recompute),
+                   plan)
+
+
 def _branches(config: TrainConfig, build: Callable[[], keras.Model]
               ) -> Placement:
   """`num_stages` independently initialised members, averaged (an ensemble)."""
@@ -165,6 +190,7 @@ def _branches(config: TrainConfig, build: Callable[[], keras.Model]
 PLACEMENT_BUILDERS: dict[str, Callable[[TrainConfig, Callable[[], keras.Model]],
                                        Placement]] = {
     "model_parallel": _staged,
+    "pipeline": _pipelined,
     "branch_parallel": _branches,
 }
 

@@ -320,6 +320,16 @@ def _staged(models: list, strategy: str, options: dict):
   return staged.StagedModel(models[0], plan), None
 
 
+def _pipelined(models: list, strategy: str, options: dict):
+  del strategy
+  from tfmgpu.parallel import partition, pipeline  # pylint: disable=g-import-not-at-top
+  if len(models) != 1:
+    raise ValueError(f"pipeline serves one model; got {len(models)}.")
+  plan = partition.plan_stages(models[0], options.get("num_stages", 2))
+  return pipeline.PipelinedModel(
+      models[0], plan, micro_batches=options.get("micro_batches", 4)), None
+
+
 def _branches(models: list, strategy: str, options: dict):
   del strategy, options
   from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
@@ -332,6 +342,7 @@ def _branches(models: list, strategy: str, options: dict):
 # How each placement serves loaded models; data-parallel names share one path.
 SERVING_PLACEMENTS: dict[str, Callable[[list, str, dict], tuple]] = {
     "model_parallel": _staged,
+    "pipeline": _pipelined,
     "branch_parallel": _branches,
 }
 

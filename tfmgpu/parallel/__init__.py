@@ -13,11 +13,16 @@ from typing import Any
 
 _EXPORTS = {
     "BranchParallel": "tfmgpu.parallel.branches",
+    "PipelinedModel": "tfmgpu.parallel.pipeline",
     "StagePlan": "tfmgpu.parallel.partition",
     "StagedModel": "tfmgpu.parallel.staged",
+    "Timeline": "tfmgpu.parallel.schedule",
     "plan_stages": "tfmgpu.parallel.partition",
+    "simulate": "tfmgpu.parallel.schedule",
+    "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
-_SUBMODULES = ("branches", "demo_models", "partition", "staged")
+_SUBMODULES = ("branches", "demo_models", "partition", "pipeline", "schedule",
+               "staged")
 
 __all__ = sorted(_EXPORTS)
 

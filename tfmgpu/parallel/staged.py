@@ -164,7 +164,14 @@ class PerDeviceGradientModel(keras.Model):
   Subclasses implement `compute_loss_and_gradients`, which computes each
   part's backward pass on its own device; `train_step` (what `fit` runs)
   uses it, so `fit` and a custom loop share one mechanism.
+
+  Attributes:
+    places_itself: `True`: the model routes its own work to its devices;
+      callers (e.g. `tfmgpu.inference`) call it as is, outside any
+      data-parallel strategy.
   """
+
+  places_itself = True
 
   def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
                                  scale_regularization=None):
@@ -209,6 +216,10 @@ class PerDeviceGradientModel(keras.Model):
       optimizer.build(self.trainable_variables)
     return optimizer
 
+  def _fit_loss_options(self) -> dict[str, Any]:
+    """Extra keyword arguments `train_step` passes to the hook (none here)."""
+    return {}
+
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if self._compile_loss is None:  # pylint: disable=protected-access
@@ -223,13 +234,16 @@ class PerDeviceGradientModel(keras.Model):
           "device.")
     scale = self.optimizer.scale_loss
 
-    def loss_fn(y_true, y_pred):
+    def loss_fn(targets, y_pred):
       # The compiled loss only: regularisation losses join each part's own
-      # backward in compute_loss_and_gradients.
-      return scale(self._compile_loss(y_true, y_pred, sample_weight))  # pylint: disable=protected-access
+      # backward in compute_loss_and_gradients. The sample weights travel
+      # with the targets, so a model that splits the batch splits them too.
+      y_true, weights = targets
+      return scale(self._compile_loss(y_true, y_pred, weights))  # pylint: disable=protected-access
 
     loss, y_pred, grads = self.compute_loss_and_gradients(
-        x, y, loss_fn, scale_regularization=scale)
+        x, (y, sample_weight), loss_fn, scale_regularization=scale,
+        **self._fit_loss_options())
     unscaled = loss / tf.cast(scale(tf.constant(1.0)), loss.dtype)
     batch = tf.shape(tf.nest.flatten(x)[0])[0]
     self._loss_tracker.update_state(  # pylint: disable=protected-access
@@ -298,6 +312,20 @@ def _build_stage(graph: partition.ModelGraph, start: int, end: int,
     for old, new in zip(node.output_tensors, tf.nest.flatten(outputs)):
       tensors[id(old)] = new
   return keras.Model(new_in, tensors[id(t_out)], name=name)
+
+
+def resolve_plan(model: keras.Model, plan: partition.StagePlan | None,
+                 num_stages: int | None,
+                 plan_kwargs: dict[str, Any]) -> partition.StagePlan:
+  """`plan`, or a new plan from `num_stages` and `plan_kwargs` (not both)."""
+  if plan is None:
+    if num_stages is None:
+      num_stages = len(devices_lib.accelerator_devices())
+    return partition.plan_stages(model, num_stages, **plan_kwargs)
+  if num_stages is not None or plan_kwargs:
+    raise ValueError("Pass either plan=... or num_stages/plan options "
+                     f"({sorted(plan_kwargs) or ['num_stages']}), not both.")
+  return plan
 
 
 class StagedModel(PerDeviceGradientModel):
@@ -382,14 +410,8 @@ class StagedModel(PerDeviceGradientModel):
     Returns:
       The `StagedModel`, holding a copy of `model`'s weights.
     """
-    if plan is None:
-      if num_stages is None:
-        num_stages = len(devices_lib.accelerator_devices())
-      plan = partition.plan_stages(model, num_stages, **plan_kwargs)
-    elif num_stages is not None or plan_kwargs:
-      raise ValueError("Pass either plan=... or num_stages/plan options "
-                       f"({sorted(plan_kwargs) or ['num_stages']}), not both.")
-    return cls(model, plan, name=name)
+    return cls(model, resolve_plan(model, plan, num_stages, plan_kwargs),
+               name=name)
 
   def call(self, inputs, training=None):
     h = inputs

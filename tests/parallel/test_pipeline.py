@@ -1,0 +1,496 @@
+"""PipelinedModel: parity with unsplit training, placement, schedule order and
+stored activations read from the traced graph."""
+
+import collections
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmgpu.parallel
+from tfmgpu import strategies
+from tfmgpu.parallel import branches
+from tfmgpu.parallel import demo_models
+from tfmgpu.parallel import pipeline
+from tfmgpu.parallel import schedule
+from tfmgpu.parallel import staged
+from tfmgpu.training import loop
+
+PipelinedModel = pipeline.PipelinedModel
+
+LR = 0.01
+STEPS = 3
+BATCH = 16
+RESOURCE_OPS = {"Placeholder", "ReadVariableOp", "VarHandleOp"}
+
+
+def _mlp(seed=0):
+  keras.utils.set_random_seed(seed)
+  return demo_models.deep_mlp((12,), 3, depth=6, width=16)
+
+
+def _regularized(seed=0):
+  """Weight and activity regularisers: counted once, and per micro-batch."""
+  keras.utils.set_random_seed(seed)
+  L, l2 = keras.layers, keras.regularizers.L2
+  return keras.Sequential([
+      keras.Input((12,)),
+      L.Dense(16, activation="relu", kernel_regularizer=l2(1e-2), name="d0"),
+      L.Dense(16, activation="relu", activity_regularizer=l2(1e-2),
+              name="d1"),
+      L.Dense(16, activation="tanh", name="d2"),
+      L.Dense(3, kernel_regularizer=l2(1e-2), name="logits"),
+  ], name="regularized")
+
+
+def _data(n=STEPS * BATCH):
+  rng = np.random.RandomState(1)
+  return (rng.randn(n, 12).astype("float32"),
+          rng.randint(0, 3, size=(n,)).astype("int64"))
+
+
+def _loss():
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _assert_same_weights(a, b):
+  wa, wb = a.get_weights(), b.get_weights()
+  assert len(wa) == len(wb)
+  for i, (u, v) in enumerate(zip(wa, wb)):
+    np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5,
+                               err_msg=f"weight {i}")
+
+
+def _train_unsplit(model, x, y):
+  """One GradientTape over the whole model: the reference."""
+  loss_obj, optimizer = _loss(), keras.optimizers.Adam(LR)
+  optimizer.build(model.trainable_variables)
+
+  @tf.function
+  def step(xb, yb):
+    with tf.GradientTape() as tape:
+      loss = loss_obj(yb, model(xb, training=True))
+      if model.losses:
+        loss += tf.add_n(model.losses)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return [float(step(x[i:i + BATCH], y[i:i + BATCH]))
+          for i in range(0, len(x), BATCH)]
+
+
+def _train_pipelined(pipe, x, y):
+  """The hook in a custom loop; the loss averages over the rows it gets."""
+  loss_obj = _loss()
+  optimizer = pipe.build_optimizer(keras.optimizers.Adam(LR))
+
+  @tf.function
+  def step(xb, yb):
+    loss, _, grads = pipe.compute_loss_and_gradients(xb, yb, loss_obj,
+                                                     loss_reduction="mean")
+    optimizer.apply_gradients(zip(grads, pipe.trainable_variables))
+    return loss
+
+  return [float(step(x[i:i + BATCH], y[i:i + BATCH]))
+          for i in range(0, len(x), BATCH)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """Losses and final weights of unsplit single-device training."""
+  model = _mlp()
+  x, y = _data()
+  losses = _train_unsplit(model, x, y)
+  return losses, model
+
+
+# ------------------------------------------------------------------ parity
+
+# Full M grid on K=2, a subset on K=4; recomputation on a spread of cases.
+PARITY = ([(2, m, "gpipe", False) for m in (1, 2, 4, 8)] +
+          [(2, m, "1f1b", False) for m in (1, 4, 8)] +
+          [(2, 4, "gpipe", True), (2, 8, "1f1b", True)] +
+          [(4, 2, "gpipe", False), (4, 8, "gpipe", True),
+           (4, 4, "1f1b", False), (4, 8, "1f1b", True)])
+
+
+@pytest.mark.parametrize("num_stages,micro_batches,name,recompute", PARITY)
+def test_custom_loop_matches_unsplit_training(reference, num_stages,
+                                              micro_batches, name, recompute):
+  want_losses, want = reference
+  x, y = _data()
+  pipe = PipelinedModel.from_model(_mlp(), num_stages=num_stages,
+                                   micro_batches=micro_batches, schedule=name,
+                                   recompute=recompute)
+  assert len(set(pipe.stage_devices)) == num_stages
+  got = _train_pipelined(pipe, x, y)
+  np.testing.assert_allclose(got, want_losses, rtol=1e-5)
+  _assert_same_weights(pipe.to_unsplit(), want)
+
+
+@pytest.mark.parametrize("name,recompute", [("gpipe", False), ("1f1b", True)])
+def test_regularisation_counts_once_per_step(name, recompute):
+  model = _regularized()
+  x, y = _data()
+  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=4,
+                                   schedule=name, recompute=recompute)
+  got = _train_pipelined(pipe, x, y)
+  want = _train_unsplit(model, x, y)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  _assert_same_weights(pipe.to_unsplit(), model)
+
+
+def _global_batch_loss(y_true, y_pred):
+  """What tfmgpu's Trainer passes: per-example losses / the global batch."""
+  return tf.nn.compute_average_loss(
+      keras.losses.sparse_categorical_crossentropy(y_true, y_pred,
+                                                   from_logits=True),
+      global_batch_size=BATCH)
+
+
+@pytest.mark.parametrize("name,recompute", [("gpipe", False), ("1f1b", True)])
+@pytest.mark.parametrize("loss_fn,reduction", [(_loss(), "mean"),
+                                               (_global_batch_loss, "sum")])
+def test_gradients_equal_the_unsplit_gradients(name, recompute, loss_fn,
+                                               reduction):
+  """Directly, not through Adam (which would hide a wrong overall scale)."""
+  model = _regularized()
+  x, y = _data(BATCH)
+  pipe = PipelinedModel.from_model(model, num_stages=3, micro_batches=4,
+                                   schedule=name, recompute=recompute)
+  loss, y_pred, grads = pipe.compute_loss_and_gradients(
+      x, y, loss_fn, loss_reduction=reduction)
+  with tf.GradientTape() as tape:
+    want_pred = model(x, training=True)
+    want_loss = loss_fn(y, want_pred) + tf.add_n(model.losses)
+  np.testing.assert_allclose(y_pred, want_pred, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  key = lambda v: "/".join(v.path.split("/")[-2:])  # layer/weight
+  want = dict(zip([key(v) for v in model.trainable_variables],
+                  tape.gradient(want_loss, model.trainable_variables)))
+  assert [key(v) for v in pipe.trainable_variables] == list(want)
+  for v, g in zip(pipe.trainable_variables, grads):
+    np.testing.assert_allclose(g, want[key(v)], rtol=1e-5, atol=1e-7,
+                               err_msg=v.path)
+
+
+@pytest.mark.parametrize("name,recompute,weighted", [
+    ("gpipe", False, False), ("1f1b", True, True)])
+def test_fit_matches_unsplit_fit(name, recompute, weighted):
+  model = _mlp()
+  x, y = _data()
+  weights = (np.random.RandomState(2).uniform(0.2, 2.0, len(x))
+             .astype("float32") if weighted else None)
+  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=4,
+                                   schedule=name, recompute=recompute)
+  pipe.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  model.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  got = pipe.fit(x, y, sample_weight=weights, batch_size=BATCH,
+                 shuffle=False, verbose=0)
+  want = model.fit(x, y, sample_weight=weights, batch_size=BATCH,
+                   shuffle=False, verbose=0)
+  assert pipe.optimizer.iterations.numpy() == STEPS
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
+  _assert_same_weights(pipe.to_unsplit(), model)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_trainer_matches_unsplit_trainer(name):
+  """The Trainer's loss divides by the global batch: micro-batch losses add."""
+  model = _mlp()
+  x, y = _data()
+  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=4,
+                                   schedule=name)
+  strategy = strategies.get_strategy("default")
+  results = []
+  for m in (pipe, model):
+    trainer = loop.Trainer(m, strategy=strategy, optimizer="adam",
+                           learning_rate=LR, verbose=0)
+    results.append(trainer.fit(x, y, epochs=1, global_batch_size=BATCH,
+                               shuffle=False))
+  assert results[0].steps == results[1].steps == STEPS
+  np.testing.assert_allclose(results[0].history["loss"],
+                             results[1].history["loss"], rtol=1e-5)
+  _assert_same_weights(pipe.to_unsplit(), model)
+
+
+def test_predict_streams_micro_batches_and_pads_a_ragged_batch():
+  model = _mlp()
+  x, y = _data()
+  pipe = PipelinedModel.from_model(model, num_stages=3, micro_batches=4)
+  x13 = x[:13]  # Batches of 8 and 5: the 5 is padded to 8, then trimmed.
+  np.testing.assert_allclose(pipe.predict(x13, batch_size=8, verbose=0),
+                             model.predict(x13, batch_size=8, verbose=0),
+                             rtol=1e-5, atol=1e-6)
+  got = pipe(tf.constant(x[:3]))  # Fewer rows than micro-batches.
+  assert got.shape == (3, 3)
+  np.testing.assert_allclose(got, model(x[:3]), rtol=1e-5, atol=1e-6)
+  pipe.compile(loss=_loss())
+  model.compile(loss=_loss())
+  np.testing.assert_allclose(pipe.evaluate(x, y, batch_size=12, verbose=0),
+                             model.evaluate(x, y, batch_size=12, verbose=0),
+                             rtol=1e-5)
+
+
+# -------------------------------------------------------- traced graph
+
+_TASK_OP = re.compile(
+    r"^(gradient_tape/)?stage_(\d+)_(mb|backward_mb|recompute_mb)_(\d+)/")
+_STAGE_OP = re.compile(r"^(?:gradient_tape/)?stage_(\d+)_")
+
+
+def _task_of(name):
+  m = _TASK_OP.match(name)
+  if not m:
+    return None
+  forward = m.group(1) is None and m.group(3) == "mb"
+  return schedule.Task(int(m.group(2)), int(m.group(4)),
+                       schedule.FORWARD if forward else schedule.BACKWARD)
+
+
+def _custom_step(pipe, rows=BATCH):
+  optimizer = pipe.optimizer
+
+  def step(xb, yb):
+    loss, _, grads = pipe.compute_loss_and_gradients(xb, yb, _loss(),
+                                                     loss_reduction="mean")
+    optimizer.apply_gradients(zip(grads, pipe.trainable_variables))
+    return loss
+
+  return tf.function(step).get_concrete_function(
+      tf.TensorSpec((rows, 12)), tf.TensorSpec((rows,), tf.int64))
+
+
+def _fit_step(pipe, rows=BATCH):
+  fn = tf.function(lambda xb, yb: pipe.train_step((xb, yb)))
+  return fn.get_concrete_function(tf.TensorSpec((rows, 12)),
+                                  tf.TensorSpec((rows,), tf.int64))
+
+
+def _pipe(cpu_devices, name="gpipe", recompute=False, micro_batches=4,
+          model=None):
+  pipe = PipelinedModel.from_model(model or _mlp(), num_stages=3,
+                                   devices=cpu_devices[1:],
+                                   micro_batches=micro_batches, schedule=name,
+                                   recompute=recompute)
+  pipe.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+  return pipe
+
+
+@pytest.mark.parametrize("name,recompute,make_step", [
+    ("gpipe", False, _custom_step), ("gpipe", True, _fit_step),
+    ("1f1b", False, _fit_step), ("1f1b", True, _custom_step)])
+def test_every_stage_op_and_update_runs_on_its_device(cpu_devices, name,
+                                                      recompute, make_step):
+  pipe = _pipe(cpu_devices, name, recompute, model=_regularized())
+  placements = staged.op_placements(make_step(pipe))
+  compute = collections.defaultdict(set)
+  bad = []
+  for p in placements:
+    m = _STAGE_OP.match(p.name)
+    if not m:
+      continue
+    k = int(m.group(1))
+    if p.device != pipe.stage_devices[k] and not (
+        p.device == "" and p.type in RESOURCE_OPS):
+      bad.append((p.name, p.type, p.device))
+    task = _task_of(p.name)
+    if task is not None and p.type == "MatMul":
+      compute[task].add(p.name)
+  assert bad == []
+  # Every (stage, micro-batch, direction) has its own compute ops.
+  assert set(compute) == {schedule.Task(k, m, kind) for k in range(3)
+                          for m in range(4)
+                          for kind in (schedule.FORWARD, schedule.BACKWARD)}
+  squares = collections.Counter(p.device for p in placements
+                                if p.name.startswith(pipe.optimizer.name + "/")
+                                and p.type == "Square")
+  assert squares == collections.Counter({
+      d: len(s.trainable_variables)
+      for s, d in zip(pipe.stages, pipe.stage_devices)})
+
+
+def _upstream_tasks(ops, task_of_op, task):
+  """Tasks (other than `task`) with an op that `ops` depend on."""
+  seen, stack, found = set(), list(ops), set()
+  while stack:
+    op = stack.pop()
+    for parent in list(op.inputs) + list(op.control_inputs):
+      parent = getattr(parent, "op", parent)
+      if parent.name in seen:
+        continue
+      seen.add(parent.name)
+      other = task_of_op.get(parent.name)
+      if other is not None and other != task:
+        found.add(other)
+      stack.append(parent)
+  return found
+
+
+def _graph_order(concrete_function):
+  """{task: tasks that must finish before it starts}, from the graph's edges;
+  and the recomputed forward ops of each task."""
+  ops_of = collections.defaultdict(list)
+  for op in concrete_function.graph.get_operations():
+    task = _task_of(op.name)
+    if task is not None:
+      ops_of[task].append(op)
+  task_of_op = {op.name: t for t, ops in ops_of.items() for op in ops}
+  before = {t: _upstream_tasks(ops, task_of_op, t) for t, ops in ops_of.items()}
+  recomputed = {t: [op for op in ops if "_recompute_mb_" in op.name]
+                for t, ops in ops_of.items()}
+  return before, {t: (ops, task_of_op) for t, ops in recomputed.items() if ops}
+
+
+def _schedule_order(num_stages, micro_batches, name):
+  """The same relation from the schedule: stage order plus data dependencies."""
+  orders = schedule.stage_orders(num_stages, micro_batches, name)
+  direct = collections.defaultdict(set)
+  for order in orders:
+    for a, b in zip(order, order[1:]):
+      direct[b].add(a)
+  for order in orders:
+    for t in order:
+      direct[t].update(schedule.dependencies(t, num_stages, micro_batches,
+                                             name))
+  before = {}
+  for order in orders:
+    for t in order:
+      seen, stack = set(), list(direct[t])
+      while stack:
+        d = stack.pop()
+        if d not in seen:
+          seen.add(d)
+          stack.extend(direct[d])
+      before[t] = seen
+  return before
+
+
+@pytest.mark.parametrize("name,recompute", [("gpipe", False),
+                                            ("1f1b", False), ("1f1b", True)])
+def test_graph_orders_tasks_exactly_as_the_schedule(cpu_devices, name,
+                                                    recompute):
+  """No hidden serialisation: F(k, m) and F(k+1, m-1) are independent in the
+  dataflow (so the executor can overlap them), and 1F1B's per-stage order
+  is enforced."""
+  pipe = _pipe(cpu_devices, name, recompute)
+  got, recomputed = _graph_order(_custom_step(pipe))
+  assert got == _schedule_order(3, 4, name)
+  F = lambda k, m: schedule.Task(k, m, schedule.FORWARD)
+  B = lambda k, m: schedule.Task(k, m, schedule.BACKWARD)
+  # A recomputed forward waits for its upstream gradient: the executor cannot
+  # run it early, in the forward phase, and keep its activations after all.
+  assert len(recomputed) == (12 if recompute else 0)
+  for task, (ops, task_of_op) in recomputed.items():
+    if task.stage < 2:
+      assert all(B(task.stage + 1, task.micro_batch) in
+                 _upstream_tasks([op], task_of_op, task) for op in ops)
+  for k, m in ((0, 1), (0, 2), (1, 1)):
+    assert F(k, m) not in got[F(k + 1, m - 1)]
+    assert F(k + 1, m - 1) not in got[F(k, m)]
+  if name == "1f1b":
+    # Stage k forwards micro-batch m + K - k only after micro-batch m's
+    # backward there: at most K - k micro-batches of activations held.
+    for k in range(3):
+      for m in range(4 - (3 - k)):
+        assert B(k, m) in got[F(k, m + 3 - k)]
+  else:
+    assert not any(t.kind == schedule.BACKWARD for t in got[F(0, 3)])
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_recompute_keeps_only_each_stage_input(cpu_devices, name):
+  kept = {}
+  for recompute in (False, True):
+    pipe = _pipe(cpu_devices, name, recompute)
+    kept[recompute] = pipeline.saved_activation_bytes(_custom_step(pipe))
+  plan = pipe.plan
+  for k, stage in enumerate(plan.stages):
+    inputs = BATCH * stage.input_bytes
+    if name == "gpipe" or k < 2:
+      # Recomputation: the stage input of each micro-batch, nothing else.
+      assert kept[True][k] == inputs
+    else:
+      # 1F1B's last stage also keeps each micro-batch's labels for its loss.
+      assert kept[True][k] == inputs + BATCH * 8
+    # Without it, every ReLU output too: the plan's activation estimate.
+    if k < 2:
+      assert kept[False][k] == BATCH * (stage.input_bytes +
+                                        stage.activation_bytes)
+    assert kept[False][k] > 2 * kept[True][k]
+
+
+# ------------------------------------------------------------- the API
+
+
+def test_registered_exported_and_places_itself():
+  entry = strategies.strategy_entry("pipeline")
+  assert entry.kind is strategies.Kind.PLACEMENT
+  assert "micro-batch" in entry.description
+  assert strategies.get_strategy("pipeline") is tf.distribute.get_strategy()
+  assert tfmgpu.parallel.PipelinedModel is PipelinedModel
+  assert tfmgpu.parallel.simulate is schedule.simulate
+  for cls in (PipelinedModel, staged.StagedModel, branches.BranchParallel):
+    assert cls.places_itself is True
+
+
+def test_stage_times_feed_the_simulator():
+  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=4)
+  x, y = _data(BATCH)
+  fwd, bwd = pipeline.measure_stage_times(pipe, x, y, _loss(), repeats=2,
+                                          warmup=1)
+  assert len(fwd) == len(bwd) == 2
+  assert all(t > 0 for t in fwd) and all(t >= 0 for t in bwd)
+  timeline = schedule.simulate(fwd, bwd, pipe.micro_batches)
+  assert timeline.step_time >= max(4 * (f + b) for f, b in zip(fwd, bwd))
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_batch_not_divisible_by_micro_batches_names_both():
+  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=4)
+  x, y = _data()
+  with pytest.raises(ValueError, match=r"batch of 10 examples is not "
+                     r"divisible by micro_batches=4.*E\.g\. batch size 12"):
+    pipe.compute_loss_and_gradients(x[:10], y[:10], _loss())
+
+
+def test_fit_with_a_ragged_last_batch_fails_with_the_rule():
+  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=8)
+  pipe.compile(optimizer="adam", loss=_loss())
+  x, y = _data(20)  # Batches of 8, 8 and 4.
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r"not divisible by micro_batches=8"):
+    pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(micro_batches=0), r"micro_batches=0 must be an int >= 1"),
+    (dict(micro_batches="4"), r"micro_batches='4' must be an int >= 1"),
+    (dict(micro_batches=True), r"micro_batches=True must be an int >= 1"),
+    (dict(schedule="interleaved"),
+     r"schedule='interleaved' is unknown. Choose one of 'gpipe', '1f1b'"),
+    (dict(recompute="yes"), r"recompute='yes' must be True or False"),
+])
+def test_bad_options_are_named(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    PipelinedModel.from_model(_mlp(), num_stages=2, **kwargs)
+
+
+def test_unknown_loss_reduction_and_irreducible_1f1b_loss_are_rejected():
+  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=2,
+                                   schedule="1f1b")
+  x, y = _data(BATCH)
+  with pytest.raises(ValueError, match=r"loss_reduction='avg' is unknown"):
+    pipe.compute_loss_and_gradients(x, y, _loss(), loss_reduction="avg")
+  irreducible = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction="mean_with_sample_weight")
+  pipe.compile(optimizer="adam", loss=irreducible)
+  with pytest.raises(ValueError, match=r"reduction='mean_with_sample_weight'"
+                     r".*schedule='gpipe'"):
+    pipe.fit(x, y, batch_size=BATCH, verbose=0)

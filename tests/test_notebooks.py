@@ -1,0 +1,173 @@
+"""The notebooks in notebooks/: executed top to bottom, twice in one kernel.
+
+Each notebook runs in a real Jupyter kernel started from this interpreter
+(nbclient; ipykernel's "python3" kernelspec launches `sys.executable`, so a
+fresh virtualenv with `.[dev]` finds it), with notebooks/ as the working
+directory, as a reader would run it. Any cell error fails the test, naming
+the cell. The committed copies must carry the outputs of a real run.
+
+Re-execute the notebooks and save their outputs with:
+
+    python -m tests.test_notebooks [notebooks/NAME.ipynb ...]
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+import sys
+import time
+
+import nbclient
+from nbclient.exceptions import CellExecutionError
+import nbformat
+import pytest
+
+NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+EXPECTED = ("01_data_parallel", "02_model_and_pipeline_parallel",
+            "03_inference", "04_existing_pipeline")
+# Generous: each notebook takes well under a minute on an idle 2-core CPU,
+# but CI shares its cores.
+CELL_TIMEOUT_S = 600
+STARTUP_TIMEOUT_S = 180
+
+
+def execute(nb: nbformat.NotebookNode, *, runs: int = 1,
+            cwd: pathlib.Path = NOTEBOOK_DIR) -> nbformat.NotebookNode:
+  """Runs every code cell of `nb`, `runs` times over, in one fresh kernel.
+
+  Outputs are written into `nb` (the last run's).
+
+  Raises:
+    nbclient.exceptions.CellExecutionError: a cell raised; the message
+      names the cell and the error.
+  """
+  client = nbclient.NotebookClient(
+      nb, kernel_name="python3", timeout=CELL_TIMEOUT_S,
+      startup_timeout=STARTUP_TIMEOUT_S, record_timing=False,
+      resources={"metadata": {"path": str(cwd)}})
+  with client.setup_kernel():
+    info = client.wait_for_reply(client.kc.kernel_info())
+    nb.metadata["language_info"] = info["content"]["language_info"]
+    for _ in range(runs):
+      client.reset_execution_trackers()
+      for index, cell in enumerate(nb.cells):
+        client.execute_cell(cell, index,
+                            execution_count=client.code_cells_executed + 1)
+  return nb
+
+
+def _code(nb: nbformat.NotebookNode) -> list[str]:
+  return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def _shown(cell: nbformat.NotebookNode) -> bool:
+  """Whether a code cell displayed a result (not only printed to a stream)."""
+  return any(o.output_type in ("execute_result", "display_data")
+             for o in cell.outputs)
+
+
+# ------------------------------------------------------------ fast checks
+
+
+def test_every_expected_notebook_is_there():
+  assert [p.stem for p in NOTEBOOKS] == list(EXPECTED)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebook_holds_a_clean_run(path):
+  """Executed in order from a fresh kernel, every cell, no error output."""
+  nb = nbformat.read(path, as_version=4)
+  nbformat.validate(nb)
+  assert nb.metadata.kernelspec.name == "python3"
+  counts = [c.execution_count for c in nb.cells if c.cell_type == "code"]
+  assert counts == list(range(1, len(counts) + 1)), (
+      f"{path.name} is not a top-to-bottom run: execution counts {counts}. "
+      "Re-run: python -m tests.test_notebooks")
+  for i, cell in enumerate(nb.cells):
+    for out in cell.get("outputs", []):
+      assert out.output_type != "error", f"{path.name} cell {i}: {out.ename}"
+      text = out.get("text", "")
+      assert "Traceback" not in text, f"{path.name} cell {i} printed a traceback"
+  assert any(c.get("outputs") for c in nb.cells), f"{path.name} has no outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_uses_the_library_not_flags(path):
+  code = _code(nbformat.read(path, as_version=4))
+  first = code[0]
+  assert 'os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"' in first
+  assert "tfmgpu.configure_devices(logical_cpus=4)" in first
+  everything = "\n".join(code)
+  assert not re.search(r"absl\.flags|from absl import (app|flags)|FLAGS",
+                       everything)
+
+
+# ------------------------------------------------------- executing them
+
+
+def check_runs_twice(path: pathlib.Path, cwd: pathlib.Path = NOTEBOOK_DIR):
+  """Top to bottom from a fresh kernel, then all over again in that kernel."""
+  committed = nbformat.read(path, as_version=4)
+  nb = execute(copy.deepcopy(committed), runs=2, cwd=cwd)
+  # The second run shows its results (tables, pictures) again.
+  for i, (before, after) in enumerate(zip(committed.cells, nb.cells)):
+    if before.cell_type == "code" and _shown(before) and not _shown(after):
+      pytest.fail(f"{path.name} cell {i} showed nothing on the second run.")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_twice_in_one_kernel(path):
+  check_runs_twice(path)
+
+
+@pytest.mark.slow
+def test_the_kernel_runs_this_interpreter(tmp_path):
+  """So a fresh virtualenv tests its own install, not another Python's."""
+  nb = nbformat.v4.new_notebook(
+      cells=[nbformat.v4.new_code_cell("import sys\nprint(sys.prefix)")])
+  execute(nb, cwd=tmp_path)
+  assert nb.cells[0].outputs[0].text.strip() == sys.prefix
+
+
+@pytest.mark.slow
+def test_the_second_run_shares_the_kernel_of_the_first(tmp_path):
+  """A notebook that only breaks when re-run in the same kernel fails."""
+  nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+      "assert 'seen' not in globals(), 'state left by the first run'\n"
+      "seen = True")])
+  execute(copy.deepcopy(nb), cwd=tmp_path)
+  with pytest.raises(CellExecutionError, match="state left by the first run"):
+    execute(nb, runs=2, cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_failing_cell_fails_the_run(tmp_path):
+  """A broken copy of a real notebook fails the check the notebooks go through."""
+  broken = nbformat.read(NOTEBOOKS[-1], as_version=4)
+  code_cells = [c for c in broken.cells if c.cell_type == "code"]
+  code_cells[1].source = "raise ValueError('deliberately broken cell')"
+  path = tmp_path / "broken.ipynb"
+  nbformat.write(broken, path)
+  with pytest.raises(CellExecutionError, match="deliberately broken cell"):
+    check_runs_twice(path, cwd=tmp_path)
+
+
+def _regenerate(paths: list[pathlib.Path]) -> None:
+  for path in paths:
+    start = time.perf_counter()
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+      if cell.cell_type == "code":
+        cell.outputs, cell.execution_count = [], None
+    execute(nb)
+    nbformat.write(nb, path)
+    print(f"{path.name}: executed in {time.perf_counter() - start:.1f} s",
+          flush=True)
+
+
+if __name__ == "__main__":
+  _regenerate([pathlib.Path(p) for p in sys.argv[1:]] or NOTEBOOKS)
