@@ -1,5 +1,6 @@
 """Placements through the same loop and CLI as data parallelism."""
 
+import os
 import re
 
 from absl import flags
@@ -87,3 +88,18 @@ def test_cli_pipeline_batch_not_divisible_by_micro_batches(capsys):
     assert train.main(["train"]) == 1
   assert ("global_batch_size=30 is not divisible by micro_batches=4"
           in capsys.readouterr().err)
+
+
+def test_branch_parallel_trains_saves_each_member_and_serves(tmp_path, capsys):
+  from tfmgpu import predict
+  with flagsaver.flagsaver(strategy="branch_parallel", model="mlp",
+                           num_stages=2, epochs=1, steps_per_epoch=3,
+                           model_dir=str(tmp_path), verbose=0):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"branches\s+2 on /device:CPU:0, /device:CPU:1", out)
+  paths = [str(tmp_path / f"model.branch{i}.keras") for i in range(2)]
+  assert all(os.path.exists(p) for p in paths)
+  with flagsaver.flagsaver(model_path=paths, strategy="branch_parallel"):
+    assert predict.main(["predict"]) == 0
+  assert "predicted  1000 rows with branch_parallel" in capsys.readouterr().out

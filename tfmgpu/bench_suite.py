@@ -260,6 +260,19 @@ def _inference(report: Report, opts: SuiteOptions, arrays) -> None:
     report.figure(f"tfmgpu.predict/keras predict x{replicas}",
                   best["tfmgpu"].examples_per_sec
                   / best["keras_predict"].examples_per_sec, "(target >= 1.0)")
+  replicas = max(r for r in opts.replicas if r <= 2)
+  strategy = strategies_lib.get_strategy("mirrored", num_replicas=replicas)
+  report.say(f"  inference options, x{replicas} (each on/off):")
+  for name, options in {
+      "batch 1024, steps_per_execution=4 (defaults)": {},
+      "steps_per_execution=1": dict(steps_per_execution=1),
+      "batch 128": dict(batch_size=128),
+      "precision=bfloat16": dict(precision="bfloat16"),
+  }.items():
+    t = benchmark.time_predictor(strategy, "convnet", x, **options)
+    report.add(Row("inference_option", "convnet", replicas, name,
+                   t.ms_per_step, t.examples_per_sec))
+    report.say(f"    {name:<46} {t.examples_per_sec:>9,.0f} ex/s")
 
 
 def _projection(report: Report, opts: SuiteOptions, arrays) -> None:
@@ -304,13 +317,51 @@ def _plots(report: Report, opts: SuiteOptions) -> list[str]:
     ax.set_xlabel("replicas (logical CPU devices)")
     ax.set_ylabel("examples/s")
     ax.set_xticks(list(opts.replicas))
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend()
   fig.tight_layout()
   out = os.path.join(opts.output_dir, "throughput.png")
   fig.savefig(out, dpi=100)
   plt.close(fig)
   paths.append(out)
+  paths.append(_plot_stage_memory(plt, opts))
+  paths.append(_plot_pipeline_timeline(opts))
   return paths
+
+
+def _plot_stage_memory(plt, opts: SuiteOptions) -> str:
+  """Per-device training memory of a 4-stage plan of the demo deep MLP."""
+  from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
+  model = models_lib.build_model("deep_mlp", input_shape=(28, 28, 1),
+                                 num_classes=10)
+  stages = min(4, len(devices_lib.accelerator_devices()))
+  plan = partition.plan_stages(model, stages, criterion="params")
+  estimate = plan.memory_estimate(opts.global_batch_size)
+  parts = ("weights", "gradients", "optimizer_slots", "activations")
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  bottom = np.zeros(len(estimate))
+  names = [d.replace("/device:", "") for d in estimate]
+  for part in parts:
+    values = np.array([getattr(e, part) / 2**20 for e in estimate.values()])
+    ax.bar(names, values, bottom=bottom, label=part)
+    bottom += values
+  ax.set_ylabel("MiB (estimate)")
+  ax.set_title(f"deep_mlp in {stages} stages: memory per device "
+               f"(batch {opts.global_batch_size}, Adam)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  out = os.path.join(opts.output_dir, "stage_memory.png")
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
+
+
+def _plot_pipeline_timeline(opts: SuiteOptions) -> str:
+  """The simulated GPipe timeline of 2 equal stages with 4 micro-batches."""
+  from tfmgpu.parallel import schedule  # pylint: disable=g-import-not-at-top
+  out = os.path.join(opts.output_dir, "pipeline_timeline.png")
+  schedule.simulate([1.0, 1.0], [2.0, 2.0], 4).plot(out)
+  return out
 
 
 SECTIONS = {

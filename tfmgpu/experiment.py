@@ -322,9 +322,22 @@ def run_training(config: TrainConfig, *,
 
 
 def save_model(model: keras.Model, path: str) -> str:
-  """Saves a servable `.keras` file (a split model is saved unsplit)."""
+  """Saves servable `.keras` file(s); returns what to pass to `--model_path`.
+
+  A staged or pipelined model is saved unsplit. Branch-parallel members are
+  saved one file each (`model.branch0.keras`, ...), which
+  `python -m tfmgpu.predict --strategy=branch_parallel --model_path=a,b`
+  serves side by side.
+  """
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  branches = getattr(model, "branches", None)
+  if branches is not None:
+    stem = path[:-len(".keras")] if path.endswith(".keras") else path
+    paths = [f"{stem}.branch{i}.keras" for i in range(len(branches))]
+    for branch, branch_path in zip(branches, paths):
+      branch.save(branch_path)
+    return ",".join(paths)
   to_unsplit = getattr(model, "to_unsplit", None)
   servable = to_unsplit() if to_unsplit is not None else model
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   servable.save(path)
   return path
