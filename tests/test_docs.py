@@ -45,3 +45,13 @@ def test_ci_runs_the_readme_test_line():
        os.path.join(ROOT, "README.md")], capture_output=True, text=True,
       check=True).stdout.strip()
   assert line == 'python3 -m pip install ".[dev]" && python3 -m pytest -q'
+
+
+def test_public_api_resolves_lazily():
+  import tfmgpu
+  for name in tfmgpu.__all__:
+    assert getattr(tfmgpu, name) is not None, name
+  code = "import sys, tfmgpu; print('tensorflow' in sys.modules)"
+  out = subprocess.run([__import__("sys").executable, "-c", code],
+                       capture_output=True, text=True, timeout=60, check=True)
+  assert out.stdout.strip() == "False"

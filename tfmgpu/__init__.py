@@ -20,11 +20,30 @@ _EXPORTS = {
     "list_devices": "tfmgpu.devices",
     "available_strategies": "tfmgpu.strategies",
     "get_strategy": "tfmgpu.strategies",
+    "TrainConfig": "tfmgpu.config",
+    "run_training": "tfmgpu.experiment",
+    "available_datasets": "tfmgpu.data",
+    "load_dataset": "tfmgpu.data",
+    "available_models": "tfmgpu.models",
+    "build_model": "tfmgpu.models",
     "Trainer": "tfmgpu.training.loop",
+    "predict": "tfmgpu.inference",
+    "Predictor": "tfmgpu.inference",
+    "export_saved_model": "tfmgpu.inference",
+    "load_model": "tfmgpu.inference",
+    "plan_stages": "tfmgpu.parallel.partition",
+    "StagePlan": "tfmgpu.parallel.partition",
+    "StagedModel": "tfmgpu.parallel.staged",
+    "PipelinedModel": "tfmgpu.parallel.pipeline",
+    "BranchParallel": "tfmgpu.parallel.branches",
+    "simulate_pipeline": "tfmgpu.parallel.schedule",
     "ParameterServerTrainer": "tfmgpu.training.parameter_server",
     "PreemptedError": "tfmgpu.training.checkpoints",
     "EXIT_PREEMPTED": "tfmgpu.training.checkpoints",
 }
+
+# Public names that differ from the name in their module.
+_RENAMED = {"simulate_pipeline": "simulate"}
 
 __all__ = sorted(_EXPORTS)
 
@@ -32,7 +51,8 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
   if name not in _EXPORTS:
     raise AttributeError(f"module 'tfmgpu' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  attr = _RENAMED.get(name, name)
+  value = getattr(importlib.import_module(_EXPORTS[name]), attr)
   globals()[name] = value
   return value
 
