@@ -183,3 +183,11 @@ def test_cli_failure_writes_no_output(tmp_path, model, parsed_flags, capsys):
     assert predict.main(["predict"]) == 1
   assert "data rows have shape (8, 8, 1)" in capsys.readouterr().err
   assert not out.exists() and not list(tmp_path.glob("*.npy"))
+
+
+def test_cli_without_model_path_is_a_usage_error(parsed_flags):
+  from absl import app
+  from tfmgpu import predict
+  with flagsaver.flagsaver(model_path=None):
+    with pytest.raises(app.UsageError, match=r"--model_path is required"):
+      predict.main(["predict"])

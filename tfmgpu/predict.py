@@ -23,7 +23,7 @@ from tfmgpu import cli_flags as cf
 
 _MODEL_PATH = flags.DEFINE_list(
     "model_path", None, "A .keras file or SavedModel directory (several, "
-    "comma-separated, for --strategy=branch_parallel).", required=True)
+    "comma-separated, for --strategy=branch_parallel). Required.")
 _OUTPUT = flags.DEFINE_string(
     "output", None, "Write predictions (float32 logits) to this .npy file.")
 _BATCH_SIZE = flags.DEFINE_integer(
@@ -38,6 +38,13 @@ _SPLIT = flags.DEFINE_enum(
 def main(argv: list[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  # Checked here, not with required=True: a required flag would make every
+  # parse of the shared flag registry fail in processes that import several
+  # CLIs (notebooks, tests).
+  if not _MODEL_PATH.value:
+    raise app.UsageError("--model_path is required: a .keras file or SavedModel "
+                         "directory, e.g. runs/X/model.keras from "
+                         "python -m tfmgpu.train --model_dir=runs/X.")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   cf.quiet_tensorflow()
   import numpy as np  # pylint: disable=g-import-not-at-top
