@@ -116,6 +116,23 @@ def _check_built_in_scope(model: keras.Model,
         "`with strategy.scope():` (tfmgpu.build_model does this for you).")
 
 
+def steps_in_one_pass(num_examples: int, *, epochs: int,
+                      global_batch_size: int) -> int:
+  """Full global batches in one pass over the data; checks `epochs` too.
+
+  Raises:
+    ValueError: `epochs < 1`, or fewer examples than one global batch.
+  """
+  if epochs < 1:
+    raise ValueError(f"epochs={epochs} must be >= 1.")
+  full = num_examples // global_batch_size
+  if full < 1:
+    raise ValueError(f"global_batch_size={global_batch_size} is larger than "
+                     f"the {num_examples} training examples; use a smaller "
+                     "batch.")
+  return full
+
+
 class Trainer:
   """Trains a Keras model with `strategy.run` steps, on any strategy.
 
@@ -286,12 +303,8 @@ class Trainer:
         `fit` again (in a new process) to resume from it.
     """
     data_lib.check_global_batch(global_batch_size, self.num_replicas)
-    if epochs < 1:
-      raise ValueError(f"epochs={epochs} must be >= 1.")
-    full = len(x) // global_batch_size
-    if full < 1:
-      raise ValueError(f"global_batch_size={global_batch_size} is larger than "
-                       f"the {len(x)} training examples; use a smaller batch.")
+    full = steps_in_one_pass(len(x), epochs=epochs,
+                             global_batch_size=global_batch_size)
     steps_per_epoch = steps_per_epoch or full
     if steps_per_epoch > full:
       raise ValueError(f"steps_per_epoch={steps_per_epoch} needs more data "

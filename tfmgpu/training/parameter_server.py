@@ -34,6 +34,7 @@ from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import step as step_lib
 from tfmgpu.training.loop import NonFiniteLossError
+from tfmgpu.training.loop import steps_in_one_pass
 from tfmgpu.training.loop import Trainer
 from tfmgpu.training.loop import TrainResult
 
@@ -151,13 +152,8 @@ class ParameterServerTrainer(Trainer):
     on `global_batch_size` examples on one worker.
     """
     del seed  # Workers shuffle independently.
-    if epochs < 1:
-      raise ValueError(f"epochs={epochs} must be >= 1.")
-    full = len(x) // global_batch_size
-    if full < 1:
-      raise ValueError(f"global_batch_size={global_batch_size} is larger than "
-                       f"the {len(x)} training examples; use a smaller batch.")
-    steps_per_epoch = steps_per_epoch or full
+    steps_per_epoch = steps_per_epoch or steps_in_one_pass(
+        len(x), epochs=epochs, global_batch_size=global_batch_size)
     watching = (preemption_lib.PreemptionWatcher(self.strategy)
                 if self.model_dir else contextlib.nullcontext())
     with watching as watcher:
