@@ -61,6 +61,9 @@ STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution", 10, "Steps per tf.function call.", lower_bound=1)
 JIT_COMPILE = flags.DEFINE_bool(
     "jit_compile", False, "XLA-compile each replica's forward/backward.")
+FUSED_OPTIMIZER = flags.DEFINE_bool(
+    "fused_optimizer", True, "Update each variable with one fused kernel "
+    "(adam, adamw, sgd, momentum); false: Keras's per-op update.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
 NUM_STAGES = flags.DEFINE_integer(
     "num_stages", 2, "Stages for model_parallel/pipeline.", lower_bound=1)

@@ -65,6 +65,8 @@ class TrainConfig:
     mixed_precision: `float32`, `mixed_float16` or `mixed_bfloat16`.
     steps_per_execution: steps per `tf.function` call.
     jit_compile: XLA-compile each replica's forward/backward.
+    fused_optimizer: update each variable with one fused kernel (Adam,
+      AdamW, SGD/momentum; same math as Keras).
     model_dir: checkpoints, summaries and the saved model; an existing one
       is resumed. `None`: a new directory under `runs/`.
     seed: weights and data order.
@@ -96,6 +98,7 @@ class TrainConfig:
   mixed_precision: str = "float32"
   steps_per_execution: int = 10
   jit_compile: bool = False
+  fused_optimizer: bool = True
   model_dir: str | None = None
   seed: int = 0
   num_stages: int = 2

@@ -25,6 +25,7 @@ from tfmgpu import data as data_lib
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import distributed
+from tfmgpu.training import fused as fused_lib
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import step as step_lib
 
@@ -84,15 +85,26 @@ OPTIMIZER_CHOICES = tuple(_OPTIMIZERS)
 
 
 def make_optimizer(name: str, learning_rate: float, *,
-                   clip_norm: float | None = None) -> keras.optimizers.Optimizer:
-  """Builds an optimizer by name (see `OPTIMIZER_CHOICES`)."""
+                   clip_norm: float | None = None,
+                   fused: bool = True) -> keras.optimizers.Optimizer:
+  """Builds an optimizer by name (see `OPTIMIZER_CHOICES`).
+
+  Args:
+    name: one of `OPTIMIZER_CHOICES`.
+    learning_rate: the step size (> 0).
+    clip_norm: the optimizer's own `global_clipnorm` (the Trainer clips the
+      all-reduced gradient itself and passes `None`).
+    fused: use the one-kernel update of `tfmgpu.training.fused` where one
+      exists (Adam, AdamW, SGD); same math as the Keras class.
+  """
   if name not in _OPTIMIZERS:
     raise ValueError(f"optimizer={name!r} is unknown. Choose one of "
                      f"{', '.join(OPTIMIZER_CHOICES)}.")
   if not learning_rate > 0:
     raise ValueError(f"learning_rate={learning_rate} must be > 0.")
   kwargs = {"global_clipnorm": clip_norm} if clip_norm else {}
-  return _OPTIMIZERS[name](learning_rate=learning_rate, **kwargs)
+  optimizer = _OPTIMIZERS[name](learning_rate=learning_rate, **kwargs)
+  return fused_lib.fuse(optimizer) if fused else optimizer
 
 
 def _uses_float16(model: keras.Model) -> bool:
@@ -159,6 +171,9 @@ class Trainer:
     loss: see `tfmgpu.training.step.per_example_loss_fn`.
     steps_per_execution: steps run per `tf.function` call. Defaults to `1`.
     jit_compile: XLA-compile each replica's forward/backward.
+    fused_optimizer: when `optimizer` is a name, update each variable with
+      one fused kernel (`tfmgpu.training.fused`); an optimizer object is
+      used as given.
     model_dir: where checkpoints and TensorBoard summaries go; `None` keeps
       nothing. A directory with checkpoints is resumed from.
     callbacks: Keras callbacks (epoch/batch hooks, `model.stop_training`).
@@ -171,7 +186,8 @@ class Trainer:
                learning_rate: float = 1e-3, clip_norm: float | None = None,
                gradient_compression: str = "none", bytes_per_pack: int = 0,
                loss: Any = None, steps_per_execution: int = 1,
-               jit_compile: bool = False, model_dir: str | None = None,
+               jit_compile: bool = False, fused_optimizer: bool = True,
+               model_dir: str | None = None,
                callbacks: Sequence[keras.callbacks.Callback] = (),
                verbose: int = 1):
     if steps_per_execution < 1:
@@ -195,7 +211,8 @@ class Trainer:
       if isinstance(optimizer, str):
         optimizer = make_optimizer(
             optimizer, learning_rate,
-            clip_norm=None if owns_allreduce else clip_norm)
+            clip_norm=None if owns_allreduce else clip_norm,
+            fused=fused_optimizer)
       if _uses_float16(model) and not isinstance(
           optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

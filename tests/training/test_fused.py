@@ -1,0 +1,151 @@
+"""Fused optimizers train to the weights of the Keras optimizers they replace."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmgpu
+from tfmgpu import models
+from tfmgpu.training import fused
+
+STEPS = 5
+
+
+def _batches():
+  rng = np.random.default_rng(0)
+  return [(rng.normal(size=(16, 12)).astype(np.float32),
+           rng.integers(0, 4, size=16)) for _ in range(STEPS)]
+
+
+def _train(strategy, make_optimizer):
+  """Runs STEPS steps of the same MLP with the optimizer `make_optimizer()`
+  (called in the strategy's scope); returns the weights and the optimizer."""
+  with strategy.scope():
+    model = models.build_model("mlp", input_shape=(12,), num_classes=4,
+                               seed=3)
+    optimizer = make_optimizer()
+    optimizer.build(model.trainable_variables)
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction="sum")
+
+  def replica_step(x, y):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True)) / 16.0
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  @tf.function
+  def step(x, y):
+    strategy.run(replica_step, args=(x, y))
+
+  for x, y in _batches():
+    dist = strategy.experimental_distribute_values_from_function(
+        lambda ctx, x=x, y=y: (
+            np.split(x, ctx.num_replicas_in_sync)[ctx.replica_id_in_sync_group],
+            np.split(y, ctx.num_replicas_in_sync)[ctx.replica_id_in_sync_group]))
+    step(*dist)
+  return model.get_weights(), optimizer
+
+
+OPTIMIZERS = {
+    "adam": lambda cls: cls(learning_rate=1e-2),
+    "adam_no_defaults": lambda cls: cls(learning_rate=3e-3, beta_1=0.8,
+                                        beta_2=0.95, epsilon=1e-5),
+    "adamw": lambda cls: cls(learning_rate=1e-2, weight_decay=0.1),
+    "sgd": lambda cls: cls(learning_rate=0.1),
+    "momentum": lambda cls: cls(learning_rate=0.1, momentum=0.9),
+    "nesterov": lambda cls: cls(learning_rate=0.1, momentum=0.9, nesterov=True),
+}
+KERAS_CLASS = {"adam": keras.optimizers.Adam,
+               "adam_no_defaults": keras.optimizers.Adam,
+               "adamw": keras.optimizers.AdamW, "sgd": keras.optimizers.SGD,
+               "momentum": keras.optimizers.SGD,
+               "nesterov": keras.optimizers.SGD}
+
+
+# SGD's kernels repeat Keras's arithmetic exactly. Adam's kernel rounds
+# 1 - beta_1 in float32 where Keras rounds it in float64 (a 2.4e-7 relative
+# difference in the first-moment update), and Adam's normalisation amplifies
+# that where a gradient is near 0: after 5 steps the weights (which moved by
+# up to lr * steps = 5e-2) agree to 2e-5, i.e. 0.04% of the largest move.
+TOLERANCE = {"adam": 2e-5, "adam_no_defaults": 2e-5, "adamw": 2e-5}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fused_equals_keras(name, replicas):
+  make = OPTIMIZERS[name]
+  strategy = (tfmgpu.get_strategy("one_device") if replicas == 1 else
+              tfmgpu.get_strategy("mirrored", num_replicas=replicas))
+  keras_class = KERAS_CLASS[name]
+  ref, _ = _train(strategy, lambda: make(keras_class))
+  got, optimizer = _train(strategy, lambda: fused.fuse(make(keras_class)))
+  assert type(optimizer) is fused.FUSED_CLASSES[keras_class]
+  init = models.build_model("mlp", input_shape=(12,), num_classes=4,
+                            seed=3).get_weights()
+  assert max(np.abs(r - w0).max() for r, w0 in zip(ref, init)) > 1e-3
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=0, atol=TOLERANCE.get(name, 1e-7))
+
+
+def test_amsgrad_falls_back_to_keras_update():
+  ref, _ = _train(tfmgpu.get_strategy("one_device"),
+                  lambda: keras.optimizers.Adam(1e-2, amsgrad=True))
+  got, _ = _train(tfmgpu.get_strategy("one_device"),
+                  lambda: fused.FusedAdam(1e-2, amsgrad=True))
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
+
+
+def test_fuse_keeps_config_and_leaves_other_optimizers_alone():
+  adam = keras.optimizers.Adam(learning_rate=5e-3, beta_1=0.7)
+  fused_adam = fused.fuse(adam)
+  assert isinstance(fused_adam, keras.optimizers.Adam)
+  assert fused_adam.get_config()["beta_1"] == pytest.approx(0.7)
+  assert float(fused_adam.learning_rate) == pytest.approx(5e-3)
+  rmsprop = keras.optimizers.RMSprop()
+  assert fused.fuse(rmsprop) is rmsprop
+  assert fused.fuse(fused_adam) is fused_adam
+
+
+def test_fuse_refuses_a_built_optimizer():
+  adam = keras.optimizers.Adam()
+  adam.build([keras.Variable(np.zeros(3, np.float32))])
+  with pytest.raises(ValueError, match="already built"):
+    fused.fuse(adam)
+
+
+def test_fused_optimizer_in_model_fit_and_saved_model(tmp_path):
+  model = models.build_model("mlp", input_shape=(12,), num_classes=4, seed=3)
+  model.compile(optimizer=fused.FusedAdam(1e-2),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  x, y = _batches()[0]
+  model.fit(x, y, epochs=2, verbose=0)
+  path = str(tmp_path / "m.keras")
+  model.save(path)
+  restored = keras.models.load_model(path)
+  assert type(restored.optimizer) is fused.FusedAdam
+
+
+@pytest.mark.parametrize("fused_optimizer", [True, False])
+def test_trainer_fuses_optimizers_it_builds_by_name(fused_optimizer):
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = models.build_model("mlp", input_shape=(12,), num_classes=4)
+  trainer = Trainer(model, strategy=strategy, optimizer="momentum",
+                    fused_optimizer=fused_optimizer, verbose=0)
+  assert (type(trainer.optimizer) is fused.FusedSGD) == fused_optimizer
+  assert trainer.optimizer.momentum == pytest.approx(0.9)
+
+
+def test_trainer_uses_an_optimizer_object_as_given():
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  strategy = tfmgpu.get_strategy("one_device")
+  with strategy.scope():
+    model = models.build_model("mlp", input_shape=(12,), num_classes=4)
+    adam = keras.optimizers.Adam(1e-3)
+  assert Trainer(model, strategy=strategy, optimizer=adam,
+                 verbose=0).optimizer is adam
