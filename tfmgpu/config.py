@@ -21,6 +21,10 @@ PARTITION_CHOICES = ("balanced", "params", "flops")
 SCHEDULE_CHOICES = ("gpipe", "1f1b")
 # Mirrors tfmgpu.training.allreduce (which imports TensorFlow).
 COMPRESSION_CHOICES = ("none", "float16", "bfloat16")
+# Used by tfmgpu.training.resident: `auto` holds the training arrays on the
+# devices when one copy takes at most DEVICE_DATA_MAX_MIB.
+INPUT_MODE_CHOICES = ("auto", "device", "tf_data")
+DEVICE_DATA_MAX_MIB = 512
 
 
 def _positive(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -67,6 +71,8 @@ class TrainConfig:
     jit_compile: XLA-compile each replica's forward/backward.
     fused_optimizer: update each variable with one fused kernel (Adam,
       AdamW, SGD/momentum; same math as Keras).
+    input_mode: `auto`, `device` (training arrays held on each replica's
+      device, batches gathered there) or `tf_data`.
     model_dir: checkpoints, summaries and the saved model; an existing one
       is resumed. `None`: a new directory under `runs/`.
     seed: weights and data order.
@@ -99,6 +105,7 @@ class TrainConfig:
   steps_per_execution: int = 10
   jit_compile: bool = False
   fused_optimizer: bool = True
+  input_mode: str = "auto"
   model_dir: str | None = None
   seed: int = 0
   num_stages: int = 2
@@ -130,6 +137,7 @@ class TrainConfig:
     if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
       raise ValueError(f"bytes_per_pack={self.bytes_per_pack!r} must be >= 0.")
     _choice("schedule", self.schedule, SCHEDULE_CHOICES)
+    _choice("input_mode", self.input_mode, INPUT_MODE_CHOICES)
     for name in ("global_batch_size", "epochs", "num_packs",
                  "steps_per_execution", "num_stages", "micro_batches"):
       _positive(name, getattr(self, name))

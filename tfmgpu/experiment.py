@@ -293,7 +293,8 @@ def run_training(config: TrainConfig, *,
       bytes_per_pack=config.bytes_per_pack,
       steps_per_execution=config.steps_per_execution,
       jit_compile=config.jit_compile,
-      fused_optimizer=config.fused_optimizer, model_dir=model_dir,
+      fused_optimizer=config.fused_optimizer, input_mode=config.input_mode,
+      model_dir=model_dir,
       callbacks=callbacks, verbose=config.verbose)
   try:
     result = trainer.fit(

@@ -13,6 +13,8 @@ from typing import Callable
 
 import tensorflow as tf
 
+from tfmgpu.training import resident
+
 StepFn = Callable[[tf.Tensor, tf.Tensor], dict[str, tf.Tensor]]
 
 
@@ -52,9 +54,10 @@ TRAIN_KEYS = ("loss", "correct", "count", "non_finite")
 
 
 def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
-                        check_fn: Callable[[], tf.Tensor] | None = None
+                        check_fn: Callable[[], tf.Tensor] | None = None,
+                        device_data: bool = False
                         ) -> Callable[..., dict[str, tf.Tensor]]:
-  """Returns `train(iterator, num_steps) -> sums over num_steps steps`.
+  """Returns `train(batches, num_steps) -> sums over num_steps steps`.
 
   `num_steps` is a tensor argument, so changing it (e.g. the last, shorter
   call of an epoch) does not retrace. Per-replica results are summed in
@@ -65,24 +68,41 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
     step: per-replica `step(x, y) -> dict` with the keys of `TRAIN_KEYS`.
     check_fn: run once at the end of each call in cross-replica context; its
       result is added to `non_finite` (e.g. a check that weights are finite).
+    device_data: `batches` is `EpochBatches.from_step(first_step)` of
+      `tfmgpu.training.resident` (each replica gathers its batch on its
+      device) instead of a distributed iterator.
   """
   sums = _ReplicaSums(strategy, TRAIN_KEYS)
 
   def replica_step(x, y):
     sums.add(step(x, y))
 
-  @tf.function
-  def train(iterator, num_steps):
-    strategy.run(sums.reset)
-    for _ in tf.range(num_steps):
-      x, y = next(iterator)
-      strategy.run(replica_step, args=(x, y))
+  def replica_gather_step(x, y, index, step_in_epoch):
+    replica_step(*resident.gather_batch(x, y, index, step_in_epoch))
+
+  def finish():
     totals = sums.read()
     if check_fn is not None:
       totals["non_finite"] += tf.cast(check_fn(), tf.float32)
     return totals
 
-  return train
+  @tf.function
+  def train_from_iterator(iterator, num_steps):
+    strategy.run(sums.reset)
+    for _ in tf.range(num_steps):
+      x, y = next(iterator)
+      strategy.run(replica_step, args=(x, y))
+    return finish()
+
+  @tf.function
+  def train_from_device_data(batches, num_steps):
+    x, y, index, first_step = batches
+    strategy.run(sums.reset)
+    for i in tf.range(num_steps):
+      strategy.run(replica_gather_step, args=(x, y, index, first_step + i))
+    return finish()
+
+  return train_from_device_data if device_data else train_from_iterator
 
 
 def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn

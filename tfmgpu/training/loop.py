@@ -27,6 +27,7 @@ from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import distributed
 from tfmgpu.training import fused as fused_lib
 from tfmgpu.training import preemption as preemption_lib
+from tfmgpu.training import resident
 from tfmgpu.training import step as step_lib
 
 
@@ -174,6 +175,11 @@ class Trainer:
     fused_optimizer: when `optimizer` is a name, update each variable with
       one fused kernel (`tfmgpu.training.fused`); an optimizer object is
       used as given.
+    input_mode: `"device"` copies the training arrays to every replica's
+      device once and gathers each batch there (`tfmgpu.training.resident`);
+      `"tf_data"` reads them through a `tf.data` pipeline; `"auto"` (the
+      default) picks `"device"` on one host when the arrays take at most
+      `resident.DEFAULT_MAX_BYTES`. Both give each replica the same examples.
     model_dir: where checkpoints and TensorBoard summaries go; `None` keeps
       nothing. A directory with checkpoints is resumed from.
     callbacks: Keras callbacks (epoch/batch hooks, `model.stop_training`).
@@ -187,7 +193,7 @@ class Trainer:
                gradient_compression: str = "none", bytes_per_pack: int = 0,
                loss: Any = None, steps_per_execution: int = 1,
                jit_compile: bool = False, fused_optimizer: bool = True,
-               model_dir: str | None = None,
+               input_mode: str = "auto", model_dir: str | None = None,
                callbacks: Sequence[keras.callbacks.Callback] = (),
                verbose: int = 1):
     if steps_per_execution < 1:
@@ -196,6 +202,8 @@ class Trainer:
     self.strategy = strategy or tf.distribute.get_strategy()
     self.loss = loss
     self.steps_per_execution = steps_per_execution
+    resident.check_input_mode(input_mode, self.strategy)
+    self.input_mode = input_mode
     self.jit_compile = jit_compile
     self.model_dir = model_dir
     self.verbose = verbose
@@ -226,7 +234,7 @@ class Trainer:
       allreduce_lib.take_over_aggregation(optimizer)
     self.optimizer = optimizer
     self.callbacks = list(callbacks)
-    self._train_fns: dict[int, Any] = {}
+    self._train_fns: dict[tuple[int, bool], Any] = {}
     self._eval_fn = None
     self._checkpointer = None
     self._watcher: preemption_lib.PreemptionWatcher | None = None
@@ -238,16 +246,18 @@ class Trainer:
   def num_replicas(self) -> int:
     return self.strategy.num_replicas_in_sync
 
-  def _train_fn(self, global_batch_size: int):
-    if global_batch_size not in self._train_fns:
+  def _train_fn(self, global_batch_size: int, device_data: bool = False):
+    key = (global_batch_size, device_data)
+    if key not in self._train_fns:
       step = step_lib.make_train_step(
           self.model, self.optimizer, global_batch_size=global_batch_size,
           loss=self.loss, jit_compile=self.jit_compile,
           allreduce=self.allreduce)
-      self._train_fns[global_batch_size] = distributed.make_train_function(
+      self._train_fns[key] = distributed.make_train_function(
           self.strategy, step,
-          check_fn=lambda: step_lib.non_finite_weights(self.model))
-    return self._train_fns[global_batch_size]
+          check_fn=lambda: step_lib.non_finite_weights(self.model),
+          device_data=device_data)
+    return self._train_fns[key]
 
   def _checkpoints(self) -> ckpt_lib.Checkpointer | None:
     if self.model_dir and self._checkpointer is None:
@@ -340,7 +350,12 @@ class Trainer:
     if initial_epoch >= epochs:
       logging.info("model_dir already holds %d epoch(s) >= epochs=%d; nothing "
                    "to train.", initial_epoch, epochs)
-    train_fn = self._train_fn(global_batch_size)
+    device_data = resident.use_device_data(self.input_mode, self.strategy,
+                                           x, y)
+    logging.info("Training data: %s.", "on each replica's device"
+                 if device_data else "tf.data pipeline")
+    held = resident.DeviceData(self.strategy, x, y) if device_data else None
+    train_fn = self._train_fn(global_batch_size, device_data)
     callbacks = keras.callbacks.CallbackList(
         self.callbacks, add_history=False, add_progbar=False, model=self.model,
         epochs=epochs, steps=steps_per_epoch, verbose=0)
@@ -354,9 +369,14 @@ class Trainer:
     for epoch in range(initial_epoch, epochs):
       callbacks.on_epoch_begin(epoch)
       first_step = skip if epoch == initial_epoch else 0
-      iterator = iter(self._epoch_dataset(
-          x, y, global_batch_size=global_batch_size, shuffle=shuffle,
-          seed=seed, epoch=epoch, first_step=first_step))
+      if held is not None:
+        batches = held.epoch(global_batch_size=global_batch_size,
+                             steps=steps_per_epoch, seed=seed, epoch=epoch,
+                             shuffle=shuffle)
+      else:
+        iterator = iter(self._epoch_dataset(
+            x, y, global_batch_size=global_batch_size, shuffle=shuffle,
+            seed=seed, epoch=epoch, first_step=first_step))
       bar = (keras.utils.Progbar(steps_per_epoch, stateful_metrics=[
           "loss", "accuracy", "examples/s"]) if self.verbose else None)
       if bar is not None:
@@ -365,7 +385,8 @@ class Trainer:
       while done < steps_per_epoch:
         n = min(self.steps_per_execution, steps_per_epoch - done)
         start = time.perf_counter()
-        out = train_fn(iterator, tf.constant(n))
+        source = batches.from_step(done) if held is not None else iterator
+        out = train_fn(source, tf.constant(n))
         step_loss = float(out["loss"])
         elapsed = time.perf_counter() - start
         if not math.isfinite(step_loss) or float(out["non_finite"]):

@@ -1,0 +1,140 @@
+"""Device-resident training data: each step gathers its batch on the device.
+
+For in-memory arrays that fit, the Trainer copies the training set to every
+replica's device once and hands each `tf.function` call only the epoch's
+index table; each replica then gathers its batch with two `tf.gather` ops.
+This takes the `tf.data` iterator, its per-step host work and (on GPUs) the
+host-to-device copy out of the step. The examples each replica sees at each
+step are exactly those of the `tf.data` path (`tfmgpu.data.input_fn`), so
+runs, resumes and parity tests do not depend on the choice.
+
+Supported on one host (`MirroredStrategy`, `OneDeviceStrategy`, the default
+strategy); multi-worker and parameter-server training read through
+`tf.data`, where each worker has its own pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from tfmgpu import config as config_lib
+from tfmgpu import data as data_lib
+
+INPUT_MODE_CHOICES = config_lib.INPUT_MODE_CHOICES
+# `auto` keeps data on the devices when one copy of it is at most this big.
+DEFAULT_MAX_BYTES = config_lib.DEVICE_DATA_MAX_MIB * 2**20
+
+
+
+def _is_default(strategy: tf.distribute.Strategy) -> bool:
+  """Whether `strategy` is TF's default (no-op) strategy."""
+  with tf.init_scope():
+    if tf.distribute.has_strategy():
+      return False
+    return strategy is tf.distribute.get_strategy()
+
+
+def supports(strategy: tf.distribute.Strategy) -> bool:
+  """Whether `strategy` can train from device-resident data (one host)."""
+  if isinstance(strategy, tf.distribute.MirroredStrategy):
+    return not strategy.extended._in_multi_worker_mode()  # pylint: disable=protected-access
+  return isinstance(strategy, tf.distribute.OneDeviceStrategy) or _is_default(
+      strategy)
+
+
+def check_input_mode(input_mode: str, strategy: tf.distribute.Strategy) -> None:
+  """Raises a clear `ValueError` for an unknown or impossible `input_mode`."""
+  if input_mode not in INPUT_MODE_CHOICES:
+    raise ValueError(f"input_mode={input_mode!r} is unknown. Choose one of "
+                     f"{', '.join(INPUT_MODE_CHOICES)}.")
+  if input_mode == "device" and not supports(strategy):
+    raise ValueError(
+        f"input_mode='device' needs a one-host strategy (mirrored, "
+        f"one_device, default); got {type(strategy).__name__}, whose workers "
+        "read their own data. Use input_mode='auto' or 'tf_data'.")
+
+
+def use_device_data(input_mode: str, strategy: tf.distribute.Strategy,
+                    x: np.ndarray, y: np.ndarray,
+                    max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
+  """Resolves `input_mode` for these arrays (`auto`: supported and small)."""
+  if input_mode == "auto":
+    return supports(strategy) and x.nbytes + y.nbytes <= max_bytes
+  return input_mode == "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochBatches:
+  """One epoch's arguments for a resident train function (a `tf.function`
+  argument: distributed values and tensors only).
+
+  Attributes:
+    x, y: the training set on every replica's device.
+    index: per replica, `[steps, per_replica_batch]` rows of `x` to gather.
+  """
+  x: object
+  y: object
+  index: object
+
+  def from_step(self, step: int) -> tuple:
+    """The argument of a call whose first step is `step` of the epoch."""
+    return (self.x, self.y, self.index, tf.constant(step, tf.int32))
+
+
+class DeviceData:
+  """The training arrays, copied once to each replica's device.
+
+  Args:
+    strategy: a strategy for which `supports` holds.
+    x, y: features and labels.
+  """
+
+  def __init__(self, strategy: tf.distribute.Strategy, x: np.ndarray,
+               y: np.ndarray):
+    self.strategy = strategy
+    self.num_examples = len(x)
+    self.x = self._on_each_device(lambda _: x)
+    self.y = self._on_each_device(lambda _: y)
+
+  def _on_each_device(self, value_fn):
+    try:
+      devices = self.strategy.extended.worker_devices
+    except RuntimeError:  # The default strategy: one replica, no device set.
+      devices = (None,)
+
+    def place(ctx: tf.distribute.experimental.ValueContext):
+      with tf.device(devices[ctx.replica_id_in_sync_group]):
+        return tf.identity(value_fn(ctx.replica_id_in_sync_group))
+
+    return self.strategy.experimental_distribute_values_from_function(place)
+
+  def epoch(self, *, global_batch_size: int, steps: int, seed: int,
+            epoch: int, shuffle: bool) -> EpochBatches:
+    """The index table of one epoch: the order of `data.input_fn`.
+
+    Global step `k` takes rows `order[k*G:(k+1)*G]` (`G` the global batch)
+    and replica `r` the `r`-th consecutive slice of them, as the `tf.data`
+    path's consecutive per-replica batches do.
+    """
+    replicas = self.strategy.num_replicas_in_sync
+    data_lib.check_global_batch(global_batch_size, replicas)
+    if steps * global_batch_size > self.num_examples:
+      raise ValueError(f"steps={steps} of global_batch_size="
+                       f"{global_batch_size} need more than the "
+                       f"{self.num_examples} examples held.")
+    order = (data_lib.epoch_order(self.num_examples, seed, epoch) if shuffle
+             else np.arange(self.num_examples))
+    table = order[:steps * global_batch_size].astype(np.int32).reshape(
+        steps, replicas, global_batch_size // replicas)
+    index = self._on_each_device(lambda r: table[:, r, :])
+    return EpochBatches(self.x, self.y, index)
+
+
+def gather_batch(x: tf.Tensor, y: tf.Tensor, index: tf.Tensor,
+                 step: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+  """One replica's batch of step `step` (call in replica context)."""
+  rows = index[step]
+  return tf.gather(x, rows), tf.gather(y, rows)
