@@ -68,7 +68,7 @@ def test_virtual_devices_fall_back_to_cpu(monkeypatch):
   monkeypatch.setattr(devices, "configure_devices",
                       lambda **kw: calls.append(kw))
   devices.configure_virtual_devices(3)
-  assert calls == [{"logical_cpus": 3}]
+  assert calls == [{"logical_cpus": 3, "intra_op_threads": None}]
 
 
 def test_resolve_devices_names_what_exists():
@@ -91,3 +91,49 @@ def test_fresh_process_split_and_idempotence():
                        text=True, timeout=120, check=False)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "/device:CPU:2" in out.stdout
+
+
+def _fresh(code: str) -> str:
+  out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                       capture_output=True, text=True, timeout=120,
+                       check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  return out.stdout
+
+
+@pytest.mark.parametrize("cores,logical,expected", [
+    (2, 4, 1), (2, 2, 1), (16, 4, 4), (16, 1, 0)])
+def test_split_cpu_shares_the_cores_between_devices(cores, logical, expected):
+  out = _fresh(f"""
+      import tensorflow as tf
+      from tfmgpu import devices
+      devices.cpu_cores = lambda: {cores}
+      devices.configure_devices(logical_cpus={logical})
+      devices.configure_devices(logical_cpus={logical})  # Idempotent.
+      print(tf.config.threading.get_intra_op_parallelism_threads())
+  """)
+  assert out.split()[-1] == str(expected)  # 0: TensorFlow's default kept.
+
+
+def test_intra_op_threads_chosen_by_the_user_are_kept():
+  out = _fresh("""
+      import tensorflow as tf
+      import tfmgpu
+      tf.config.threading.set_intra_op_parallelism_threads(3)
+      tfmgpu.configure_devices(logical_cpus=2)
+      a = tf.config.threading.get_intra_op_parallelism_threads()
+      tfmgpu.configure_devices(logical_cpus=2, intra_op_threads=0)
+      print(a, tf.config.threading.get_intra_op_parallelism_threads())
+  """)
+  assert out.split()[-2:] == ["3", "3"]
+
+
+def test_intra_op_threads_after_init_says_call_it_first():
+  with pytest.raises(tfmgpu.DeviceConfigurationError,
+                     match=r"intra_op_threads=5 cannot be applied.*restart "
+                     r"the kernel"):
+    tfmgpu.configure_devices(logical_cpus=NUM_LOGICAL_DEVICES,
+                             intra_op_threads=5)
+  with pytest.raises(ValueError, match=r"intra_op_threads=-1 must be an "
+                     r"integer >= 0"):
+    tfmgpu.configure_devices(intra_op_threads=-1)

