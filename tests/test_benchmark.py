@@ -54,6 +54,8 @@ def test_bench_cli_runs_a_section(tmp_path):
       timeout=600, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "tfmgpu/keras_fit mlp x2" in out.stdout
+  assert "keras_fit_fused" in out.stdout
+  assert "thread(s) per op" in out.stdout
   assert "Projection (not a measurement)" in out.stdout
   assert (tmp_path / "results.csv").exists()
   assert (tmp_path / "throughput.png").exists()

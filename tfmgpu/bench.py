@@ -26,6 +26,10 @@ _STEPS = flags.DEFINE_integer("steps", 60, "Timed steps per run.",
 _SECTIONS = flags.DEFINE_list(
     "sections", ["training", "ceiling", "optimisations", "compression",
                  "inference", "projection"], "Which parts of the suite to run.")
+_INTRA_OP_THREADS = flags.DEFINE_integer(
+    "intra_op_threads", None, "Threads per op. Default: cores // devices when "
+    "the CPU is split; 0: TensorFlow's default (all cores per op).",
+    lower_bound=0)
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "bench_results",
                                   "Where results.csv and plots go.")
 
@@ -38,7 +42,8 @@ def main(argv: list[str]) -> int:
   cf.quiet_tensorflow()
   from tfmgpu import bench_suite  # pylint: disable=g-import-not-at-top
   from tfmgpu import devices  # pylint: disable=g-import-not-at-top
-  devices.configure_virtual_devices(cf.VIRTUAL_DEVICES.value or max(replicas))
+  devices.configure_virtual_devices(cf.VIRTUAL_DEVICES.value or max(replicas),
+                                    intra_op_threads=_INTRA_OP_THREADS.value)
   quick = _QUICK.value
   options = bench_suite.SuiteOptions(
       models=tuple(_MODELS.value), replicas=replicas,

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from typing import Any, Sequence
 
@@ -101,8 +104,11 @@ def machine_description() -> str:
           break
   except OSError:
     pass
+  threads = tf.config.threading.get_intra_op_parallelism_threads()
   return (f"{cpu}; {os.cpu_count()} cores; Python {platform.python_version()}; "
-          f"TensorFlow {tf.__version__}; Keras {keras.__version__}")
+          f"TensorFlow {tf.__version__}; Keras {keras.__version__}; "
+          f"{len(devices_lib.accelerator_devices())} logical devices, "
+          f"{threads or 'all'} thread(s) per op")
 
 
 def _training(report: Report, opts: SuiteOptions, arrays) -> None:
@@ -112,7 +118,7 @@ def _training(report: Report, opts: SuiteOptions, arrays) -> None:
   for model in opts.models:
     for replicas in opts.replicas:
       strategy = strategies_lib.get_strategy("mirrored", num_replicas=replicas)
-      paths = ["tfmgpu", "keras_fit", "tutorial"]
+      paths = ["tfmgpu", "keras_fit", "keras_fit_fused", "tutorial"]
       best = benchmark.compare(
           strategy, model, arrays, global_batch_size=opts.global_batch_size,
           steps=opts.steps, steps_per_execution=opts.steps_per_execution,
@@ -138,32 +144,92 @@ def _training(report: Report, opts: SuiteOptions, arrays) -> None:
                       "(target <= 1.10)")
 
 
-def _ceiling(report: Report, opts: SuiteOptions, arrays) -> None:
-  report.say("\n== Compute ceiling: achieved FLOP/s vs float32 matmul ==")
-  gflops = benchmark.matmul_gflops()
-  report.say(f"  float32 matmul ceiling: {gflops:,.1f} GFLOP/s")
-  for model_name in opts.models:
+def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
+                    steps: int, steps_per_execution: int) -> dict[str, Any]:
+  """The matmul ceiling and each model's single-device training FLOP/s,
+  through tfmgpu's loop and the bare loop.
+
+  Returns:
+    `{"gflops": ceiling, "runs": [{"model", "batch", "path", "ms_per_step",
+    "examples_per_sec", "achieved_gflops"}, ...]}` (JSON-ready).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  arrays = data_lib.load_dataset("digits")
+  result: dict[str, Any] = {"gflops": benchmark.matmul_gflops(), "runs": []}
+  for model_name in models:
     model = models_lib.build_model(model_name, input_shape=arrays.input_shape,
                                    num_classes=arrays.num_classes)
     flops = benchmark.training_flops_per_example(model)
-    for batch in (opts.global_batch_size, 1024):
-      t = benchmark.time_floor(model_name, arrays, global_batch_size=batch,
-                               steps=max(opts.steps // 4, 8) if batch > 256
-                               else opts.steps,
-                               steps_per_execution=2 if batch > 256 else
-                               opts.steps_per_execution)
-      achieved = flops * t.examples_per_sec / 1e9
-      report.add(Row("ceiling", model_name, 1, f"floor_b{batch}",
-                     t.ms_per_step, t.examples_per_sec,
-                     f"{achieved:.1f} GFLOP/s"))
-      report.figure(f"{model_name} batch {batch}: fraction of matmul ceiling",
-                    achieved / gflops, f"({achieved:.1f} of {gflops:.1f} "
-                    "GFLOP/s; mlp target >= 0.60)")
+    for batch in (global_batch_size, 1024):
+      big = batch > 256
+      kwargs = dict(global_batch_size=batch,
+                    steps=max(steps // 4, 8) if big else steps,
+                    steps_per_execution=2 if big else steps_per_execution)
+      for t in (benchmark.time_tfmgpu(tf.distribute.get_strategy(),
+                                      model_name, arrays, **kwargs),
+                benchmark.time_floor(model_name, arrays, **kwargs)):
+        result["runs"].append(dict(
+            model=model_name, batch=batch, path=t.path,
+            ms_per_step=t.ms_per_step, examples_per_sec=t.examples_per_sec,
+            achieved_gflops=flops * t.examples_per_sec / 1e9))
+  return result
+
+
+# A single device gets every core; this process may have split the CPU.
+_CEILING_CHILD = """
+import json, os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tfmgpu import bench_suite
+print("CEILING_JSON " + json.dumps(bench_suite.measure_ceiling(
+    **json.loads(sys.argv[1]))))
+"""
+
+
+def _ceiling_in_child(**kwargs) -> dict[str, Any]:
+  out = subprocess.run([sys.executable, "-c", _CEILING_CHILD,
+                        json.dumps(kwargs)], capture_output=True, text=True,
+                       timeout=900, check=False)
+  for line in out.stdout.splitlines():
+    if line.startswith("CEILING_JSON "):
+      return json.loads(line.split(" ", 1)[1])
+  raise RuntimeError("the ceiling measurement process failed "
+                     f"(exit {out.returncode}): {out.stderr[-2000:]}")
+
+
+def _ceiling(report: Report, opts: SuiteOptions, arrays) -> None:
+  del arrays  # Measured on the same data, possibly in another process.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  report.say("\n== Compute ceiling: achieved FLOP/s vs float32 matmul ==")
+  kwargs = dict(models=list(opts.models),
+                global_batch_size=opts.global_batch_size, steps=opts.steps,
+                steps_per_execution=opts.steps_per_execution)
+  threads = tf.config.threading.get_intra_op_parallelism_threads()
+  if threads and threads < devices_lib.cpu_cores():
+    report.say(f"  (single-device training gets every core: measured in a "
+               f"fresh process; this one gives each op {threads} thread(s) "
+               "so that its logical devices share the cores)")
+    result = _ceiling_in_child(**kwargs)
+  else:
+    result = measure_ceiling(**kwargs)
+  gflops = result["gflops"]
+  report.say(f"  float32 matmul ceiling: {gflops:,.1f} GFLOP/s "
+             f"({devices_lib.cpu_cores()} cores busy)")
+  for run in result["runs"]:
+    achieved = run["achieved_gflops"]
+    report.add(Row("ceiling", run["model"], 1,
+                   f"{run['path']}_b{run['batch']}", run["ms_per_step"],
+                   run["examples_per_sec"], f"{achieved:.1f} GFLOP/s"))
+    report.figure(f"{run['model']} batch {run['batch']} {run['path']}: "
+                  "fraction of ceiling", achieved / gflops,
+                  f"({achieved:.1f} of {gflops:.1f} GFLOP/s; mlp target >= "
+                  "0.60)")
 
 
 def _optimisations(report: Report, opts: SuiteOptions, arrays) -> None:
   report.say("\n== Optimisations, each on/off (mlp, tfmgpu loop; best of "
              f"{opts.rounds} interleaved rounds) ==")
+  report.say("  (baseline: tfmgpu's defaults, fused optimizer and device-"
+             "resident data on; 'off:' rows turn one off)")
   replicas = max(r for r in opts.replicas if r <= 2)
   spe = opts.steps_per_execution
   variants = {
@@ -172,6 +238,8 @@ def _optimisations(report: Report, opts: SuiteOptions, arrays) -> None:
       "jit_compile (XLA per replica)": dict(jit_compile=True),
       "gradient_compression=float16": dict(gradient_compression="float16"),
       "bytes_per_pack=64KiB": dict(bytes_per_pack=64 * 1024),
+      "off: fused_optimizer=False": dict(fused_optimizer=False),
+      "off: input_mode=tf_data": dict(input_mode="tf_data"),
   }
   strategies = {
       "mirrored": strategies_lib.get_strategy("mirrored", num_replicas=replicas),

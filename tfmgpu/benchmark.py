@@ -9,6 +9,8 @@ overhead, not multi-GPU speed-up.
 Paths:
   * `tfmgpu`: `Trainer.fit` (strategy.run + reduce in tf.function).
   * `keras_fit`: Keras `model.fit`, timed per batch with a callback.
+  * `keras_fit_fused`: the same with tfmgpu's `FusedAdam` compiled in (how
+    much of tfmgpu's lead a `fit` user gets by swapping the optimizer).
   * `tutorial`: the plain `strategy.run` loop of TF's custom-training
     tutorial (one step per `tf.function` call, Python iteration).
   * `floor`: a single-device `tf.function` step with no strategy at all.
@@ -17,6 +19,7 @@ Paths:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Callable
@@ -26,7 +29,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
+from tfmgpu import devices as devices_lib
 from tfmgpu import models as models_lib
+from tfmgpu.training import fused as fused_lib
 from tfmgpu.training import step as step_lib
 from tfmgpu.training.loop import Trainer
 
@@ -105,19 +110,26 @@ def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
 
 def time_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
                    steps: int, steps_per_execution: int = 1, seed: int = 0,
-                   warmup: int = 1) -> Timing:
-  """Times Keras `model.fit` per batch callback (not by wall-clocking fit)."""
+                   warmup: int = 1, fused_optimizer: bool = False) -> Timing:
+  """Times Keras `model.fit` per batch callback (not by wall-clocking fit).
+
+  `fused_optimizer` compiles tfmgpu's `FusedAdam` instead of Keras's Adam.
+  """
   model = _build(strategy, model_name, arrays, seed)
   with strategy.scope():
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+    optimizer = keras.optimizers.Adam(1e-3)
+    if fused_optimizer:
+      optimizer = fused_lib.fuse(optimizer)
+    model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
                   metrics=["accuracy"], steps_per_execution=steps_per_execution)
   timer = _BatchTimer()
   ds = _batches(arrays, global_batch_size, steps)
   model.fit(ds, epochs=1, verbose=0, callbacks=[timer])
-  return Timing("keras_fit", _median_step_ms(timer.times, steps_per_execution,
-                                             warmup), global_batch_size)
+  return Timing("keras_fit_fused" if fused_optimizer else "keras_fit",
+                _median_step_ms(timer.times, steps_per_execution, warmup),
+                global_batch_size)
 
 
 def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
@@ -187,6 +199,7 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
 PATHS: dict[str, Callable[..., Timing]] = {
     "tfmgpu": time_tfmgpu,
     "keras_fit": time_keras_fit,
+    "keras_fit_fused": functools.partial(time_keras_fit, fused_optimizer=True),
     "tutorial": time_tutorial_loop,
 }
 
@@ -264,25 +277,35 @@ def time_predictor(strategy, model_name: str, x: np.ndarray, *,
 
 # ---------------------------------------------------- ceiling and comms
 
-def matmul_gflops(n: int = 1024, repeats: int = 20) -> float:
-  """This machine's float32 matmul throughput (GFLOP/s), one device."""
-  a = tf.random.uniform((n, n), seed=1)
+def matmul_gflops(n: int = 1024, repeats: int = 20,
+                  chains: int | None = None) -> float:
+  """This machine's float32 matmul throughput (GFLOP/s), all cores.
+
+  Runs `chains` independent chains of `repeats` matmuls at once (default:
+  one per core), so the figure is the machine's whether TensorFlow gives an
+  op every core or one thread (as `configure_devices` does for a split CPU).
+  """
+  chains = chains or devices_lib.cpu_cores()
+  a = tf.random.uniform((chains, n, n), seed=1)
   b = tf.random.uniform((n, n), seed=2)
 
   @tf.function
-  def chain(a, b):
-    c = a
-    for _ in range(repeats):
-      c = tf.matmul(c, b) * 1e-3  # Scale keeps values finite.
-    return tf.reduce_sum(c)
+  def run(a, b):
+    total = tf.constant(0.0)
+    for i in range(chains):
+      c = a[i]
+      for _ in range(repeats):
+        c = tf.matmul(c, b) * 1e-3  # Scale keeps values finite.
+      total += tf.reduce_sum(c)
+    return total
 
-  float(chain(a, b))
+  float(run(a, b))
   best = float("inf")
   for _ in range(3):
     start = time.perf_counter()
-    float(chain(a, b))
+    float(run(a, b))
     best = min(best, time.perf_counter() - start)
-  return 2 * n**3 * repeats / best / 1e9
+  return 2 * n**3 * repeats * chains / best / 1e9
 
 
 def training_flops_per_example(model: keras.Model) -> int:
