@@ -43,7 +43,7 @@ class SuiteOptions:
   """
   models: tuple[str, ...] = ("convnet", "mlp")
   replicas: tuple[int, ...] = (1, 2, 4)
-  steps: int = 60
+  steps: int = 120
   global_batch_size: int = 64
   steps_per_execution: int = 10
   rounds: int = 2
