@@ -113,7 +113,7 @@ def machine_description() -> str:
 
 def _training(report: Report, opts: SuiteOptions, arrays) -> None:
   report.say("\n== Training throughput: same model, data, strategy and batch ==")
-  report.say(f"{'model':<8} {'replicas':>8} {'path':<11} {'ms/step':>9} "
+  report.say(f"{'model':<8} {'replicas':>8} {'path':<15} {'ms/step':>9} "
              f"{'examples/s':>11} {'vs fit':>7}")
   for model in opts.models:
     for replicas in opts.replicas:
@@ -134,10 +134,11 @@ def _training(report: Report, opts: SuiteOptions, arrays) -> None:
       for path, t in best.items():
         report.add(Row("training", model, replicas, path, t.ms_per_step,
                        t.examples_per_sec))
-        report.say(f"{model:<8} {replicas:>8} {path:<11} {t.ms_per_step:>9.2f} "
+        report.say(f"{model:<8} {replicas:>8} {path:<15} {t.ms_per_step:>9.2f} "
                    f"{t.examples_per_sec:>11,.0f} {t.examples_per_sec / fit:>7.2f}")
       report.figure(f"tfmgpu/keras_fit {model} x{replicas}",
-                    best["tfmgpu"].examples_per_sec / fit, "(target >= 1.2)")
+                    best["tfmgpu"].examples_per_sec / fit,
+                    "(target >= 1.0)" if replicas == 1 else "(target >= 1.2)")
       if "floor" in best:
         report.figure(f"tfmgpu cost / floor {model} x1",
                       best["tfmgpu"].ms_per_step / best["floor"].ms_per_step,

@@ -126,7 +126,7 @@ def time_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
                   metrics=["accuracy"], steps_per_execution=steps_per_execution)
   timer = _BatchTimer()
   ds = _batches(arrays, global_batch_size, steps)
-  model.fit(ds, epochs=1, verbose=0, callbacks=[timer])
+  model.fit(ds, epochs=1, verbose=0, callbacks=[timer], shuffle=False)
   return Timing("keras_fit_fused" if fused_optimizer else "keras_fit",
                 _median_step_ms(timer.times, steps_per_execution, warmup),
                 global_batch_size)
