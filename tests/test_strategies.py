@@ -159,3 +159,11 @@ def test_get_strategy_inside_plain_keras_fit():
   assert history.history["loss"][-1] < before
   assert model.predict(x[:5], verbose=0).shape == (5, 3)
   assert model.distribute_strategy is strategy
+
+
+def test_threads_are_shared_only_where_devices_compute_at_once():
+  for name in ("default", "one_device", "model_parallel"):
+    assert tfmgpu.strategies.intra_op_threads_for(name) == 0, name
+  for name in ("mirrored", "multi_worker_mirrored", "parameter_server",
+               "pipeline", "branch_parallel"):
+    assert tfmgpu.strategies.intra_op_threads_for(name) is None, name

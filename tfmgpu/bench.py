@@ -30,7 +30,7 @@ _SECTIONS = flags.DEFINE_list(
                  "inference", "projection"], "Which parts of the suite to run.")
 _INTRA_OP_THREADS = flags.DEFINE_integer(
     "intra_op_threads", None, "Threads per op. Default: cores // devices when "
-    "the CPU is split; 0: TensorFlow's default (all cores per op).",
+    "the CPU is split; 0: TensorFlow's own setting (all cores per op).",
     lower_bound=0)
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "bench_results",
                                   "Where results.csv and plots go.")

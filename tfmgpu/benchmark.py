@@ -166,20 +166,36 @@ def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
 
 
 def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
-               steps_per_execution: int = 1, seed: int = 0,
-               warmup: int = 1) -> Timing:
-  """A bare single-device `tf.function` loop: the cost floor."""
+               steps_per_execution: int = 1, seed: int = 0, warmup: int = 1,
+               same_kernels: bool = False) -> Timing:
+  """A bare single-device `tf.function` loop: the cost floor.
+
+  Args:
+    same_kernels: use what tfmgpu uses by default, `FusedAdam` and batches
+      gathered from arrays held in memory, instead of Keras's Adam and a
+      `tf.data` iterator; tfmgpu's cost over this floor is its loop alone.
+  """
   model = models_lib.build_model(model_name, input_shape=arrays.input_shape,
                                  num_classes=arrays.num_classes, seed=seed)
   optimizer = keras.optimizers.Adam(1e-3)
+  if same_kernels:
+    optimizer = fused_lib.fuse(optimizer)
   optimizer.build(model.trainable_variables)
   per_example = step_lib.per_example_loss_fn(None)
+  x_all, y_all = tf.constant(arrays.x_train), tf.constant(arrays.y_train)
+  rows = tf.constant(np.resize(
+      np.random.default_rng(seed).permutation(len(arrays.x_train)),
+      (steps, global_batch_size)).astype(np.int32))
 
   @tf.function
-  def train(iterator, num_steps):
+  def train(iterator, first_step, num_steps):
     total = tf.constant(0.0)
-    for _ in tf.range(num_steps):
-      x, y = next(iterator)
+    for i in tf.range(num_steps):
+      if same_kernels:
+        x = tf.gather(x_all, rows[first_step + i])
+        y = tf.gather(y_all, rows[first_step + i])
+      else:
+        x, y = next(iterator)
       with tf.GradientTape() as tape:
         loss = tf.reduce_mean(per_example(y, model(x, training=True)))
       grads = tape.gradient(loss, model.trainable_variables)
@@ -189,10 +205,12 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
 
   it = iter(_batches(arrays, global_batch_size, steps))
   stamps = []
-  for _ in range(steps // steps_per_execution):
-    float(train(it, tf.constant(steps_per_execution)))
+  for call in range(steps // steps_per_execution):
+    float(train(it, tf.constant(call * steps_per_execution),
+                tf.constant(steps_per_execution)))
     stamps.append(time.perf_counter())
-  return Timing("floor", _median_step_ms(stamps, steps_per_execution, warmup),
+  return Timing("floor_same_kernels" if same_kernels else "floor",
+                _median_step_ms(stamps, steps_per_execution, warmup),
                 global_batch_size)
 
 

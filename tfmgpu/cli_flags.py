@@ -68,7 +68,7 @@ INPUT_MODE = flags.DEFINE_enum(
     "input_mode", "auto", list(config_lib.INPUT_MODE_CHOICES),
     "device: hold the training arrays on each replica's device and gather "
     "batches there; tf_data: a tf.data pipeline; auto: device on one host "
-    f"when the data take <= {config_lib.DEVICE_DATA_MAX_MIB} MiB.")
+    f"when all replicas' copies take <= {config_lib.DEVICE_DATA_MAX_MIB} MiB.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
 NUM_STAGES = flags.DEFINE_integer(
     "num_stages", 2, "Stages for model_parallel/pipeline.", lower_bound=1)

@@ -22,7 +22,7 @@ SCHEDULE_CHOICES = ("gpipe", "1f1b")
 # Mirrors tfmgpu.training.allreduce (which imports TensorFlow).
 COMPRESSION_CHOICES = ("none", "float16", "bfloat16")
 # Used by tfmgpu.training.resident: `auto` holds the training arrays on the
-# devices when one copy takes at most DEVICE_DATA_MAX_MIB.
+# devices when all replicas' copies together take at most DEVICE_DATA_MAX_MIB.
 INPUT_MODE_CHOICES = ("auto", "device", "tf_data")
 DEVICE_DATA_MAX_MIB = 512
 

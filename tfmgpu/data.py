@@ -244,6 +244,14 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
+def epoch_indices(num_examples: int, *, seed: int, epoch: int,
+                  shuffle: bool) -> np.ndarray:
+  """`epoch_order(num_examples, seed, epoch)` if `shuffle`, else input order."""
+  if shuffle:
+    return epoch_order(num_examples, seed, epoch)
+  return np.arange(num_examples)
+
+
 def input_fn(x: np.ndarray, y: np.ndarray, *, global_batch_size: int,
              sample_weight: np.ndarray | None = None,
              shuffle: bool = True, seed: int = 0, epoch: int = 0,

@@ -213,7 +213,9 @@ def _mib(n: int) -> str:
 def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
                   ) -> str:
   """The stage plan and per-device memory estimate, without training."""
-  devices_lib.configure_virtual_devices(config.virtual_devices)
+  devices_lib.configure_virtual_devices(
+      config.virtual_devices,
+      intra_op_threads=strategies_lib.intra_op_threads_for(config.strategy))
   if arrays is None:
     arrays = data_lib.load_dataset(config.dataset, **config.dataset_options())
   model = _build_unsplit(lambda: models_lib.build_model(
@@ -260,7 +262,9 @@ def run_training(config: TrainConfig, *,
     devices_lib.split_virtual_devices(config.virtual_devices)
     strategy = strategies_lib.get_strategy(config.strategy,
                                            **config.strategy_options())
-  layout = devices_lib.configure_virtual_devices(config.virtual_devices)
+  layout = devices_lib.configure_virtual_devices(
+      config.virtual_devices,
+      intra_op_threads=strategies_lib.intra_op_threads_for(config.strategy))
   if (config.strategy == "mirrored" and not layout.gpus
       and len(layout.cpus) == 1):
     logging.warning(

@@ -51,8 +51,11 @@ def main(argv: list[str]) -> int:
   from tfmgpu import data as data_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu import devices  # pylint: disable=g-import-not-at-top
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
   try:
-    devices.configure_virtual_devices(cf.VIRTUAL_DEVICES.value)
+    devices.configure_virtual_devices(
+        cf.VIRTUAL_DEVICES.value,
+        intra_op_threads=strategies_lib.intra_op_threads_for(cf.STRATEGY.value))
     models = [inference.load_model(p) for p in _MODEL_PATH.value]
     model, strategy = inference.place_for_serving(
         models, cf.STRATEGY.value, num_stages=cf.NUM_STAGES.value,

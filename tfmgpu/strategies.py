@@ -48,6 +48,9 @@ class StrategyEntry:
     needs: what it needs to run, for the docs' strategy table.
     joins_cluster: the strategy reads a cluster (TF_CONFIG or SLURM) and
       must be created before TensorFlow's runtime starts in the process.
+    concurrent_devices: its devices compute at the same time (replicas,
+      pipeline stages, branches), so a CPU split into logical devices gives
+      each op only its share of the cores (`devices.configure_devices`).
   """
   name: str
   description: str
@@ -55,6 +58,7 @@ class StrategyEntry:
   builder: Callable[..., tf.distribute.Strategy] | None
   needs: str = ""
   joins_cluster: bool = False
+  concurrent_devices: bool = True
 
 
 _REGISTRY: dict[str, StrategyEntry] = {}
@@ -62,20 +66,30 @@ _REGISTRY: dict[str, StrategyEntry] = {}
 
 def register_strategy(name: str, description: str, *,
                       kind: Kind = Kind.DATA_PARALLEL, needs: str = "",
-                      joins_cluster: bool = False):
+                      joins_cluster: bool = False,
+                      concurrent_devices: bool = True):
   """Decorator (or plain call with `builder=None`) that registers a name."""
   def decorate(builder):
     if name in _REGISTRY:
       raise ValueError(f"strategy name {name!r} is already registered.")
     _REGISTRY[name] = StrategyEntry(name, description, kind, builder, needs,
-                                    joins_cluster)
+                                    joins_cluster, concurrent_devices)
     return builder
   return decorate
 
 
-def register_placement(name: str, description: str, *, needs: str = "") -> None:
+def register_placement(name: str, description: str, *, needs: str = "",
+                       concurrent_devices: bool = True) -> None:
   """Registers a placement (model/pipeline/branch parallel) name."""
-  register_strategy(name, description, kind=Kind.PLACEMENT, needs=needs)(None)
+  register_strategy(name, description, kind=Kind.PLACEMENT, needs=needs,
+                    concurrent_devices=concurrent_devices)(None)
+
+
+def intra_op_threads_for(name: str) -> int | None:
+  """`intra_op_threads` for `devices.configure_devices` when running `name`:
+  `None` (share the cores) if its devices compute at once, else `0` (leave
+  TensorFlow's setting: every core per op)."""
+  return None if strategy_entry(name).concurrent_devices else 0
 
 
 def available_strategies() -> dict[str, str]:
@@ -310,13 +324,13 @@ def _resolver(cluster_resolver: str | Any):
 # ------------------------------------------------------------- registry
 
 @register_strategy("default", "No distribution: TF's default strategy on the "
-                   "default device.", needs="nothing")
+                   "default device.", needs="nothing", concurrent_devices=False)
 def _default() -> tf.distribute.Strategy:
   return tf.distribute.get_strategy()
 
 
 @register_strategy("one_device", "Everything on one chosen device (first GPU, "
-                   "else CPU).", needs="one device")
+                   "else CPU).", needs="one device", concurrent_devices=False)
 def _one_device(devices: Sequence[str] | None = None) -> tf.distribute.Strategy:
   if devices is not None and len(devices) != 1:
     raise ValueError(f"one_device takes exactly one device; got devices="
@@ -468,7 +482,8 @@ register_placement(
     "Model parallelism: consecutive layer stages on separate devices, each "
     "stage's forward and backward on its own device (StagedModel).",
     needs="2+ devices (GPUs, or logical CPUs for testing) and a chain-like "
-    "Sequential/functional model")
+    "Sequential/functional model",
+    concurrent_devices=False)  # Stages run one after another.
 register_placement(
     "branch_parallel",
     "Parallel sub-models (towers, ensemble members) on separate devices on "

@@ -53,15 +53,17 @@ class SigtermAt(keras.callbacks.Callback):
       os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.parametrize("input_mode", ["device", "tf_data"])
 def test_sigterm_saves_mid_epoch_and_resume_matches_uninterrupted(
-    digits, tmp_path):
+    digits, tmp_path, input_mode):
   mirrored = tfmgpu.get_strategy("mirrored", num_replicas=2)
-  whole = make_trainer(mirrored, model_dir=str(tmp_path / "whole"))
+  whole = make_trainer(mirrored, model_dir=str(tmp_path / "whole"),
+                       input_mode=input_mode)
   whole.fit(*digits, **FIT)
 
   run_dir = str(tmp_path / "preempted")
   handler_before = signal.getsignal(signal.SIGTERM)
-  first = make_trainer(mirrored, model_dir=run_dir,
+  first = make_trainer(mirrored, model_dir=run_dir, input_mode=input_mode,
                        callbacks=[SigtermAt(9, FIT["steps_per_epoch"])])
   with pytest.raises(checkpoints.PreemptedError,
                      match=r"SIGTERM reached this process. Saved .*ckpt-2 at "
@@ -77,7 +79,7 @@ def test_sigterm_saves_mid_epoch_and_resume_matches_uninterrupted(
 
   # Resume in a new "process" with 4 replicas instead of 2.
   second = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4),
-                        model_dir=run_dir)
+                        model_dir=run_dir, input_mode=input_mode)
   result = second.fit(*digits, **FIT)
   assert (result.initial_epoch, result.initial_step, result.steps) == (1, 9, 9)
   assert int(second.optimizer.iterations.numpy()) == 18

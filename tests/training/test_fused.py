@@ -89,7 +89,24 @@ def test_fused_equals_keras(name, replicas):
     np.testing.assert_allclose(g, r, rtol=0, atol=TOLERANCE.get(name, 1e-7))
 
 
-def test_amsgrad_falls_back_to_keras_update():
+def _update_op_types(optimizer) -> set[str]:
+  """Op types of one traced `apply_gradients` of a small dense model."""
+  model = models.build_model("mlp", input_shape=(12,), num_classes=4)
+  optimizer.build(model.trainable_variables)
+  fn = tf.function(lambda grads: optimizer.apply_gradients(
+      zip(grads, model.trainable_variables)))
+  graph = fn.get_concrete_function(
+      [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+  ).graph
+  return {op.type for op in graph.get_operations()}
+
+
+def test_fused_update_is_one_kernel_and_amsgrad_falls_back():
+  assert "ResourceApplyAdam" in _update_op_types(fused.FusedAdam(1e-2))
+  assert "ResourceApplyAdam" not in _update_op_types(
+      fused.FusedAdam(1e-2, amsgrad=True))
+  assert "ResourceApplyKerasMomentum" in _update_op_types(
+      fused.FusedSGD(0.1, momentum=0.9))
   ref, _ = _train(tfmgpu.get_strategy("one_device"),
                   lambda: keras.optimizers.Adam(1e-2, amsgrad=True))
   got, _ = _train(tfmgpu.get_strategy("one_device"),

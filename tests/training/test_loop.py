@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import tfmgpu
 from tfmgpu import data, models
+from tfmgpu.training import fused
 from tfmgpu.training.loop import NonFiniteLossError, Trainer
 
 
@@ -119,6 +120,7 @@ def test_float16_gets_loss_scaling_and_trains(digits):
                                mixed_precision="mixed_float16")
   trainer = Trainer(model, strategy=strategy, verbose=0)
   assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+  assert type(trainer.optimizer.inner_optimizer) is fused.FusedAdam
   result = trainer.fit(*digits, epochs=2, global_batch_size=32)
   assert np.isfinite(result.history["loss"]).all()
   assert result.history["loss"][-1] < result.history["loss"][0]

@@ -88,7 +88,11 @@ def test_auto_picks_device_data_on_one_host_when_it_fits(digits):
   x, y = digits
   mirrored = _strategy("mirrored x2")
   assert resident.use_device_data("auto", mirrored, x, y)
-  assert not resident.use_device_data("auto", mirrored, x, y, max_bytes=1024)
+  both_copies = 2 * (x.nbytes + y.nbytes)  # The budget counts every replica.
+  assert resident.use_device_data("auto", mirrored, x, y,
+                                  max_bytes=both_copies)
+  assert not resident.use_device_data("auto", mirrored, x, y,
+                                      max_bytes=both_copies - 1)
   assert not resident.use_device_data("tf_data", mirrored, x, y)
   central = tf.distribute.experimental.CentralStorageStrategy()
   assert not resident.use_device_data("auto", central, x, y)

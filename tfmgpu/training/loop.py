@@ -178,8 +178,9 @@ class Trainer:
     input_mode: `"device"` copies the training arrays to every replica's
       device once and gathers each batch there (`tfmgpu.training.resident`);
       `"tf_data"` reads them through a `tf.data` pipeline; `"auto"` (the
-      default) picks `"device"` on one host when the arrays take at most
-      `resident.DEFAULT_MAX_BYTES`. Both give each replica the same examples.
+      default) picks `"device"` on one host when all replicas' copies take
+      at most `resident.DEFAULT_MAX_BYTES`. Both give each replica the same
+      examples.
     model_dir: where checkpoints and TensorBoard summaries go; `None` keeps
       nothing. A directory with checkpoints is resumed from.
     callbacks: Keras callbacks (epoch/batch hooks, `model.stop_training`).
@@ -356,7 +357,8 @@ class Trainer:
                                            x, y)
     logging.info("Training data: %s.", "on each replica's device"
                  if device_data else "tf.data pipeline")
-    held = resident.DeviceData(self.strategy, x, y) if device_data else None
+    held = (resident.DeviceData(self.strategy, x, y)
+            if device_data and initial_epoch < epochs else None)
     train_fn = self._train_fn(global_batch_size, device_data)
     callbacks = keras.callbacks.CallbackList(
         self.callbacks, add_history=False, add_progbar=False, model=self.model,
@@ -461,8 +463,8 @@ class Trainer:
           shuffle=shuffle, seed=seed, epoch=epoch, drop_remainder=True)
     # The rest of the same order: with `input_fn`'s interleaved sharding, each
     # global batch is a contiguous slice of the epoch's order.
-    order = (data_lib.epoch_order(len(x), seed, epoch) if shuffle
-             else np.arange(len(x)))
+    order = data_lib.epoch_indices(len(x), seed=seed, epoch=epoch,
+                                   shuffle=shuffle)
     rest = order[first_step * global_batch_size:]
     return data_lib.distribute(
         self.strategy, x[rest], y[rest], global_batch_size=global_batch_size,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -24,7 +25,7 @@ from tfmgpu import config as config_lib
 from tfmgpu import data as data_lib
 
 INPUT_MODE_CHOICES = config_lib.INPUT_MODE_CHOICES
-# `auto` keeps data on the devices when one copy of it is at most this big.
+# `auto` keeps data on the devices when all the copies take at most this.
 DEFAULT_MAX_BYTES = config_lib.DEVICE_DATA_MAX_MIB * 2**20
 
 
@@ -38,11 +39,15 @@ def _is_default(strategy: tf.distribute.Strategy) -> bool:
 
 
 def supports(strategy: tf.distribute.Strategy) -> bool:
-  """Whether `strategy` can train from device-resident data (one host)."""
-  if isinstance(strategy, tf.distribute.MirroredStrategy):
-    return not strategy.extended._in_multi_worker_mode()  # pylint: disable=protected-access
-  return isinstance(strategy, tf.distribute.OneDeviceStrategy) or _is_default(
-      strategy)
+  """Whether `strategy` can train from device-resident data (one host).
+
+  `MultiWorkerMirroredStrategy`, `ParameterServerStrategy` and
+  `CentralStorageStrategy` are not `MirroredStrategy` subclasses, so they
+  keep `tf.data` (each worker reads its own pipeline).
+  """
+  return isinstance(strategy, (tf.distribute.MirroredStrategy,
+                               tf.distribute.OneDeviceStrategy)) or _is_default(
+                                   strategy)
 
 
 def check_input_mode(input_mode: str, strategy: tf.distribute.Strategy) -> None:
@@ -60,10 +65,30 @@ def check_input_mode(input_mode: str, strategy: tf.distribute.Strategy) -> None:
 def use_device_data(input_mode: str, strategy: tf.distribute.Strategy,
                     x: np.ndarray, y: np.ndarray,
                     max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
-  """Resolves `input_mode` for these arrays (`auto`: supported and small)."""
-  if input_mode == "auto":
-    return supports(strategy) and x.nbytes + y.nbytes <= max_bytes
-  return input_mode == "device"
+  """Resolves `input_mode` for these arrays.
+
+  Args:
+    input_mode: one of `INPUT_MODE_CHOICES`.
+    strategy: the strategy training will run under.
+    x, y: the training arrays.
+    max_bytes: `auto` holds the data on the devices only if all replicas'
+      copies together take at most this many bytes.
+
+  Returns:
+    `True` to train from `DeviceData`, `False` for `tf.data`.
+  """
+  if input_mode != "auto":
+    return input_mode == "device"
+  if not supports(strategy):
+    return False
+  total = (x.nbytes + y.nbytes) * strategy.num_replicas_in_sync
+  if total > max_bytes:
+    logging.info("input_mode='auto': %d replica copies of the data would take "
+                 "%.0f MiB (> %.0f MiB); reading through tf.data instead.",
+                 strategy.num_replicas_in_sync, total / 2**20,
+                 max_bytes / 2**20)
+    return False
+  return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +149,11 @@ class DeviceData:
     if steps * global_batch_size > self.num_examples:
       raise ValueError(f"steps={steps} of global_batch_size="
                        f"{global_batch_size} need more than the "
-                       f"{self.num_examples} examples held.")
-    order = (data_lib.epoch_order(self.num_examples, seed, epoch) if shuffle
-             else np.arange(self.num_examples))
+                       f"{self.num_examples} examples held; use at most "
+                       f"{self.num_examples // global_batch_size} steps or a "
+                       "smaller batch.")
+    order = data_lib.epoch_indices(self.num_examples, seed=seed, epoch=epoch,
+                                   shuffle=shuffle)
     table = order[:steps * global_batch_size].astype(np.int32).reshape(
         steps, replicas, global_batch_size // replicas)
     index = self._on_each_device(lambda r: table[:, r, :])
