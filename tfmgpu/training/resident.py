@@ -29,7 +29,6 @@ INPUT_MODE_CHOICES = config_lib.INPUT_MODE_CHOICES
 DEFAULT_MAX_BYTES = config_lib.DEVICE_DATA_MAX_MIB * 2**20
 
 
-
 def _is_default(strategy: tf.distribute.Strategy) -> bool:
   """Whether `strategy` is TF's default (no-op) strategy."""
   with tf.init_scope():
@@ -45,9 +44,8 @@ def supports(strategy: tf.distribute.Strategy) -> bool:
   `CentralStorageStrategy` are not `MirroredStrategy` subclasses, so they
   keep `tf.data` (each worker reads its own pipeline).
   """
-  return isinstance(strategy, (tf.distribute.MirroredStrategy,
-                               tf.distribute.OneDeviceStrategy)) or _is_default(
-                                   strategy)
+  one_host = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
+  return isinstance(strategy, one_host) or _is_default(strategy)
 
 
 def check_input_mode(input_mode: str, strategy: tf.distribute.Strategy) -> None:
@@ -58,8 +56,9 @@ def check_input_mode(input_mode: str, strategy: tf.distribute.Strategy) -> None:
   if input_mode == "device" and not supports(strategy):
     raise ValueError(
         f"input_mode='device' needs a one-host strategy (mirrored, "
-        f"one_device, default); got {type(strategy).__name__}, whose workers "
-        "read their own data. Use input_mode='auto' or 'tf_data'.")
+        f"one_device, default); got {type(strategy).__name__}, which reads "
+        "through tf.data (multi-worker and parameter-server workers have "
+        "their own pipelines). Use input_mode='auto' or 'tf_data'.")
 
 
 def use_device_data(input_mode: str, strategy: tf.distribute.Strategy,
