@@ -153,7 +153,8 @@ def _training(report: Report, opts: SuiteOptions, arrays) -> None:
 
 
 def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
-                    steps: int, steps_per_execution: int) -> dict[str, Any]:
+                    steps: int, steps_per_execution: int,
+                    arrays: data_lib.Arrays | None = None) -> dict[str, Any]:
   """The matmul ceiling and each model's single-device training FLOP/s,
   through tfmgpu's loop and the bare loop.
 
@@ -162,7 +163,8 @@ def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
     "examples_per_sec", "achieved_gflops"}, ...]}` (JSON-ready).
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  arrays = data_lib.load_dataset("digits")
+  if arrays is None:  # A child process loads the suite's data itself.
+    arrays = data_lib.load_dataset("digits")
   result: dict[str, Any] = {"gflops": benchmark.matmul_gflops(), "runs": []}
   for model_name in models:
     model = models_lib.build_model(model_name, input_shape=arrays.input_shape,
@@ -202,8 +204,7 @@ def _ceiling_in_child(timeout_s: int = 900, **kwargs) -> dict[str, Any]:
     raise RuntimeError(
         f"the ceiling measurement process took over {timeout_s} s; run "
         "`python -m tfmgpu.bench --sections=ceiling --replicas=1 "
-        "--virtual_devices=1` "
-        "alone to see why.") from e
+        "--virtual_devices=1` alone to see why.") from e
   for line in out.stdout.splitlines():
     if line.startswith("CEILING_JSON "):
       return json.loads(line.split(" ", 1)[1])
@@ -212,7 +213,6 @@ def _ceiling_in_child(timeout_s: int = 900, **kwargs) -> dict[str, Any]:
 
 
 def _ceiling(report: Report, opts: SuiteOptions, arrays) -> None:
-  del arrays  # Measured on the same data, possibly in another process.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   report.say("\n== Compute ceiling: achieved FLOP/s vs float32 matmul ==")
   kwargs = dict(models=list(opts.models),
@@ -225,7 +225,7 @@ def _ceiling(report: Report, opts: SuiteOptions, arrays) -> None:
                "so that its logical devices share the cores)")
     result = _ceiling_in_child(**kwargs)
   else:
-    result = measure_ceiling(**kwargs)
+    result = measure_ceiling(**kwargs, arrays=arrays)
   gflops = result["gflops"]
   report.say(f"  float32 matmul ceiling: {gflops:,.1f} GFLOP/s "
              f"({devices_lib.cpu_cores()} cores busy)")

@@ -182,10 +182,14 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
     optimizer = fused_lib.fuse(optimizer)
   optimizer.build(model.trainable_variables)
   per_example = step_lib.per_example_loss_fn(None)
-  x_all, y_all = tf.constant(arrays.x_train), tf.constant(arrays.y_train)
-  rows = tf.constant(np.resize(
-      np.random.default_rng(seed).permutation(len(arrays.x_train)),
-      (steps, global_batch_size)).astype(np.int32))
+  if same_kernels:  # Held in memory, as tfmgpu's device-resident data.
+    x_all, y_all = tf.constant(arrays.x_train), tf.constant(arrays.y_train)
+    rows = tf.constant(np.resize(
+        np.random.default_rng(seed).permutation(len(arrays.x_train)),
+        (steps, global_batch_size)).astype(np.int32))
+    it = None
+  else:
+    it = iter(_batches(arrays, global_batch_size, steps))
 
   @tf.function
   def train(iterator, first_step, num_steps):
@@ -203,7 +207,6 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
       total += loss
     return total
 
-  it = iter(_batches(arrays, global_batch_size, steps))
   stamps = []
   for call in range(steps // steps_per_execution):
     float(train(it, tf.constant(call * steps_per_execution),

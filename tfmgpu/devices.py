@@ -164,7 +164,7 @@ def configure_devices(*,
   if intra_op_threads is not None and (
       not isinstance(intra_op_threads, int) or intra_op_threads < 0):
     raise ValueError(f"intra_op_threads={intra_op_threads!r} must be an "
-                     "integer >= 0 (0: TensorFlow's default).")
+                     "integer >= 0 (0: leave TensorFlow's setting).")
   physical_gpus = tf.config.list_physical_devices("GPU")
   if logical_cpus is not None:
     _split(tf.config.list_physical_devices("CPU")[0], logical_cpus, None,

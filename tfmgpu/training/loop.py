@@ -370,8 +370,6 @@ class Trainer:
     self.model.stop_training = False
     callbacks.on_train_begin()
     writer = self._summary_writer()
-    # Per-call scalars cost ~0.3 ms of Python each; skip them with no writer.
-    per_call_summaries = self._writes_summaries
     for epoch in range(initial_epoch, epochs):
       callbacks.on_epoch_begin(epoch)
       first_step = skip if epoch == initial_epoch else 0
@@ -420,7 +418,7 @@ class Trainer:
         if bar is not None:
           bar.update(done, values=list(logs.items()) + [("examples/s", rate)])
         callbacks.on_train_batch_end(done - 1, logs)
-        if per_call_summaries:
+        if self._writes_summaries:  # ~0.3 ms of Python per call otherwise.
           with writer.as_default(step=global_step):
             tf.summary.scalar("train/loss", step_loss / n)
             tf.summary.scalar("train/examples_per_sec", rate)
