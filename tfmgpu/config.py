@@ -9,35 +9,28 @@ TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
+from tfmgpu import checks
 from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.placements import model_parallel
+from tfmgpu.placements import pipeline
+from tfmgpu.training.choices import COMPRESSION_CHOICES
+from tfmgpu.training.choices import INPUT_MODE_CHOICES
+from tfmgpu.training.optimizers import OPTIMIZER_CHOICES
 
-OPTIMIZER_CHOICES = ("adam", "sgd", "momentum", "rmsprop", "adamw")
-PARTITION_CHOICES = ("balanced", "params", "flops")
-SCHEDULE_CHOICES = ("gpipe", "1f1b")
-# Mirrors tfmgpu.training.allreduce (which imports TensorFlow).
-COMPRESSION_CHOICES = ("none", "float16", "bfloat16")
-# Used by tfmgpu.training.resident: `auto` holds the training arrays on the
-# devices when all replicas' copies together take at most DEVICE_DATA_MAX_MIB.
-INPUT_MODE_CHOICES = ("auto", "device", "tf_data")
-DEVICE_DATA_MAX_MIB = 512
-
-
-def _positive(name: str, value: Any, *, allow_none: bool = False) -> None:
-  if value is None and allow_none:
-    return
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f"{name}={value!r} must be a positive integer.")
-
-
-def _choice(name: str, value: Any, choices) -> None:
-  if value not in choices:
-    raise ValueError(f"{name}={value!r} is unknown. Choose one of "
-                     f"{', '.join(choices)}.")
+# Options of distributions other than the run's are checked too, so a typo
+# never waits for the strategy that reads it.
+_STRATEGY_CHOICES = {
+    "cross_device_ops": strategies_lib.CROSS_DEVICE_OPS_CHOICES,
+    "single_replica": strategies_lib.SINGLE_REPLICA_CHOICES,
+    "communication": strategies_lib.COMMUNICATION_CHOICES,
+    "cluster_resolver": tuple(strategies_lib.CLUSTER_RESOLVERS),
+    "partition": model_parallel.PARTITION_CHOICES,
+    "schedule": pipeline.SCHEDULE_CHOICES,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +50,10 @@ class TrainConfig:
       the `default` strategy (no wrapping overhead), or stays `mirrored`.
     communication: multi-worker collectives: `auto`, `ring`, `nccl`.
     cluster_resolver: `tf_config` or `slurm`.
+    variable_shards: `parameter_server`: split each variable over this many
+      parameter servers.
+    parameter_device: `central_storage`: where the variables live.
+    tpu: `tpu`: the TPU's name or address (`""`: this VM's).
     model: a registered model name.
     dataset: a registered dataset name; `data_path` for `npz` or a local
       copy of a downloadable one.
@@ -90,6 +87,9 @@ class TrainConfig:
   single_replica: str = "default"
   communication: str = "auto"
   cluster_resolver: str = "tf_config"
+  variable_shards: int | None = None
+  parameter_device: str | None = None
+  tpu: str = ""
   model: str = "convnet"
   dataset: str = "digits"
   data_path: str | None = None
@@ -117,33 +117,37 @@ class TrainConfig:
   verbose: int = 1
 
   def __post_init__(self):
-    _choice("strategy", self.strategy, tuple(strategies_lib.available_strategies()))
-    _choice("model", self.model, tuple(models_lib.available_models()))
-    _choice("dataset", self.dataset, tuple(data_lib.available_datasets()))
-    _choice("cross_device_ops", self.cross_device_ops,
-            strategies_lib.CROSS_DEVICE_OPS_CHOICES)
-    _choice("single_replica", self.single_replica,
-            strategies_lib.SINGLE_REPLICA_CHOICES)
-    _choice("communication", self.communication,
-            strategies_lib.COMMUNICATION_CHOICES)
-    _choice("cluster_resolver", self.cluster_resolver,
-            tuple(strategies_lib.CLUSTER_RESOLVERS))
-    _choice("optimizer", self.optimizer, OPTIMIZER_CHOICES)
-    _choice("mixed_precision", self.mixed_precision,
-            models_lib.MIXED_PRECISION_POLICIES)
-    _choice("partition", self.partition, PARTITION_CHOICES)
-    _choice("gradient_compression", self.gradient_compression,
-            COMPRESSION_CHOICES)
+    for name in ("devices", "split_points"):
+      if getattr(self, name) is not None:  # Lists from notebooks are fine.
+        object.__setattr__(self, name, tuple(getattr(self, name)))
+    distribution = strategies_lib.lookup(self.strategy)
+    checks.check_choice("model", self.model, models_lib.available_models())
+    checks.check_choice("dataset", self.dataset,
+                        data_lib.available_datasets())
+    checks.check_choice("optimizer", self.optimizer, OPTIMIZER_CHOICES)
+    checks.check_choice("mixed_precision", self.mixed_precision,
+                        models_lib.MIXED_PRECISION_POLICIES)
+    checks.check_choice("gradient_compression", self.gradient_compression,
+                        COMPRESSION_CHOICES)
+    checks.check_choice("input_mode", self.input_mode, INPUT_MODE_CHOICES)
+    for name, choices in _STRATEGY_CHOICES.items():
+      checks.check_choice(name, getattr(self, name), choices)
+    self._check_numbers()
+    # The run's distribution checks its options and cross-field rules.
+    distribution.options_from(self)
+    distribution.check_config(self)
+    if self.dataset == "npz" and not self.data_path:
+      raise ValueError("dataset='npz' needs data_path='file.npz'.")
+
+  def _check_numbers(self) -> None:
     if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
       raise ValueError(f"bytes_per_pack={self.bytes_per_pack!r} must be >= 0.")
-    _choice("schedule", self.schedule, SCHEDULE_CHOICES)
-    _choice("input_mode", self.input_mode, INPUT_MODE_CHOICES)
     for name in ("global_batch_size", "epochs", "num_packs",
                  "steps_per_execution", "num_stages", "micro_batches"):
-      _positive(name, getattr(self, name))
+      checks.check_positive(name, getattr(self, name))
     for name in ("virtual_devices", "num_gpus", "num_replicas",
-                 "steps_per_epoch"):
-      _positive(name, getattr(self, name), allow_none=True)
+                 "steps_per_epoch", "variable_shards"):
+      checks.check_positive(name, getattr(self, name), allow_none=True)
     if not self.learning_rate > 0:
       raise ValueError(f"learning_rate={self.learning_rate} must be > 0.")
     if self.clip_norm is not None and not self.clip_norm > 0:
@@ -152,43 +156,28 @@ class TrainConfig:
               if getattr(self, n) is not None]
     if len(chosen) > 1:
       raise ValueError(f"Set only one of {chosen}: each chooses the devices.")
-    if (self.virtual_devices and self.num_replicas is None
-        and self.devices is None and self.num_gpus is None
-        and self.strategy in ("mirrored", "central_storage")
-        and self.global_batch_size % self.virtual_devices):
-      v = self.virtual_devices
-      raise ValueError(
-          f"global_batch_size={self.global_batch_size} is not divisible by the "
-          f"{v} replicas of {self.strategy!r} (virtual_devices={v}). Use a "
-          f"multiple of {v}, e.g. {max(v, self.global_batch_size // v * v)}.")
-    if self.dataset == "npz" and not self.data_path:
-      raise ValueError("dataset='npz' needs data_path='file.npz'.")
+
+  @property
+  def distribution(self) -> strategies_lib.Distribution:
+    """The registered strategy or placement this config names."""
+    return strategies_lib.lookup(self.strategy)
 
   @property
   def is_placement(self) -> bool:
     """True for model/pipeline/branch parallelism (the model is split)."""
-    return (strategies_lib.strategy_entry(self.strategy).kind
-            is strategies_lib.Kind.PLACEMENT)
+    return self.distribution.kind is strategies_lib.Kind.PLACEMENT
 
-  def strategy_options(self) -> dict[str, Any]:
-    """The options of `get_strategy(self.strategy, ...)` this config sets.
-
-    Read from the registered builder's signature, so a new strategy's options
-    need no code here.
-    """
-    entry = strategies_lib.strategy_entry(self.strategy)
-    if entry.builder is None:
-      return {}
-    params = inspect.signature(entry.builder).parameters
-    return {p: getattr(self, p) for p in params
-            if hasattr(self, p) and getattr(self, p) is not None}
+  @property
+  def options(self) -> Any:
+    """The distribution's typed options (its `Options` dataclass)."""
+    return self.distribution.options_from(self)
 
   def dataset_options(self) -> dict[str, Any]:
     """The options of `data.load_dataset(self.dataset, ...)` this config sets."""
-    params = inspect.signature(data_lib.dataset_entry(self.dataset).loader
-                               ).parameters
+    entry = data_lib.dataset_entry(self.dataset)
     values = {"path": self.data_path, "seed": self.seed}
-    return {p: v for p, v in values.items() if p in params and v is not None}
+    return {k: v for k, v in values.items()
+            if k in entry.options and v is not None}
 
   def replace(self, **changes: Any) -> "TrainConfig":
     """A copy with `changes` applied (and validated)."""

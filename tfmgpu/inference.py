@@ -270,7 +270,6 @@ def load_model(path: str) -> Any:
   if not path.endswith(".keras"):
     raise ValueError(f"model_path={path!r} is not a .keras file or a "
                      "SavedModel directory.")
-  import tfmgpu.parallel  # pylint: disable=g-import-not-at-top,unused-import  (registers custom classes)
   return keras.saving.load_model(path, compile=False)
 
 
@@ -304,60 +303,20 @@ def export_saved_model(model: Any, path: str) -> str:
 
 # ------------------------------------------------------- serving a run
 
-def _data_parallel(models: list, strategy: str, options: dict):
-  if len(models) != 1:
-    raise ValueError(f"strategy {strategy!r} serves one model; got "
-                     f"{len(models)} model paths.")
-  return models[0], strategies_lib.get_strategy(strategy, **options)
-
-
-def _staged(models: list, strategy: str, options: dict):
-  del strategy  # Placements run under the default strategy.
-  from tfmgpu.parallel import partition, staged  # pylint: disable=g-import-not-at-top
-  if len(models) != 1:
-    raise ValueError(f"model_parallel serves one model; got {len(models)}.")
-  plan = partition.plan_stages(models[0], options.get("num_stages", 2))
-  return staged.StagedModel(models[0], plan), None
-
-
-def _pipelined(models: list, strategy: str, options: dict):
-  del strategy
-  from tfmgpu.parallel import partition, pipeline  # pylint: disable=g-import-not-at-top
-  if len(models) != 1:
-    raise ValueError(f"pipeline serves one model; got {len(models)}.")
-  plan = partition.plan_stages(models[0], options.get("num_stages", 2))
-  return pipeline.PipelinedModel(
-      models[0], plan, micro_batches=options.get("micro_batches", 4)), None
-
-
-def _branches(models: list, strategy: str, options: dict):
-  del strategy, options
-  from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
-  if len(models) < 2:
-    raise ValueError("branch_parallel serves 2+ models side by side (one "
-                     f"model path per branch); got {len(models)}.")
-  return branches.BranchParallel(models, combine="mean"), None
-
-
-# How each placement serves loaded models; data-parallel names share one path.
-SERVING_PLACEMENTS: dict[str, Callable[[list, str, dict], tuple]] = {
-    "model_parallel": _staged,
-    "pipeline": _pipelined,
-    "branch_parallel": _branches,
-}
-
-
 def place_for_serving(models: list, strategy: str, **options) -> tuple:
-  """Places loaded models for `strategy`; returns `(model, tf_strategy|None)`."""
-  entry = strategies_lib.strategy_entry(strategy)
-  if entry.kind is strategies_lib.Kind.DATA_PARALLEL:
-    keep = {k: v for k, v in options.items()
-            if k in ("devices", "num_gpus", "num_replicas", "cross_device_ops")}
-    return _data_parallel(models, strategy, keep)
-  if strategy not in SERVING_PLACEMENTS:
-    raise ValueError(f"strategy {strategy!r} cannot serve yet; use one of "
-                     f"{', '.join(SERVING_PLACEMENTS)} or a data-parallel name.")
-  return SERVING_PLACEMENTS[strategy](models, strategy, options)
+  """Places loaded models as the distribution `strategy` serves them.
+
+  Args:
+    models: the loaded models (several for `branch_parallel`).
+    strategy: a registered name.
+    **options: that distribution's options (its `Options` fields).
+
+  Returns:
+    `(model, tf_strategy)`; `tf_strategy` is `None` when the model places
+    itself (placements).
+  """
+  distribution = strategies_lib.lookup(strategy)
+  return distribution.serve(models, distribution.options(**options))
 
 
 def save_predictions(path: str, predictions: np.ndarray) -> str:

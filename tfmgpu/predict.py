@@ -15,11 +15,20 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 
 from absl import app
 from absl import flags
 
-from tfmgpu import cli_flags as cf
+from tfmgpu import flags as flags_lib
+from tfmgpu.flags import data
+from tfmgpu.flags import devices
+from tfmgpu.flags import execution
+from tfmgpu.flags import stages
+from tfmgpu.flags import strategy as strategy_flags
+
+for _group in (strategy_flags, devices, data, execution, stages):
+  flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
 _MODEL_PATH = flags.DEFINE_list(
     "model_path", None, "A .keras file or SavedModel directory (several, "
@@ -46,30 +55,9 @@ def main(argv: list[str]) -> int:
                          "directory, e.g. runs/X/model.keras from "
                          "python -m tfmgpu.train --model_dir=runs/X.")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  cf.quiet_tensorflow()
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from tfmgpu import data as data_lib  # pylint: disable=g-import-not-at-top
-  from tfmgpu import devices  # pylint: disable=g-import-not-at-top
-  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
-  from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
+  flags_lib.quiet_tensorflow()
   try:
-    devices.configure_virtual_devices(
-        cf.VIRTUAL_DEVICES.value,
-        intra_op_threads=strategies_lib.intra_op_threads_for(cf.STRATEGY.value))
-    models = [inference.load_model(p) for p in _MODEL_PATH.value]
-    model, strategy = inference.place_for_serving(
-        models, cf.STRATEGY.value, num_stages=cf.NUM_STAGES.value,
-        micro_batches=cf.MICRO_BATCHES.value,
-        **({"num_replicas": cf.NUM_REPLICAS.value}
-           if cf.NUM_REPLICAS.value else {}))
-    options = {"path": cf.DATA_PATH.value} if cf.DATA_PATH.value else {}
-    arrays = data_lib.load_dataset(cf.DATASET.value, **options)
-    x, y = ((arrays.x_test, arrays.y_test) if _SPLIT.value == "test"
-            else (arrays.x_train, arrays.y_train))
-    predictor = inference.Predictor(
-        model, strategy=strategy, batch_size=_BATCH_SIZE.value,
-        steps_per_execution=cf.STEPS_PER_EXECUTION.value,
-        precision=_PRECISION.value)
+    predictor, x, y = _prepare()
     predictor.predict(x[:_BATCH_SIZE.value])  # Warm-up: trace once.
     start = time.perf_counter()
     predictions = predictor.predict(x)
@@ -77,7 +65,40 @@ def main(argv: list[str]) -> int:
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  print(f"predicted  {len(predictions)} rows with {cf.STRATEGY.value} "
+  return _report(predictor, predictions, y, seconds)
+
+
+def _prepare():
+  """Devices, the models placed for serving, and the rows to predict."""
+  from tfmgpu import data as data_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
+  values = strategy_flags.values()
+  name = values.pop("strategy")
+  distribution = strategies_lib.lookup(name)
+  devices_lib.configure_virtual_devices(
+      devices.VIRTUAL_DEVICES.value,
+      intra_op_threads=distribution.intra_op_threads)
+  models = [inference.load_model(p) for p in _MODEL_PATH.value]
+  options = distribution.options_from(
+      types.SimpleNamespace(**values, **stages.values()))
+  model, strategy = distribution.serve(models, options)
+  options = {"path": data.DATA_PATH.value} if data.DATA_PATH.value else {}
+  arrays = data_lib.load_dataset(data.DATASET.value, **options)
+  x, y = ((arrays.x_test, arrays.y_test) if _SPLIT.value == "test"
+          else (arrays.x_train, arrays.y_train))
+  predictor = inference.Predictor(
+      model, strategy=strategy, batch_size=_BATCH_SIZE.value,
+      steps_per_execution=execution.STEPS_PER_EXECUTION.value,
+      precision=_PRECISION.value)
+  return predictor, x, y
+
+
+def _report(predictor, predictions, y, seconds: float) -> int:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  print(f"predicted  {len(predictions)} rows with {strategy_flags.STRATEGY.value} "
         f"({predictor.strategy.num_replicas_in_sync} replica(s))")
   print(f"throughput {len(predictions) / seconds:,.0f} examples/s")
   if y is not None:

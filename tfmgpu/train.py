@@ -1,15 +1,15 @@
 r"""Train a model on many devices: `python -m tfmgpu.train --strategy=mirrored`.
 
-Flags become one `TrainConfig`; `tfmgpu.experiment.run_training` does the
-work (call it from a notebook with the same keyword arguments). `--help`
-and flag errors answer before TensorFlow loads.
+Flags become one `TrainConfig`; `tfmgpu.runs.run_training` does the work
+(call it from a notebook with the same keyword arguments). `--help` and flag
+errors answer before TensorFlow loads.
 
 Examples:
   python -m tfmgpu.train --strategy=mirrored --virtual_devices=2 --epochs=5
   python -m tfmgpu.train --strategy=mirrored --num_gpus=4 \
       --global_batch_size=256 --mixed_precision=mixed_bfloat16
   python -m tfmgpu.train --flagfile=run.flags
-  python scripts/launch_local_cluster.py --num_workers=2 -- \
+  python -m tfmgpu.launch --num_workers=2 -- \
       python -m tfmgpu.train --strategy=multi_worker_mirrored --model_dir=run
 
 In a cluster (TF_CONFIG), every task runs the same command; the "ps" and
@@ -24,71 +24,125 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 from absl import app
 from absl import flags
 
-from tfmgpu import cli_flags as cf
 from tfmgpu import cluster
 from tfmgpu import config as config_lib
+from tfmgpu import flags as flags_lib
+from tfmgpu import models as models_lib
+from tfmgpu import strategies as strategies_lib
+from tfmgpu.flags import batch
+from tfmgpu.flags import data
+from tfmgpu.flags import devices
+from tfmgpu.flags import execution
+from tfmgpu.flags import stages
+from tfmgpu.flags import strategy
+from tfmgpu.placements import pipeline
+from tfmgpu.training.choices import COMPRESSION_CHOICES
+from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
+from tfmgpu.training.choices import INPUT_MODE_CHOICES
+from tfmgpu.training.optimizers import OPTIMIZER_CHOICES
 
+for _group in (strategy, devices, data, batch, execution, stages):
+  flags.adopt_module_key_flags(_group)  # `--help` lists them too.
+
+_MODEL = flags.DEFINE_enum(
+    "model", "convnet", list(models_lib.available_models()), "Model to train.")
 _EPOCHS = flags.DEFINE_integer("epochs", 5, "Epochs to train.", lower_bound=1)
-
 _STEPS_PER_EPOCH = flags.DEFINE_integer(
     "steps_per_epoch", None, "Steps per epoch (default: one pass).",
     lower_bound=1)
-
 _OPTIMIZER = flags.DEFINE_enum(
-    "optimizer", "adam", list(config_lib.OPTIMIZER_CHOICES), "Optimizer.")
-
+    "optimizer", "adam", list(OPTIMIZER_CHOICES), "Optimizer.")
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
-
 _CLIP_NORM = flags.DEFINE_float(
     "clip_norm", None, "Clip gradients to this global norm.")
-
 _GRADIENT_COMPRESSION = flags.DEFINE_enum(
-    "gradient_compression", "none", list(config_lib.COMPRESSION_CHOICES),
+    "gradient_compression", "none", list(COMPRESSION_CHOICES),
     "All-reduce gradients in 16 bits (half the bytes on the wire).")
-
 _BYTES_PER_PACK = flags.DEFINE_integer(
     "bytes_per_pack", 0, "All-reduce pack size in bytes (0: TF's default).",
     lower_bound=0)
-
+_MIXED_PRECISION = flags.DEFINE_enum(
+    "mixed_precision", "float32", list(models_lib.MIXED_PRECISION_POLICIES),
+    "Keras dtype policy; mixed_float16 adds loss scaling.")
+_JIT_COMPILE = flags.DEFINE_bool(
+    "jit_compile", False, "XLA-compile each replica's forward/backward.")
+_FUSED_OPTIMIZER = flags.DEFINE_bool(
+    "fused_optimizer", True, "Update each variable with one fused kernel "
+    "(adam, adamw, sgd, momentum); false: Keras's per-op update.")
+_INPUT_MODE = flags.DEFINE_enum(
+    "input_mode", "auto", list(INPUT_MODE_CHOICES),
+    "device: hold the training arrays on each replica's device and gather "
+    "batches there; tf_data: a tf.data pipeline; auto: device on one host "
+    f"when all replicas' copies take <= {DEVICE_DATA_MAX_MIB} MiB.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
+_SCHEDULE = flags.DEFINE_enum(
+    "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.")
+_RECOMPUTE = flags.DEFINE_bool(
+    "recompute", False, "Pipeline: recompute activations in the backward.")
+_COMMUNICATION = flags.DEFINE_enum(
+    "communication", "auto", list(strategies_lib.COMMUNICATION_CHOICES),
+    "Collective implementation for 'multi_worker_mirrored'.")
+_CLUSTER_RESOLVER = flags.DEFINE_enum(
+    "cluster_resolver", "tf_config", list(strategies_lib.CLUSTER_RESOLVERS),
+    "Where the cluster comes from for multi-worker strategies.")
+_VARIABLE_SHARDS = flags.DEFINE_integer(
+    "variable_shards", None, "'parameter_server': split each variable over "
+    "this many parameter servers.", lower_bound=1)
+_PARAMETER_DEVICE = flags.DEFINE_string(
+    "parameter_device", None, "'central_storage': where the variables live "
+    "(default /cpu:0).")
+_TPU = flags.DEFINE_string(
+    "tpu", "", "'tpu': the TPU's name or address (empty: this TPU VM's).")
 _MODEL_DIR = flags.DEFINE_string(
     "model_dir", None, "Checkpoints, summaries and model.keras go here; an "
     "existing directory is resumed. Default: a new runs/<time>-<strategy>.")
-
+_VERBOSE = flags.DEFINE_integer("verbose", 1, "1: progress bar; 0: log lines.")
 _PLAN_ONLY = flags.DEFINE_bool(
     "plan_only", False, "Print the stage plan and memory estimate; no training.")
+
+
+@flags.multi_flags_validator(
+    ["global_batch_size", "virtual_devices", "strategy", "num_replicas",
+     "devices", "num_gpus", "micro_batches"],
+    message="--global_batch_size must divide as the strategy needs.")
+def _batch_divides(values) -> bool:
+  """The distribution's own batch rule, as a flag error."""
+  config = types.SimpleNamespace(**values)
+  try:
+    strategies_lib.lookup(values["strategy"]).check_config(config)
+  except ValueError as e:
+    raise flags.ValidationError(f"--{e}") from None
+  return True
 
 
 def config_from_flags() -> config_lib.TrainConfig:
   """Turns the parsed flags into one validated `TrainConfig`."""
   return config_lib.TrainConfig(
-      strategy=cf.STRATEGY.value, virtual_devices=cf.VIRTUAL_DEVICES.value,
-      devices=tuple(cf.DEVICES.value) if cf.DEVICES.value else None,
-      num_gpus=cf.NUM_GPUS.value, num_replicas=cf.NUM_REPLICAS.value,
-      cross_device_ops=cf.CROSS_DEVICE_OPS.value, num_packs=cf.NUM_PACKS.value,
-      single_replica=cf.SINGLE_REPLICA.value,
-      communication=cf.COMMUNICATION.value,
-      cluster_resolver=cf.CLUSTER_RESOLVER.value, model=cf.MODEL.value,
-      dataset=cf.DATASET.value, data_path=cf.DATA_PATH.value,
-      global_batch_size=cf.GLOBAL_BATCH_SIZE.value, epochs=_EPOCHS.value,
+      **strategy.values(), **stages.values(),
+      virtual_devices=devices.VIRTUAL_DEVICES.value,
+      communication=_COMMUNICATION.value,
+      cluster_resolver=_CLUSTER_RESOLVER.value,
+      variable_shards=_VARIABLE_SHARDS.value,
+      parameter_device=_PARAMETER_DEVICE.value, tpu=_TPU.value,
+      model=_MODEL.value, dataset=data.DATASET.value,
+      data_path=data.DATA_PATH.value,
+      global_batch_size=batch.GLOBAL_BATCH_SIZE.value, epochs=_EPOCHS.value,
       steps_per_epoch=_STEPS_PER_EPOCH.value, optimizer=_OPTIMIZER.value,
       learning_rate=_LEARNING_RATE.value, clip_norm=_CLIP_NORM.value,
       gradient_compression=_GRADIENT_COMPRESSION.value,
       bytes_per_pack=_BYTES_PER_PACK.value,
-      mixed_precision=cf.MIXED_PRECISION.value,
-      steps_per_execution=cf.STEPS_PER_EXECUTION.value,
-      jit_compile=cf.JIT_COMPILE.value,
-      fused_optimizer=cf.FUSED_OPTIMIZER.value,
-      input_mode=cf.INPUT_MODE.value, model_dir=_MODEL_DIR.value,
-      seed=cf.SEED.value, num_stages=cf.NUM_STAGES.value,
-      partition=cf.PARTITION.value,
-      split_points=tuple(cf.SPLIT_POINTS.value) if cf.SPLIT_POINTS.value else None,
-      micro_batches=cf.MICRO_BATCHES.value, schedule=cf.SCHEDULE.value,
-      recompute=cf.RECOMPUTE.value, verbose=cf.VERBOSE.value)
+      mixed_precision=_MIXED_PRECISION.value,
+      steps_per_execution=execution.STEPS_PER_EXECUTION.value,
+      jit_compile=_JIT_COMPILE.value, fused_optimizer=_FUSED_OPTIMIZER.value,
+      input_mode=_INPUT_MODE.value, model_dir=_MODEL_DIR.value,
+      seed=_SEED.value, schedule=_SCHEDULE.value, recompute=_RECOMPUTE.value,
+      verbose=_VERBOSE.value)
 
 
 def main(argv: list[str]) -> int:
@@ -104,15 +158,15 @@ def main(argv: list[str]) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 1
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  cf.quiet_tensorflow()
+  flags_lib.quiet_tensorflow()
   cluster.run_server_if_needed(role)  # Parameter-server ps/worker: serves.
-  from tfmgpu import experiment  # pylint: disable=g-import-not-at-top  (loads TF)
+  from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
   from tfmgpu.training import checkpoints  # pylint: disable=g-import-not-at-top
   if _PLAN_ONLY.value:
-    print(experiment.describe_plan(config))
+    print(runs.describe_plan(config))
     return 0
   try:
-    summary = experiment.run_training(config)
+    summary = runs.run_training(config)
   except checkpoints.PreemptedError as e:
     print(f"error: {e}", file=sys.stderr)
     return checkpoints.EXIT_PREEMPTED

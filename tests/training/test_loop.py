@@ -9,15 +9,11 @@ import pytest
 import tensorflow as tf
 
 import tfmgpu
-from tfmgpu import data, models
+from tfmgpu import models
 from tfmgpu.training import fused
 from tfmgpu.training.loop import NonFiniteLossError, Trainer
 
-
-@pytest.fixture(scope="module")
-def digits():
-  arrays = data.load_dataset("digits")
-  return arrays.x_train[:256], arrays.y_train[:256]
+DIGITS_ROWS = 256  # For the `digits` fixture.
 
 
 def make_trainer(strategy, model="convnet", **kwargs):
@@ -57,9 +53,9 @@ def test_resume_under_a_different_replica_count(digits, tmp_path):
                                       steps_per_epoch=2)
   saved = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4),
                        model_dir=run_dir)
-  saved._checkpoints().restore_latest()  # pylint: disable=protected-access
+  saved.checkpointer.restore_latest()
   one = make_trainer(tfmgpu.get_strategy("one_device"), model_dir=run_dir)
-  assert one._checkpoints().restore_latest() == 1  # pylint: disable=protected-access
+  assert one.checkpointer.restore_latest() == 1
   for a, b in zip(one.model.get_weights(), saved.model.get_weights()):
     np.testing.assert_array_equal(a, b)
 

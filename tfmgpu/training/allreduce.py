@@ -17,7 +17,7 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
-COMPRESSION_CHOICES = ("none", "float16", "bfloat16")
+from tfmgpu.training.choices import COMPRESSION_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -153,6 +153,10 @@ class Checkpointer:
     return self.manager.save(
         checkpoint_number=epoch + (1 if epoch_step else 0))
 
+  def chief_path(self, path: str) -> str:
+    """The chief's copy of checkpoint `path` (the one that is kept)."""
+    return os.path.join(self.chief_directory, os.path.basename(path))
+
   def close(self) -> None:
     """Removes a non-chief worker's temporary directory."""
     if self._tmp:

@@ -105,16 +105,31 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
   return train_from_device_data if device_data else train_from_iterator
 
 
-def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn
+def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
+                       replicated: bool = True
                        ) -> Callable[..., dict[str, tf.Tensor]]:
-  """Returns `evaluate(distributed_dataset) -> summed results over all batches`."""
+  """Returns `evaluate(dataset) -> summed results over all batches`.
+
+  Args:
+    strategy: the strategy the step runs under.
+    step: per-replica `step(x, y, mask) -> dict` (`step.make_eval_step`).
+    replicated: `dataset` is distributed and each batch runs on every
+      replica (`strategy.run` + SUM); `False` runs each batch of a plain
+      dataset right here (a parameter-server coordinator, which reads the
+      variables from the servers).
+  """
+
+  def one_batch(batch):
+    if not replicated:
+      return step(*batch)
+    return _reduce_sum(strategy, strategy.run(step, args=batch))
 
   @tf.function
   def evaluate(dataset):
     totals = {"loss_sum": tf.constant(0.0), "correct": tf.constant(0.0),
               "count": tf.constant(0.0)}
     for batch in dataset:
-      out = _reduce_sum(strategy, strategy.run(step, args=batch))
+      out = one_batch(batch)
       totals = {k: totals[k] + tf.cast(out[k], tf.float32) for k in totals}
     return totals
 

@@ -1,19 +1,18 @@
-"""The training loop: epochs, steps per execution, evaluation, callbacks,
-progress, checkpoints and summaries.
+"""The trainer: a Keras model, its optimizer and strategy, and `fit`.
 
-The outermost of the three layers. `Trainer` owns the optimizer (built in
-the strategy's scope before the first step, which Keras 3 needs inside a
-distributed `tf.function`) and drives the compiled functions of
-`tfmgpu.training.distributed`.
+The outermost of the three layers, as an object a user holds. `Trainer`
+owns the optimizer (built in the strategy's scope before the first step,
+which Keras 3 needs inside a distributed `tf.function`), compiles the step
+(`tfmgpu.training.step`) into a distributed function
+(`tfmgpu.training.distributed`), wraps it in a runner
+(`tfmgpu.training.runners`) and hands it to the `Controller`
+(`tfmgpu.training.controller`), which runs the epochs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
+import contextlib
 import os
-import time
 from typing import Any, Sequence
 
 from absl import logging
@@ -25,87 +24,16 @@ from tfmgpu import data as data_lib
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import distributed
-from tfmgpu.training import fused as fused_lib
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import resident
+from tfmgpu.training import runners
 from tfmgpu.training import step as step_lib
-
-
-class NonFiniteLossError(FloatingPointError):
-  """Training produced a NaN or infinite loss."""
-
-
-def _watching_preemption(fit):
-  """Runs `fit` with SIGTERM caught (`self._watcher`) if it checkpoints."""
-  @functools.wraps(fit)
-  def wrapper(self, *args, **kwargs):
-    if not self.model_dir:
-      return fit(self, *args, **kwargs)
-    with preemption_lib.PreemptionWatcher(self.strategy) as watcher:
-      self._watcher = watcher  # pylint: disable=protected-access
-      try:
-        return fit(self, *args, **kwargs)
-      finally:
-        self._watcher = None  # pylint: disable=protected-access
-  return wrapper
-
-
-@dataclasses.dataclass
-class TrainResult:
-  """What a `Trainer.fit` call produced.
-
-  Attributes:
-    history: per-epoch lists: `loss`, `accuracy`, `val_loss`, `val_accuracy`,
-      `examples_per_sec`.
-    epochs_run: epochs trained in this call (after any resume).
-    initial_epoch: epochs already done when this call started (resumed).
-    steps: optimizer steps taken in this call.
-    examples_per_sec: training throughput over this call, excluding the
-      first (tracing) call.
-    checkpoint: the last checkpoint written, if any.
-    initial_step: the global step this call started from (resumed).
-  """
-  history: dict[str, list[float]]
-  epochs_run: int
-  initial_epoch: int
-  steps: int
-  examples_per_sec: float
-  checkpoint: str | None
-  initial_step: int = 0
-
-
-_OPTIMIZERS = {
-    "adam": keras.optimizers.Adam,
-    "sgd": keras.optimizers.SGD,
-    "momentum": lambda learning_rate, **kw: keras.optimizers.SGD(
-        learning_rate, momentum=0.9, **kw),
-    "rmsprop": keras.optimizers.RMSprop,
-    "adamw": keras.optimizers.AdamW,
-}
-OPTIMIZER_CHOICES = tuple(_OPTIMIZERS)
-
-
-def make_optimizer(name: str, learning_rate: float, *,
-                   clip_norm: float | None = None,
-                   fused: bool = True) -> keras.optimizers.Optimizer:
-  """Builds an optimizer by name (see `OPTIMIZER_CHOICES`).
-
-  Args:
-    name: one of `OPTIMIZER_CHOICES`.
-    learning_rate: the step size (> 0).
-    clip_norm: the optimizer's own `global_clipnorm` (the Trainer clips the
-      all-reduced gradient itself and passes `None`).
-    fused: use the one-kernel update of `tfmgpu.training.fused` where one
-      exists (Adam, AdamW, SGD); same math as the Keras class.
-  """
-  if name not in _OPTIMIZERS:
-    raise ValueError(f"optimizer={name!r} is unknown. Choose one of "
-                     f"{', '.join(OPTIMIZER_CHOICES)}.")
-  if not learning_rate > 0:
-    raise ValueError(f"learning_rate={learning_rate} must be > 0.")
-  kwargs = {"global_clipnorm": clip_norm} if clip_norm else {}
-  optimizer = _OPTIMIZERS[name](learning_rate=learning_rate, **kwargs)
-  return fused_lib.fuse(optimizer) if fused else optimizer
+from tfmgpu.training.controller import Controller
+from tfmgpu.training.controller import LoopOptions
+from tfmgpu.training.controller import NonFiniteLossError  # pylint: disable=unused-import  (public here)
+from tfmgpu.training.controller import TrainResult
+from tfmgpu.training.optimizers import make_optimizer
+from tfmgpu.training.optimizers import OPTIMIZER_CHOICES  # pylint: disable=unused-import  (public here)
 
 
 def _uses_float16(model: keras.Model) -> bool:
@@ -144,6 +72,32 @@ def steps_in_one_pass(num_examples: int, *, epochs: int,
                      f"the {num_examples} training examples; use a smaller "
                      "batch.")
   return full
+
+
+def prepare_optimizer(optimizer: Any, model: keras.Model,
+                      strategy: tf.distribute.Strategy, *,
+                      learning_rate: float, clip_norm: float | None,
+                      fused: bool) -> keras.optimizers.Optimizer:
+  """The optimizer to train with, built in `strategy`'s scope.
+
+  A name becomes an optimizer (`make_optimizer`); float16 models get a
+  `LossScaleOptimizer`; slots are created now, in the scope (Keras 3 needs
+  that before a distributed step), on each stage's device for staged
+  models (their `build_optimizer`).
+  """
+  with strategy.scope():
+    if isinstance(optimizer, str):
+      optimizer = make_optimizer(optimizer, learning_rate,
+                                 clip_norm=clip_norm, fused=fused)
+    if _uses_float16(model) and not isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer):
+      optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    build = getattr(model, "build_optimizer", None)
+    if build is not None:
+      build(optimizer)  # Staged models place each stage's slots themselves.
+    else:
+      optimizer.build(model.trainable_variables)
+  return optimizer
 
 
 class Trainer:
@@ -216,37 +170,31 @@ class Trainer:
     self.allreduce = allreduce_lib.AllReduceOptions(
         compression=gradient_compression, bytes_per_pack=bytes_per_pack,
         clip_norm=clip_norm) if owns_allreduce else None
-    with self.strategy.scope():
-      if isinstance(optimizer, str):
-        optimizer = make_optimizer(
-            optimizer, learning_rate,
-            clip_norm=None if owns_allreduce else clip_norm,
-            fused=fused_optimizer)
-      if _uses_float16(model) and not isinstance(
-          optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-      # Keras 3 optimizers must be built in scope before a distributed step.
-      build = getattr(model, "build_optimizer", None)
-      if build is not None:
-        build(optimizer)  # Staged models place each stage's slots themselves.
-      else:
-        optimizer.build(model.trainable_variables)
+    self.optimizer = prepare_optimizer(
+        optimizer, model, self.strategy, learning_rate=learning_rate,
+        clip_norm=None if owns_allreduce else clip_norm, fused=fused_optimizer)
     if owns_allreduce:
-      allreduce_lib.take_over_aggregation(optimizer)
-    self.optimizer = optimizer
+      allreduce_lib.take_over_aggregation(self.optimizer)
     self.callbacks = list(callbacks)
     self._train_fns: dict[tuple[int, bool], Any] = {}
     self._eval_fn = None
-    self._checkpointer = None
-    self._watcher: preemption_lib.PreemptionWatcher | None = None
+    self._checkpointer: ckpt_lib.Checkpointer | None = None
     self._writer = None
-    self._writes_summaries = False
 
   # ------------------------------------------------------------ helpers
 
   @property
   def num_replicas(self) -> int:
     return self.strategy.num_replicas_in_sync
+
+  @property
+  def checkpointer(self) -> ckpt_lib.Checkpointer | None:
+    """The run's checkpoints (`None` without a `model_dir`)."""
+    if self.model_dir and self._checkpointer is None:
+      self._checkpointer = ckpt_lib.Checkpointer(
+          self.model_dir, self.strategy, model=self.model,
+          optimizer=self.optimizer)
+    return self._checkpointer
 
   def _train_fn(self, global_batch_size: int, device_data: bool = False):
     key = (global_batch_size, device_data)
@@ -261,23 +209,35 @@ class Trainer:
           device_data=device_data)
     return self._train_fns[key]
 
-  def _checkpoints(self) -> ckpt_lib.Checkpointer | None:
-    if self.model_dir and self._checkpointer is None:
-      self._checkpointer = ckpt_lib.Checkpointer(
-          self.model_dir, self.strategy, model=self.model,
-          optimizer=self.optimizer)
-    return self._checkpointer
-
-  def _summary_writer(self):
+  def _summaries(self) -> tuple[Any, bool]:
+    """The summary writer (a no-op one off the chief) and whether it writes."""
+    writes = bool(self.model_dir) and ckpt_lib.is_chief(self.strategy)
     if self._writer is None:
-      self._writes_summaries = bool(self.model_dir) and ckpt_lib.is_chief(
-          self.strategy)
-      if self._writes_summaries:
-        self._writer = tf.summary.create_file_writer(
-            os.path.join(self.model_dir, "summaries"))
-      else:
-        self._writer = tf.summary.create_noop_writer()
-    return self._writer
+      self._writer = (tf.summary.create_file_writer(
+          os.path.join(self.model_dir, "summaries")) if writes
+                      else tf.summary.create_noop_writer())
+    return self._writer, writes
+
+  def _loop_options(self, global_batch_size: int, validation_data
+                    ) -> LoopOptions:
+    writer, writes = self._summaries()
+    validate = None
+    if validation_data is not None:
+      def validate() -> dict[str, float]:
+        val = self.evaluate(*validation_data,
+                            global_batch_size=global_batch_size)
+        return {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
+    return LoopOptions(
+        model=self.model, strategy=self.strategy,
+        global_batch_size=global_batch_size, callbacks=self.callbacks,
+        verbose=self.verbose, checkpointer=self.checkpointer,
+        summary_writer=writer, writes_summaries=writes, validate=validate)
+
+  def _watch_preemption(self):
+    """SIGTERM becomes a checkpoint when the run keeps checkpoints."""
+    if not self.model_dir:
+      return contextlib.nullcontext()
+    return preemption_lib.PreemptionWatcher(self.strategy)
 
   # --------------------------------------------------------------- API
 
@@ -288,21 +248,28 @@ class Trainer:
     Returns:
       `{"loss": mean loss, "accuracy": fraction correct, "count": rows}`.
     """
-    data_lib.check_global_batch(global_batch_size, self.num_replicas)
     if self._eval_fn is None:
-      self._eval_fn = distributed.make_eval_function(
-          self.strategy, step_lib.make_eval_step(self.model, loss=self.loss))
-    x, y, mask = data_lib.pad_to_multiple(x, y, global_batch_size)
-    dataset = data_lib.distribute(
-        self.strategy, x, y, sample_weight=mask,
-        global_batch_size=global_batch_size, shuffle=False,
-        drop_remainder=True)
+      self._eval_fn = self._make_eval_fn()
+    dataset = self._eval_dataset(x, y, global_batch_size)
     out = {k: float(v) for k, v in self._eval_fn(dataset).items()}
     n = max(out["count"], 1.0)
     return {"loss": out["loss_sum"] / n, "accuracy": out["correct"] / n,
             "count": out["count"]}
 
-  @_watching_preemption
+  def _make_eval_fn(self):
+    return distributed.make_eval_function(
+        self.strategy, step_lib.make_eval_step(self.model, loss=self.loss))
+
+  def _eval_dataset(self, x: np.ndarray, y: np.ndarray,
+                    global_batch_size: int):
+    """Every row once: the last batch padded and masked out."""
+    data_lib.check_global_batch(global_batch_size, self.num_replicas)
+    x, y, mask = data_lib.pad_to_multiple(x, y, global_batch_size)
+    return data_lib.distribute(
+        self.strategy, x, y, sample_weight=mask,
+        global_batch_size=global_batch_size, shuffle=False,
+        drop_remainder=True)
+
   def fit(self, x: np.ndarray, y: np.ndarray, *, epochs: int = 1,
           global_batch_size: int = 64, steps_per_epoch: int | None = None,
           validation_data: tuple[np.ndarray, np.ndarray] | None = None,
@@ -332,185 +299,45 @@ class Trainer:
         `model_dir`); every worker saved a checkpoint at the same step. Call
         `fit` again (in a new process) to resume from it.
     """
+    steps_per_epoch = self._steps_per_epoch(
+        len(x), epochs=epochs, global_batch_size=global_batch_size,
+        steps_per_epoch=steps_per_epoch)
+    runner = self._make_runner(x, y, global_batch_size=global_batch_size,
+                               steps_per_epoch=steps_per_epoch, seed=seed,
+                               shuffle=shuffle)
+    controller = Controller(runner, self._loop_options(global_batch_size,
+                                                       validation_data))
+    with self._watch_preemption() as watcher:
+      return controller.run(epochs=epochs, steps_per_epoch=steps_per_epoch,
+                            watcher=watcher)
+
+  def _steps_per_epoch(self, num_examples: int, *, epochs: int,
+                       global_batch_size: int,
+                       steps_per_epoch: int | None) -> int:
+    """Checks the sizes; returns the steps of one epoch."""
     data_lib.check_global_batch(global_batch_size, self.num_replicas)
-    full = steps_in_one_pass(len(x), epochs=epochs,
+    full = steps_in_one_pass(num_examples, epochs=epochs,
                              global_batch_size=global_batch_size)
     steps_per_epoch = steps_per_epoch or full
     if steps_per_epoch > full:
       raise ValueError(f"steps_per_epoch={steps_per_epoch} needs more data "
                        f"than one pass gives ({full} steps of "
                        f"{global_batch_size}); use at most {full}.")
-    checkpointer = self._checkpoints()
-    initial_epoch = checkpointer.restore_latest() if checkpointer else 0
-    progress = checkpointer.progress if checkpointer else ckpt_lib.Progress()
-    skip = progress.epoch_step  # Steps of epoch initial_epoch + 1 already done.
-    if skip >= steps_per_epoch:
-      raise ValueError(
-          f"The checkpoint in {checkpointer.chief_directory} was saved {skip} "
-          f"steps into epoch {initial_epoch + 1}, but steps_per_epoch="
-          f"{steps_per_epoch}. Resume with the steps_per_epoch and "
-          "global_batch_size of the run that wrote it.")
-    if initial_epoch >= epochs:
-      logging.info("model_dir already holds %d epoch(s) >= epochs=%d; nothing "
-                   "to train.", initial_epoch, epochs)
+    return steps_per_epoch
+
+  def _make_runner(self, x: np.ndarray, y: np.ndarray, *,
+                   global_batch_size: int, steps_per_epoch: int, seed: int,
+                   shuffle: bool) -> runners.SyncRunner:
     device_data = resident.use_device_data(self.input_mode, self.strategy,
                                            x, y)
     logging.info("Training data: %s.", "on each replica's device"
                  if device_data else "tf.data pipeline")
-    held = (resident.DeviceData(self.strategy, x, y)
-            if device_data and initial_epoch < epochs else None)
-    train_fn = self._train_fn(global_batch_size, device_data)
-    callbacks = keras.callbacks.CallbackList(
-        self.callbacks, add_history=False, add_progbar=False, model=self.model,
-        epochs=epochs, steps=steps_per_epoch, verbose=0)
-    history: dict[str, list[float]] = {}
-    total_steps, timed_examples, timed_seconds = 0, 0, 0.0
-    global_step = progress.step
-    last_ckpt = checkpointer.latest if checkpointer else None
-    self.model.stop_training = False
-    callbacks.on_train_begin()
-    writer = self._summary_writer()
-    for epoch in range(initial_epoch, epochs):
-      callbacks.on_epoch_begin(epoch)
-      first_step = skip if epoch == initial_epoch else 0
-      if held is not None:
-        batches = held.epoch(global_batch_size=global_batch_size,
-                             steps=steps_per_epoch, seed=seed, epoch=epoch,
-                             shuffle=shuffle)
-      else:
-        iterator = iter(self._epoch_dataset(
-            x, y, global_batch_size=global_batch_size, shuffle=shuffle,
-            seed=seed, epoch=epoch, first_step=first_step))
-      bar = (keras.utils.Progbar(steps_per_epoch, stateful_metrics=[
-          "loss", "accuracy", "examples/s"]) if self.verbose else None)
-      if bar is not None:
-        print(f"Epoch {epoch + 1}/{epochs}", flush=True)
-      loss_sum, correct, count, done = 0.0, 0.0, 0.0, first_step
-      while done < steps_per_epoch:
-        n = min(self.steps_per_execution, steps_per_epoch - done)
-        start = time.perf_counter()
-        source = batches.from_step(done) if held is not None else iterator
-        out = train_fn(source, tf.constant(n))
-        step_loss = float(out["loss"])
-        elapsed = time.perf_counter() - start
-        if not math.isfinite(step_loss) or float(out["non_finite"]):
-          first = global_step + 1
-          what = (step_loss if not math.isfinite(step_loss) else
-                  f"non-finite (loss {step_loss:.4g} but NaN/inf weights)")
-          raise NonFiniteLossError(
-              f"Loss became {what} at step {first}"
-              + (f"-{first + n - 1}" if n > 1 else "")
-              + f" (epoch {epoch + 1}). Training stopped; the last good "
-              f"checkpoint is {last_ckpt or 'none (no model_dir)'}. Lower "
-              "the learning rate or set clip_norm.")
-        if total_steps or epoch > initial_epoch:  # First call traces: not timed.
-          timed_examples += n * global_batch_size
-          timed_seconds += elapsed
-        loss_sum += step_loss
-        correct += float(out["correct"])
-        count += float(out["count"])
-        done += n
-        total_steps += n
-        global_step += n
-        logs = {"loss": loss_sum / (done - first_step),
-                "accuracy": correct / max(count, 1.0)}
-        rate = n * global_batch_size / elapsed if elapsed > 0 else 0.0
-        if bar is not None:
-          bar.update(done, values=list(logs.items()) + [("examples/s", rate)])
-        callbacks.on_train_batch_end(done - 1, logs)
-        if self._writes_summaries:  # ~0.3 ms of Python per call otherwise.
-          with writer.as_default(step=global_step):
-            tf.summary.scalar("train/loss", step_loss / n)
-            tf.summary.scalar("train/examples_per_sec", rate)
-        if (self._watcher and done < steps_per_epoch and
-            self._watcher.stop_requested()):
-          writer.flush()
-          self._preempted(checkpointer, checkpointer.save(
-              epoch, step=global_step, epoch_step=done), global_step, epoch,
-                          done, steps_per_epoch)
-      last_ckpt = self._finish_epoch(
-          epoch, epochs, logs, history=history, callbacks=callbacks,
-          writer=writer, checkpointer=checkpointer, global_step=global_step,
-          validation_data=validation_data, global_batch_size=global_batch_size,
-          examples_per_sec=(timed_examples / timed_seconds
-                            if timed_seconds else 0.0)) or last_ckpt
-      if (self._watcher and epoch + 1 < epochs and
-          self._watcher.stop_requested()):
-        writer.flush()
-        self._preempted(checkpointer, last_ckpt, global_step, epoch + 1, 0,
-                        steps_per_epoch)
-      if self.model.stop_training:
-        logging.info("A callback stopped training after epoch %d.", epoch + 1)
-        break
-    callbacks.on_train_end(history)
-    writer.flush()
-    return TrainResult(
-        history=history, epochs_run=len(history.get("loss", [])),
-        initial_epoch=initial_epoch, steps=total_steps,
-        examples_per_sec=timed_examples / timed_seconds if timed_seconds else 0.0,
-        checkpoint=last_ckpt if checkpointer and checkpointer.chief else None,
-        initial_step=progress.step)
-
-  def _epoch_dataset(self, x: np.ndarray, y: np.ndarray, *,
-                     global_batch_size: int, shuffle: bool, seed: int,
-                     epoch: int, first_step: int):
-    """The epoch's distributed dataset, from step `first_step` on (resume)."""
-    if not first_step:
-      return data_lib.distribute(
-          self.strategy, x, y, global_batch_size=global_batch_size,
-          shuffle=shuffle, seed=seed, epoch=epoch, drop_remainder=True)
-    # The rest of the same order: with `input_fn`'s interleaved sharding, each
-    # global batch is a contiguous slice of the epoch's order.
-    order = data_lib.epoch_indices(len(x), seed=seed, epoch=epoch,
-                                   shuffle=shuffle)
-    rest = order[first_step * global_batch_size:]
-    return data_lib.distribute(
-        self.strategy, x[rest], y[rest], global_batch_size=global_batch_size,
-        shuffle=False, drop_remainder=True)
-
-  def _preempted(self, checkpointer: ckpt_lib.Checkpointer, checkpoint: str,
-                 global_step: int, epoch: int, epoch_step: int,
-                 steps_per_epoch: int) -> None:
-    """Raises `PreemptedError` after the checkpoint of a SIGTERM was saved."""
-    if not checkpointer.chief:  # Name the chief's copy, which is kept.
-      checkpoint = os.path.join(checkpointer.chief_directory,
-                                os.path.basename(checkpoint))
-    where = (f"{epoch_step} of {steps_per_epoch} steps into epoch {epoch + 1}"
-             if epoch_step else f"the end of epoch {epoch}")
-    who = ("this process" if self._watcher.received else "another worker")
-    raise ckpt_lib.PreemptedError(
-        f"Preempted: SIGTERM reached {who}. Saved {checkpoint} at global step "
-        f"{global_step} ({where}). Run the same command again to resume from "
-        f"there (python -m tfmgpu.train exits with code "
-        f"{ckpt_lib.EXIT_PREEMPTED}).", checkpoint=checkpoint, step=global_step)
-
-  def _finish_epoch(self, epoch: int, epochs: int, logs: dict[str, float], *,
-                    history: dict[str, list[float]], callbacks, writer,
-                    checkpointer, global_step: int, validation_data,
-                    global_batch_size: int, examples_per_sec: float
-                    ) -> str | None:
-    """Validation, history, summaries, checkpoint, callbacks for one epoch.
-
-    Returns:
-      The checkpoint written, or `None` without a `model_dir`.
-    """
-    epoch_logs = dict(logs)
-    if validation_data is not None:
-      val = self.evaluate(*validation_data, global_batch_size=global_batch_size)
-      epoch_logs.update(val_loss=val["loss"], val_accuracy=val["accuracy"])
-    epoch_logs["examples_per_sec"] = examples_per_sec
-    for k, v in epoch_logs.items():
-      history.setdefault(k, []).append(v)
-    with writer.as_default(step=epoch + 1):
-      for k, v in epoch_logs.items():
-        tf.summary.scalar(f"epoch/{k}", v)
-    saved = (checkpointer.save(epoch + 1, step=global_step) if checkpointer
-             else None)
-    if not self.verbose:
-      logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
-          f"{k}={v:.4g}" for k, v in epoch_logs.items()))
-    callbacks.on_epoch_end(epoch, epoch_logs)
-    return saved
+    return runners.SyncRunner(
+        self._train_fn(global_batch_size, device_data), self.strategy, x, y,
+        global_batch_size=global_batch_size,
+        steps_per_execution=self.steps_per_execution, seed=seed,
+        shuffle=shuffle, steps_per_epoch=steps_per_epoch,
+        device_data=device_data)
 
   def close(self) -> None:
     """Flushes summaries and removes a non-chief worker's temporary files."""

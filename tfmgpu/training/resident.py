@@ -21,12 +21,12 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from tfmgpu import config as config_lib
 from tfmgpu import data as data_lib
+from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
+from tfmgpu.training.choices import INPUT_MODE_CHOICES
 
-INPUT_MODE_CHOICES = config_lib.INPUT_MODE_CHOICES
 # `auto` keeps data on the devices when all the copies take at most this.
-DEFAULT_MAX_BYTES = config_lib.DEVICE_DATA_MAX_MIB * 2**20
+DEFAULT_MAX_BYTES = DEVICE_DATA_MAX_MIB * 2**20
 
 
 def _is_default(strategy: tf.distribute.Strategy) -> bool:

@@ -1,0 +1,43 @@
+"""Input checks with one wording each: name the argument, echo the value,
+state the rule, give the fix.
+
+Every layer (config, registries, engines, CLIs) raises through these, so a
+rule reads the same wherever it is caught. Importing this module imports
+nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+  """Raises `ValueError` unless `value` is one of `choices`."""
+  choices = tuple(choices)
+  if value not in choices:
+    raise ValueError(f"{name}={value!r} is unknown. Choose one of "
+                     f"{', '.join(str(c) for c in choices)}.")
+
+
+def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+  """Raises `ValueError` unless `value` is an int >= 1 (or allowed `None`)."""
+  if value is None and allow_none:
+    return
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def check_divisible(name: str, value: int, divisor: int, what: str) -> None:
+  """Raises `ValueError` unless `divisor` divides `value`.
+
+  Args:
+    name: the argument, e.g. `"global_batch_size"`.
+    value: its value.
+    divisor: what it must be a multiple of.
+    what: the divisor in words, e.g. `"the 4 replicas of 'mirrored'"` or
+      `"micro_batches=4"`.
+  """
+  if value % divisor:
+    lower = max(divisor, value // divisor * divisor)
+    raise ValueError(f"{name}={value} is not divisible by {what}. Use a "
+                     f"multiple of {divisor}, e.g. {lower} or {lower + divisor}.")

@@ -1,0 +1,17 @@
+"""Placements: distributions that split the model itself over devices.
+
+One module per placement, each registering one `Distribution`
+(`tfmgpu.strategies.registry`) that binds an engine of `tfmgpu.parallel` to
+training, serving and the run summary:
+
+* `model_parallel`: consecutive stages on separate devices (`StagedModel`).
+* `pipeline`: those stages fed micro-batches (`PipelinedModel`).
+* `branch_parallel`: whole sub-models side by side (`BranchParallel`).
+
+Importing this package registers them without importing TensorFlow: the
+engines load when a placement builds or serves.
+"""
+
+from tfmgpu.placements import branch_parallel  # pylint: disable=unused-import
+from tfmgpu.placements import model_parallel  # pylint: disable=unused-import
+from tfmgpu.placements import pipeline  # pylint: disable=unused-import

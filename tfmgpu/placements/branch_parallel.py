@@ -1,0 +1,76 @@
+"""`branch_parallel`: whole sub-models side by side, outputs combined.
+
+Each branch (a tower, an ensemble member) lives on its own device and sees
+the same input (`BranchParallel` of `tfmgpu.parallel.branches`). Trained from
+a config, the branches are independently initialised copies of one model,
+averaged: an ensemble.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from tfmgpu import checks
+from tfmgpu._lazy import LazyModule
+from tfmgpu.placements import model_parallel
+from tfmgpu.strategies import registry
+
+tf = LazyModule("tensorflow")
+keras = LazyModule("keras")
+devices_lib = LazyModule("tfmgpu.devices")
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchOptions:
+  """Options of `branch_parallel`.
+
+  Attributes:
+    num_stages: branches to train (one device each); the CLI's
+      `--num_stages`.
+  """
+  num_stages: int = 2
+
+  def __post_init__(self):
+    checks.check_positive("num_stages", self.num_stages)
+
+
+@registry.register
+class BranchParallelPlacement(registry.Distribution):
+  """Sub-models on separate devices, run at the same time."""
+  name = "branch_parallel"
+  description = ("Parallel sub-models (towers, ensemble members) on separate "
+                 "devices on the same input, outputs combined "
+                 "(BranchParallel).")
+  kind = registry.Kind.PLACEMENT
+  needs = "one device per branch (GPUs, or logical CPUs for testing)"
+  Options = BranchOptions
+  layout = "branches"
+
+  def place(self, options: BranchOptions, build: Callable[[], Any], *,
+            strategy: Any = None, seed: int = 0) -> registry.Placement:
+    from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
+    del strategy
+    devices = devices_lib.accelerator_devices()
+    n = options.num_stages
+    if n > len(devices):
+      raise ValueError(
+          f"branch_parallel with num_stages={n} needs one device per branch "
+          f"but only {len(devices)} exist ({', '.join(devices)}). Use "
+          "--virtual_devices or fewer branches.")
+    members = []
+    for i in range(n):
+      keras.utils.set_random_seed(seed + i)
+      members.append(model_parallel.build_unsplit(build))
+    model = branches.BranchParallel(members, devices=devices[:n],
+                                    combine="mean")
+    return registry.Placement(tf.distribute.get_strategy(), devices[:n],
+                              model, distribution=self, options=options)
+
+  def serve(self, models: Sequence[Any], options: Any) -> tuple[Any, Any]:
+    from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
+    del options
+    if len(models) < 2:
+      raise ValueError("branch_parallel serves 2+ models side by side (one "
+                       f"model path per branch); got {len(models)}.")
+    return branches.BranchParallel(list(models), combine="mean"), None

@@ -1,0 +1,262 @@
+"""One training run from a `TrainConfig`: what `python -m tfmgpu.train` does.
+
+config -> its distribution (resolved once) -> devices -> data -> model built
+where the distribution puts it -> `Trainer.fit` -> test evaluation -> saved
+model -> `RunSummary`. A plain function of a config, so a notebook can call
+it twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import time
+from typing import Any, Callable
+
+from absl import logging
+import keras
+import numpy as np
+
+from tfmgpu import data as data_lib
+from tfmgpu import devices as devices_lib
+from tfmgpu import models as models_lib
+from tfmgpu import strategies as strategies_lib
+from tfmgpu.config import TrainConfig
+from tfmgpu.placements import model_parallel
+from tfmgpu.training import checkpoints as ckpt_lib
+from tfmgpu.training import parameter_server as ps_lib
+from tfmgpu.training.loop import Trainer
+from tfmgpu.training.loop import TrainResult
+
+
+@dataclasses.dataclass
+class RunSummary:
+  """The outcome of `run_training`, printed by the CLI at the end."""
+  strategy: str
+  replicas: int
+  devices: list[str]
+  final_loss: float
+  final_accuracy: float
+  test_loss: float
+  test_accuracy: float
+  examples_per_sec: float
+  seconds: float
+  model_dir: str
+  checkpoint: str | None
+  saved_model: str | None
+  result: TrainResult = dataclasses.field(repr=False)
+  model: Any = dataclasses.field(repr=False, default=None)
+  plan: Any = dataclasses.field(repr=False, default=None)
+  weights_digest: str = ""
+  layout: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+  def _training_rows(self) -> list[tuple[str, str]]:
+    if not self.result.epochs_run:
+      done = self.result.initial_epoch
+      return [("train loss / accuracy",
+               f"not trained: {self.model_dir} already held {done} epoch(s)")]
+    return [("train loss / accuracy",
+             f"{self.final_loss:.4f} / {self.final_accuracy:.4f}"),
+            ("throughput", f"{self.examples_per_sec:,.0f} examples/s")]
+
+  def __str__(self) -> str:
+    rows = [("strategy", self.strategy), *self.layout,
+            *self._training_rows(),
+            ("test loss / accuracy",
+             f"{self.test_loss:.4f} / {self.test_accuracy:.4f}"),
+            ("wall time", f"{self.seconds:.1f} s"),
+            ("checkpoints", self.checkpoint or "none"),
+            ("saved model", self.saved_model or "none"),
+            ("weights sha256", self.weights_digest or "n/a")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def weights_digest(model: keras.Model) -> str:
+  """A short SHA-256 of the model's weights: equal on every worker of a
+  synchronous multi-worker job (compare the summaries the workers print)."""
+  digest = hashlib.sha256()
+  for w in model.get_weights():
+    digest.update(np.ascontiguousarray(w).tobytes())
+  return digest.hexdigest()[:16]
+
+
+def default_model_dir(strategy: str) -> str:
+  """A fresh run directory, `runs/<time>-<strategy>` (never resumes by accident)."""
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+  return os.path.join("runs", f"{stamp}-{strategy}")
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.2f} MiB"
+
+
+def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
+                  ) -> str:
+  """The stage plan and per-device memory estimate, without training."""
+  devices_lib.configure_virtual_devices(
+      config.virtual_devices,
+      intra_op_threads=config.distribution.intra_op_threads)
+  if arrays is None:
+    arrays = data_lib.load_dataset(config.dataset, **config.dataset_options())
+  model = model_parallel.build_unsplit(lambda: models_lib.build_model(
+      config.model, input_shape=arrays.input_shape,
+      num_classes=arrays.num_classes, seed=config.seed))
+  plan = model_parallel.plan_for(model, model_parallel.StageOptions(
+      num_stages=config.num_stages, partition=config.partition,
+      split_points=config.split_points))
+  lines = [str(plan), "",
+           f"Estimated memory per device (batch {config.global_batch_size}, "
+           f"{config.optimizer} slots):"]
+  for device, est in plan.memory_estimate(
+      config.global_batch_size, optimizer=config.optimizer).items():
+    lines.append(
+        f"  {device}: {_mib(est.total)} total = weights {_mib(est.weights)} "
+        f"+ gradients {_mib(est.gradients)} + optimizer slots "
+        f"{_mib(est.optimizer_slots)} + activations {_mib(est.activations)}")
+  return "\n".join(lines)
+
+
+def start_devices(config: TrainConfig,
+                  distribution: strategies_lib.Distribution, options: Any):
+  """Configures the devices; returns the strategy if it had to come first.
+
+  A strategy that joins a cluster configures collective ops when TF's
+  runtime starts: the devices are split without starting it, the strategy
+  is created, and only then are the devices read.
+  """
+  strategy = None
+  if distribution.joins_cluster:
+    devices_lib.split_virtual_devices(config.virtual_devices)
+    strategy = distribution.make_strategy(options)
+  devices_lib.configure_virtual_devices(
+      config.virtual_devices, intra_op_threads=distribution.intra_op_threads)
+  return strategy
+
+
+def make_trainer(config: TrainConfig, placement: strategies_lib.Placement, *,
+                 model_dir: str, callbacks=()) -> Trainer:
+  """The Trainer for `placement` with the config's training settings."""
+  trainer_class = (ps_lib.ParameterServerTrainer
+                   if ps_lib.is_parameter_server(placement.strategy)
+                   else Trainer)
+  return trainer_class(
+      placement.model, strategy=placement.strategy, optimizer=config.optimizer,
+      learning_rate=config.learning_rate, clip_norm=config.clip_norm,
+      gradient_compression=config.gradient_compression,
+      bytes_per_pack=config.bytes_per_pack,
+      steps_per_execution=config.steps_per_execution,
+      jit_compile=config.jit_compile,
+      fused_optimizer=config.fused_optimizer, input_mode=config.input_mode,
+      model_dir=model_dir, callbacks=callbacks, verbose=config.verbose)
+
+
+def _model_builder(config: TrainConfig, arrays: data_lib.Arrays,
+                   model_fn: models_lib.ModelFn | None
+                   ) -> Callable[[], keras.Model]:
+  def build() -> keras.Model:
+    return models_lib.build_model(
+        model_fn or config.model, input_shape=arrays.input_shape,
+        num_classes=arrays.num_classes,
+        mixed_precision=(None if config.mixed_precision == "float32"
+                         else config.mixed_precision),
+        seed=config.seed)
+  return build
+
+
+def run_training(config: TrainConfig, *,
+                 model_fn: models_lib.ModelFn | None = None,
+                 arrays: data_lib.Arrays | None = None,
+                 callbacks=()) -> RunSummary:
+  """Runs one training job end to end.
+
+  Args:
+    config: the run.
+    model_fn: build this instead of `config.model`.
+    arrays: train on these instead of loading `config.dataset`.
+    callbacks: Keras callbacks for the loop.
+
+  Returns:
+    A `RunSummary` (printable) with the trained model.
+
+  Raises:
+    tfmgpu.training.checkpoints.PreemptedError: SIGTERM during training; a
+      checkpoint was saved in `model_dir` and a new call resumes from it.
+  """
+  start = time.perf_counter()
+  distribution = config.distribution  # Resolved once for the whole run.
+  options = distribution.options_from(config)
+  strategy = start_devices(config, distribution, options)
+  if arrays is None:
+    arrays = data_lib.load_dataset(config.dataset, **config.dataset_options())
+  logging.info("Data: %r", arrays)
+  placement = distribution.place(
+      options, _model_builder(config, arrays, model_fn), strategy=strategy,
+      seed=config.seed)
+  placement.distribution = placement.distribution or distribution
+  placement.options = placement.options or options
+  if placement.plan is not None:
+    print(placement.plan, flush=True)
+  model_dir = config.model_dir or default_model_dir(config.strategy)
+  trainer = make_trainer(config, placement, model_dir=model_dir,
+                         callbacks=callbacks)
+  try:
+    result = trainer.fit(
+        arrays.x_train, arrays.y_train, epochs=config.epochs,
+        global_batch_size=config.global_batch_size,
+        steps_per_epoch=config.steps_per_epoch, seed=config.seed)
+    test = trainer.evaluate(arrays.x_test, arrays.y_test,
+                            global_batch_size=config.global_batch_size)
+    saved = None
+    if ckpt_lib.is_chief(placement.strategy):
+      saved = save_model(placement.model, os.path.join(model_dir, "model.keras"))
+  finally:
+    trainer.close()
+  return _summary(config, placement, result, test, model_dir=model_dir,
+                  checkpoint=result.checkpoint or (
+                      trainer.checkpointer.latest if trainer.checkpointer
+                      else None),
+                  saved=saved, seconds=time.perf_counter() - start)
+
+
+def _summary(config: TrainConfig, placement: strategies_lib.Placement,
+             result: TrainResult, test: dict[str, float], *, model_dir: str,
+             checkpoint: str | None, saved: str | None,
+             seconds: float) -> RunSummary:
+  history = result.history
+  return RunSummary(
+      strategy=config.strategy,
+      replicas=placement.strategy.num_replicas_in_sync,
+      devices=placement.devices,
+      final_loss=history["loss"][-1] if history else float("nan"),
+      final_accuracy=history["accuracy"][-1] if history else float("nan"),
+      test_loss=test["loss"], test_accuracy=test["accuracy"],
+      examples_per_sec=result.examples_per_sec, seconds=seconds,
+      model_dir=model_dir, checkpoint=checkpoint, saved_model=saved,
+      result=result, model=placement.model, plan=placement.plan,
+      weights_digest=weights_digest(placement.model),
+      layout=placement.distribution.describe(placement))
+
+
+def save_model(model: keras.Model, path: str) -> str:
+  """Saves servable `.keras` file(s); returns what to pass to `--model_path`.
+
+  A staged or pipelined model is saved unsplit. Branch-parallel members are
+  saved one file each (`model.branch0.keras`, ...), which
+  `python -m tfmgpu.predict --strategy=branch_parallel --model_path=a,b`
+  serves side by side.
+  """
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  branches = getattr(model, "branches", None)
+  if branches is not None:
+    stem = path[:-len(".keras")] if path.endswith(".keras") else path
+    paths = [f"{stem}.branch{i}.keras" for i in range(len(branches))]
+    for branch, branch_path in zip(branches, paths):
+      branch.save(branch_path)
+    return ",".join(paths)
+  to_unsplit = getattr(model, "to_unsplit", None)
+  servable = to_unsplit() if to_unsplit is not None else model
+  servable.save(path)
+  return path

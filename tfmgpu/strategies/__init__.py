@@ -1,0 +1,80 @@
+"""Strategies and placements by name: the registry and `get_strategy()`.
+
+* `registry`: the `Distribution` base class, `register`, `lookup`; one
+  registered object per name, the only list of names (the CLI's
+  `--strategy` choices come from it).
+* `data_parallel`: the data-parallel distributions, each building a genuine
+  `tf.distribute.Strategy`, and how replica devices and all-reduce are
+  chosen.
+* `resolvers`: cluster resolvers by name and the TF_CONFIG check.
+
+Placements (model, pipeline and branch parallelism) register from
+`tfmgpu.placements`. Importing this package does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import logging
+
+from tfmgpu.strategies.data_parallel import choose_cross_device_ops
+from tfmgpu.strategies.data_parallel import COMMUNICATION_CHOICES
+from tfmgpu.strategies.data_parallel import CROSS_DEVICE_OPS_CHOICES
+from tfmgpu.strategies.data_parallel import make_cross_device_ops
+from tfmgpu.strategies.data_parallel import replica_devices
+from tfmgpu.strategies.data_parallel import short_device
+from tfmgpu.strategies.data_parallel import SINGLE_REPLICA_CHOICES
+from tfmgpu.strategies.registry import available_strategies
+from tfmgpu.strategies.registry import Distribution
+from tfmgpu.strategies.registry import Kind
+from tfmgpu.strategies.registry import lookup
+from tfmgpu.strategies.registry import Placement
+from tfmgpu.strategies.registry import register
+from tfmgpu.strategies.registry import registered
+from tfmgpu.strategies.registry import unregister
+from tfmgpu.strategies.resolvers import CLUSTER_RESOLVERS
+from tfmgpu.strategies.resolvers import validate_tf_config
+
+# The name that older code used for `lookup`.
+strategy_entry = lookup
+
+
+def intra_op_threads_for(name: str) -> int | None:
+  """`intra_op_threads` for `devices.configure_devices` when running `name`
+  (see `Distribution.intra_op_threads`)."""
+  return lookup(name).intra_op_threads
+
+
+def get_strategy(name: str = "default", **options: Any):
+  """Builds the `tf.distribute.Strategy` registered under `name`.
+
+  Never returns `None`: "no distribution" is the default strategy, so every
+  caller can write `with strategy.scope():`. Names are case-insensitive.
+
+  Args:
+    name: a registered name; see `available_strategies()`.
+    **options: options of that strategy (its `Options` dataclass), e.g.
+      `devices`, `num_gpus`, `num_replicas`, `cross_device_ops`,
+      `num_packs`, `single_replica` for `mirrored`; `communication`,
+      `cluster_resolver` for `multi_worker_mirrored`; `variable_shards` for
+      `parameter_server`; `parameter_device` for `central_storage`; `tpu`.
+
+  Returns:
+    A `tf.distribute.Strategy`; the default strategy for placements, whose
+    stages place themselves.
+
+  Raises:
+    ValueError: unknown name or option, or a choice that cannot work here
+      (NCCL without GPUs, more GPUs than exist, TPU without a TPU).
+  """
+  distribution = lookup(name)
+  if distribution.kind is Kind.PLACEMENT and options:
+    raise ValueError(
+        f"strategy {name!r} is a placement of the model, not a "
+        f"tf.distribute.Strategy; options {sorted(options)} belong to "
+        "tfmgpu.parallel (e.g. tfmgpu.StagedModel / tfmgpu.plan_stages).")
+  strategy = distribution.make_strategy(distribution.options(**options))
+  logging.info("Strategy %r: %d replica(s).", distribution.name,
+               strategy.num_replicas_in_sync)
+  return strategy

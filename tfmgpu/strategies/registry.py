@@ -1,0 +1,212 @@
+"""The registry of distributions: every strategy and placement, by name.
+
+A *distribution* is one way tfmgpu spreads work over devices, as one object:
+its name and one-line description, a typed options dataclass, the rules it
+adds to a run's config, how it builds a model for training (`place`), how it
+serves loaded models (`serve`) and how it describes its layout in a run's
+summary (`describe`). Data-parallel distributions build a genuine
+`tf.distribute.Strategy`; placements (model, pipeline and branch
+parallelism) split the model itself and run under the default strategy.
+
+Each distribution is registered by the module that implements it
+(`@register`). The built-in ones live in `tfmgpu.strategies.data_parallel`
+and the `tfmgpu.placements` package; they are discovered on the first
+lookup (`BUILTIN_PROVIDERS`), the one place this layer names modules above
+it, as a plugin list, without importing them at import time.
+
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+from typing import Any, Callable, ClassVar, Sequence
+
+from tfmgpu._lazy import LazyModule
+
+tf = LazyModule("tensorflow")
+
+# Modules whose import registers the built-in distributions.
+BUILTIN_PROVIDERS = ("tfmgpu.strategies.data_parallel", "tfmgpu.placements")
+
+
+class Kind(str, enum.Enum):
+  """How a registered name spreads work."""
+  DATA_PARALLEL = "data_parallel"    # Replicas of the whole model.
+  PLACEMENT = "placement"            # The model itself is split over devices.
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+  """Options of a distribution that takes none."""
+
+
+@dataclasses.dataclass
+class Placement:
+  """Where a run's model lives: its strategy, devices and the built model.
+
+  Attributes:
+    strategy: the `tf.distribute.Strategy` training runs under.
+    devices: short device names (replicas, stages or branches).
+    model: the built (possibly split) model.
+    plan: the stage plan of a split model, else `None`.
+    distribution: the distribution that placed it.
+    options: that distribution's options.
+  """
+  strategy: Any
+  devices: list[str]
+  model: Any
+  plan: Any = None
+  distribution: "Distribution | None" = None
+  options: Any = None
+
+
+class Distribution:
+  """One strategy or placement. Subclass, set the class attributes, register.
+
+  Attributes:
+    name: the registry key (`--strategy` value).
+    description: one line for help text and docs.
+    kind: `Kind.DATA_PARALLEL` or `Kind.PLACEMENT`.
+    needs: what it needs to run, for the docs' strategy table.
+    Options: a frozen dataclass of its options (validated in
+      `__post_init__`); each field is also a `TrainConfig` field, so every
+      option is reachable from Python and the CLI.
+    joins_cluster: it reads a cluster (TF_CONFIG or SLURM) and must be
+      created before TensorFlow's runtime starts in the process.
+    concurrent_devices: its devices compute at the same time (replicas,
+      pipeline stages, branches), so a CPU split into logical devices gives
+      each op only its share of the cores (`devices.configure_devices`).
+    layout: what its devices hold, for summaries: replicas, stages, branches.
+  """
+  name: ClassVar[str] = ""
+  description: ClassVar[str] = ""
+  kind: ClassVar[Kind] = Kind.DATA_PARALLEL
+  needs: ClassVar[str] = ""
+  Options: ClassVar[type] = NoOptions
+  joins_cluster: ClassVar[bool] = False
+  concurrent_devices: ClassVar[bool] = True
+  layout: ClassVar[str] = "replicas"
+
+  # ------------------------------------------------------------ options
+
+  def options(self, **values: Any) -> Any:
+    """This distribution's validated `Options` from keyword arguments.
+
+    Raises:
+      ValueError: an option it does not take (listing the ones it does), or
+        a value its `Options` rejects.
+    """
+    fields = [f.name for f in dataclasses.fields(self.Options)]
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+      raise ValueError(
+          f"strategy {self.name!r} got an unknown option "
+          f"({', '.join(unknown)}). Its options: {', '.join(fields) or 'none'}.")
+    return self.Options(**values)
+
+  def options_from(self, source: Any) -> Any:
+    """`Options` read from an object with same-named attributes (a
+    `TrainConfig`, parsed flags); attributes it lacks or sets to `None`
+    keep their defaults."""
+    values = {f.name: getattr(source, f.name)
+              for f in dataclasses.fields(self.Options)
+              if getattr(source, f.name, None) is not None}
+    return self.Options(**values)
+
+  def check_config(self, config: Any) -> None:
+    """Cross-field rules this distribution adds to a run's config."""
+    del config
+
+  @property
+  def intra_op_threads(self) -> int | None:
+    """For `devices.configure_devices`: `None` shares the cores between
+    devices that compute at once; `0` leaves TensorFlow's setting."""
+    return None if self.concurrent_devices else 0
+
+  # ------------------------------------------------- training and serving
+
+  def make_strategy(self, options: Any) -> "tf.distribute.Strategy":
+    """The `tf.distribute.Strategy` to run under (placements: the default)."""
+    del options
+    return tf.distribute.get_strategy()
+
+  def place(self, options: Any, build: Callable[[], Any], *,
+            strategy: Any = None, seed: int = 0) -> Placement:
+    """Builds the model for training where this distribution puts it."""
+    raise NotImplementedError
+
+  def serve(self, models: Sequence[Any], options: Any) -> tuple[Any, Any]:
+    """Places loaded models for inference; returns `(model, strategy)`,
+    `strategy` `None` when the model places itself."""
+    raise NotImplementedError
+
+  def describe(self, placement: Placement) -> list[tuple[str, str]]:
+    """Rows for a run's summary: what the devices hold."""
+    devices = ", ".join(placement.devices)
+    count = (placement.strategy.num_replicas_in_sync
+             if self.layout == "replicas" else len(placement.devices))
+    return [(self.layout, f"{count} on {devices}")]
+
+  def __repr__(self) -> str:
+    return f"<{type(self).__name__} {self.name!r} ({self.kind.value})>"
+
+
+_REGISTRY: dict[str, Distribution] = {}
+_DISCOVERED = False
+
+
+def register(cls: type[Distribution]) -> type[Distribution]:
+  """Class decorator: registers one instance of `cls` under `cls.name`.
+
+  Raises:
+    ValueError: no name, or the name is taken.
+  """
+  if not cls.name:
+    raise ValueError(f"{cls.__name__} has no `name`; set the class attribute.")
+  if cls.name in _REGISTRY:
+    raise ValueError(f"strategy name {cls.name!r} is already registered "
+                     f"({_REGISTRY[cls.name]!r}).")
+  _REGISTRY[cls.name] = cls()
+  return cls
+
+
+def unregister(name: str) -> None:
+  """Removes a registered name (tests and plugins that clean up)."""
+  _REGISTRY.pop(name, None)
+
+
+def _discover() -> None:
+  global _DISCOVERED
+  if not _DISCOVERED:
+    _DISCOVERED = True
+    for module in BUILTIN_PROVIDERS:
+      importlib.import_module(module)
+
+
+def lookup(name: str) -> Distribution:
+  """The distribution registered under `name` (case-insensitive).
+
+  Raises:
+    ValueError: unknown name, listing the available ones.
+  """
+  _discover()
+  key = name.lower() if isinstance(name, str) else name
+  if key not in _REGISTRY:
+    raise ValueError(
+        f"Unknown strategy name={name!r}. Available names: "
+        f"{', '.join(sorted(_REGISTRY))}.")
+  return _REGISTRY[key]
+
+
+def registered() -> dict[str, Distribution]:
+  """Every registered distribution, by name, in registration order."""
+  _discover()
+  return dict(_REGISTRY)
+
+
+def available_strategies() -> dict[str, str]:
+  """Returns `{name: one-line description}` for every registered name."""
+  return {n: d.description for n, d in registered().items()}

@@ -1,0 +1,300 @@
+"""The outer training loop: one `Controller` for every runner.
+
+The controller owns everything around the steps: epochs and the resume
+point, Keras callbacks, the progress bar, TensorBoard summaries, the
+non-finite check, preemption points (SIGTERM -> checkpoint ->
+`PreemptedError`) and the `TrainResult`. A runner
+(`tfmgpu.training.runners`) only "runs up to n steps and returns their
+sums"; a synchronous `strategy.run` runner and the parameter-server
+coordinator runner plug into the same loop, so each loop feature exists
+once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from tfmgpu.training import checkpoints as ckpt_lib
+from tfmgpu.training import preemption as preemption_lib
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Training produced a NaN or infinite loss."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What a `Trainer.fit` call produced.
+
+  Attributes:
+    history: per-epoch lists: `loss`, `accuracy`, `val_loss`, `val_accuracy`,
+      `examples_per_sec`.
+    epochs_run: epochs trained in this call (after any resume).
+    initial_epoch: epochs already done when this call started (resumed).
+    steps: optimizer steps taken in this call.
+    examples_per_sec: training throughput over this call, excluding the
+      first (tracing) call when there were others.
+    checkpoint: the last checkpoint written, if any.
+    initial_step: the global step this call started from (resumed).
+  """
+  history: dict[str, list[float]]
+  epochs_run: int
+  initial_epoch: int
+  steps: int
+  examples_per_sec: float
+  checkpoint: str | None
+  initial_step: int = 0
+
+
+@dataclasses.dataclass
+class StepSums:
+  """What a runner returns for one call: steps run and their summed results."""
+  steps: int
+  loss: float
+  correct: float
+  count: float
+  non_finite: float = 0.0
+
+
+class StepRunner(Protocol):
+  """Runs training steps; the controller does everything else.
+
+  Attributes:
+    coordinator_only: `True` when only this process (a parameter-server
+      coordinator) sees SIGTERM; `False` when any worker may.
+  """
+  coordinator_only: bool
+
+  def start_epoch(self, epoch: int, first_step: int) -> None:
+    """Prepares the input of `epoch`, starting at step `first_step` of it."""
+
+  def run(self, done: int, limit: int) -> StepSums:
+    """Runs between 1 and `limit` steps from step `done` of the epoch."""
+
+
+def non_finite_message(sums: StepSums, *, first_step: int, epoch: int,
+                       last_checkpoint: str | None, has_model_dir: bool) -> str:
+  """The one wording of a non-finite loss (names the steps and the rescue)."""
+  what = (sums.loss if not math.isfinite(sums.loss) else
+          f"non-finite (loss {sums.loss:.4g} but NaN/inf weights)")
+  steps = (f"{first_step}-{first_step + sums.steps - 1}" if sums.steps > 1
+           else f"{first_step}")
+  kept = last_checkpoint or ("none yet" if has_model_dir
+                             else "none (no model_dir)")
+  return (f"Loss became {what} at step {steps} (epoch {epoch + 1}). Training "
+          f"stopped; the last good checkpoint is {kept}. Lower the learning "
+          "rate or set clip_norm.")
+
+
+def preempted_error(checkpointer: ckpt_lib.Checkpointer, checkpoint: str, *,
+                    who: str, global_step: int, epoch: int, epoch_step: int,
+                    steps_per_epoch: int) -> ckpt_lib.PreemptedError:
+  """The one `PreemptedError` for a checkpoint saved on SIGTERM."""
+  if not checkpointer.chief:  # Name the chief's copy, which is kept.
+    checkpoint = checkpointer.chief_path(checkpoint)
+  where = (f"{epoch_step} of {steps_per_epoch} steps into epoch {epoch + 1}"
+           if epoch_step else f"the end of epoch {epoch}")
+  return ckpt_lib.PreemptedError(
+      f"Preempted: SIGTERM reached {who}. Saved {checkpoint} at global step "
+      f"{global_step} ({where}). Run the same command again to resume from "
+      f"there (python -m tfmgpu.train exits with code "
+      f"{ckpt_lib.EXIT_PREEMPTED}).", checkpoint=checkpoint, step=global_step)
+
+
+class _Clock:
+  """Training throughput that leaves out the first (tracing) call."""
+
+  def __init__(self):
+    self.calls, self.examples, self.seconds = 0, 0, 0.0
+    self.first_examples, self.first_seconds = 0, 0.0
+
+  def add(self, examples: int, seconds: float) -> None:
+    if self.calls == 0:
+      self.first_examples, self.first_seconds = examples, seconds
+    else:
+      self.examples += examples
+      self.seconds += seconds
+    self.calls += 1
+
+  @property
+  def rate(self) -> float:
+    if self.seconds > 0:
+      return self.examples / self.seconds
+    # Only the first call ran: its rate (with tracing) beats printing 0.
+    return (self.first_examples / self.first_seconds
+            if self.first_seconds > 0 else 0.0)
+
+
+@dataclasses.dataclass
+class LoopOptions:
+  """What the controller needs besides the runner (see `Controller`)."""
+  model: keras.Model
+  strategy: tf.distribute.Strategy
+  global_batch_size: int
+  callbacks: Sequence[keras.callbacks.Callback] = ()
+  verbose: int = 1
+  checkpointer: ckpt_lib.Checkpointer | None = None
+  summary_writer: Any = None
+  writes_summaries: bool = False
+  validate: Callable[[], dict[str, float]] | None = None
+
+
+class Controller:
+  """Runs epochs of a `StepRunner` with every loop feature, once.
+
+  Args:
+    runner: what runs the steps.
+    options: the model, strategy, batch size, callbacks, verbosity,
+      checkpointer, summary writer and validation of the run.
+  """
+
+  def __init__(self, runner: StepRunner, options: LoopOptions):
+    self.runner = runner
+    self.o = options
+    self.clock = _Clock()
+    self.history: dict[str, list[float]] = {}
+    self.total_steps = 0
+
+  def run(self, *, epochs: int, steps_per_epoch: int,
+          watcher: preemption_lib.PreemptionWatcher | None = None
+          ) -> TrainResult:
+    """Trains the epochs the checkpoints do not hold yet.
+
+    Raises:
+      ValueError: a checkpoint saved further into an epoch than
+        `steps_per_epoch` allows.
+      NonFiniteLossError: the loss or the weights became NaN/inf.
+      PreemptedError: SIGTERM arrived (`watcher`); a checkpoint was saved.
+    """
+    ckpt = self.o.checkpointer
+    initial_epoch = ckpt.restore_latest() if ckpt else 0
+    progress = ckpt.progress if ckpt else ckpt_lib.Progress()
+    self._check_resume_point(progress, initial_epoch, steps_per_epoch)
+    if initial_epoch >= epochs:
+      logging.info("model_dir already holds %d epoch(s) >= epochs=%d; nothing "
+                   "to train.", initial_epoch, epochs)
+    self.watcher, self.global_step = watcher, progress.step
+    self.last_checkpoint = ckpt.latest if ckpt else None
+    callbacks = keras.callbacks.CallbackList(
+        list(self.o.callbacks), add_history=False, add_progbar=False,
+        model=self.o.model, epochs=epochs, steps=steps_per_epoch, verbose=0)
+    self.o.model.stop_training = False
+    callbacks.on_train_begin()
+    for epoch in range(initial_epoch, epochs):
+      callbacks.on_epoch_begin(epoch)
+      first = progress.epoch_step if epoch == initial_epoch else 0
+      logs = self._run_epoch(epoch, epochs, first, steps_per_epoch, callbacks)
+      self._finish_epoch(epoch, epochs, logs, callbacks)
+      if watcher and epoch + 1 < epochs and watcher.stop_requested():
+        self._preempt(epoch + 1, 0, steps_per_epoch, self.last_checkpoint)
+      if self.o.model.stop_training:
+        logging.info("A callback stopped training after epoch %d.", epoch + 1)
+        break
+    callbacks.on_train_end(self.history)
+    self.o.summary_writer.flush()
+    chief = ckpt is not None and ckpt.chief
+    return TrainResult(
+        history=self.history, epochs_run=len(self.history.get("loss", [])),
+        initial_epoch=initial_epoch, steps=self.total_steps,
+        examples_per_sec=self.clock.rate,
+        checkpoint=self.last_checkpoint if chief else None,
+        initial_step=progress.step)
+
+  def _check_resume_point(self, progress: ckpt_lib.Progress,
+                          initial_epoch: int, steps_per_epoch: int) -> None:
+    if progress.epoch_step >= steps_per_epoch:
+      raise ValueError(
+          f"The checkpoint in {self.o.checkpointer.chief_directory} was saved "
+          f"{progress.epoch_step} steps into epoch {initial_epoch + 1}, but "
+          f"steps_per_epoch={steps_per_epoch}. Resume with the "
+          "steps_per_epoch and global_batch_size of the run that wrote it.")
+
+  def _run_epoch(self, epoch: int, epochs: int, first: int,
+                 steps_per_epoch: int, callbacks) -> dict[str, float]:
+    """The steps of one epoch; returns its running loss and accuracy."""
+    self.runner.start_epoch(epoch, first)
+    bar = None
+    if self.o.verbose:
+      print(f"Epoch {epoch + 1}/{epochs}", flush=True)
+      bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=[
+          "loss", "accuracy", "examples/s"])
+    done, loss_sum, correct, count = first, 0.0, 0.0, 0.0
+    logs: dict[str, float] = {}
+    while done < steps_per_epoch:
+      start = time.perf_counter()
+      sums = self.runner.run(done, steps_per_epoch - done)
+      elapsed = time.perf_counter() - start
+      self._check_finite(sums, epoch)
+      self.clock.add(sums.steps * self.o.global_batch_size, elapsed)
+      loss_sum, correct, count = (loss_sum + sums.loss,
+                                  correct + sums.correct, count + sums.count)
+      done += sums.steps
+      self.total_steps += sums.steps
+      self.global_step += sums.steps
+      logs = {"loss": loss_sum / (done - first),
+              "accuracy": correct / max(count, 1.0)}
+      rate = sums.steps * self.o.global_batch_size / elapsed if elapsed else 0.0
+      if bar is not None:
+        bar.update(done, values=list(logs.items()) + [("examples/s", rate)])
+      callbacks.on_train_batch_end(done - 1, logs)
+      self._write_step_summaries(sums, rate)
+      if (self.watcher and done < steps_per_epoch
+          and self.watcher.stop_requested()):
+        self.o.summary_writer.flush()
+        saved = self.o.checkpointer.save(epoch, step=self.global_step,
+                                         epoch_step=done)
+        self._preempt(epoch, done, steps_per_epoch, saved)
+    return logs
+
+  def _check_finite(self, sums: StepSums, epoch: int) -> None:
+    if math.isfinite(sums.loss) and not sums.non_finite:
+      return
+    raise NonFiniteLossError(non_finite_message(
+        sums, first_step=self.global_step + 1, epoch=epoch,
+        last_checkpoint=self.last_checkpoint,
+        has_model_dir=self.o.checkpointer is not None))
+
+  def _write_step_summaries(self, sums: StepSums, rate: float) -> None:
+    if not self.o.writes_summaries:  # ~0.3 ms of Python per call otherwise.
+      return
+    with self.o.summary_writer.as_default(step=self.global_step):
+      tf.summary.scalar("train/loss", sums.loss / sums.steps)
+      tf.summary.scalar("train/examples_per_sec", rate)
+
+  def _preempt(self, epoch: int, epoch_step: int, steps_per_epoch: int,
+               checkpoint: str | None) -> None:
+    self.o.summary_writer.flush()
+    if self.runner.coordinator_only:
+      who = "the coordinator"
+    else:
+      who = "this process" if self.watcher.received else "another worker"
+    raise preempted_error(
+        self.o.checkpointer, checkpoint, who=who, global_step=self.global_step,
+        epoch=epoch, epoch_step=epoch_step, steps_per_epoch=steps_per_epoch)
+
+  def _finish_epoch(self, epoch: int, epochs: int, logs: dict[str, float],
+                    callbacks) -> None:
+    """Validation, history, summaries, checkpoint and callbacks of an epoch."""
+    epoch_logs = dict(logs)
+    if self.o.validate is not None:
+      epoch_logs.update(self.o.validate())
+    epoch_logs["examples_per_sec"] = self.clock.rate
+    for k, v in epoch_logs.items():
+      self.history.setdefault(k, []).append(v)
+    with self.o.summary_writer.as_default(step=epoch + 1):
+      for k, v in epoch_logs.items():
+        tf.summary.scalar(f"epoch/{k}", v)
+    if self.o.checkpointer is not None:
+      self.last_checkpoint = self.o.checkpointer.save(
+          epoch + 1, step=self.global_step)
+    if not self.o.verbose:
+      logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
+          f"{k}={v:.4g}" for k, v in epoch_logs.items()))
+    callbacks.on_epoch_end(epoch, epoch_logs)

@@ -1,0 +1,51 @@
+"""Optimizers by name: the registry behind `--optimizer`.
+
+Importing this module does not import TensorFlow or Keras (the CLIs list
+`OPTIMIZER_CHOICES` in `--help`); `make_optimizer` loads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tfmgpu._lazy import LazyModule
+
+keras = LazyModule("keras")
+
+_OPTIMIZERS: dict[str, Callable[..., Any]] = {
+    "adam": lambda **kw: keras.optimizers.Adam(**kw),
+    "sgd": lambda **kw: keras.optimizers.SGD(**kw),
+    "momentum": lambda **kw: keras.optimizers.SGD(momentum=0.9, **kw),
+    "rmsprop": lambda **kw: keras.optimizers.RMSprop(**kw),
+    "adamw": lambda **kw: keras.optimizers.AdamW(**kw),
+}
+OPTIMIZER_CHOICES = tuple(_OPTIMIZERS)
+
+
+def make_optimizer(name: str, learning_rate: float, *,
+                   clip_norm: float | None = None,
+                   fused: bool = True) -> "keras.optimizers.Optimizer":
+  """Builds an optimizer by name (see `OPTIMIZER_CHOICES`).
+
+  Args:
+    name: one of `OPTIMIZER_CHOICES`.
+    learning_rate: the step size (> 0).
+    clip_norm: the optimizer's own `global_clipnorm` (the Trainer clips the
+      all-reduced gradient itself and passes `None`).
+    fused: use the one-kernel update of `tfmgpu.training.fused` where one
+      exists (Adam, AdamW, SGD); same math as the Keras class.
+
+  Raises:
+    ValueError: unknown name or a learning rate that is not > 0.
+  """
+  if name not in _OPTIMIZERS:
+    raise ValueError(f"optimizer={name!r} is unknown. Choose one of "
+                     f"{', '.join(OPTIMIZER_CHOICES)}.")
+  if not learning_rate > 0:
+    raise ValueError(f"learning_rate={learning_rate} must be > 0.")
+  kwargs = {"global_clipnorm": clip_norm} if clip_norm else {}
+  optimizer = _OPTIMIZERS[name](learning_rate=learning_rate, **kwargs)
+  if not fused:
+    return optimizer
+  from tfmgpu.training import fused as fused_lib  # pylint: disable=g-import-not-at-top
+  return fused_lib.fuse(optimizer)
