@@ -10,7 +10,8 @@ import tensorflow as tf
 
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import branches as branches_lib
-from tfmgpu.parallel import staged as staged_lib
+from tfmgpu.parallel import inspection
+from tfmgpu.parallel import placed
 
 BranchParallel = branches_lib.BranchParallel
 BATCH = 8
@@ -38,7 +39,7 @@ def _loss():
 
 
 def _device_of(variable):
-  return devices_lib.canonical_device(staged_lib.variable_device(variable))
+  return devices_lib.canonical_device(placed.variable_device(variable))
 
 
 class Mix(keras.layers.Layer):
@@ -143,7 +144,7 @@ def test_each_branch_forward_and_backward_run_on_its_device(cpu_devices):
           "combine": cpu_devices[3]}
   seen = collections.Counter()
   bad = []
-  for p in staged_lib.op_placements(concrete):
+  for p in inspection.op_placements(concrete):
     parts = p.name.split("/")
     for i, part in enumerate(parts):
       m = _PART.match(part)

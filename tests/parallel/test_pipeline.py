@@ -11,8 +11,10 @@ import tensorflow as tf
 
 import tfmgpu.parallel
 from tfmgpu import strategies
+from tfmgpu.benchmarks import pipeline as bench_pipeline
+from tfmgpu.models import demo
 from tfmgpu.parallel import branches
-from tfmgpu.parallel import demo_models
+from tfmgpu.parallel import inspection
 from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import schedule
 from tfmgpu.parallel import staged
@@ -28,7 +30,7 @@ RESOURCE_OPS = {"Placeholder", "ReadVariableOp", "VarHandleOp"}
 
 def _mlp(seed=0):
   keras.utils.set_random_seed(seed)
-  return demo_models.deep_mlp((12,), 3, depth=6, width=16)
+  return demo.deep_mlp((12,), 3, depth=6, width=16)
 
 
 def _regularized(seed=0):
@@ -287,7 +289,7 @@ def _pipe(cpu_devices, name="gpipe", recompute=False, micro_batches=4,
 def test_every_stage_op_and_update_runs_on_its_device(cpu_devices, name,
                                                       recompute, make_step):
   pipe = _pipe(cpu_devices, name, recompute, model=_regularized())
-  placements = staged.op_placements(make_step(pipe))
+  placements = inspection.op_placements(make_step(pipe))
   compute = collections.defaultdict(set)
   bad = []
   for p in placements:
@@ -407,7 +409,7 @@ def test_recompute_keeps_only_each_stage_input(cpu_devices, name):
   kept = {}
   for recompute in (False, True):
     pipe = _pipe(cpu_devices, name, recompute)
-    kept[recompute] = pipeline.saved_activation_bytes(_custom_step(pipe))
+    kept[recompute] = bench_pipeline.saved_activation_bytes(_custom_step(pipe))
   plan = pipe.plan
   for k, stage in enumerate(plan.stages):
     inputs = BATCH * stage.input_bytes
@@ -441,8 +443,8 @@ def test_registered_exported_and_places_itself():
 def test_stage_times_feed_the_simulator():
   pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=4)
   x, y = _data(BATCH)
-  fwd, bwd = pipeline.measure_stage_times(pipe, x, y, _loss(), repeats=2,
-                                          warmup=1)
+  fwd, bwd = bench_pipeline.measure_stage_times(pipe, x, y, _loss(),
+                                                repeats=2, warmup=1)
   assert len(fwd) == len(bwd) == 2
   assert all(t > 0 for t in fwd) and all(t >= 0 for t in bwd)
   timeline = schedule.simulate(fwd, bwd, pipe.micro_batches)

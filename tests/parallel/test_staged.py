@@ -9,8 +9,10 @@ import pytest
 import tensorflow as tf
 
 from tfmgpu import devices as devices_lib
-from tfmgpu.parallel import demo_models
+from tfmgpu.models import demo
+from tfmgpu.parallel import inspection
 from tfmgpu.parallel import partition
+from tfmgpu.parallel import placed
 from tfmgpu.parallel import staged as staged_lib
 
 StagedModel = staged_lib.StagedModel
@@ -41,7 +43,7 @@ def _mlp(seed=0):
 
 def _resnet(seed=0):
   keras.utils.set_random_seed(seed)
-  return demo_models.small_resnet((8, 8, 3), 3, blocks=3, filters=4)
+  return demo.small_resnet((8, 8, 3), 3, blocks=3, filters=4)
 
 
 def _lstm(seed=0):
@@ -228,7 +230,7 @@ def test_every_stage_op_and_update_runs_on_its_device(build, make_step,
   x, y = _data(model)
   staged = StagedModel.from_model(model, num_stages=3, devices=cpu_devices[1:])
   staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
-  placements = staged_lib.op_placements(make_step(staged, x, y))
+  placements = inspection.op_placements(make_step(staged, x, y))
 
   assert _misplaced(staged, placements) == []
   # The optimizer's per-variable update math runs beside the variable: Adam
@@ -247,7 +249,7 @@ def test_single_tape_backward_is_detected_as_misplaced(cpu_devices):
   x, y = _data(model)
   staged = StagedModel.from_model(model, num_stages=3, devices=cpu_devices[1:])
   staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
-  bad = _misplaced(staged, staged_lib.op_placements(
+  bad = _misplaced(staged, inspection.op_placements(
       _single_tape_step(staged, x, y)))
   # Forward ops stay on their stages (the call is placed), but the backward
   # of stages 1 and 2 lands on the tape's device, stage 0's.
@@ -266,7 +268,7 @@ def test_each_device_holds_only_its_stage_weights_and_slots(cpu_devices):
   held = collections.defaultdict(set)
   nbytes = collections.Counter()
   for v in list(staged.variables) + list(optimizer.variables):
-    device = devices_lib.canonical_device(staged_lib.variable_device(v))
+    device = devices_lib.canonical_device(placed.variable_device(v))
     held[device].add(v.path)
     nbytes[device] += int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
 
@@ -303,7 +305,7 @@ def test_weights_move_both_ways_with_identical_outputs(tmp_path):
   staged.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
   staged.fit(x, y, batch_size=BATCH, verbose=0)
   served = staged.to_unsplit(device="/cpu:0")
-  assert {staged_lib.variable_device(v) for v in served.variables} == {
+  assert {placed.variable_device(v) for v in served.variables} == {
       "/job:localhost/replica:0/task:0/device:CPU:0"}
   np.testing.assert_array_equal(served.predict(x, verbose=0),
                                 staged.predict(x, verbose=0))
@@ -334,7 +336,7 @@ def test_weights_move_both_ways_with_identical_outputs(tmp_path):
 def test_plan_for_another_model_is_rejected():
   plan = partition.plan_stages(_mlp(), 2)
   with pytest.raises(ValueError, match=r"plan was made for layers .*d0"):
-    StagedModel(demo_models.deep_mlp((12,), 3, depth=2, width=4), plan)
+    StagedModel(demo.deep_mlp((12,), 3, depth=2, width=4), plan)
 
 
 def test_jit_compile_is_rejected():

@@ -1,4 +1,21 @@
-"""How a model is spread over devices: stage plans, staged models, pipelines, branches.
+"""How a model is spread over devices, one idea per module (low to high):
+
+* `graph`: a Keras model's layer calls in topological order and its cut
+  points (where exactly one tensor crosses);
+* `cost`: the cost model: parameter bytes, forward FLOPs and activation bytes
+  of each block between two cut points;
+* `plan`: the `StagePlan`: which layers go to which device, with their
+  costs, printable, with a per-device memory estimate;
+* `partition`: `plan_stages`, the exact balanced split of the blocks into
+  stages (`min_max_partition`);
+* `placed`: the base class of every placement, a model whose parts each run
+  their backward on their own device, and its shared helpers;
+* `inspection`: `op_placements`, the device every op of a traced function
+  asks for (to check placement);
+* `staged`: `StagedModel`, model parallelism along a stage plan;
+* `schedule`: pipeline schedules (GPipe, 1F1B) and a timeline simulator;
+* `pipeline`: `PipelinedModel`, micro-batches streamed through the stages;
+* `branches`: `BranchParallel`, parallel sub-models on one input.
 
 Its placement names ("model_parallel", "branch_parallel", "pipeline") are
 registered in `tfmgpu.strategies`, the one list of names. Importing this
@@ -14,15 +31,15 @@ from typing import Any
 _EXPORTS = {
     "BranchParallel": "tfmgpu.parallel.branches",
     "PipelinedModel": "tfmgpu.parallel.pipeline",
-    "StagePlan": "tfmgpu.parallel.partition",
+    "StagePlan": "tfmgpu.parallel.plan",
     "StagedModel": "tfmgpu.parallel.staged",
     "Timeline": "tfmgpu.parallel.schedule",
     "plan_stages": "tfmgpu.parallel.partition",
     "simulate": "tfmgpu.parallel.schedule",
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
-_SUBMODULES = ("branches", "demo_models", "partition", "pipeline", "schedule",
-               "staged")
+_SUBMODULES = ("branches", "cost", "graph", "inspection", "partition",
+               "pipeline", "placed", "plan", "schedule", "staged")
 
 __all__ = sorted(_EXPORTS)
 

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import devices as devices_lib
-from tfmgpu.parallel import staged
+from tfmgpu.parallel import placed as placed_lib
 
 BranchSpec = Union[keras.Model, Callable[[], keras.Model]]
 
@@ -44,7 +44,7 @@ def _place(spec: BranchSpec, device: str, index: int) -> keras.Model:
     raise ValueError(
         f"branches[{index}] ({model.name!r}) is not built; give it a "
         "keras.Input or call build(input_shape) first.")
-  if all(devices_lib.canonical_device(staged.variable_device(v)) == device
+  if all(devices_lib.canonical_device(placed_lib.variable_device(v)) == device
          for v in model.variables):
     return model  # Already on its device (or built there by the callable).
   with tf.device(device):
@@ -59,7 +59,7 @@ def _place(spec: BranchSpec, device: str, index: int) -> keras.Model:
   return clone
 
 
-class BranchParallel(staged.PerDeviceGradientModel):
+class BranchParallel(placed_lib.PerDeviceGradientModel):
   """Sub-models on separate devices, same input, outputs combined.
 
   Example:
@@ -207,7 +207,7 @@ class BranchParallel(staged.PerDeviceGradientModel):
     with tf.device(self.combine_device), tf.name_scope("combine"):
       return self._combine(outputs, training)
 
-  def compute_loss_and_gradients(self, x, y, loss_fn: staged.LossFn, *,
+  def compute_loss_and_gradients(self, x, y, loss_fn: placed_lib.LossFn, *,
                                  scale_regularization=None):
     """Every branch forward and backward on its device; combine and loss on
     `combine_device`.
@@ -232,7 +232,7 @@ class BranchParallel(staged.PerDeviceGradientModel):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
           tape.watch(sources)
           out = b(x, training=True)
-          reg = staged.regularization_loss(b, scale)
+          reg = placed_lib.regularization_loss(b, scale)
       records.append((tape, out, reg, sources))
       outputs.append(out)
     combine_vars = (self.combiner.trainable_variables
@@ -246,9 +246,9 @@ class BranchParallel(staged.PerDeviceGradientModel):
         with tf.name_scope("loss"):
           objective = loss_fn(y, y_pred)
         if self.combiner is not None:
-          reg = staged.regularization_loss(self.combiner, scale)
+          reg = placed_lib.regularization_loss(self.combiner, scale)
           objective = objective if reg is None else objective + reg
-    result = staged.backward_on_device(
+    result = placed_lib.backward_on_device(
         tape, self.combine_device, "combine_backward", outputs=[],
         output_gradients=[], objective=objective, sources=sources + outputs)
     grads = {id(v): g for v, g in zip(combine_vars, result)}
@@ -257,7 +257,7 @@ class BranchParallel(staged.PerDeviceGradientModel):
       upstream = result[len(combine_vars) + i]
       if upstream is None:
         upstream = tf.zeros_like(out)
-      branch_grads = staged.backward_on_device(
+      branch_grads = placed_lib.backward_on_device(
           tape, self.branch_devices[i], f"branch_{i}_backward",
           outputs=[out], output_gradients=[upstream], objective=reg,
           sources=sources)

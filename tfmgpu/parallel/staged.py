@@ -10,8 +10,8 @@ stage by stage, each under its own device, with its own `tf.GradientTape`:
 
 (one tape around everything would put every gradient op on the caller's
 device). Optimizer slots are created next to their variables and the
-optimizer's per-variable update runs on the variable's device
-(`colocate_optimizer_updates`).
+optimizer's per-variable update runs on the variable's device (the
+`tfmgpu.parallel.placed` base class does that).
 
 From the outside it is a Keras model: `compile`/`fit`/`evaluate`/`predict`,
 `save_weights`/`load_weights`. Weights move to and from the unsplit model with
@@ -22,235 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import keras
-from keras.src.losses import loss as keras_loss  # unscale_loss_for_distribution
 import tensorflow as tf
 
 from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import partition
-
-LossFn = Callable[[Any, Any], tf.Tensor]
-
-
-def variable_device(variable) -> str:
-  """The device a Keras or TF variable lives on."""
-  if isinstance(variable, keras.Variable):
-    variable = variable.value
-  return variable.device
-
-
-def colocate_optimizer_updates(optimizer: keras.optimizers.Optimizer):
-  """Makes the optimizer run each variable's update on that variable's device.
-
-  Keras 3 already creates slot variables next to their variable, but under
-  the default strategy the update math (moments, bias correction) is traced
-  without a device and would run on the default device. This wraps the
-  optimizer's `update_step` (of the inner optimizer for a
-  `LossScaleOptimizer`) in `tf.device(variable.device)`. Idempotent.
-
-  Not covered: the shared step counter and learning-rate schedule (a few
-  scalars on the default device) and decoupled weight decay.
-
-  Args:
-    optimizer: a Keras 3 optimizer.
-
-  Returns:
-    The same optimizer.
-  """
-  target = getattr(optimizer, "inner_optimizer", optimizer)
-  if getattr(target, "_tfmgpu_colocated", False):
-    return optimizer
-  update_step = target.update_step
-
-  def placed_update_step(gradient, variable, learning_rate):
-    with tf.device(variable_device(variable)):
-      return update_step(gradient, variable, learning_rate)
-
-  target.update_step = placed_update_step
-  target._tfmgpu_colocated = True  # pylint: disable=protected-access
-  return optimizer
-
-
-def regularization_loss(layer: keras.layers.Layer,
-                        scale: Callable[[tf.Tensor], tf.Tensor]):
-  """Sum of `layer.losses` (after its call), scaled, or `None` if none."""
-  losses = layer.losses
-  if not losses:
-    return None
-  total = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in losses])
-  return scale(total)
-
-
-def backward_on_device(tape: tf.GradientTape, device: str, scope: str, *,
-                       outputs: Sequence[tf.Tensor],
-                       output_gradients: Sequence[tf.Tensor],
-                       objective: tf.Tensor | None,
-                       sources: Sequence[Any]) -> list[Any]:
-  """One device's vector-Jacobian product, traced under that device.
-
-  Differentiates `sum(<outputs[i], output_gradients[i]>) + objective` with
-  respect to `sources`, with every gradient op on `device`.
-
-  Returns:
-    One gradient per source (`None` where a source is not connected).
-  """
-  if not sources or (not outputs and objective is None):
-    return [None] * len(sources)
-  with tf.device(device), tf.name_scope(scope):
-    targets, seeds = list(outputs), list(output_gradients)
-    if objective is not None:
-      targets.append(objective)
-      seeds.append(tf.ones_like(objective))
-    return tape.gradient(targets, list(sources), output_gradients=seeds)
-
-
-@dataclasses.dataclass(frozen=True)
-class OpPlacement:
-  """Where one traced op was asked to run.
-
-  Attributes:
-    name: the op name; ops inside a function body (while/cond bodies,
-      gradient functions) are prefixed with the name of the op calling it.
-    type: the op type, e.g. `"MatMul"`.
-    device: the requested device, canonical (`"/device:CPU:1"`), inherited
-      from the calling op inside function bodies; `""` if none.
-    colocated: the op is pinned next to another op (e.g. a variable read,
-      placed with its variable) instead of by device.
-  """
-  name: str
-  type: str
-  device: str
-  colocated: bool
-
-
-def op_placements(concrete_function) -> list[OpPlacement]:
-  """Every op of a traced function, including nested function bodies.
-
-  Use it to check placement: get a concrete function with
-  `tf.function(step).get_concrete_function(...)` and read each op's device.
-
-  Args:
-    concrete_function: a `tf.types.experimental.ConcreteFunction`.
-
-  Returns:
-    One `OpPlacement` per op, outer graph first.
-  """
-  graph_def = concrete_function.graph.as_graph_def()
-  library = {f.signature.name: f for f in graph_def.library.function}
-  out: list[OpPlacement] = []
-
-  def walk(nodes, prefix: str, inherited: str, depth: int) -> None:
-    for node in nodes:
-      name = prefix + node.name
-      device = (devices_lib.canonical_device(node.device) if node.device
-                else inherited)
-      out.append(OpPlacement(name, node.op, device, "_class" in node.attr))
-      for attr in node.attr.values():
-        funcs = ([attr.func.name] if attr.HasField("func") else
-                 [f.name for f in attr.list.func])
-        for fname in funcs:
-          if fname in library and depth < 32:
-            walk(library[fname].node_def, name + "/", device, depth + 1)
-
-  walk(graph_def.node, "", "", 0)
-  return out
-
-
-class PerDeviceGradientModel(keras.Model):
-  """A Keras model whose parts live on different devices.
-
-  Subclasses implement `compute_loss_and_gradients`, which computes each
-  part's backward pass on its own device; `train_step` (what `fit` runs)
-  uses it, so `fit` and a custom loop share one mechanism.
-
-  Attributes:
-    places_itself: `True`: the model routes its own work to its devices;
-      callers (e.g. `tfmgpu.inference`) call it as is, outside any
-      data-parallel strategy.
-  """
-
-  places_itself = True
-
-  def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
-                                 scale_regularization=None):
-    """Returns `(loss, y_pred, grads)`, each part's backward on its device.
-
-    `grads` follow the order of `self.trainable_variables`; see the
-    subclasses for the arguments.
-    """
-    raise NotImplementedError
-
-  def compile(self, *args, jit_compile: bool | str = "auto", **kwargs):
-    """`keras.Model.compile`, without XLA, with slots and updates on each
-    variable's device.
-
-    Raises:
-      ValueError: `jit_compile=True`: XLA cannot compile one step whose
-        variables live on several devices.
-    """
-    if jit_compile is True:
-      raise ValueError(
-          f"jit_compile=True is not supported by {type(self).__name__}: XLA "
-          "cannot compile one step over variables on several devices. Use "
-          "jit_compile=False (or 'auto').")
-    super().compile(*args, jit_compile=False, **kwargs)
-    if self.optimizer is not None:
-      # Build now, eagerly: built lazily inside the traced step, Keras would
-      # create every slot on the default device instead of beside its variable.
-      self.build_optimizer(self.optimizer)
-
-  def build_optimizer(self, optimizer: keras.optimizers.Optimizer):
-    """Prepares an optimizer for a custom loop over this model.
-
-    Colocates its updates with the variables and builds its slots (each next
-    to its variable); stateful Keras 3 optimizers need `build` before a
-    `tf.function` step.
-
-    Returns:
-      The same optimizer.
-    """
-    colocate_optimizer_updates(optimizer)
-    if not optimizer.built:
-      optimizer.build(self.trainable_variables)
-    return optimizer
-
-  def _fit_loss_options(self) -> dict[str, Any]:
-    """Extra keyword arguments `train_step` passes to the hook (none here)."""
-    return {}
-
-  def train_step(self, data):
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    if self._compile_loss is None:  # pylint: disable=protected-access
-      raise ValueError(
-          f"{type(self).__name__} has no loss to train on. Call "
-          "compile(loss=...) before fit().")
-    if not self.optimizer.built:
-      raise ValueError(
-          f"The optimizer of {type(self).__name__} is not built. Call "
-          "compile() or build_optimizer(optimizer) before training: built "
-          "inside the traced step, its slots would land on the default "
-          "device.")
-    scale = self.optimizer.scale_loss
-
-    def loss_fn(targets, y_pred):
-      # The compiled loss only: regularisation losses join each part's own
-      # backward in compute_loss_and_gradients. The sample weights travel
-      # with the targets, so a model that splits the batch splits them too.
-      y_true, weights = targets
-      return scale(self._compile_loss(y_true, y_pred, weights))  # pylint: disable=protected-access
-
-    loss, y_pred, grads = self.compute_loss_and_gradients(
-        x, (y, sample_weight), loss_fn, scale_regularization=scale,
-        **self._fit_loss_options())
-    unscaled = loss / tf.cast(scale(tf.constant(1.0)), loss.dtype)
-    batch = tf.shape(tf.nest.flatten(x)[0])[0]
-    self._loss_tracker.update_state(  # pylint: disable=protected-access
-        keras_loss.unscale_loss_for_distribution(unscaled),
-        sample_weight=batch)
-    self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+from tfmgpu.parallel import placed
+from tfmgpu.parallel import plan as plan_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +76,7 @@ def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         "constructor arguments.") from e
 
 
-def _build_stage(graph: partition.ModelGraph, start: int, end: int,
+def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
                  name: str, input_name: str) -> keras.Model:
   """Replays nodes `start:end` of `graph` with fresh layers, as a model.
 
@@ -314,9 +95,9 @@ def _build_stage(graph: partition.ModelGraph, start: int, end: int,
   return keras.Model(new_in, tensors[id(t_out)], name=name)
 
 
-def resolve_plan(model: keras.Model, plan: partition.StagePlan | None,
+def resolve_plan(model: keras.Model, plan: plan_lib.StagePlan | None,
                  num_stages: int | None,
-                 plan_kwargs: dict[str, Any]) -> partition.StagePlan:
+                 plan_kwargs: dict[str, Any]) -> plan_lib.StagePlan:
   """`plan`, or a new plan from `num_stages` and `plan_kwargs` (not both)."""
   if plan is None:
     if num_stages is None:
@@ -328,12 +109,12 @@ def resolve_plan(model: keras.Model, plan: partition.StagePlan | None,
   return plan
 
 
-class StagedModel(PerDeviceGradientModel):
+class StagedModel(placed.PerDeviceGradientModel):
   """A Keras model split into stages, each on its own device.
 
   Example:
 
-    model = tfmgpu.parallel.demo_models.deep_mlp((784,), 10)
+    model = tfmgpu.models.demo.deep_mlp((784,), 10)
     plan = tfmgpu.plan_stages(model, 4)
     staged = tfmgpu.StagedModel.from_model(model, plan)
     staged.compile(optimizer="adam", loss=...)
@@ -346,7 +127,7 @@ class StagedModel(PerDeviceGradientModel):
     stage_devices: the device of each stage.
   """
 
-  def __init__(self, model: keras.Model, plan: partition.StagePlan, *,
+  def __init__(self, model: keras.Model, plan: plan_lib.StagePlan, *,
                name: str | None = None, **kwargs):
     """Builds the stages from `model`'s layers and copies its weights.
 
@@ -362,10 +143,10 @@ class StagedModel(PerDeviceGradientModel):
         does not exist.
     """
     super().__init__(name=name or f"{model.name}_staged", **kwargs)
-    if not isinstance(plan, partition.StagePlan):
+    if not isinstance(plan, plan_lib.StagePlan):
       raise TypeError(f"plan={plan!r} is not a StagePlan; make one with "
                       "tfmgpu.plan_stages(model, num_stages).")
-    graph = partition.ModelGraph(model)
+    graph = graph_lib.ModelGraph(model)
     if tuple(graph.names) != plan.layer_names:
       raise ValueError(
           f"plan was made for layers {list(plan.layer_names)} but model "
@@ -394,7 +175,7 @@ class StagedModel(PerDeviceGradientModel):
 
   @classmethod
   def from_model(cls, model: keras.Model,
-                 plan: partition.StagePlan | None = None, *,
+                 plan: plan_lib.StagePlan | None = None, *,
                  num_stages: int | None = None, name: str | None = None,
                  **plan_kwargs) -> "StagedModel":
     """Splits `model` along `plan`, or along `plan_stages(model, num_stages, ...)`.
@@ -420,7 +201,7 @@ class StagedModel(PerDeviceGradientModel):
         h = stage(h, training=training)
     return h
 
-  def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
+  def compute_loss_and_gradients(self, x, y, loss_fn: placed.LossFn, *,
                                  scale_regularization=None):
     """Forward stage by stage, then backward stage by stage, each on its device.
 
@@ -443,6 +224,20 @@ class StagedModel(PerDeviceGradientModel):
       gradient per variable of `self.trainable_variables`, in that order.
     """
     scale = scale_regularization or (lambda t: t)
+    records = self._forward_on_tapes(x, y, loss_fn, scale)
+    total, grads = self._backward_by_stage(records)
+    y_pred = records[-1][2]
+    return total, y_pred, [grads.get(id(v)) for v in self.trainable_variables]
+
+  def _forward_on_tapes(self, x, y, loss_fn: placed.LossFn,
+                        scale) -> list[tuple[Any, ...]]:
+    """Runs each stage under its device and tape; the last adds the loss.
+
+    Returns:
+      Per stage `(tape, input, output, objective, sources)`; `objective` is
+      the stage's scaled regularisation (plus the loss on the last stage),
+      or `None`.
+    """
     last = len(self.stages) - 1
     records = []
     h = x
@@ -454,22 +249,29 @@ class StagedModel(PerDeviceGradientModel):
           if k > 0:
             tape.watch(h)
           out = stage(h, training=True)
-          objective = regularization_loss(stage, scale)
+          objective = placed.regularization_loss(stage, scale)
           if k == last:
             with tf.name_scope("loss"):
               loss = loss_fn(y, out)
             objective = loss if objective is None else loss + objective
       records.append((tape, h, out, objective, sources))
       h = out
-    y_pred = h
+    return records
 
+  def _backward_by_stage(self, records: Sequence[tuple[Any, ...]]
+                         ) -> tuple[Any, dict[int, Any]]:
+    """Differentiates the stages last to first, each on its own device.
+
+    Returns:
+      `(total objective, {id(variable): gradient})`.
+    """
     grads: dict[int, Any] = {}
     upstream = None
     total = None
-    for k in reversed(range(last + 1)):
+    for k in reversed(range(len(records))):
       tape, inp, out, objective, sources = records[k]
       wrt = sources + ([inp] if k > 0 else [])
-      result = backward_on_device(
+      result = placed.backward_on_device(
           tape, self.stage_devices[k], f"stage_{k}_backward",
           outputs=[out] if upstream is not None else [],
           output_gradients=[upstream] if upstream is not None else [],
@@ -484,7 +286,7 @@ class StagedModel(PerDeviceGradientModel):
         grads[id(v)] = g
       if objective is not None:
         total = objective if total is None else total + objective
-    return total, y_pred, [grads.get(id(v)) for v in self.trainable_variables]
+    return total, grads
 
   # ---------------------------------------------------------------- weights
 

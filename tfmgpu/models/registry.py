@@ -1,8 +1,9 @@
-"""Model registry: the demo models. Users bring their own `model_fn`.
+"""The model registry: builders by name, built under a dtype policy.
 
 A builder has the signature `fn(input_shape, num_classes, **options) ->
-keras.Model` and returns *logits* (no softmax); the output layer computes in
-float32 so that mixed precision never changes the loss's dtype.
+keras.Model` and returns *logits* (no softmax); its output layer
+(`logits_layer`) computes in float32 so that mixed precision never changes
+the loss's dtype. Users bring their own `model_fn` or `register_model` it.
 
 Importing this module does not import TensorFlow or Keras.
 """
@@ -22,6 +23,7 @@ ModelFn = Callable[..., "keras.Model"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelEntry:
+  """A registered builder and its one-line description."""
   name: str
   description: str
   builder: ModelFn
@@ -102,47 +104,7 @@ def build_model(name_or_fn: str | ModelFn, *, input_shape: tuple[int, ...],
     return builder(tuple(input_shape), num_classes, **options)
 
 
-def _logits(num_classes: int, name: str = "logits") -> "keras.layers.Layer":
+def logits_layer(num_classes: int, name: str = "logits"
+                 ) -> "keras.layers.Layer":
+  """The output layer every builder ends with: float32 logits, no softmax."""
   return keras.layers.Dense(num_classes, dtype="float32", name=name)
-
-
-@register_model("convnet", "Classic 28x28 digit net: Conv(10,5)-pool-"
-                "Conv(20,5)-pool-Dense(50)-Dense(10).")
-def convnet(input_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
-  layers = keras.layers
-  return keras.Sequential([
-      keras.Input(input_shape),
-      layers.Conv2D(10, 5, activation="relu", name="conv1"),
-      layers.MaxPooling2D(2, name="pool1"),
-      layers.Conv2D(20, 5, activation="relu", name="conv2"),
-      layers.MaxPooling2D(2, name="pool2"),
-      layers.Flatten(name="flatten"),
-      layers.Dense(50, activation="relu", name="fc1"),
-      _logits(num_classes),
-  ], name="convnet")
-
-
-@register_model("mlp", "Two hidden layers of 256 units.")
-def mlp(input_shape: tuple[int, ...], num_classes: int, *,
-        width: int = 256, depth: int = 2) -> "keras.Model":
-  layers = keras.layers
-  stack = [keras.Input(input_shape), layers.Flatten(name="flatten")]
-  stack += [layers.Dense(width, activation="relu", name=f"dense{i}")
-            for i in range(depth)]
-  return keras.Sequential(stack + [_logits(num_classes)], name="mlp")
-
-
-@register_model("deep_mlp", "Eight hidden layers of 256 units: deep enough "
-                "to split into 2-8 stages (model/pipeline parallelism).")
-def deep_mlp(input_shape: tuple[int, ...], num_classes: int, **options
-             ) -> "keras.Model":
-  from tfmgpu.parallel import demo_models  # pylint: disable=g-import-not-at-top
-  return demo_models.deep_mlp(input_shape, num_classes, **options)
-
-
-@register_model("small_resnet", "A small convolutional ResNet (residual "
-                "blocks are never cut inside).")
-def small_resnet(input_shape: tuple[int, ...], num_classes: int, **options
-                 ) -> "keras.Model":
-  from tfmgpu.parallel import demo_models  # pylint: disable=g-import-not-at-top
-  return demo_models.small_resnet(input_shape, num_classes, **options)

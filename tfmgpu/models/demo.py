@@ -4,15 +4,23 @@ Builders follow the model registry's signature
 `fn(input_shape: tuple, num_classes: int, **kw) -> keras.Model`; outputs are
 logits (no softmax) from a float32 layer, so they stay float32 under mixed
 precision. Layer names are stable so split points can name them.
+
+Importing this module does not import TensorFlow or Keras.
 """
 
 from __future__ import annotations
 
-import keras
+from tfmgpu._lazy import LazyModule
+from tfmgpu.models.registry import logits_layer
+from tfmgpu.models.registry import register_model
+
+keras = LazyModule("keras")
 
 
+@register_model("deep_mlp", "Eight hidden layers of 256 units: deep enough "
+                "to split into 2-8 stages (model/pipeline parallelism).")
 def deep_mlp(input_shape: tuple, num_classes: int, *, depth: int = 8,
-             width: int = 256, name: str = "deep_mlp") -> keras.Model:
+             width: int = 256, name: str = "deep_mlp") -> "keras.Model":
   """A chain of `depth` ReLU Dense layers: every layer boundary is a cut point.
 
   Layers are named `flatten` (only for inputs with more than one axis),
@@ -34,12 +42,15 @@ def deep_mlp(input_shape: tuple, num_classes: int, *, depth: int = 8,
     layers.append(keras.layers.Flatten(name="flatten"))
   layers += [keras.layers.Dense(width, activation="relu", name=f"hidden_{i}")
              for i in range(depth)]
-  layers.append(keras.layers.Dense(num_classes, dtype="float32", name="logits"))
+  layers.append(logits_layer(num_classes))
   return keras.Sequential(layers, name=name)
 
 
+@register_model("small_resnet", "A small convolutional ResNet (residual "
+                "blocks are never cut inside).")
 def small_resnet(input_shape: tuple, num_classes: int, *, blocks: int = 4,
-                 filters: int = 16, name: str = "small_resnet") -> keras.Model:
+                 filters: int = 16, name: str = "small_resnet"
+                 ) -> "keras.Model":
   """A functional ResNet: a stem, `blocks` residual blocks, a classifier.
 
   Each residual block (`block{i}_conv1`, `block{i}_bn1`, `block{i}_relu1`,
@@ -88,7 +99,7 @@ def small_resnet(input_shape: tuple, num_classes: int, *, blocks: int = 4,
     x = L.Add(name=f"block{i}_add")([shortcut, y])
     x = L.Activation("relu", name=f"block{i}_out")(x)
   x = L.GlobalAveragePooling2D(name="pool")(x)
-  outputs = L.Dense(num_classes, dtype="float32", name="logits")(x)
+  outputs = logits_layer(num_classes)(x)
   return keras.Model(inputs, outputs, name=name)
 
 

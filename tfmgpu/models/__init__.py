@@ -1,0 +1,40 @@
+"""Models by name: the registry, the classic digit models, the demo models.
+
+* `registry`: `register_model`, `available_models`, `build_model` (under a
+  mixed-precision dtype policy) and `logits_layer`, the float32 output layer
+  every builder ends with;
+* `classic`: `convnet` (the 28x28 digit net) and `mlp`;
+* `demo`: `deep_mlp` and `small_resnet`, deep enough to split into 2-8
+  stages (model and pipeline parallelism).
+
+Importing this package registers every model and does not import TensorFlow
+or Keras.
+"""
+
+from __future__ import annotations
+
+from tfmgpu.models.registry import available_models
+from tfmgpu.models.registry import build_model
+from tfmgpu.models.registry import dtype_policy
+from tfmgpu.models.registry import logits_layer
+from tfmgpu.models.registry import MIXED_PRECISION_POLICIES
+from tfmgpu.models.registry import ModelEntry
+from tfmgpu.models.registry import ModelFn
+from tfmgpu.models.registry import register_model
+
+# Registers the models, in this order (the CLI lists them so).
+from tfmgpu.models import classic  # pylint: disable=g-bad-import-order
+from tfmgpu.models import demo  # pylint: disable=g-bad-import-order
+
+__all__ = [
+    "MIXED_PRECISION_POLICIES",
+    "ModelEntry",
+    "ModelFn",
+    "available_models",
+    "build_model",
+    "classic",
+    "demo",
+    "dtype_policy",
+    "logits_layer",
+    "register_model",
+]

@@ -1,0 +1,40 @@
+"""The classic small models: the 28x28 digit convnet and a two-layer MLP.
+
+Importing this module does not import TensorFlow or Keras.
+"""
+
+from __future__ import annotations
+
+from tfmgpu._lazy import LazyModule
+from tfmgpu.models.registry import logits_layer
+from tfmgpu.models.registry import register_model
+
+keras = LazyModule("keras")
+
+
+@register_model("convnet", "Classic 28x28 digit net: Conv(10,5)-pool-"
+                "Conv(20,5)-pool-Dense(50)-Dense(10).")
+def convnet(input_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
+  """The classic digit convnet (LeNet-like), as a Sequential model."""
+  layers = keras.layers
+  return keras.Sequential([
+      keras.Input(input_shape),
+      layers.Conv2D(10, 5, activation="relu", name="conv1"),
+      layers.MaxPooling2D(2, name="pool1"),
+      layers.Conv2D(20, 5, activation="relu", name="conv2"),
+      layers.MaxPooling2D(2, name="pool2"),
+      layers.Flatten(name="flatten"),
+      layers.Dense(50, activation="relu", name="fc1"),
+      logits_layer(num_classes),
+  ], name="convnet")
+
+
+@register_model("mlp", "Two hidden layers of 256 units.")
+def mlp(input_shape: tuple[int, ...], num_classes: int, *,
+        width: int = 256, depth: int = 2) -> "keras.Model":
+  """Flatten, `depth` ReLU Dense layers of `width` units, then the logits."""
+  layers = keras.layers
+  stack = [keras.Input(input_shape), layers.Flatten(name="flatten")]
+  stack += [layers.Dense(width, activation="relu", name=f"dense{i}")
+            for i in range(depth)]
+  return keras.Sequential(stack + [logits_layer(num_classes)], name="mlp")

@@ -1,0 +1,190 @@
+"""The base of every placement: a model whose parts live on several devices.
+
+`PerDeviceGradientModel` is what staged, pipelined and branch-parallel models
+share: a `compute_loss_and_gradients` hook that runs each part's backward on
+that part's device, the `train_step` that `fit` runs through that hook, and
+a `compile` that builds the optimizer eagerly with each slot and each
+per-variable update beside its variable. The helpers below are the pieces
+the subclasses build their hook from: where a variable lives
+(`variable_device`), colocated optimizer updates
+(`colocate_optimizer_updates`), a part's regularisation
+(`regularization_loss`) and one device's vector-Jacobian product
+(`backward_on_device`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import keras
+from keras.src.losses import loss as keras_loss  # unscale_loss_for_distribution
+import tensorflow as tf
+
+LossFn = Callable[[Any, Any], tf.Tensor]
+
+
+def variable_device(variable) -> str:
+  """The device a Keras or TF variable lives on."""
+  if isinstance(variable, keras.Variable):
+    variable = variable.value
+  return variable.device
+
+
+def colocate_optimizer_updates(optimizer: keras.optimizers.Optimizer):
+  """Makes the optimizer run each variable's update on that variable's device.
+
+  Keras 3 already creates slot variables next to their variable, but under
+  the default strategy the update math (moments, bias correction) is traced
+  without a device and would run on the default device. This wraps the
+  optimizer's `update_step` (of the inner optimizer for a
+  `LossScaleOptimizer`) in `tf.device(variable.device)`. Idempotent.
+
+  Not covered: the shared step counter and learning-rate schedule (a few
+  scalars on the default device) and decoupled weight decay.
+
+  Args:
+    optimizer: a Keras 3 optimizer.
+
+  Returns:
+    The same optimizer.
+  """
+  target = getattr(optimizer, "inner_optimizer", optimizer)
+  if getattr(target, "_tfmgpu_colocated", False):
+    return optimizer
+  update_step = target.update_step
+
+  def placed_update_step(gradient, variable, learning_rate):
+    with tf.device(variable_device(variable)):
+      return update_step(gradient, variable, learning_rate)
+
+  target.update_step = placed_update_step
+  target._tfmgpu_colocated = True  # pylint: disable=protected-access
+  return optimizer
+
+
+def regularization_loss(layer: keras.layers.Layer,
+                        scale: Callable[[tf.Tensor], tf.Tensor]):
+  """Sum of `layer.losses` (after its call), scaled, or `None` if none."""
+  losses = layer.losses
+  if not losses:
+    return None
+  total = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in losses])
+  return scale(total)
+
+
+def backward_on_device(tape: tf.GradientTape, device: str, scope: str, *,
+                       outputs: Sequence[tf.Tensor],
+                       output_gradients: Sequence[tf.Tensor],
+                       objective: tf.Tensor | None,
+                       sources: Sequence[Any]) -> list[Any]:
+  """One device's vector-Jacobian product, traced under that device.
+
+  Differentiates `sum(<outputs[i], output_gradients[i]>) + objective` with
+  respect to `sources`, with every gradient op on `device`.
+
+  Returns:
+    One gradient per source (`None` where a source is not connected).
+  """
+  if not sources or (not outputs and objective is None):
+    return [None] * len(sources)
+  with tf.device(device), tf.name_scope(scope):
+    targets, seeds = list(outputs), list(output_gradients)
+    if objective is not None:
+      targets.append(objective)
+      seeds.append(tf.ones_like(objective))
+    return tape.gradient(targets, list(sources), output_gradients=seeds)
+
+
+class PerDeviceGradientModel(keras.Model):
+  """A Keras model whose parts live on different devices.
+
+  Subclasses implement `compute_loss_and_gradients`, which computes each
+  part's backward pass on its own device; `train_step` (what `fit` runs)
+  uses it, so `fit` and a custom loop share one mechanism.
+
+  Attributes:
+    places_itself: `True`: the model routes its own work to its devices;
+      callers (e.g. `tfmgpu.inference`) call it as is, outside any
+      data-parallel strategy.
+  """
+
+  places_itself = True
+
+  def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
+                                 scale_regularization=None):
+    """Returns `(loss, y_pred, grads)`, each part's backward on its device.
+
+    `grads` follow the order of `self.trainable_variables`; see the
+    subclasses for the arguments.
+    """
+    raise NotImplementedError
+
+  def compile(self, *args, jit_compile: bool | str = "auto", **kwargs):
+    """`keras.Model.compile`, without XLA, with slots and updates on each
+    variable's device.
+
+    Raises:
+      ValueError: `jit_compile=True`: XLA cannot compile one step whose
+        variables live on several devices.
+    """
+    if jit_compile is True:
+      raise ValueError(
+          f"jit_compile=True is not supported by {type(self).__name__}: XLA "
+          "cannot compile one step over variables on several devices. Use "
+          "jit_compile=False (or 'auto').")
+    super().compile(*args, jit_compile=False, **kwargs)
+    if self.optimizer is not None:
+      # Build now, eagerly: built lazily inside the traced step, Keras would
+      # create every slot on the default device instead of beside its variable.
+      self.build_optimizer(self.optimizer)
+
+  def build_optimizer(self, optimizer: keras.optimizers.Optimizer):
+    """Prepares an optimizer for a custom loop over this model.
+
+    Colocates its updates with the variables and builds its slots (each next
+    to its variable); stateful Keras 3 optimizers need `build` before a
+    `tf.function` step.
+
+    Returns:
+      The same optimizer.
+    """
+    colocate_optimizer_updates(optimizer)
+    if not optimizer.built:
+      optimizer.build(self.trainable_variables)
+    return optimizer
+
+  def _fit_loss_options(self) -> dict[str, Any]:
+    """Extra keyword arguments `train_step` passes to the hook (none here)."""
+    return {}
+
+  def train_step(self, data):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if self._compile_loss is None:  # pylint: disable=protected-access
+      raise ValueError(
+          f"{type(self).__name__} has no loss to train on. Call "
+          "compile(loss=...) before fit().")
+    if not self.optimizer.built:
+      raise ValueError(
+          f"The optimizer of {type(self).__name__} is not built. Call "
+          "compile() or build_optimizer(optimizer) before training: built "
+          "inside the traced step, its slots would land on the default "
+          "device.")
+    scale = self.optimizer.scale_loss
+
+    def loss_fn(targets, y_pred):
+      # The compiled loss only: regularisation losses join each part's own
+      # backward in compute_loss_and_gradients. The sample weights travel
+      # with the targets, so a model that splits the batch splits them too.
+      y_true, weights = targets
+      return scale(self._compile_loss(y_true, y_pred, weights))  # pylint: disable=protected-access
+
+    loss, y_pred, grads = self.compute_loss_and_gradients(
+        x, (y, sample_weight), loss_fn, scale_regularization=scale,
+        **self._fit_loss_options())
+    unscaled = loss / tf.cast(scale(tf.constant(1.0)), loss.dtype)
+    batch = tf.shape(tf.nest.flatten(x)[0])[0]
+    self._loss_tracker.update_state(  # pylint: disable=protected-access
+        keras_loss.unscale_loss_for_distribution(unscaled),
+        sample_weight=batch)
+    self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

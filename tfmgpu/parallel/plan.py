@@ -1,0 +1,191 @@
+"""The stage plan: which layers go to which device, with their costs.
+
+A `StagePlan` is data: its `Stage`s (layers, device, parameter bytes, FLOPs,
+activation and transfer bytes), validated when built, printable as a table
+(`str(plan)`), with a per-device training-memory estimate
+(`memory_estimate`). `tfmgpu.parallel.partition.plan_stages` makes one.
+
+Pure Python: importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Slot variables per trainable weight kept by common optimizers.
+OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "rmsprop": 1, "adagrad": 1,
+                   "adam": 2, "adamw": 2, "nadam": 2, "adamax": 2, "lion": 1}
+
+
+def _fmt_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return str(n)
+
+
+def _fmt_count(n: float) -> str:
+  for unit in ("", "K", "M", "G"):
+    if abs(n) < 1000 or unit == "G":
+      return f"{n:.0f}" if not unit else f"{n:.1f}{unit}"
+    n /= 1000
+  return str(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One stage of a `StagePlan`; byte and FLOP counts are per example.
+
+  Attributes:
+    index: position of the stage, from 0.
+    device: the device that holds its weights and runs it.
+    layers: its layer names, in topological order.
+    param_bytes: bytes of all its weights.
+    trainable_param_bytes: bytes of its trainable weights.
+    flops: forward FLOPs per example.
+    activation_bytes: bytes of its layers' outputs per example (kept for
+      the backward pass).
+    input_bytes: bytes of the tensor it receives per example.
+    sent_bytes: bytes it sends to the next stage per example (and receives
+      back as a gradient); 0 for the last stage.
+  """
+  index: int
+  device: str
+  layers: tuple[str, ...]
+  param_bytes: int
+  trainable_param_bytes: int
+  flops: int
+  activation_bytes: int
+  input_bytes: int
+  sent_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Estimated bytes one device holds while training (see `memory_estimate`)."""
+  device: str
+  weights: int
+  gradients: int
+  optimizer_slots: int
+  activations: int
+
+  @property
+  def total(self) -> int:
+    return self.weights + self.gradients + self.optimizer_slots + self.activations
+
+
+def _optimizer_slots(optimizer: str | int) -> int:
+  """Slots per trainable weight of an optimizer name, or the number given."""
+  if isinstance(optimizer, str):
+    if optimizer.lower() not in OPTIMIZER_SLOTS:
+      raise ValueError(
+          f"optimizer={optimizer!r} is unknown; use one of "
+          f"{', '.join(OPTIMIZER_SLOTS)} or the number of slots per weight.")
+    return OPTIMIZER_SLOTS[optimizer.lower()]
+  return int(optimizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  """Which layers go to which device, with their costs. Print it for a table.
+
+  Attributes:
+    stages: the stages in order.
+    criterion: what the split balanced (`"balanced"`, `"params"`, `"flops"`,
+      or `"split_points"` when the split was given).
+    model_name: the model the plan was made for.
+  """
+  stages: tuple[Stage, ...]
+  criterion: str
+  model_name: str = ""
+
+  def __post_init__(self):
+    if not self.stages:
+      raise ValueError("StagePlan needs at least one stage.")
+    seen: set[str] = set()
+    for i, stage in enumerate(self.stages):
+      if stage.index != i:
+        raise ValueError(f"stage at position {i} has index={stage.index}; "
+                         "indices must be 0, 1, 2, ... in order.")
+      if not stage.layers:
+        raise ValueError(f"stage {i} has no layers; every stage needs one.")
+      dup = seen.intersection(stage.layers)
+      if dup:
+        raise ValueError(f"layers {sorted(dup)} appear in two stages.")
+      seen.update(stage.layers)
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  @property
+  def devices(self) -> tuple[str, ...]:
+    return tuple(s.device for s in self.stages)
+
+  @property
+  def layer_names(self) -> tuple[str, ...]:
+    return tuple(name for s in self.stages for name in s.layers)
+
+  def stage_of(self, layer_name: str) -> int:
+    """The index of the stage holding `layer_name`."""
+    for s in self.stages:
+      if layer_name in s.layers:
+        return s.index
+    raise ValueError(f"layer_name={layer_name!r} is in no stage of this plan. "
+                     f"Layers: {', '.join(self.layer_names)}.")
+
+  def memory_estimate(self, batch_size: int, *,
+                      optimizer: str | int = "adam") -> dict[str, MemoryEstimate]:
+    """Estimates the training memory of each device.
+
+    Per stage: its weights; one gradient per trainable weight; the optimizer's
+    slots (`optimizer` names one of `OPTIMIZER_SLOTS` or gives the number of
+    slots per weight); and `batch_size` times the activations kept for the
+    backward pass (its input and every layer output). Stages sharing a device
+    add up. Framework workspace and fragmentation are not counted.
+
+    Args:
+      batch_size: examples per step on each stage.
+      optimizer: optimizer name or slots per trainable weight. Defaults to
+        `"adam"` (2 slots).
+
+    Returns:
+      `{device: MemoryEstimate}` in stage order.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+      raise ValueError(f"batch_size={batch_size!r} must be a positive int.")
+    slots = _optimizer_slots(optimizer)
+    out: dict[str, MemoryEstimate] = {}
+    for s in self.stages:
+      prev = out.get(s.device, MemoryEstimate(s.device, 0, 0, 0, 0))
+      out[s.device] = MemoryEstimate(
+          s.device,
+          prev.weights + s.param_bytes,
+          prev.gradients + s.trainable_param_bytes,
+          prev.optimizer_slots + slots * s.trainable_param_bytes,
+          prev.activations + batch_size * (s.input_bytes + s.activation_bytes))
+    return out
+
+  def table(self) -> str:
+    """A plain-text table: one row per stage, then the totals."""
+    header = ("stage", "device", "layers", "params", "FLOPs/ex", "sends/ex")
+    rows = []
+    for s in self.stages:
+      names = (s.layers[0] if len(s.layers) == 1 else
+               f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})")
+      rows.append((str(s.index), s.device, names, _fmt_bytes(s.param_bytes),
+                   _fmt_count(s.flops),
+                   _fmt_bytes(s.sent_bytes) if s.sent_bytes else "-"))
+    rows.append(("total", "", f"{len(self.layer_names)} layers",
+                 _fmt_bytes(sum(s.param_bytes for s in self.stages)),
+                 _fmt_count(sum(s.flops for s in self.stages)),
+                 _fmt_bytes(sum(s.sent_bytes for s in self.stages))))
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(6)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    title = (f"StagePlan for {self.model_name!r}: {self.num_stages} stage(s), "
+             f"criterion={self.criterion}")
+    return "\n".join([title, line(header)] + [line(r) for r in rows])
+
+  def __str__(self) -> str:
+    return self.table()
