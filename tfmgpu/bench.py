@@ -14,7 +14,13 @@ import os
 from absl import app
 from absl import flags
 
-from tfmgpu import cli_flags as cf
+from tfmgpu import flags as flags_lib
+from tfmgpu.flags import batch
+from tfmgpu.flags import devices as device_flags
+from tfmgpu.flags import execution
+
+for _group in (device_flags, batch, execution):
+  flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Fewer steps and rounds: the whole suite in < 5 minutes.")
@@ -41,18 +47,18 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   replicas = tuple(int(r) for r in _REPLICAS.value)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  cf.quiet_tensorflow()
-  from tfmgpu import bench_suite  # pylint: disable=g-import-not-at-top
+  flags_lib.quiet_tensorflow()
+  from tfmgpu.benchmarks import suite as bench_suite  # pylint: disable=g-import-not-at-top
   from tfmgpu import devices  # pylint: disable=g-import-not-at-top
-  devices.configure_virtual_devices(cf.VIRTUAL_DEVICES.value or max(replicas),
+  devices.configure_virtual_devices(device_flags.VIRTUAL_DEVICES.value or max(replicas),
                                     intra_op_threads=_INTRA_OP_THREADS.value)
   quick = _QUICK.value
   options = bench_suite.SuiteOptions(
       models=tuple(_MODELS.value), replicas=replicas,
-      steps=8 * cf.STEPS_PER_EXECUTION.value
-      if quick else max(_STEPS.value, 8 * cf.STEPS_PER_EXECUTION.value),
-      global_batch_size=cf.GLOBAL_BATCH_SIZE.value,
-      steps_per_execution=cf.STEPS_PER_EXECUTION.value,
+      steps=8 * execution.STEPS_PER_EXECUTION.value
+      if quick else max(_STEPS.value, 8 * execution.STEPS_PER_EXECUTION.value),
+      global_batch_size=batch.GLOBAL_BATCH_SIZE.value,
+      steps_per_execution=execution.STEPS_PER_EXECUTION.value,
       rounds=2 if quick else 3, output_dir=_OUTPUT_DIR.value, quick=quick)
   bench_suite.run_suite(options, sections=_SECTIONS.value,
                         out=lambda s: print(s, flush=True))

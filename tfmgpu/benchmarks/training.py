@@ -13,7 +13,10 @@ Paths:
     much of tfmgpu's lead a `fit` user gets by swapping the optimizer).
   * `tutorial`: the plain `strategy.run` loop of TF's custom-training
     tutorial (one step per `tf.function` call, Python iteration).
-  * `floor`: a single-device `tf.function` step with no strategy at all.
+  * `floor`: a single-device `tf.function` step with no strategy at all
+    (`floor_same_kernels`: the same with tfmgpu's kernels).
+
+`compare` runs the strategy paths interleaved and keeps each one's best round.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
-from tfmgpu import devices as devices_lib
 from tfmgpu import models as models_lib
 from tfmgpu.training import fused as fused_lib
 from tfmgpu.training import step as step_lib
@@ -73,7 +75,8 @@ class _BatchTimer(keras.callbacks.Callback):
     self.times.append(time.perf_counter())
 
 
-def _median_step_ms(stamps: list[float], steps_per_call: int, skip: int) -> float:
+def _median_step_ms(stamps: list[float], steps_per_call: int,
+                    skip: int) -> float:
   gaps = np.diff(stamps)[skip:]
   if not len(gaps):
     raise ValueError("too few timed calls; raise steps.")
@@ -89,22 +92,18 @@ def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
   `trainer_options` go to `Trainer` (e.g. `gradient_compression`).
   """
   model = _build(strategy, model_name, arrays, seed)
-  stamps: list[float] = []
-
-  class Stamp(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-      stamps.append(time.perf_counter())
-
+  timer = _BatchTimer()
   trainer = Trainer(model, strategy=strategy, steps_per_execution=
                     steps_per_execution, jit_compile=jit_compile, verbose=0,
-                    callbacks=[Stamp()], **trainer_options)
+                    callbacks=[timer], **trainer_options)
   per_epoch = len(arrays.x_train) // global_batch_size
   per_epoch = max(min(steps, per_epoch) // steps_per_execution, 1) * (
       steps_per_execution)
   trainer.fit(arrays.x_train, arrays.y_train, epochs=-(-steps // per_epoch),
               global_batch_size=global_batch_size, steps_per_epoch=per_epoch,
               seed=seed)
-  return Timing("tfmgpu", _median_step_ms(stamps, steps_per_execution, warmup),
+  return Timing("tfmgpu",
+                _median_step_ms(timer.times, steps_per_execution, warmup),
                 global_batch_size)
 
 
@@ -243,146 +242,3 @@ def compare(strategy, model_name: str, arrays: data_lib.Arrays, *,
       if path not in best or t.ms_per_step < best[path].ms_per_step:
         best[path] = t
   return best
-
-
-# ------------------------------------------------------------ inference
-
-def compare_predict(strategy, model_name: str, x: np.ndarray, *,
-                    batch_size: int = 1024, rounds: int = 3, seed: int = 0
-                    ) -> dict[str, Timing]:
-  """`tfmgpu.predict` vs Keras `model.predict`, same model, strategy, batch.
-
-  Both models are built in `strategy`'s scope with the same weights; each
-  path is warmed up once (tracing) and its best of `rounds` full passes over
-  `x` is kept, interleaved.
-  """
-  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
-  arrays_shape = x.shape[1:]
-  with strategy.scope():
-    model = models_lib.build_model(model_name, input_shape=arrays_shape,
-                                   num_classes=10, seed=seed)
-  predictor = inference.Predictor(model, strategy=strategy,
-                                  batch_size=batch_size)
-  predictor.predict(x)
-  model.predict(x, batch_size=batch_size, verbose=0)
-  best = {"tfmgpu": float("inf"), "keras_predict": float("inf")}
-  for _ in range(rounds):
-    start = time.perf_counter()
-    predictor.predict(x)
-    best["tfmgpu"] = min(best["tfmgpu"], time.perf_counter() - start)
-    start = time.perf_counter()
-    model.predict(x, batch_size=batch_size, verbose=0)
-    best["keras_predict"] = min(best["keras_predict"],
-                                time.perf_counter() - start)
-  return {k: Timing(k, v * 1e3, len(x)) for k, v in best.items()}
-
-
-def time_predictor(strategy, model_name: str, x: np.ndarray, *,
-                   rounds: int = 2, seed: int = 0, **predictor_options
-                   ) -> Timing:
-  """Best-of-`rounds` time of `Predictor.predict` over all of `x`."""
-  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
-  with strategy.scope():
-    model = models_lib.build_model(model_name, input_shape=x.shape[1:],
-                                   num_classes=10, seed=seed)
-  predictor = inference.Predictor(model, strategy=strategy,
-                                  **predictor_options)
-  predictor.predict(x)
-  best = float("inf")
-  for _ in range(rounds):
-    start = time.perf_counter()
-    predictor.predict(x)
-    best = min(best, time.perf_counter() - start)
-  return Timing("tfmgpu", best * 1e3, len(x))
-
-
-# ---------------------------------------------------- ceiling and comms
-
-def matmul_gflops(n: int = 1024, repeats: int = 20,
-                  chains: int | None = None) -> float:
-  """This machine's float32 matmul throughput (GFLOP/s), all cores.
-
-  Runs `chains` independent chains of `repeats` matmuls at once (default:
-  one per core), so the figure is the machine's whether TensorFlow gives an
-  op every core or one thread (as `configure_devices` does for a split CPU).
-  """
-  chains = chains or devices_lib.cpu_cores()
-  a = tf.random.uniform((chains, n, n), seed=1)
-  b = tf.random.uniform((n, n), seed=2)
-
-  @tf.function
-  def run(a, b):
-    total = tf.constant(0.0)
-    for i in range(chains):
-      c = a[i]
-      for _ in range(repeats):
-        c = tf.matmul(c, b) * 1e-3  # Scale keeps values finite.
-      total += tf.reduce_sum(c)
-    return total
-
-  float(run(a, b))
-  best = float("inf")
-  for _ in range(3):
-    start = time.perf_counter()
-    float(run(a, b))
-    best = min(best, time.perf_counter() - start)
-  return 2 * n**3 * repeats * chains / best / 1e9
-
-
-def training_flops_per_example(model: keras.Model) -> int:
-  """Forward FLOPs counted layer by layer, times 3 (backward is ~2x forward)."""
-  from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
-  graph = partition.ModelGraph(model)
-  return 3 * sum(partition.node_flops(n) for n in graph.nodes)
-
-
-def gradient_bytes(model: keras.Model, dtype: str = "float32") -> int:
-  """Bytes each replica all-reduces per step (one gradient per weight)."""
-  size = tf.as_dtype(dtype).size
-  return sum(int(np.prod(v.shape)) for v in model.trainable_variables) * size
-
-
-# Unidirectional per-GPU link bandwidth in GB/s (nominal; real all-reduce
-# bus bandwidth is typically 70-90% of these).
-LINK_PRESETS = {
-    "pcie3": 12.0,
-    "pcie4": 24.0,
-    "nvlink_v100": 150.0,
-    "nvlink_a100": 300.0,
-    "nvlink_h100": 450.0,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Projection:
-  """A projected (not measured) data-parallel step on an N-GPU host."""
-  num_gpus: int
-  link: str
-  compute_ms: float
-  allreduce_ms: float
-
-  @property
-  def step_ms(self) -> float:
-    return self.compute_ms + self.allreduce_ms
-
-  @property
-  def scaling_efficiency(self) -> float:
-    """Fraction of ideal N-fold speed-up (1.0 = perfect)."""
-    return self.compute_ms / self.step_ms
-
-
-def project_data_parallel(compute_ms: float, grad_bytes: int, num_gpus: int,
-                          link: str = "pcie4") -> Projection:
-  """Projects step time with ring all-reduce: 2(N-1)/N x bytes / bandwidth.
-
-  Assumes no overlap of communication with the backward pass (a pessimistic
-  bound) and the same per-GPU batch (weak scaling).
-  """
-  if link not in LINK_PRESETS:
-    raise ValueError(f"link={link!r} is unknown. Choose one of "
-                     f"{', '.join(LINK_PRESETS)}.")
-  if num_gpus < 1:
-    raise ValueError(f"num_gpus={num_gpus} must be >= 1.")
-  comm_s = (2 * (num_gpus - 1) / num_gpus * grad_bytes /
-            (LINK_PRESETS[link] * 1e9))
-  return Projection(num_gpus, link, compute_ms, comm_s * 1e3)

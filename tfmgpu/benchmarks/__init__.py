@@ -1,0 +1,21 @@
+"""Benchmarks: side-by-side timings against baselines run in the same process.
+
+Modules:
+  training: training throughput of one model, data, strategy and batch
+    through tfmgpu's loop, Keras `fit` (with and without `FusedAdam`), TF's
+    tutorial loop and a bare single-device floor.
+  inference: `tfmgpu.predict` against Keras `predict`, and predictor options.
+  ceiling: float32 matmul throughput and the fraction of it training reaches.
+  projection: a projected (not measured) data-parallel step on N GPUs from
+    gradient bytes and link bandwidth.
+  pipeline: per-stage forward/backward times of a staged or pipelined model
+    and the activation bytes each stage keeps for its backward.
+  pipeline_overlap: a K-stage pipeline with M micro-batches against M=1,
+    measured beside the simulator (`scripts/bench_pipeline.py`).
+  report: a suite run's rows, headline figures and CSV.
+  sections: the suite's sections, each timing its paths and printing a table.
+  plots: the suite's figures.
+  suite: `SuiteOptions` and `run_suite`, behind `python -m tfmgpu.bench`.
+
+Importing this package does not import TensorFlow; its modules do.
+"""

@@ -1,0 +1,67 @@
+"""A projection (not a measurement) of data-parallel training on N GPUs.
+
+Each replica all-reduces one gradient per weight every step
+(`gradient_bytes`); a ring all-reduce moves 2(N-1)/N times those bytes over
+each GPU's link. `project_data_parallel` adds that time to a measured
+compute time per step, with no overlap of communication and computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def gradient_bytes(model: keras.Model, dtype: str = "float32") -> int:
+  """Bytes each replica all-reduces per step (one gradient per weight)."""
+  size = tf.as_dtype(dtype).size
+  return sum(int(np.prod(v.shape)) for v in model.trainable_variables) * size
+
+
+# Unidirectional per-GPU link bandwidth in GB/s (nominal; real all-reduce
+# bus bandwidth is typically 70-90% of these).
+LINK_PRESETS = {
+    "pcie3": 12.0,
+    "pcie4": 24.0,
+    "nvlink_v100": 150.0,
+    "nvlink_a100": 300.0,
+    "nvlink_h100": 450.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+  """A projected (not measured) data-parallel step on an N-GPU host."""
+  num_gpus: int
+  link: str
+  compute_ms: float
+  allreduce_ms: float
+
+  @property
+  def step_ms(self) -> float:
+    return self.compute_ms + self.allreduce_ms
+
+  @property
+  def scaling_efficiency(self) -> float:
+    """Fraction of ideal N-fold speed-up (1.0 = perfect)."""
+    return self.compute_ms / self.step_ms
+
+
+def project_data_parallel(compute_ms: float, grad_bytes: int, num_gpus: int,
+                          link: str = "pcie4") -> Projection:
+  """Projects step time with ring all-reduce: 2(N-1)/N x bytes / bandwidth.
+
+  Assumes no overlap of communication with the backward pass (a pessimistic
+  bound) and the same per-GPU batch (weak scaling).
+  """
+  if link not in LINK_PRESETS:
+    raise ValueError(f"link={link!r} is unknown. Choose one of "
+                     f"{', '.join(LINK_PRESETS)}.")
+  if num_gpus < 1:
+    raise ValueError(f"num_gpus={num_gpus} must be >= 1.")
+  comm_s = (2 * (num_gpus - 1) / num_gpus * grad_bytes /
+            (LINK_PRESETS[link] * 1e9))
+  return Projection(num_gpus, link, compute_ms, comm_s * 1e3)
