@@ -1,75 +1,23 @@
-r"""Runs a command once per task of a local TensorFlow cluster.
+r"""Runs a command once per task of a local TensorFlow cluster, from a checkout.
 
-A thin command line over `tfmgpu.launcher.launch`: every task gets its own
-TF_CONFIG (and TFMGPU_TASK="worker:0"), its output is printed with a
-"[worker:0] " prefix, and the exit code is 0 only if the run succeeded
-(124 on --timeout_s, 130 on Ctrl-C, else the first failed task's code). See
-tfmgpu/launcher.py for the full contract.
-
-Everything after `--` is the command:
+The command line of `python -m tfmgpu.launch` (tfmgpu/launch.py); everything
+after `--` is the command:
 
   python scripts/launch_local_cluster.py --num_workers=2 -- \
       python -m tfmgpu.train --strategy=multi_worker_mirrored ...
-
-  python scripts/launch_local_cluster.py --num_workers=2 --num_ps=1 \
-      --coordinator -- python -m tfmgpu.train --strategy=parameter_server ...
 """
 
 import pathlib
 import sys
 
-from absl import app
 from absl import flags
 
 # Run from a checkout: make `tfmgpu` importable without installing it.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tfmgpu import launcher  # pylint: disable=wrong-import-position
+from tfmgpu import launch  # pylint: disable=wrong-import-position
 
-_NUM_WORKERS = flags.DEFINE_integer(
-    "num_workers", 2, "Number of 'worker' tasks.", lower_bound=1)
-_NUM_PS = flags.DEFINE_integer(
-    "num_ps", 0, "Number of 'ps' (parameter server) tasks; 0 for "
-    "multi-worker mirrored.", lower_bound=0)
-_COORDINATOR = flags.DEFINE_bool(
-    "coordinator", False, "Also run a 'chief' task: the coordinator of "
-    "parameter-server training (with --num_ps=0: a multi-worker chief).")
-_HOST = flags.DEFINE_string(
-    "host", "127.0.0.1", "Address the tasks use to reach each other.")
-_BASE_PORT = flags.DEFINE_integer(
-    "base_port", None, "First of consecutive ports for the tasks (chief, "
-    "workers, then ps). Default: pick free ports.", lower_bound=1,
-    upper_bound=65535)
-_TIMEOUT_S = flags.DEFINE_float(
-    "timeout_s", None, "Stop all tasks after this many seconds (exit code "
-    "124). Default: no limit.")
-_GRACE_S = flags.DEFINE_float(
-    "grace_s", 10.0, "Seconds between SIGTERM and SIGKILL when stopping "
-    "tasks.", lower_bound=0.0)
-
-flags.register_validator(
-    "timeout_s", lambda value: value is None or value > 0,
-    message="--timeout_s must be a number of seconds > 0; leave it unset "
-    "for no limit.")
-
-
-def main(argv: list[str]) -> int:
-  command = argv[1:]
-  if not command:
-    raise app.UsageError(
-        "No command given. Put the command every task runs after '--', e.g. "
-        "--num_workers=2 -- python -m tfmgpu.train "
-        "--strategy=multi_worker_mirrored")
-  try:
-    result = launcher.launch(
-        command, num_workers=_NUM_WORKERS.value, num_ps=_NUM_PS.value,
-        chief=_COORDINATOR.value, host=_HOST.value,
-        base_port=_BASE_PORT.value, timeout_s=_TIMEOUT_S.value,
-        grace_s=_GRACE_S.value)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from e
-  return result.exit_code
-
+flags.adopt_module_key_flags(launch)  # `--help` lists the launcher's flags.
 
 if __name__ == "__main__":
-  app.run(main)
+  launch.run()

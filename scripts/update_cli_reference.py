@@ -1,14 +1,13 @@
 """Regenerates the CLI reference in README.md from the real flags.
 
 Usage: python scripts/update_cli_reference.py [--check]
+(`python scripts/cli_reference.py` only prints it.)
 """
 
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from tfmgpu import cli_reference  # pylint: disable=g-import-not-at-top
+import cli_reference  # scripts/cli_reference.py, beside this file.
 
 
 def main() -> int:

@@ -1,15 +1,33 @@
 """The README cannot drift from the code: flags, strategy names, CI line."""
 
+import importlib.util
 import os
+import pathlib
 import re
+import shutil
 import subprocess
+import sys
 
 from absl import flags
+import pytest
 
-from tfmgpu import cli_reference, strategies
+from tfmgpu import strategies
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 README = open(os.path.join(ROOT, "README.md")).read()
+GENERATOR = os.path.join(ROOT, "scripts", "cli_reference.py")
+
+
+def _load_script(path: str):
+  """Imports a file under scripts/ (not a package) as a module."""
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+cli_reference = _load_script(GENERATOR)
 
 
 def test_cli_reference_is_generated_from_the_real_flags():
@@ -55,3 +73,34 @@ def test_public_api_resolves_lazily():
   out = subprocess.run([__import__("sys").executable, "-c", code],
                        capture_output=True, text=True, timeout=60, check=True)
   assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_cli_reference_from_an_installed_wheel(tmp_path):
+  """The generator imports the CLIs by module name, so it needs no checkout."""
+  src = tmp_path / "src"  # A copy: building writes build/ and *.egg-info.
+  shutil.copytree(os.path.join(ROOT, "tfmgpu"), src / "tfmgpu",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    shutil.copy(os.path.join(ROOT, name), src / name)
+  pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+  subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation",
+                  "--no-index", "-w", str(tmp_path / "wheels"), str(src)],
+                 capture_output=True, text=True, timeout=120, check=True)
+  (wheel,) = (tmp_path / "wheels").glob("tfmgpu-*.whl")
+  site = tmp_path / "site"
+  subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target",
+                  str(site), str(wheel)],
+                 capture_output=True, text=True, timeout=120, check=True)
+  outside = tmp_path / "elsewhere"
+  outside.mkdir()
+  env = dict(os.environ, PYTHONPATH=str(site))
+
+  def run(*args):
+    return subprocess.run([sys.executable, *args], cwd=outside, env=env,
+                          capture_output=True, text=True, timeout=120,
+                          check=True).stdout
+
+  where = run("-c", "import tfmgpu.launch; print(tfmgpu.__file__)")
+  assert pathlib.Path(where.strip()).is_relative_to(site)
+  assert run(GENERATOR).rstrip("\n") == cli_reference.markdown()

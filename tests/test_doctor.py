@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import tfmgpu
 from tfmgpu import diagnostics
+from tfmgpu.diagnostics import probe
 from tfmgpu import doctor
 from tfmgpu import strategies
 
@@ -279,7 +280,7 @@ def test_nvidia_smi_memory_follows_cuda_visible_devices(visible, expected):
   smi = [{"index": 0, "uuid": "GPU-aaaa-1", "name": "A", "memory_mb": 40960},
          {"index": 1, "uuid": "GPU-bbbb-2", "name": "A", "memory_mb": 81920}]
   tokens = visible.split(",") if visible else None
-  smi_memory = diagnostics._smi_memory  # pylint: disable=protected-access
+  smi_memory = probe._smi_memory  # pylint: disable=protected-access
   assert smi_memory(0, "A", smi, tokens) == expected
   # A name that does not match nvidia-smi's means a wrong mapping: unknown.
   assert smi_memory(0, "B", smi, tokens) is None

@@ -1,7 +1,7 @@
 """This task's role in a cluster, checked before training; ps/worker servers.
 
 `python -m tfmgpu.train` runs the same command in every task of a cluster
-(`scripts/launch_local_cluster.py` starts them locally). `preflight` reads
+(`python -m tfmgpu.launch` starts them locally). `preflight` reads
 TF_CONFIG before TensorFlow loads, checks it against the strategy, and says
 what this task does:
 
@@ -27,8 +27,9 @@ from typing import Any, Mapping
 
 from absl import logging
 
+from tfmgpu import ports
 from tfmgpu import strategies as strategies_lib
-from tfmgpu.launcher import PortInUseError
+from tfmgpu.ports import PortInUseError
 
 # Inter-op threads of a ps/worker server: with 2, a worker can deadlock
 # (a scheduled function waits on ops that need another inter-op thread).
@@ -106,8 +107,7 @@ def check_port_free(role: TaskRole) -> None:
         f"TF_CONFIG gives task {role.name} the address {role.address!r}, "
         "which has no valid port. Use 'host:port', e.g. '10.0.0.2:2222'.")
   port = int(port_text)
-  family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-  with socket.socket(family, socket.SOCK_STREAM) as sock:
+  with socket.socket(ports.address_family(host), socket.SOCK_STREAM) as sock:
     # Like gRPC, reuse a port whose old connections linger in TIME_WAIT.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -139,7 +139,7 @@ def preflight(config: Any, environ: Mapping[str, str] | None = None
   """
   environ = os.environ if environ is None else environ
   strategy = config.strategy
-  joins = strategies_lib.strategy_entry(strategy).joins_cluster
+  joins = strategies_lib.lookup(strategy).joins_cluster
   if joins and config.cluster_resolver == "slurm":
     if strategy == "parameter_server":
       raise ValueError(
@@ -156,6 +156,18 @@ def preflight(config: Any, environ: Mapping[str, str] | None = None
           "scripts/launch_local_cluster.py --num_workers=2 --num_ps=1 "
           "--coordinator -- python -m tfmgpu.train --strategy=parameter_server")
     return role
+  _check_jobs(role, strategy, joins)
+  check_port_free(role)
+  return role
+
+
+def _check_jobs(role: TaskRole, strategy: str, joins: bool) -> None:
+  """Checks that the jobs of `role.cluster` are the ones `strategy` runs.
+
+  Raises:
+    ValueError: the strategy trains on one host, the cluster has a job the
+      strategy does not use, or lacks one it needs.
+  """
   if not joins:
     fit = ("parameter_server" if "ps" in role.cluster
            else "multi_worker_mirrored")
@@ -183,8 +195,6 @@ def preflight(config: Any, environ: Mapping[str, str] | None = None
           f"({describe_jobs(role.cluster)}) lacks "
           f"{', '.join(map(repr, missing))}. With the launcher: --num_ps=1 "
           "--coordinator.")
-  check_port_free(role)
-  return role
 
 
 def run_server(role: TaskRole, *,

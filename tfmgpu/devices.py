@@ -46,7 +46,8 @@ class DeviceLayout:
     return self.gpus or self.cpus
 
 
-def _runtime_initialized() -> bool:
+def runtime_initialized() -> bool:
+  """Whether TensorFlow's runtime (and so its device layout) has started."""
   # The context reports whether the runtime (and so the device list) exists.
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   return context.context()._context_handle is not None  # pylint: disable=protected-access
@@ -62,7 +63,7 @@ def _split(device: tf.config.PhysicalDevice, count: int,
               for _ in range(count)]
   current = tf.config.get_logical_device_configuration(device)
   kind = device.device_type
-  if _runtime_initialized():
+  if runtime_initialized():
     have = len(current) if current else len(
         [d for d in tf.config.list_logical_devices(kind)])
     if have == count:
@@ -106,7 +107,7 @@ def _share_cores(logical_cpus: int | None, intra_op_threads: int | None) -> None
       tf.config.threading.get_intra_op_parallelism_threads()
       == intra_op_threads):
     return
-  if _runtime_initialized():
+  if runtime_initialized():
     if not explicit:
       logging.info("TensorFlow already runs with its own threads per op; "
                    "not changing them to %d for %d logical CPUs.",
@@ -142,8 +143,8 @@ def configure_devices(*,
     intra_op_threads: threads one op may use. `None` (the default): when
       `logical_cpus` >= 2 and TensorFlow's own setting is untouched, each op
       gets `cores // logical_cpus` threads (at least 1), so replicas running
-      at once share the cores instead of oversubscribing them (on a 2-core
-      machine split in 2 or 4 this made mirrored steps 1.3-1.5x faster).
+      at once share the cores instead of oversubscribing them
+      (docs/benchmarks.md measures the difference).
       `0` leaves TensorFlow's setting as it is (unset: every core per op),
       for work whose devices run one after another.
 
@@ -155,16 +156,8 @@ def configure_devices(*,
     DeviceConfigurationError: TensorFlow is already initialised with a
       different layout.
   """
-  for name, value in (("logical_cpus", logical_cpus),
-                      ("logical_gpus", logical_gpus)):
-    if value is not None and (not isinstance(value, int) or value < 1):
-      raise ValueError(f"{name}={value!r} must be a positive integer.")
-  if gpu_memory_limit_mb < 1:
-    raise ValueError(f"gpu_memory_limit_mb={gpu_memory_limit_mb} must be >= 1.")
-  if intra_op_threads is not None and (
-      not isinstance(intra_op_threads, int) or intra_op_threads < 0):
-    raise ValueError(f"intra_op_threads={intra_op_threads!r} must be an "
-                     "integer >= 0 (0: leave TensorFlow's setting).")
+  _check_request(logical_cpus, logical_gpus, gpu_memory_limit_mb,
+                 intra_op_threads)
   physical_gpus = tf.config.list_physical_devices("GPU")
   if logical_cpus is not None:
     _split(tf.config.list_physical_devices("CPU")[0], logical_cpus, None,
@@ -181,22 +174,41 @@ def configure_devices(*,
           "memory_growth=True cannot be combined with logical_gpus: TensorFlow "
           "needs a fixed memory limit per logical GPU. Drop one of the two.")
     _split(physical_gpus[0], logical_gpus, gpu_memory_limit_mb, "logical_gpus")
-  growth = False
-  if memory_growth:
-    if not physical_gpus:
-      logging.info("memory_growth: no GPU found, nothing to do.")
-    else:
-      for gpu in physical_gpus:
-        if tf.config.experimental.get_memory_growth(gpu):
-          continue
-        try:
-          tf.config.experimental.set_memory_growth(gpu, True)
-        except RuntimeError as e:
-          raise DeviceConfigurationError(
-              f"memory_growth=True cannot be applied: {e}. {_RESTART_HINT}"
-          ) from e
-      growth = True
+  growth = memory_growth and _grow_memory(physical_gpus)
   return current_layout(memory_growth=growth)
+
+
+def _check_request(logical_cpus: int | None, logical_gpus: int | None,
+                   gpu_memory_limit_mb: int,
+                   intra_op_threads: int | None) -> None:
+  """Validates `configure_devices`' counts; raises `ValueError`."""
+  for name, value in (("logical_cpus", logical_cpus),
+                      ("logical_gpus", logical_gpus)):
+    if value is not None and (not isinstance(value, int) or value < 1):
+      raise ValueError(f"{name}={value!r} must be a positive integer.")
+  if gpu_memory_limit_mb < 1:
+    raise ValueError(f"gpu_memory_limit_mb={gpu_memory_limit_mb} must be >= 1.")
+  if intra_op_threads is not None and (
+      not isinstance(intra_op_threads, int) or intra_op_threads < 0):
+    raise ValueError(f"intra_op_threads={intra_op_threads!r} must be an "
+                     "integer >= 0 (0: leave TensorFlow's setting).")
+
+
+def _grow_memory(physical_gpus: Sequence[tf.config.PhysicalDevice]) -> bool:
+  """Turns on memory growth for every GPU; returns whether there are any."""
+  if not physical_gpus:
+    logging.info("memory_growth: no GPU found, nothing to do.")
+    return False
+  for gpu in physical_gpus:
+    if tf.config.experimental.get_memory_growth(gpu):
+      continue
+    try:
+      tf.config.experimental.set_memory_growth(gpu, True)
+    except RuntimeError as e:
+      raise DeviceConfigurationError(
+          f"memory_growth=True cannot be applied: {e}. {_RESTART_HINT}"
+      ) from e
+  return True
 
 
 def configure_virtual_devices(count: int | None, *,
@@ -246,11 +258,6 @@ def split_virtual_devices(count: int | None) -> None:
     _split(tf.config.list_physical_devices("CPU")[0], count, None,
            "logical_cpus")
     _share_cores(count, None)
-
-
-def runtime_initialized() -> bool:
-  """Whether TensorFlow's runtime (and so its device layout) has started."""
-  return _runtime_initialized()
 
 
 def current_layout(*, memory_growth: bool | None = None) -> DeviceLayout:
