@@ -34,30 +34,29 @@ LAYERS = {
     "tfmgpu/data": 1,
     "tfmgpu/models": 1,
     "tfmgpu/strategies": 1,
-    # 2 config
-    "tfmgpu/config": 2,
-    # 3 engines
-    "tfmgpu/parallel": 3,
-    "tfmgpu/training": 3,
-    # 4 services
-    "tfmgpu/cluster": 4,
-    "tfmgpu/diagnostics": 4,
-    "tfmgpu/inference": 4,
-    "tfmgpu/launcher": 4,
-    "tfmgpu/placements": 4,
-    # 5 orchestration
-    "tfmgpu/runs": 5,
-    # 6 tools
-    "tfmgpu/benchmarks": 6,
-    # 7 command lines
-    "tfmgpu/bench": 7,
-    "tfmgpu/doctor": 7,
-    "tfmgpu/flags": 7,
-    "tfmgpu/launch": 7,
-    "tfmgpu/predict": 7,
-    "tfmgpu/train": 7,
+    # 2 engines
+    "tfmgpu/parallel": 2,
+    "tfmgpu/training": 2,
+    # 3 services
+    "tfmgpu/cluster": 3,
+    "tfmgpu/diagnostics": 3,
+    "tfmgpu/inference": 3,
+    "tfmgpu/launcher": 3,
+    "tfmgpu/placements": 3,
+    # 4 runs: what a run is (config) and running it
+    "tfmgpu/config": 4,
+    "tfmgpu/runs": 4,
+    # 5 tools
+    "tfmgpu/benchmarks": 5,
+    # 6 command lines
+    "tfmgpu/bench": 6,
+    "tfmgpu/doctor": 6,
+    "tfmgpu/flags": 6,
+    "tfmgpu/launch": 6,
+    "tfmgpu/predict": 6,
+    "tfmgpu/train": 6,
 }
-CLI_LAYER = 7
+CLI_LAYER = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +224,6 @@ def later():
   assert sorted(imports_absl_flags(source)) == [6, 7, 13]
   assert layer_of("tfmgpu") == 0
   assert layer_of("tfmgpu.models.registry") == 1
-  assert layer_of("tfmgpu.launcher") == 4
-  assert layer_of("tfmgpu.launch") == 7
+  assert layer_of("tfmgpu.launcher") == 3
+  assert layer_of("tfmgpu.launch") == 6
   assert layer_of("tfmgpu.unknown_module") is None

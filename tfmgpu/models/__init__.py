@@ -21,6 +21,7 @@ from tfmgpu.models.registry import MIXED_PRECISION_POLICIES
 from tfmgpu.models.registry import ModelEntry
 from tfmgpu.models.registry import ModelFn
 from tfmgpu.models.registry import register_model
+from tfmgpu.models.registry import unregister_model
 
 # Registers the models, in this order (the CLI lists them so).
 from tfmgpu.models import classic  # pylint: disable=g-bad-import-order
@@ -37,4 +38,5 @@ __all__ = [
     "dtype_policy",
     "logits_layer",
     "register_model",
+    "unregister_model",
 ]

@@ -42,6 +42,11 @@ def register_model(name: str, description: str):
   return decorate
 
 
+def unregister_model(name: str) -> None:
+  """Removes a registered model (tests and plugins that clean up)."""
+  _REGISTRY.pop(name, None)
+
+
 def available_models() -> dict[str, str]:
   """Returns `{name: one-line description}` for every registered model."""
   return {n: e.description for n, e in _REGISTRY.items()}
