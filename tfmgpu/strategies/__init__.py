@@ -4,8 +4,8 @@
   registered object per name, the only list of names (the CLI's
   `--strategy` choices come from it).
 * `data_parallel`: the data-parallel distributions, each building a genuine
-  `tf.distribute.Strategy`, and how replica devices and all-reduce are
-  chosen.
+  `tf.distribute.Strategy`; `options`: their options dataclasses.
+* `replicas`: which devices replicate and how gradients are all-reduced.
 * `resolvers`: cluster resolvers by name and the TF_CONFIG check.
 
 Placements (model, pipeline and branch parallelism) register from
@@ -18,13 +18,8 @@ from typing import Any
 
 from absl import logging
 
-from tfmgpu.strategies.data_parallel import choose_cross_device_ops
-from tfmgpu.strategies.data_parallel import COMMUNICATION_CHOICES
-from tfmgpu.strategies.data_parallel import CROSS_DEVICE_OPS_CHOICES
-from tfmgpu.strategies.data_parallel import make_cross_device_ops
-from tfmgpu.strategies.data_parallel import replica_devices
-from tfmgpu.strategies.data_parallel import short_device
-from tfmgpu.strategies.data_parallel import SINGLE_REPLICA_CHOICES
+from tfmgpu.strategies.options import COMMUNICATION_CHOICES
+from tfmgpu.strategies.options import SINGLE_REPLICA_CHOICES
 from tfmgpu.strategies.registry import available_strategies
 from tfmgpu.strategies.registry import Distribution
 from tfmgpu.strategies.registry import Kind
@@ -33,8 +28,21 @@ from tfmgpu.strategies.registry import Placement
 from tfmgpu.strategies.registry import register
 from tfmgpu.strategies.registry import registered
 from tfmgpu.strategies.registry import unregister
+from tfmgpu.strategies.replicas import choose_cross_device_ops
+from tfmgpu.strategies.replicas import CROSS_DEVICE_OPS_CHOICES
+from tfmgpu.strategies.replicas import make_cross_device_ops
+from tfmgpu.strategies.replicas import replica_devices
+from tfmgpu.strategies.replicas import short_device
 from tfmgpu.strategies.resolvers import CLUSTER_RESOLVERS
 from tfmgpu.strategies.resolvers import validate_tf_config
+
+__all__ = [
+    "available_strategies", "choose_cross_device_ops", "CLUSTER_RESOLVERS",
+    "COMMUNICATION_CHOICES", "CROSS_DEVICE_OPS_CHOICES", "Distribution",
+    "get_strategy", "intra_op_threads_for", "Kind", "lookup",
+    "make_cross_device_ops", "Placement", "register", "registered",
+    "replica_devices", "short_device", "SINGLE_REPLICA_CHOICES",
+    "strategy_entry", "unregister", "validate_tf_config"]
 
 # The name that older code used for `lookup`.
 strategy_entry = lookup

@@ -2,16 +2,14 @@
 
 `default`, `one_device`, `mirrored`, `multi_worker_mirrored`,
 `parameter_server`, `central_storage` and `tpu`, each one `Distribution`
-(`tfmgpu.strategies.registry`) with its options dataclass, building a
-genuine `tf.distribute.Strategy`. Also how replica devices and the
-all-reduce implementation are chosen.
+(`tfmgpu.strategies.registry`) with its options dataclass
+(`tfmgpu.strategies.options`), building a genuine `tf.distribute.Strategy`.
 
 Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -20,106 +18,20 @@ from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
 from tfmgpu.strategies import registry
 from tfmgpu.strategies import resolvers
+from tfmgpu.strategies.options import CentralStorageOptions
+from tfmgpu.strategies.options import MirroredOptions
+from tfmgpu.strategies.options import MultiWorkerOptions
+from tfmgpu.strategies.options import OneDeviceOptions
+from tfmgpu.strategies.options import ParameterServerOptions
+from tfmgpu.strategies.options import TpuOptions
+from tfmgpu.strategies.replicas import make_cross_device_ops
+from tfmgpu.strategies.replicas import replica_devices
+from tfmgpu.strategies.replicas import select_replica_devices
 
 # The CLIs list the names in `--help` before TensorFlow loads: TensorFlow is
 # imported on first use.
 tf = LazyModule("tensorflow")
 devices_lib = LazyModule("tfmgpu.devices")
-
-
-# --------------------------------------------------------------- devices
-
-def _replica_devices(devices: Sequence[str] | None, num_gpus: int | None,
-                     num_replicas: int | None) -> list[str]:
-  """Chooses the devices a data-parallel strategy replicates over."""
-  if devices is not None:
-    if not devices:
-      raise ValueError("devices=[] is empty; name at least one device.")
-    return devices_lib.resolve_devices(devices)
-  layout = devices_lib.current_layout()
-  if num_gpus is not None:
-    if num_gpus < 0 or num_gpus > len(layout.gpus):
-      raise ValueError(
-          f"num_gpus={num_gpus} but this machine has {len(layout.gpus)} GPU(s). "
-          f"Devices found: {', '.join(layout.cpus + layout.gpus)}. "
-          + ("Use num_replicas=N with --virtual_devices=N to simulate replicas "
-             "on the CPU." if not layout.gpus else
-             f"Use num_gpus<={len(layout.gpus)}."))
-    return list(layout.gpus[:num_gpus]) or [layout.cpus[0]]
-  accel = list(layout.accelerators)
-  if num_replicas is not None:
-    if num_replicas < 1 or num_replicas > len(accel):
-      raise ValueError(
-          f"num_replicas={num_replicas} but only {len(accel)} device(s) exist: "
-          f"{', '.join(accel)}. Split a device first with "
-          "tfmgpu.configure_devices(logical_cpus=N) (CLI: --virtual_devices=N).")
-    return accel[:num_replicas]
-  return accel
-
-
-def _is_gpu(device: str) -> bool:
-  return tf.DeviceSpec.from_string(device).device_type == "GPU"
-
-
-# ------------------------------------------------------ cross-device ops
-
-_CROSS_DEVICE_OPS: dict[str, Callable[[int], "tf.distribute.CrossDeviceOps"]] = {
-    "nccl": lambda packs: tf.distribute.NcclAllReduce(num_packs=packs),
-    "hierarchical_copy":
-        lambda packs: tf.distribute.HierarchicalCopyAllReduce(num_packs=packs),
-    "reduction_to_one": lambda packs: tf.distribute.ReductionToOneDevice(),
-}
-CROSS_DEVICE_OPS_CHOICES = ("auto",) + tuple(_CROSS_DEVICE_OPS)
-
-
-def choose_cross_device_ops(name: str, replica_devices: Sequence[str]) -> str:
-  """Resolves `auto` and checks a choice against the replica devices.
-
-  `auto` picks NCCL only when every replica is a GPU (NCCL kernels exist only
-  for GPUs); otherwise `reduction_to_one`, which also lets strategies with
-  different replica counts live in one process (TF's default CPU collectives
-  do not).
-
-  Raises:
-    ValueError: unknown name, or NCCL with a non-GPU replica.
-  """
-  checks.check_choice("cross_device_ops", name, CROSS_DEVICE_OPS_CHOICES)
-  all_gpu = bool(replica_devices) and all(_is_gpu(d) for d in replica_devices)
-  if name == "auto":
-    return "nccl" if all_gpu and len(replica_devices) > 1 else "reduction_to_one"
-  if name == "nccl" and not all_gpu:
-    raise ValueError(
-        "cross_device_ops='nccl' needs every replica on a GPU, but replicas are "
-        f"on {', '.join(replica_devices)}: NCCL has no CPU kernel and would "
-        "fail at the first step. Use cross_device_ops='auto' or "
-        "'reduction_to_one'.")
-  return name
-
-
-def make_cross_device_ops(name: str, replica_devices: Sequence[str],
-                          num_packs: int = 1) -> tf.distribute.CrossDeviceOps:
-  """Builds the cross-device ops object for `name` (see `choose_cross_device_ops`)."""
-  if num_packs < 1:
-    raise ValueError(f"num_packs={num_packs} must be >= 1.")
-  return _CROSS_DEVICE_OPS[choose_cross_device_ops(name, replica_devices)](
-      num_packs)
-
-
-
-
-def short_device(name: str) -> str:
-  """'/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
-  return name.replace("/job:localhost/replica:0/task:0", "")
-
-
-def replica_devices(strategy: "tf.distribute.Strategy") -> list[str]:
-  """The devices a strategy's replicas run on, short names."""
-  try:
-    devices = list(strategy.extended.worker_devices)
-  except (AttributeError, RuntimeError):  # The default strategy has none.
-    devices = []
-  return [short_device(d) for d in devices] or [
-      devices_lib.accelerator_devices()[0]]
 
 
 # ------------------------------------------------------------ the base
@@ -144,119 +56,6 @@ class DataParallel(registry.Distribution):
       raise ValueError(f"strategy {self.name!r} serves one model; got "
                        f"{len(models)} model paths.")
     return models[0], self.make_strategy(options)
-
-
-# ------------------------------------------------------------- options
-
-@dataclasses.dataclass(frozen=True)
-class DeviceOptions:
-  """Which devices replicate: at most one of the three.
-
-  Attributes:
-    devices: explicit replica devices, e.g. `("/gpu:0", "/gpu:1")`.
-    num_gpus: the first N GPUs.
-    num_replicas: the first N accelerator devices (GPUs, else logical CPUs).
-  """
-  devices: tuple[str, ...] | None = None
-  num_gpus: int | None = None
-  num_replicas: int | None = None
-
-  def __post_init__(self):
-    given = [n for n in ("devices", "num_gpus", "num_replicas")
-             if getattr(self, n) is not None]
-    if len(given) > 1:
-      raise ValueError(f"Pass only one of {given}: they all choose devices.")
-    if self.devices is not None:
-      object.__setattr__(self, "devices", tuple(self.devices))
-
-
-SINGLE_REPLICA_CHOICES = ("default", "mirrored")
-
-
-@dataclasses.dataclass(frozen=True)
-class MirroredOptions(DeviceOptions):
-  """Options of `mirrored`.
-
-  Attributes:
-    cross_device_ops: `auto`, `nccl`, `hierarchical_copy`,
-      `reduction_to_one` (see `choose_cross_device_ops`).
-    num_packs: gradient packs for all-reduce.
-    single_replica: with one replica on the default device, `default` uses
-      the default strategy (no wrapping overhead); `mirrored` keeps
-      `MirroredStrategy`.
-  """
-  cross_device_ops: str = "auto"
-  num_packs: int = 1
-  single_replica: str = "default"
-
-  def __post_init__(self):
-    super().__post_init__()
-    checks.check_choice("cross_device_ops", self.cross_device_ops,
-                        CROSS_DEVICE_OPS_CHOICES)
-    checks.check_positive("num_packs", self.num_packs)
-    checks.check_choice("single_replica", self.single_replica,
-                        SINGLE_REPLICA_CHOICES)
-
-
-@dataclasses.dataclass(frozen=True)
-class OneDeviceOptions:
-  """Options of `one_device`: `devices`, at most one (default: the first
-  accelerator)."""
-  devices: tuple[str, ...] | None = None
-
-  def __post_init__(self):
-    if self.devices is not None and len(self.devices) != 1:
-      raise ValueError(f"one_device takes exactly one device; got devices="
-                       f"{list(self.devices)}. Use 'mirrored' for several.")
-
-
-COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiWorkerOptions:
-  """Options of `multi_worker_mirrored`.
-
-  Attributes:
-    communication: collective implementation: `auto`, `ring`, `nccl`.
-    cluster_resolver: `tf_config`, `slurm`, or a `ClusterResolver`.
-  """
-  communication: str = "auto"
-  cluster_resolver: Any = "tf_config"
-
-  def __post_init__(self):
-    checks.check_choice("communication", self.communication,
-                        COMMUNICATION_CHOICES)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParameterServerOptions:
-  """Options of `parameter_server`.
-
-  Attributes:
-    cluster_resolver: `tf_config`, `slurm`, or a `ClusterResolver`.
-    variable_shards: split each variable over this many parameter servers
-      (`FixedShardsPartitioner`); `None` keeps variables whole.
-  """
-  cluster_resolver: Any = "tf_config"
-  variable_shards: int | None = None
-
-  def __post_init__(self):
-    checks.check_positive("variable_shards", self.variable_shards,
-                          allow_none=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class CentralStorageOptions(DeviceOptions):
-  """Options of `central_storage`: the replica devices and
-  `parameter_device`, where the variables live (default `/cpu:0`)."""
-  parameter_device: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class TpuOptions:
-  """Options of `tpu`: `tpu`, the TPU's name or address (`""`: this VM's)."""
-  tpu: str = ""
 
 
 # ------------------------------------------------------------ registry
@@ -301,7 +100,7 @@ class Mirrored(DataParallel):
     _check_batch_over_virtual_devices(self.name, config)
 
   def make_strategy(self, options: MirroredOptions) -> "tf.distribute.Strategy":
-    replicas = _replica_devices(options.devices, options.num_gpus,
+    replicas = select_replica_devices(options.devices, options.num_gpus,
                                 options.num_replicas)
     if (len(replicas) == 1 and options.single_replica == "default"
         and replicas[0] == devices_lib.accelerator_devices()[0]):
@@ -438,7 +237,7 @@ class CentralStorage(DataParallel):
 
   def make_strategy(self, options: CentralStorageOptions
                     ) -> "tf.distribute.Strategy":
-    replicas = _replica_devices(options.devices, options.num_gpus,
+    replicas = select_replica_devices(options.devices, options.num_gpus,
                                 options.num_replicas)
     param = devices_lib.resolve_devices(
         [options.parameter_device or "/cpu:0"])[0]

@@ -164,6 +164,7 @@ def register(cls: type[Distribution]) -> type[Distribution]:
   Raises:
     ValueError: no name, or the name is taken.
   """
+  _discover()  # Built-ins first, so names keep their documented order.
   if not cls.name:
     raise ValueError(f"{cls.__name__} has no `name`; set the class attribute.")
   if cls.name in _REGISTRY:

@@ -221,17 +221,17 @@ class Trainer:
   def _loop_options(self, global_batch_size: int, validation_data
                     ) -> LoopOptions:
     writer, writes = self._summaries()
-    validate = None
-    if validation_data is not None:
-      def validate() -> dict[str, float]:
-        val = self.evaluate(*validation_data,
-                            global_batch_size=global_batch_size)
-        return {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
+
+    def validate() -> dict[str, float]:
+      val = self.evaluate(*validation_data, global_batch_size=global_batch_size)
+      return {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
+
     return LoopOptions(
         model=self.model, strategy=self.strategy,
         global_batch_size=global_batch_size, callbacks=self.callbacks,
         verbose=self.verbose, checkpointer=self.checkpointer,
-        summary_writer=writer, writes_summaries=writes, validate=validate)
+        summary_writer=writer, writes_summaries=writes,
+        validate=validate if validation_data is not None else None)
 
   def _watch_preemption(self):
     """SIGTERM becomes a checkpoint when the run keeps checkpoints."""

@@ -56,6 +56,59 @@ def _uses_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
   return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+def make_gradients_fn(model: keras.Model,
+                      optimizer: keras.optimizers.Optimizer, *,
+                      global_batch_size: int, loss: Any = None,
+                      jit_compile: bool = False):
+  """`grads(x, y) -> (loss share, predictions, gradients)` of one replica.
+
+  The loss is averaged over the global batch (plus regularization), scaled
+  for a `LossScaleOptimizer`; a placed model computes each part's backward
+  on that part's device (`compute_loss_and_gradients`).
+
+  Raises:
+    ValueError: `jit_compile` for a model whose variables live on several
+      devices.
+  """
+  per_example = per_example_loss_fn(loss)
+  scaling = _uses_loss_scaling(optimizer)
+
+  def scaled_loss(y_true, y_pred):
+    return tf.nn.compute_average_loss(per_example(y_true, y_pred),
+                                      global_batch_size=global_batch_size)
+
+  def placed_grads(x, y):  # Each part's backward on that part's device.
+    def objective(y_true, y_pred):
+      value = scaled_loss(y_true, y_pred)
+      return optimizer.scale_loss(value) if scaling else value
+    total, y_pred, grads = model.compute_loss_and_gradients(
+        x, y, objective,
+        scale_regularization=optimizer.scale_loss if scaling else None)
+    if scaling:
+      total = total / optimizer.scale_loss(tf.constant(1.0))
+    return total, y_pred, grads
+
+  def tape_grads(x, y):
+    with tf.GradientTape() as tape:
+      y_pred = model(x, training=True)
+      loss_value = scaled_loss(y, y_pred)
+      if model.losses:
+        loss_value += tf.nn.scale_regularization_loss(
+            tf.add_n([tf.cast(l, tf.float32) for l in model.losses]))
+      target = optimizer.scale_loss(loss_value) if scaling else loss_value
+    return loss_value, y_pred, tape.gradient(target,
+                                             model.trainable_variables)
+
+  if hasattr(model, "compute_loss_and_gradients"):
+    if jit_compile:
+      raise ValueError(
+          f"jit_compile=True is not supported for {type(model).__name__}: XLA "
+          "cannot compile one step whose variables live on several devices. "
+          "Use jit_compile=False.")
+    return placed_grads
+  return tf.function(tape_grads, jit_compile=True) if jit_compile else tape_grads
+
+
 def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                     *, global_batch_size: int, loss: Any = None,
                     jit_compile: bool = False,
@@ -79,42 +132,9 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     "non_finite": 1 if the loss is NaN/inf}`,
     to be called once per replica inside `strategy.run`.
   """
-  per_example = per_example_loss_fn(loss)
-  scaling = _uses_loss_scaling(optimizer)
-
-  def scaled_loss(y_true, y_pred):
-    return tf.nn.compute_average_loss(per_example(y_true, y_pred),
-                                      global_batch_size=global_batch_size)
-
-  def grads_fn(x, y):
-    variables = model.trainable_variables
-    if hasattr(model, "compute_loss_and_gradients"):
-      # The model runs each part's backward on that part's device.
-      def objective(y_true, y_pred):
-        value = scaled_loss(y_true, y_pred)
-        return optimizer.scale_loss(value) if scaling else value
-      total, y_pred, grads = model.compute_loss_and_gradients(
-          x, y, objective,
-          scale_regularization=optimizer.scale_loss if scaling else None)
-      if scaling:
-        total = total / optimizer.scale_loss(tf.constant(1.0))
-      return total, y_pred, grads
-    with tf.GradientTape() as tape:
-      y_pred = model(x, training=True)
-      loss_value = scaled_loss(y, y_pred)
-      if model.losses:
-        loss_value += tf.nn.scale_regularization_loss(
-            tf.add_n([tf.cast(l, tf.float32) for l in model.losses]))
-      target = optimizer.scale_loss(loss_value) if scaling else loss_value
-    return loss_value, y_pred, tape.gradient(target, variables)
-
-  if jit_compile:
-    if hasattr(model, "compute_loss_and_gradients"):
-      raise ValueError(
-          f"jit_compile=True is not supported for {type(model).__name__}: XLA "
-          "cannot compile one step whose variables live on several devices. "
-          "Use jit_compile=False.")
-    grads_fn = tf.function(grads_fn, jit_compile=True)
+  grads_fn = make_gradients_fn(model, optimizer,
+                                global_batch_size=global_batch_size,
+                                loss=loss, jit_compile=jit_compile)
 
   def step(x, y):
     loss_value, y_pred, grads = grads_fn(x, y)

@@ -1,0 +1,124 @@
+"""The options dataclasses of the data-parallel distributions.
+
+Each field is also a `TrainConfig` field (and, where it makes sense, a CLI
+flag), so every option is reachable; each dataclass validates its values.
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tfmgpu import checks
+from tfmgpu.strategies.replicas import CROSS_DEVICE_OPS_CHOICES
+
+@dataclasses.dataclass(frozen=True)
+class DeviceOptions:
+  """Which devices replicate: at most one of the three.
+
+  Attributes:
+    devices: explicit replica devices, e.g. `("/gpu:0", "/gpu:1")`.
+    num_gpus: the first N GPUs.
+    num_replicas: the first N accelerator devices (GPUs, else logical CPUs).
+  """
+  devices: tuple[str, ...] | None = None
+  num_gpus: int | None = None
+  num_replicas: int | None = None
+
+  def __post_init__(self):
+    given = [n for n in ("devices", "num_gpus", "num_replicas")
+             if getattr(self, n) is not None]
+    if len(given) > 1:
+      raise ValueError(f"Pass only one of {given}: they all choose devices.")
+    if self.devices is not None:
+      object.__setattr__(self, "devices", tuple(self.devices))
+
+
+SINGLE_REPLICA_CHOICES = ("default", "mirrored")
+
+
+@dataclasses.dataclass(frozen=True)
+class MirroredOptions(DeviceOptions):
+  """Options of `mirrored`.
+
+  Attributes:
+    cross_device_ops: `auto`, `nccl`, `hierarchical_copy`,
+      `reduction_to_one` (see `choose_cross_device_ops`).
+    num_packs: gradient packs for all-reduce.
+    single_replica: with one replica on the default device, `default` uses
+      the default strategy (no wrapping overhead); `mirrored` keeps
+      `MirroredStrategy`.
+  """
+  cross_device_ops: str = "auto"
+  num_packs: int = 1
+  single_replica: str = "default"
+
+  def __post_init__(self):
+    super().__post_init__()
+    checks.check_choice("cross_device_ops", self.cross_device_ops,
+                        CROSS_DEVICE_OPS_CHOICES)
+    checks.check_positive("num_packs", self.num_packs)
+    checks.check_choice("single_replica", self.single_replica,
+                        SINGLE_REPLICA_CHOICES)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDeviceOptions:
+  """Options of `one_device`: `devices`, at most one (default: the first
+  accelerator)."""
+  devices: tuple[str, ...] | None = None
+
+  def __post_init__(self):
+    if self.devices is not None and len(self.devices) != 1:
+      raise ValueError(f"one_device takes exactly one device; got devices="
+                       f"{list(self.devices)}. Use 'mirrored' for several.")
+
+
+COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiWorkerOptions:
+  """Options of `multi_worker_mirrored`.
+
+  Attributes:
+    communication: collective implementation: `auto`, `ring`, `nccl`.
+    cluster_resolver: `tf_config`, `slurm`, or a `ClusterResolver`.
+  """
+  communication: str = "auto"
+  cluster_resolver: Any = "tf_config"
+
+  def __post_init__(self):
+    checks.check_choice("communication", self.communication,
+                        COMMUNICATION_CHOICES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServerOptions:
+  """Options of `parameter_server`.
+
+  Attributes:
+    cluster_resolver: `tf_config`, `slurm`, or a `ClusterResolver`.
+    variable_shards: split each variable over this many parameter servers
+      (`FixedShardsPartitioner`); `None` keeps variables whole.
+  """
+  cluster_resolver: Any = "tf_config"
+  variable_shards: int | None = None
+
+  def __post_init__(self):
+    checks.check_positive("variable_shards", self.variable_shards,
+                          allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class CentralStorageOptions(DeviceOptions):
+  """Options of `central_storage`: the replica devices and
+  `parameter_device`, where the variables live (default `/cpu:0`)."""
+  parameter_device: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuOptions:
+  """Options of `tpu`: `tpu`, the TPU's name or address (`""`: this VM's)."""
+  tpu: str = ""
