@@ -35,8 +35,6 @@ from tfmgpu.ports import PortInUseError
 # (a scheduled function waits on ops that need another inter-op thread).
 SERVER_INTER_OP_THREADS = 4
 
-_JOBS = {"multi_worker_mirrored": ("chief", "worker"),
-         "parameter_server": ("chief", "worker", "ps")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,63 +136,87 @@ def preflight(config: Any, environ: Mapping[str, str] | None = None
       taken.
   """
   environ = os.environ if environ is None else environ
-  strategy = config.strategy
-  joins = strategies_lib.lookup(strategy).joins_cluster
-  if joins and config.cluster_resolver == "slurm":
-    if strategy == "parameter_server":
+  distribution = strategies_lib.lookup(config.strategy)
+  name = distribution.name
+  if distribution.joins_cluster and config.cluster_resolver == "slurm":
+    if not distribution.slurm:
       raise ValueError(
-          "strategy='parameter_server' with cluster_resolver='slurm' is not "
-          "supported: SLURM gives every task the same role. Describe the ps, "
-          "worker and chief tasks in TF_CONFIG (cluster_resolver='tf_config').")
+          f"strategy={name!r} with cluster_resolver='slurm' is not supported: "
+          f"SLURM gives every task the same role. Describe the "
+          f"{_jobs(distribution.required_jobs, 'and')} tasks in TF_CONFIG "
+          "(cluster_resolver='tf_config').")
     return TaskRole()  # SlurmClusterResolver checks the SLURM job itself.
   role = task_role(environ.get("TF_CONFIG"))
   if not role.task_type:
-    if strategy == "parameter_server":
+    if distribution.required_jobs:
       raise ValueError(
-          "strategy='parameter_server' needs a cluster with 'chief', 'worker' "
-          "and 'ps' tasks in TF_CONFIG, which is unset. Start one with "
-          "scripts/launch_local_cluster.py --num_workers=2 --num_ps=1 "
-          "--coordinator -- python -m tfmgpu.train --strategy=parameter_server")
+          f"strategy={name!r} needs a cluster with "
+          f"{_jobs(distribution.required_jobs, 'and')} tasks in TF_CONFIG, "
+          "which is unset. Start one with scripts/launch_local_cluster.py "
+          "--num_workers=2 --num_ps=1 --coordinator -- python -m "
+          f"tfmgpu.train --strategy={name}")
+    if distribution.joins_cluster:
+      logging.warning(
+          "strategy=%r without TF_CONFIG or a SLURM job: this process trains "
+          "alone, as one worker. On a cluster, set TF_CONFIG in every task "
+          "(python -m tfmgpu.launch does) or use --cluster_resolver=slurm.",
+          name)
     return role
-  _check_jobs(role, strategy, joins)
+  _check_jobs(role, distribution)
   check_port_free(role)
   return role
 
 
-def _check_jobs(role: TaskRole, strategy: str, joins: bool) -> None:
-  """Checks that the jobs of `role.cluster` are the ones `strategy` runs.
+def _jobs(jobs, conjunction: str, roles: Mapping[str, str] | None = None
+          ) -> str:
+  """`'chief' (the coordinator), 'worker' and 'ps'` for messages."""
+  roles = roles or {}
+  quoted = [f"{j!r} ({roles[j]})" if j in roles else repr(j) for j in jobs]
+  if len(quoted) < 2:
+    return "".join(quoted)
+  return f"{', '.join(quoted[:-1])} {conjunction} {quoted[-1]}"
+
+
+def _strategy_for(jobs) -> str:
+  """The joining strategy with the fewest jobs that covers `jobs`."""
+  fits = [d for d in strategies_lib.registered().values()
+          if d.joins_cluster and set(jobs) <= set(d.cluster_jobs)]
+  return min(fits, key=lambda d: len(d.cluster_jobs)).name if fits else ""
+
+
+def _check_jobs(role: TaskRole, distribution: Any) -> None:
+  """Checks that the jobs of `role.cluster` are the ones `distribution` runs.
 
   Raises:
     ValueError: the strategy trains on one host, the cluster has a job the
       strategy does not use, or lacks one it needs.
   """
-  if not joins:
-    fit = ("parameter_server" if "ps" in role.cluster
-           else "multi_worker_mirrored")
+  name = distribution.name
+  if not distribution.joins_cluster:
     raise ValueError(
         f"TF_CONFIG puts this process in a cluster (task {role.name}; "
-        f"{describe_jobs(role.cluster)}) but strategy={strategy!r} trains on "
-        f"one host, so every task would train alone. Use --strategy={fit}, "
-        "or unset TF_CONFIG.")
-  allowed = _JOBS[strategy]
+        f"{describe_jobs(role.cluster)}) but strategy={name!r} trains on "
+        f"one host, so every task would train alone. Use "
+        f"--strategy={_strategy_for(role.cluster)}, or unset TF_CONFIG.")
+  allowed = distribution.cluster_jobs
   extra = [job for job in role.cluster if job not in allowed]
   if extra:
-    hint = ("use --strategy=parameter_server for a cluster with 'ps' tasks"
-            if "ps" in extra else "tfmgpu.train runs only these jobs")
+    other = _strategy_for(role.cluster)
+    hint = (f"use --strategy={other} for a cluster with {_jobs(extra, 'and')}"
+            f" tasks" if other else "tfmgpu.train runs only these jobs")
     raise ValueError(
         f"TF_CONFIG has job(s) {', '.join(map(repr, extra))}, which "
-        f"strategy={strategy!r} does not use (it takes "
+        f"strategy={name!r} does not use (it takes "
         f"{', '.join(map(repr, allowed))}): {hint}.")
-  if strategy == "parameter_server":
-    missing = [job for job in ("chief", "worker", "ps")
-               if job not in role.cluster]
-    if missing:
-      raise ValueError(
-          "strategy='parameter_server' needs 'chief' (the coordinator), "
-          "'worker' and 'ps' tasks; TF_CONFIG's cluster "
-          f"({describe_jobs(role.cluster)}) lacks "
-          f"{', '.join(map(repr, missing))}. With the launcher: --num_ps=1 "
-          "--coordinator.")
+  missing = [job for job in distribution.required_jobs
+             if job not in role.cluster]
+  if missing:
+    needs = _jobs(distribution.required_jobs, "and", distribution.job_roles)
+    raise ValueError(
+        f"strategy={name!r} needs {needs} tasks; TF_CONFIG's cluster "
+        f"({describe_jobs(role.cluster)}) lacks "
+        f"{', '.join(map(repr, missing))}. With the launcher: --num_ps=1 "
+        "--coordinator.")
 
 
 def run_server(role: TaskRole, *,

@@ -106,6 +106,10 @@ def _ceiling(report: report_lib.Report, opts: suite.SuiteOptions,
                   "0.60)")
 
 
+# The label of the runs on `replicas` mirrored replicas (the others use one).
+_REPLICATED = "replicated"
+
+
 def _optimisation_runs(spe: int, replicas: int
                        ) -> tuple[dict[str, Any], list[tuple[str, str, dict]]]:
   """The strategies by name, and `(row name, strategy name, Trainer options)`:
@@ -120,7 +124,7 @@ def _optimisation_runs(spe: int, replicas: int
       "off: input_mode=tf_data": dict(input_mode="tf_data"),
   }
   strategies = {
-      "mirrored": _mirrored(replicas),
+      _REPLICATED: _mirrored(replicas),
       "mirrored x1": strategies_lib.get_strategy(
           "mirrored", num_replicas=1, single_replica="mirrored"),
       "mirrored x1 collapsed": strategies_lib.get_strategy(
@@ -128,7 +132,7 @@ def _optimisation_runs(spe: int, replicas: int
       "one_device": strategies_lib.get_strategy("one_device"),
       "default": strategies_lib.get_strategy("default"),
   }
-  runs = [(name, "mirrored", kw) for name, kw in variants.items()] + [
+  runs = [(name, _REPLICATED, kw) for name, kw in variants.items()] + [
       ("one replica: mirrored x1", "mirrored x1", {}),
       ("one replica: mirrored x1, single_replica=default",
        "mirrored x1 collapsed", {}),
@@ -158,10 +162,10 @@ def _optimisations(report: report_lib.Report, opts: suite.SuiteOptions,
   base = best[f"baseline (steps_per_execution={spe})"]
   for name, strategy, _ in runs:
     t = best[name]
-    n = 1 if strategy != "mirrored" else replicas
+    n = replicas if strategy == _REPLICATED else 1
     report.add(report_lib.Row("optimisation", "mlp", n, name, t.ms_per_step,
                               t.examples_per_sec))
-    ref = base if strategy == "mirrored" else best[
+    ref = base if strategy == _REPLICATED else best[
         "one replica: default strategy"]
     report.say(f"  x{n} {name:<34} {t.ms_per_step:8.2f} ms/step "
                f"{t.examples_per_sec:>10,.0f} ex/s  speed-up "

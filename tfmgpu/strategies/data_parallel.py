@@ -157,6 +157,7 @@ class MultiWorkerMirrored(DataParallel):
   needs = "TF_CONFIG or a SLURM job; one process per host"
   Options = MultiWorkerOptions
   joins_cluster = True
+  cluster_jobs = ("chief", "worker")
 
   def make_strategy(self, options: MultiWorkerOptions
                     ) -> "tf.distribute.Strategy":
@@ -204,6 +205,10 @@ class ParameterServer(DataParallel):
   needs = "a cluster with 'ps' and 'worker' jobs (TF_CONFIG)"
   Options = ParameterServerOptions
   joins_cluster = True
+  cluster_jobs = ("chief", "worker", "ps")
+  required_jobs = ("chief", "worker", "ps")
+  slurm = False  # SLURM gives every task the same role.
+  job_roles = {"chief": "the coordinator"}
 
   def make_strategy(self, options: ParameterServerOptions
                     ) -> "tf.distribute.Strategy":

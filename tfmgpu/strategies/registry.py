@@ -80,6 +80,12 @@ class Distribution:
       pipeline stages, branches), so a CPU split into logical devices gives
       each op only its share of the cores (`devices.configure_devices`).
     layout: what its devices hold, for summaries: replicas, stages, branches.
+    cluster_jobs: the TF_CONFIG jobs a cluster of it may hold (joining
+      strategies only).
+    required_jobs: the jobs it cannot run without; their absence (or no
+      TF_CONFIG at all) is an error before TensorFlow loads.
+    slurm: a SLURM job can describe its cluster (every task the same role).
+    job_roles: what a job does, where messages should say it.
   """
   name: ClassVar[str] = ""
   description: ClassVar[str] = ""
@@ -89,6 +95,10 @@ class Distribution:
   joins_cluster: ClassVar[bool] = False
   concurrent_devices: ClassVar[bool] = True
   layout: ClassVar[str] = "replicas"
+  cluster_jobs: ClassVar[tuple[str, ...]] = ()
+  required_jobs: ClassVar[tuple[str, ...]] = ()
+  slurm: ClassVar[bool] = True
+  job_roles: ClassVar[dict[str, str]] = {}
 
   # ------------------------------------------------------------ options
 
