@@ -5,22 +5,21 @@ import subprocess
 import sys
 import textwrap
 
-from absl import flags
 from absl.testing import flagsaver
 import keras
 import numpy as np
 import pytest
 
 import tfmgpu
-from tfmgpu import data, inference, models
+from tfmgpu import inference, models
 from tfmgpu.parallel import branches, partition, staged
 
 ROWS = 1001  # Not a multiple of any batch size or replica count used here.
 
 
 @pytest.fixture(scope="module")
-def rows():
-  return data.load_dataset("digits").x_train[:ROWS]
+def rows(digits_arrays):
+  return digits_arrays.x_train[:ROWS]
 
 
 @pytest.fixture(scope="module")
@@ -152,13 +151,8 @@ def test_bad_inputs_name_the_file_or_shapes(tmp_path, model, rows):
     inference.predict(model, np.zeros((5, 8, 8, 1), np.float32))
 
 
-@pytest.fixture
-def parsed_flags():
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
-
-
-def test_cli_serves_a_trained_model(tmp_path, model, parsed_flags, capsys):
+def test_cli_serves_a_trained_model(tmp_path, model, parsed_flags, capsys,
+                                    digits_arrays):
   from tfmgpu import predict
   path = str(tmp_path / "m.keras")
   model.save(path)
@@ -168,7 +162,7 @@ def test_cli_serves_a_trained_model(tmp_path, model, parsed_flags, capsys):
     assert predict.main(["predict"]) == 0
   printed = capsys.readouterr().out
   assert "throughput" in printed and "accuracy" in printed
-  x_test = data.load_dataset("digits").x_test
+  x_test = digits_arrays.x_test
   np.testing.assert_allclose(np.load(out), model.predict(x_test, verbose=0),
                              rtol=1e-5, atol=1e-5)
 

@@ -60,6 +60,12 @@ for action in plan.get(name, plan.get("*", [])):
     os.kill(os.getpid(), getattr(signal, arg))
 """
 
+# Tasks that wait to be stopped sleep this long: a launch that returns sooner
+# stopped them instead of waiting for them. (No tighter wall-clock bound: the
+# cores are shared.)
+_SLEEP_S = 60
+_SLEEP = f"sleep:{_SLEEP_S}"
+
 
 def _launch(plan, **kwargs):
   """Runs `_TASK` with `plan` on every task; returns (result, output)."""
@@ -198,7 +204,7 @@ def test_every_task_sees_the_cluster_and_its_own_task(tmp_path):
 def test_failed_task_stops_the_others(tmp_path, action, task_code, exit_code,
                                       message):
   ready = str(tmp_path / "ready")
-  result, output = _launch({"worker:0": ["child", f"touch:{ready}", "sleep:60"],
+  result, output = _launch({"worker:0": ["child", f"touch:{ready}", _SLEEP],
                             "worker:1": [f"wait:{ready}", action]})
 
   assert result.exit_code == exit_code, output
@@ -208,7 +214,7 @@ def test_failed_task_stops_the_others(tmp_path, action, task_code, exit_code,
   assert result.task_exit_codes == {"worker:0": -signal.SIGTERM,
                                     "worker:1": task_code}
   assert result.stopped == ("worker:0",)
-  assert result.duration_s < 15
+  assert result.duration_s < _SLEEP_S
   children = _child_pids(output)
   assert len(children) == 1
   assert all(_gone(pid) for pid in [*result.pids.values(), *children])
@@ -217,23 +223,23 @@ def test_failed_task_stops_the_others(tmp_path, action, task_code, exit_code,
 def test_task_ignoring_sigterm_is_killed_after_grace(tmp_path):
   ready = str(tmp_path / "ready")
   result, output = _launch(
-      {"worker:0": ["ignore:SIGTERM", f"touch:{ready}", "sleep:60"],
+      {"worker:0": ["ignore:SIGTERM", f"touch:{ready}", _SLEEP],
        "worker:1": [f"wait:{ready}", "exit:1"]}, grace_s=1)
 
   assert result.exit_code == 1, output
   assert ("grace_s=1 elapsed and worker:0 still running after SIGTERM; "
           "sending SIGKILL.") in output
   assert result.task_exit_codes["worker:0"] == -signal.SIGKILL
-  assert result.duration_s < 10
+  assert result.duration_s < _SLEEP_S
   assert _gone(result.pids["worker:0"])
 
 
 @pytest.mark.parametrize("chief,plan,stopped", [
     # No coordinator: the workers do the work, the ps task serves forever.
     (False, {"worker:0": ["exit:0"], "worker:1": ["exit:0"],
-             "ps:0": ["sleep:60"]}, ("ps:0",)),
+             "ps:0": [_SLEEP]}, ("ps:0",)),
     # With a coordinator (chief), workers are servers too, as in TF.
-    (True, {"chief:0": ["sleep:0.5", "exit:0"], "*": ["sleep:60"]},
+    (True, {"chief:0": ["sleep:0.5", "exit:0"], "*": [_SLEEP]},
      ("worker:0", "worker:1", "ps:0")),
 ])
 def test_servers_are_stopped_after_the_work_succeeds(chief, plan, stopped):
@@ -246,19 +252,19 @@ def test_servers_are_stopped_after_the_work_succeeds(chief, plan, stopped):
   assert all(result.task_exit_codes[n] == -signal.SIGTERM for n in stopped)
   assert ("succeeded; stopping the server tasks, which never exit on their "
           f"own: {', '.join(stopped)}.") in output
-  assert result.duration_s < 15
+  assert result.duration_s < _SLEEP_S
   assert all(_gone(pid) for pid in result.pids.values())
 
 
 def test_timeout_stops_everything():
-  result, output = _launch({"*": ["child", "sleep:60"]}, timeout_s=2)
+  result, output = _launch({"*": ["child", _SLEEP]}, timeout_s=2)
 
   assert result.exit_code == launcher.EXIT_TIMEOUT, output
   assert result.outcome == launcher.Outcome.TIMED_OUT
   assert ("Timed out: timeout_s=2 elapsed with 2 task(s) still running: "
           "worker:0, worker:1. Stopping them.") in output
   assert result.stopped == ("worker:0", "worker:1")
-  assert 2 <= result.duration_s < 10
+  assert 2 <= result.duration_s < _SLEEP_S
   children = _child_pids(output)
   assert len(children) == 2
   assert all(_gone(pid) for pid in [*result.pids.values(), *children])
@@ -271,7 +277,7 @@ def test_signal_to_launcher_stops_tasks(sig, exit_code):
   timer = threading.Timer(1.5, os.kill, (os.getpid(), sig))
   timer.start()
   try:
-    result, output = _launch({"*": ["sleep:60"]}, timeout_s=20)
+    result, output = _launch({"*": [_SLEEP]}, timeout_s=20)
   finally:
     timer.cancel()
 
@@ -279,7 +285,7 @@ def test_signal_to_launcher_stops_tasks(sig, exit_code):
   assert result.outcome == launcher.Outcome.INTERRUPTED
   assert f"Received {sig.name}; stopping all tasks." in output
   assert result.stopped == ("worker:0", "worker:1")
-  assert result.duration_s < 10
+  assert result.duration_s < _SLEEP_S
   assert all(_gone(pid) for pid in result.pids.values())
   assert signal.getsignal(sig) is handler
 

@@ -6,6 +6,11 @@ import pytest
 from tfmgpu import models
 
 
+def test_registry_holds_exactly_todays_names():
+  assert set(models.available_models()) == {"convnet", "mlp", "deep_mlp",
+                                            "small_resnet"}
+
+
 def test_convnet_is_the_classic_digit_net():
   m = models.build_model("convnet", input_shape=(28, 28, 1), num_classes=10)
   kinds = [type(l).__name__ for l in m.layers]

@@ -3,27 +3,23 @@
 import os
 import re
 
-from absl import flags
 from absl.testing import flagsaver
 import numpy as np
 import pytest
 
 import tfmgpu
-from tfmgpu import data, models, train
+from tfmgpu import models, train
 from tfmgpu.parallel import partition, staged
 from tfmgpu.training.loop import Trainer
 
 
-@pytest.fixture(autouse=True)
-def parsed_flags():
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
+pytestmark = pytest.mark.usefixtures("parsed_flags")
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
-def test_trainer_drives_a_staged_model_to_the_unsplit_weights(num_stages):
-  arrays = data.load_dataset("digits")
-  x, y = arrays.x_train[:128], arrays.y_train[:128]
+def test_trainer_drives_a_staged_model_to_the_unsplit_weights(num_stages,
+                                                             digits_arrays):
+  x, y = digits_arrays.x_train[:128], digits_arrays.y_train[:128]
 
   def fit(model):
     Trainer(model, strategy=tfmgpu.get_strategy("default"), learning_rate=1e-3,

@@ -18,6 +18,13 @@ def test_registry_lists_every_name_with_a_description():
     assert name in names and names[name].endswith(".")
 
 
+def test_registry_holds_exactly_todays_names():
+  assert set(tfmgpu.available_strategies()) == {
+      "default", "one_device", "mirrored", "multi_worker_mirrored",
+      "parameter_server", "central_storage", "tpu", "model_parallel",
+      "pipeline", "branch_parallel"}
+
+
 @pytest.mark.parametrize("name,replicas", [
     ("default", 1), ("one_device", 1), ("mirrored", 4), ("central_storage", 4),
 ])

@@ -11,14 +11,13 @@ import os
 import re
 import shutil
 import signal
-import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfmgpu
-from tfmgpu import experiment
+from tfmgpu import runs
 from tfmgpu import models
 from tfmgpu.training import checkpoints
 from tests.cluster import helpers
@@ -68,7 +67,7 @@ def test_sigterm_to_a_worker_saves_exits_42_and_resumes(uninterrupted_mwms,
   assert helpers.summary_value(text, "worker:1", "weights sha256") == digest
 
   # A different topology resumes the same checkpoint: one process, 4 replicas.
-  other = experiment.run_training(helpers.reference_config(
+  other = runs.run_training(helpers.reference_config(
       preempted_copy, num_replicas=4))
   assert other.result.initial_step == step
   chief = tf.keras.models.load_model(model_dir / "model.keras")
@@ -83,16 +82,15 @@ def test_sigkill_of_a_worker_stops_the_job_and_keeps_the_last_checkpoint(
       *MWMS, f"--model_dir={model_dir}", *helpers.MWMS_ARGS), num_workers=2,
                            grace_s=3, tmpdir=str(tmp_path / "worker_tmp"))
   run.wait_for(r"\[worker:0\] .*epoch 1/3")
-  killed_at = time.monotonic()
   run.signal_task("worker:1", signal.SIGKILL)
   result = run.join()
-  stopped_in = time.monotonic() - killed_at
 
   assert result.exit_code == 128 + signal.SIGKILL
   assert result.first_failure == "worker:1"
   assert ("[launcher] Task worker:1 was killed by signal SIGKILL (9). "
           "Stopping the other tasks: worker:0.") in run.text
-  assert stopped_in < 30, stopped_in
+  # worker:0 did not finish (or time out): the launcher stopped it.
+  assert result.stopped == ("worker:0",)
   # The last good checkpoint loads into a fresh model and optimizer.
   strategy = tfmgpu.get_strategy("one_device")
   with strategy.scope():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.cluster import helpers
-from tfmgpu import experiment
+from tfmgpu import runs
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def test_two_workers_train_what_one_process_trains(uninterrupted_mwms,
   assert os.listdir(run["tmpdir"]) == []
 
   # Parity with one process and 2 replicas (allclose: different all-reduce).
-  reference = experiment.run_training(
+  reference = runs.run_training(
       helpers.reference_config(tmp_path / "ref"))
   chief = keras.models.load_model(model_dir / "model.keras")
   for a, b in zip(chief.get_weights(), reference.model.get_weights()):

@@ -14,7 +14,7 @@ import signal
 import pytest
 import tensorflow as tf
 
-from tfmgpu import experiment
+from tfmgpu import runs
 from tfmgpu.config import TrainConfig
 from tfmgpu.training import checkpoints
 from tests.cluster import helpers
@@ -60,7 +60,7 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
                     f"ckpt-{e}.index" for e in range(1, EPOCHS + 1)]
   assert (model_dir / "model.keras").exists()
 
-  reference = experiment.run_training(TrainConfig(
+  reference = runs.run_training(TrainConfig(
       strategy="one_device", epochs=EPOCHS, verbose=0,
       model_dir=str(tmp_path / "ref")))
   print(f"parameter_server test accuracy {accuracy:.4f}, one process "

@@ -15,17 +15,12 @@ import pytest
 import tensorflow as tf
 
 import tfmgpu
-from tfmgpu import data, models
+from tfmgpu import models
 from tfmgpu.training import checkpoints
 from tfmgpu.training.loop import Trainer
 
 FIT = dict(epochs=3, global_batch_size=32, steps_per_epoch=6)
-
-
-@pytest.fixture(scope="module")
-def digits():
-  arrays = data.load_dataset("digits")
-  return arrays.x_train[:256], arrays.y_train[:256]
+DIGITS_ROWS = 256  # For the `digits` fixture.
 
 
 def make_trainer(strategy, **kwargs):

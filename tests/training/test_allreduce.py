@@ -4,17 +4,12 @@ import numpy as np
 import pytest
 
 import tfmgpu
-from tfmgpu import data, models
+from tfmgpu import models
 from tfmgpu.training import allreduce
 from tfmgpu.training.loop import Trainer
 
 STEPS, BATCH = 5, 32
-
-
-@pytest.fixture(scope="module")
-def digits():
-  arrays = data.load_dataset("digits")
-  return arrays.x_train[:STEPS * BATCH], arrays.y_train[:STEPS * BATCH]
+DIGITS_ROWS = STEPS * BATCH  # For the `digits` fixture.
 
 
 def train(strategy, x, y, **kwargs):

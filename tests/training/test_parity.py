@@ -9,35 +9,12 @@ import numpy as np
 import pytest
 
 import tfmgpu
-from tfmgpu import data, models
+from tfmgpu import models
 from tfmgpu.training.loop import Trainer
 
 STEPS = 6
 BATCH = 32
-
-
-@pytest.fixture(scope="module")
-def real_digits():
-  arrays = data.load_dataset("digits")
-  return arrays.x_train[:STEPS * BATCH], arrays.y_train[:STEPS * BATCH]
-
-
-@pytest.fixture(scope="module")
-def digits(real_digits):
-  """Real digits, dithered by up to 0.01, for the float32 parity.
-
-  The digits' backgrounds are exactly 0, so many max-pool windows of the
-  convnet hold exact ties, and near-ties whose winner a 1e-8 rounding
-  difference (a sum of two half-batch gradients vs one full-batch gradient)
-  can flip; a flipped winner routes that pixel's gradient elsewhere, and
-  Adam turns it into a full-size step. Undithered, one of six seeds ended
-  3e-3 apart after 6 steps (fused Adam, one thread per op); dithered, all
-  six stayed within 2e-7. The dithering removes the exact ties, not the
-  data-parallel arithmetic under test.
-  """
-  x, y = real_digits
-  return x + np.random.default_rng(0).uniform(0, 0.01, x.shape).astype(
-      x.dtype), y
+DIGITS_ROWS = STEPS * BATCH  # For the `digits` fixture.
 
 
 def train_weights(strategy, x, y, *, policy=None, steps_per_execution=1):
@@ -53,18 +30,18 @@ def train_weights(strategy, x, y, *, policy=None, steps_per_execution=1):
 
 
 @pytest.fixture(scope="module")
-def reference(digits):
-  return train_weights(tfmgpu.get_strategy("one_device"), *digits)
+def reference(dithered_digits):
+  return train_weights(tfmgpu.get_strategy("one_device"), *dithered_digits)
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
-def test_mirrored_equals_one_device(digits, reference, replicas,
+def test_mirrored_equals_one_device(dithered_digits, reference, replicas,
                                     steps_per_execution):
   ref_weights, ref_loss = reference
   weights, loss = train_weights(
-      tfmgpu.get_strategy("mirrored", num_replicas=replicas), *digits,
-      steps_per_execution=steps_per_execution)
+      tfmgpu.get_strategy("mirrored", num_replicas=replicas),
+      *dithered_digits, steps_per_execution=steps_per_execution)
   moved = max(np.abs(w - w0).max() for w, w0 in zip(
       ref_weights, models.build_model("convnet", input_shape=(28, 28, 1),
                                       num_classes=10, seed=0).get_weights()))
@@ -83,11 +60,11 @@ BF16_MAX_ABS = 1e-3 * STEPS / 2
 BF16_MEAN_FRACTION = 0.05
 
 
-def test_mixed_bfloat16_parity(real_digits):
-  ref, _ = train_weights(tfmgpu.get_strategy("one_device"), *real_digits,
+def test_mixed_bfloat16_parity(digits):
+  ref, _ = train_weights(tfmgpu.get_strategy("one_device"), *digits,
                          policy="mixed_bfloat16")
   got, _ = train_weights(tfmgpu.get_strategy("mirrored", num_replicas=2),
-                         *real_digits, policy="mixed_bfloat16")
+                         *digits, policy="mixed_bfloat16")
   init = models.build_model("convnet", input_shape=(28, 28, 1),
                             num_classes=10, seed=0).get_weights()
   diff = moved = 0.0

@@ -9,17 +9,12 @@ import tensorflow as tf
 
 import tfmgpu
 from tfmgpu import data, models
-from tfmgpu.parallel import staged
+from tfmgpu.parallel import inspection
 from tfmgpu.training import resident
 from tfmgpu.training.loop import Trainer
 
 BATCH = 32
-
-
-@pytest.fixture(scope="module")
-def digits():
-  arrays = data.load_dataset("digits")
-  return arrays.x_train[:8 * BATCH], arrays.y_train[:8 * BATCH]
+DIGITS_ROWS = 8 * BATCH  # For the `digits` fixture.
 
 
 def _strategy(name):
@@ -76,7 +71,8 @@ def test_each_replica_gathers_on_its_own_device(digits, cpu_devices):
   held = resident.DeviceData(strategy, *digits)
   batches = held.epoch(global_batch_size=BATCH, steps=7, seed=1, epoch=0,
                        shuffle=True).from_step(0)
-  ops = staged.op_placements(fn.get_concrete_function(batches, tf.constant(1)))
+  ops = inspection.op_placements(
+      fn.get_concrete_function(batches, tf.constant(1)))
   gathers = collections.Counter(p.device for p in ops if p.type == "GatherV2")
   assert set(gathers) == set(cpu_devices[:2]), gathers
   assert not any(p.type.startswith("IteratorGetNext") for p in ops)

@@ -1,0 +1,93 @@
+"""`TrainConfig` validation: every rule's error message, without TensorFlow."""
+
+import pytest
+
+from tfmgpu.config import TrainConfig
+
+
+def test_defaults_are_valid_and_replace_validates_again():
+  config = TrainConfig()
+  assert (config.strategy, config.dataset) == ("mirrored", "digits")
+  assert config.replace(epochs=2).epochs == 2
+  with pytest.raises(ValueError, match=r"epochs=0 must be a positive integer"):
+    config.replace(epochs=0)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model", "resnet9000"), ("dataset", "mnits"), ("optimizer", "lamb"),
+    ("input_mode", "disk"), ("schedule", "zigzag"),
+])
+def test_unknown_names_list_the_choices(field, value):
+  with pytest.raises(ValueError, match=rf"{field}='{value}' is unknown. "
+                     r"Choose one of .+"):
+    TrainConfig(**{field: value})
+
+
+def test_unknown_strategy_lists_the_registered_names():
+  with pytest.raises(ValueError, match=r"Unknown strategy name='bogus'. "
+                     r"Available names: .*mirrored, model_parallel, "):
+    TrainConfig(strategy="bogus")
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+def test_global_batch_must_divide_over_the_virtual_devices(strategy):
+  with pytest.raises(ValueError, match=(
+      rf"global_batch_size=30 is not divisible by the 4 replicas of "
+      rf"'{strategy}' \(virtual_devices=4\). Use a multiple of 4, e.g. 28")):
+    TrainConfig(strategy=strategy, virtual_devices=4, global_batch_size=30)
+  with pytest.raises(ValueError, match=r"Use a multiple of 8, e.g. 8"):
+    TrainConfig(strategy=strategy, virtual_devices=8, global_batch_size=6)
+  assert TrainConfig(strategy=strategy, virtual_devices=4,
+                     global_batch_size=32).global_batch_size == 32
+
+
+def test_npz_needs_a_data_path():
+  with pytest.raises(ValueError,
+                     match=r"dataset='npz' needs data_path='file.npz'"):
+    TrainConfig(dataset="npz")
+  assert TrainConfig(dataset="npz", data_path="d.npz").dataset_options() == {
+      "path": "d.npz"}
+
+
+@pytest.mark.parametrize("chosen", [
+    dict(devices=("/cpu:0",), num_gpus=1),
+    dict(num_gpus=1, num_replicas=2),
+    dict(devices=("/cpu:0",), num_replicas=2),
+])
+def test_only_one_device_selector(chosen):
+  names = ", ".join(repr(n) for n in chosen)
+  with pytest.raises(ValueError, match=rf"Set only one of \[{names}\]: each "
+                     r"chooses the devices."):
+    TrainConfig(**chosen)
+
+
+@pytest.mark.parametrize("field", [
+    "global_batch_size", "epochs", "num_packs", "steps_per_execution",
+    "num_stages", "micro_batches", "virtual_devices", "num_gpus",
+    "num_replicas", "steps_per_epoch",
+])
+@pytest.mark.parametrize("value", [0, -1, 2.0, True])
+def test_counts_must_be_positive_integers(field, value):
+  with pytest.raises(ValueError,
+                     match=rf"{field}={value!r} must be a positive integer."):
+    TrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["virtual_devices", "num_gpus",
+                                   "num_replicas", "steps_per_epoch"])
+def test_optional_counts_accept_none(field):
+  assert getattr(TrainConfig(**{field: None}), field) is None
+
+
+@pytest.mark.parametrize("value", [0, -1e-3])
+def test_learning_rate_must_be_positive(value):
+  with pytest.raises(ValueError, match=rf"learning_rate={value} must be > 0."):
+    TrainConfig(learning_rate=value)
+
+
+def test_clip_norm_and_bytes_per_pack():
+  with pytest.raises(ValueError, match=r"clip_norm=0 must be > 0 \(or None\)"):
+    TrainConfig(clip_norm=0)
+  with pytest.raises(ValueError, match=r"bytes_per_pack=-1 must be >= 0."):
+    TrainConfig(bytes_per_pack=-1)
+  assert TrainConfig(clip_norm=1.0, bytes_per_pack=0).clip_norm == 1.0
