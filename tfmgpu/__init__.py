@@ -21,22 +21,22 @@ _EXPORTS = {
     "available_strategies": "tfmgpu.strategies",
     "get_strategy": "tfmgpu.strategies",
     "TrainConfig": "tfmgpu.config",
-    "run_training": "tfmgpu.experiment",
+    "run_training": "tfmgpu.runs",
     "available_datasets": "tfmgpu.data",
     "load_dataset": "tfmgpu.data",
     "available_models": "tfmgpu.models",
     "build_model": "tfmgpu.models",
     "Trainer": "tfmgpu.training.loop",
-    "predict": "tfmgpu.inference",
+    "predict": "tfmgpu.predict",  # The CLI module, callable as the function.
     "Predictor": "tfmgpu.inference",
     "export_saved_model": "tfmgpu.inference",
     "load_model": "tfmgpu.inference",
     "plan_stages": "tfmgpu.parallel.partition",
-    "StagePlan": "tfmgpu.parallel.partition",
+    "StagePlan": "tfmgpu.parallel.plan",
     "StagedModel": "tfmgpu.parallel.staged",
     "PipelinedModel": "tfmgpu.parallel.pipeline",
     "BranchParallel": "tfmgpu.parallel.branches",
-    "simulate_pipeline": "tfmgpu.parallel.schedule",
+    "simulate_pipeline": "tfmgpu.parallel.timeline",
     "ParameterServerTrainer": "tfmgpu.training.parameter_server",
     "PreemptedError": "tfmgpu.training.checkpoints",
     "EXIT_PREEMPTED": "tfmgpu.training.checkpoints",
@@ -51,8 +51,10 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
   if name not in _EXPORTS:
     raise AttributeError(f"module 'tfmgpu' has no attribute {name!r}")
-  attr = _RENAMED.get(name, name)
-  value = getattr(importlib.import_module(_EXPORTS[name]), attr)
+  module = importlib.import_module(_EXPORTS[name])
+  if module.__name__ == f"{__name__}.{name}":
+    return module  # A submodule of the same name (`tfmgpu.predict`).
+  value = getattr(module, _RENAMED.get(name, name))
   globals()[name] = value
   return value
 

@@ -21,6 +21,11 @@ from tfmgpu.training.choices import COMPRESSION_CHOICES
 from tfmgpu.training.choices import INPUT_MODE_CHOICES
 from tfmgpu.training.optimizers import OPTIMIZER_CHOICES
 
+class ConfigRuleError(ValueError):
+  """Settings that are each valid but break a rule together (e.g. a global
+  batch that the pipeline's micro-batches do not divide)."""
+
+
 # Options of distributions other than the run's are checked too, so a typo
 # never waits for the strategy that reads it.
 _STRATEGY_CHOICES = {
@@ -135,7 +140,10 @@ class TrainConfig:
     self._check_numbers()
     # The run's distribution checks its options and cross-field rules.
     distribution.options_from(self)
-    distribution.check_config(self)
+    try:
+      distribution.check_config(self)
+    except ValueError as e:
+      raise ConfigRuleError(str(e)) from None
     if self.dataset == "npz" and not self.data_path:
       raise ValueError("dataset='npz' needs data_path='file.npz'.")
 

@@ -115,5 +115,17 @@ def run() -> None:
   app.run(main)
 
 
+class _CliAndFunction(types.ModuleType):
+  """`tfmgpu.predict` names both this CLI module and the public function
+  `tfmgpu.inference.predict`: whichever Python binds first, calling it
+  predicts and `.main` runs the CLI."""
+
+  def __call__(self, *args, **kwargs):
+    from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+    return inference.predict(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CliAndFunction
+
 if __name__ == "__main__":
   run()

@@ -109,15 +109,17 @@ _PLAN_ONLY = flags.DEFINE_bool(
 
 @flags.multi_flags_validator(
     ["global_batch_size", "virtual_devices", "strategy", "num_replicas",
-     "devices", "num_gpus", "micro_batches"],
-    message="--global_batch_size must divide as the strategy needs.")
+     "devices", "num_gpus"],
+    message="--global_batch_size must divide by the replica count.")
 def _batch_divides(values) -> bool:
-  """The distribution's own batch rule, as a flag error."""
-  config = types.SimpleNamespace(**values)
-  try:
-    strategies_lib.lookup(values["strategy"]).check_config(config)
-  except ValueError as e:
-    raise flags.ValidationError(f"--{e}") from None
+  """A data-parallel strategy's replica rule, as an early flag error (the
+  other rules are the config's, checked in `main`)."""
+  distribution = strategies_lib.lookup(values["strategy"])
+  if distribution.kind is strategies_lib.Kind.DATA_PARALLEL:
+    try:
+      distribution.check_config(types.SimpleNamespace(**values))
+    except ValueError as e:
+      raise flags.ValidationError(f"--{e}") from None
   return True
 
 
@@ -150,7 +152,10 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   try:
     config = config_from_flags()
-  except ValueError as e:
+  except config_lib.ConfigRuleError as e:  # Settings that clash: say which.
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except ValueError as e:  # One bad setting: absl adds the usage line.
     raise app.UsageError(str(e)) from None
   try:
     role = cluster.preflight(config)  # TF_CONFIG and ports, before TF loads.

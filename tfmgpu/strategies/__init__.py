@@ -30,6 +30,7 @@ from tfmgpu.strategies.registry import registered
 from tfmgpu.strategies.registry import unregister
 from tfmgpu.strategies.replicas import choose_cross_device_ops
 from tfmgpu.strategies.replicas import CROSS_DEVICE_OPS_CHOICES
+from tfmgpu.strategies.replicas import in_multi_worker_mode
 from tfmgpu.strategies.replicas import make_cross_device_ops
 from tfmgpu.strategies.replicas import replica_devices
 from tfmgpu.strategies.replicas import short_device
@@ -39,7 +40,8 @@ from tfmgpu.strategies.resolvers import validate_tf_config
 __all__ = [
     "available_strategies", "choose_cross_device_ops", "CLUSTER_RESOLVERS",
     "COMMUNICATION_CHOICES", "CROSS_DEVICE_OPS_CHOICES", "Distribution",
-    "get_strategy", "intra_op_threads_for", "Kind", "lookup",
+    "get_strategy", "in_multi_worker_mode", "intra_op_threads_for", "Kind",
+    "lookup",
     "make_cross_device_ops", "Placement", "register", "registered",
     "replica_devices", "short_device", "SINGLE_REPLICA_CHOICES",
     "strategy_entry", "unregister", "validate_tf_config"]

@@ -24,6 +24,7 @@ from tfmgpu.strategies.options import MultiWorkerOptions
 from tfmgpu.strategies.options import OneDeviceOptions
 from tfmgpu.strategies.options import ParameterServerOptions
 from tfmgpu.strategies.options import TpuOptions
+from tfmgpu.strategies.replicas import in_multi_worker_mode
 from tfmgpu.strategies.replicas import make_cross_device_ops
 from tfmgpu.strategies.replicas import replica_devices
 from tfmgpu.strategies.replicas import select_replica_devices
@@ -184,7 +185,7 @@ class MultiWorkerMirrored(DataParallel):
           f"({e}). Create it first, right after tfmgpu.configure_devices(...) "
           "and before any other TF op (tfmgpu.run_training does this); in a "
           "notebook, restart the kernel.") from e
-    if strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
+    if in_multi_worker_mode(strategy):
       logging.info("multi_worker_mirrored: train with tfmgpu's Trainer; Keras "
                    "3.15 model.fit is broken under this strategy "
                    "(keras-team/keras#20585).")

@@ -105,3 +105,11 @@ def replica_devices(strategy: "tf.distribute.Strategy") -> list[str]:
     devices = []
   return [short_device(d) for d in devices] or [
       devices_lib.accelerator_devices()[0]]
+
+
+def in_multi_worker_mode(strategy: "tf.distribute.Strategy") -> bool:
+  """Whether `strategy` spans several worker processes (TF has no public
+  call for this; the one private read is here)."""
+  extended = getattr(strategy, "extended", None)
+  check = getattr(extended, "_in_multi_worker_mode", None)
+  return bool(check()) if check is not None else False

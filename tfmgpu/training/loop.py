@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
+from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import distributed
@@ -46,7 +47,8 @@ def _check_built_in_scope(model: keras.Model,
   if not model.trainable_variables:
     raise ValueError(f"model {model.name!r} has no trainable variables: build "
                      "it (give it an Input or call it once) before training.")
-  if strategy.num_replicas_in_sync == 1 and not strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
+  if (strategy.num_replicas_in_sync == 1
+      and not strategies_lib.in_multi_worker_mode(strategy)):
     return
   v = model.trainable_variables[0]
   if not strategy.extended.variable_created_in_scope(getattr(v, "value", v)):

@@ -20,11 +20,13 @@ import threading
 from absl import logging
 import tensorflow as tf
 
+from tfmgpu import strategies as strategies_lib
+
 
 def _is_collective_multi_worker(strategy: tf.distribute.Strategy) -> bool:
   if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
     return False
-  return strategy.extended._in_multi_worker_mode()  # pylint: disable=protected-access
+  return strategies_lib.in_multi_worker_mode(strategy)
 
 
 class PreemptionWatcher:
