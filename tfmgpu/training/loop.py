@@ -33,13 +33,8 @@ from tfmgpu.training.controller import Controller
 from tfmgpu.training.controller import LoopOptions
 from tfmgpu.training.controller import NonFiniteLossError  # pylint: disable=unused-import  (public here)
 from tfmgpu.training.controller import TrainResult
-from tfmgpu.training.optimizers import make_optimizer
+from tfmgpu.training.optimizers import prepare_optimizer
 from tfmgpu.training.optimizers import OPTIMIZER_CHOICES  # pylint: disable=unused-import  (public here)
-
-
-def _uses_float16(model: keras.Model) -> bool:
-  return any(getattr(l, "dtype_policy", None) is not None
-             and l.dtype_policy.name == "mixed_float16" for l in model.layers)
 
 
 def _check_built_in_scope(model: keras.Model,
@@ -74,32 +69,6 @@ def steps_in_one_pass(num_examples: int, *, epochs: int,
                      f"the {num_examples} training examples; use a smaller "
                      "batch.")
   return full
-
-
-def prepare_optimizer(optimizer: Any, model: keras.Model,
-                      strategy: tf.distribute.Strategy, *,
-                      learning_rate: float, clip_norm: float | None,
-                      fused: bool) -> keras.optimizers.Optimizer:
-  """The optimizer to train with, built in `strategy`'s scope.
-
-  A name becomes an optimizer (`make_optimizer`); float16 models get a
-  `LossScaleOptimizer`; slots are created now, in the scope (Keras 3 needs
-  that before a distributed step), on each stage's device for staged
-  models (their `build_optimizer`).
-  """
-  with strategy.scope():
-    if isinstance(optimizer, str):
-      optimizer = make_optimizer(optimizer, learning_rate,
-                                 clip_norm=clip_norm, fused=fused)
-    if _uses_float16(model) and not isinstance(
-        optimizer, keras.optimizers.LossScaleOptimizer):
-      optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    build = getattr(model, "build_optimizer", None)
-    if build is not None:
-      build(optimizer)  # Staged models place each stage's slots themselves.
-    else:
-      optimizer.build(model.trainable_variables)
-  return optimizer
 
 
 class Trainer:

@@ -1,7 +1,8 @@
 """Optimizers by name: the registry behind `--optimizer`.
 
 Importing this module does not import TensorFlow or Keras (the CLIs list
-`OPTIMIZER_CHOICES` in `--help`); `make_optimizer` loads them.
+`OPTIMIZER_CHOICES` in `--help`); `make_optimizer` and `prepare_optimizer`
+(the optimizer a Trainer runs, built in its strategy's scope) load them.
 """
 
 from __future__ import annotations
@@ -49,3 +50,34 @@ def make_optimizer(name: str, learning_rate: float, *,
     return optimizer
   from tfmgpu.training import fused as fused_lib  # pylint: disable=g-import-not-at-top
   return fused_lib.fuse(optimizer)
+
+
+def _uses_float16(model: "keras.Model") -> bool:
+  return any(getattr(l, "dtype_policy", None) is not None
+             and l.dtype_policy.name == "mixed_float16" for l in model.layers)
+
+
+def prepare_optimizer(optimizer: Any, model: "keras.Model",
+                      strategy: Any, *,
+                      learning_rate: float, clip_norm: float | None,
+                      fused: bool) -> "keras.optimizers.Optimizer":
+  """The optimizer to train with, built in `strategy`'s scope.
+
+  A name becomes an optimizer (`make_optimizer`); float16 models get a
+  `LossScaleOptimizer`; slots are created now, in the scope (Keras 3 needs
+  that before a distributed step), on each stage's device for staged
+  models (their `build_optimizer`).
+  """
+  with strategy.scope():
+    if isinstance(optimizer, str):
+      optimizer = make_optimizer(optimizer, learning_rate,
+                                 clip_norm=clip_norm, fused=fused)
+    if _uses_float16(model) and not isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer):
+      optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    build = getattr(model, "build_optimizer", None)
+    if build is not None:
+      build(optimizer)  # Staged models place each stage's slots themselves.
+    else:
+      optimizer.build(model.trainable_variables)
+  return optimizer
