@@ -18,6 +18,7 @@ from tfmgpu.parallel import inspection
 from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import schedule
 from tfmgpu.parallel import staged
+from tfmgpu.parallel import timeline as timeline_lib
 from tfmgpu.training import loop
 
 PipelinedModel = pipeline.PipelinedModel
@@ -435,7 +436,7 @@ def test_registered_exported_and_places_itself():
   assert "micro-batch" in entry.description
   assert strategies.get_strategy("pipeline") is tf.distribute.get_strategy()
   assert tfmgpu.parallel.PipelinedModel is PipelinedModel
-  assert tfmgpu.parallel.simulate is schedule.simulate
+  assert tfmgpu.parallel.simulate is timeline_lib.simulate
   for cls in (PipelinedModel, staged.StagedModel, branches.BranchParallel):
     assert cls.places_itself is True
 
@@ -447,7 +448,7 @@ def test_stage_times_feed_the_simulator():
                                                 repeats=2, warmup=1)
   assert len(fwd) == len(bwd) == 2
   assert all(t > 0 for t in fwd) and all(t >= 0 for t in bwd)
-  timeline = schedule.simulate(fwd, bwd, pipe.micro_batches)
+  timeline = timeline_lib.simulate(fwd, bwd, pipe.micro_batches)
   assert timeline.step_time >= max(4 * (f + b) for f, b in zip(fwd, bwd))
 
 

@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from tfmgpu.parallel import schedule
+from tfmgpu.parallel import timeline as timeline_lib
 
 FORWARD, BACKWARD = schedule.FORWARD, schedule.BACKWARD
 SCHEDULES = ["gpipe", "1f1b"]
@@ -36,8 +37,8 @@ def _assert_valid(timeline, forward, backward):
 def test_equal_stages_give_the_textbook_bubble(name, num_stages,
                                                micro_batches):
   f, b = 1.0, 2.0
-  timeline = schedule.simulate(f, b, micro_batches, schedule=name,
-                               num_stages=num_stages)
+  timeline = timeline_lib.simulate(f, b, micro_batches, schedule=name,
+                                   num_stages=num_stages)
   want = (num_stages - 1) / (micro_batches + num_stages - 1)
   assert timeline.bubble_fraction == pytest.approx(want)
   assert timeline.theoretical_bubble == pytest.approx(want)
@@ -51,8 +52,8 @@ def test_equal_stages_give_the_textbook_bubble(name, num_stages,
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_unequal_stages_and_transfers_give_a_valid_timeline(name):
   forward, backward = [1.0, 3.0, 2.0], [2.5, 5.0, 1.0]
-  timeline = schedule.simulate(forward, backward, 5, schedule=name,
-                               transfer_time=0.25)
+  timeline = timeline_lib.simulate(forward, backward, 5, schedule=name,
+                                   transfer_time=0.25)
   _assert_valid(timeline, forward, backward)
   # The slowest stage bounds the step from below; its own work must fit.
   assert timeline.step_time >= 5 * (3.0 + 5.0)
@@ -60,7 +61,7 @@ def test_unequal_stages_and_transfers_give_a_valid_timeline(name):
 
 
 def test_one_stage_never_idles():
-  timeline = schedule.simulate([2.0], [3.0], 4)
+  timeline = timeline_lib.simulate([2.0], [3.0], 4)
   assert timeline.step_time == pytest.approx(20.0)
   assert timeline.bubble_fraction == pytest.approx(0.0)
 
@@ -75,8 +76,8 @@ def test_1f1b_holds_at_most_k_micro_batches_gpipe_holds_m(num_stages,
     assert schedule.peak_in_flight(one_f[k]) == min(num_stages - k,
                                                     micro_batches)
     assert schedule.peak_in_flight(gpipe[k]) == micro_batches
-  timeline = schedule.simulate(1.0, 2.0, micro_batches, schedule="1f1b",
-                               num_stages=num_stages)
+  timeline = timeline_lib.simulate(1.0, 2.0, micro_batches,
+                                   schedule="1f1b", num_stages=num_stages)
   assert max(timeline.peak_in_flight) <= num_stages
 
 
@@ -101,7 +102,7 @@ def test_build_order_reports_a_deadlock():
 
 
 def test_text_draws_one_row_per_stage():
-  timeline = schedule.simulate([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 4)
+  timeline = timeline_lib.simulate([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 4)
   lines = timeline.text(width=54).splitlines()
   rows = [l for l in lines if l.startswith("stage ")]
   assert len(rows) == 3
@@ -116,7 +117,7 @@ def test_text_draws_one_row_per_stage():
 
 
 def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path):
-  timeline = schedule.simulate(1.0, 2.0, 4, num_stages=2)
+  timeline = timeline_lib.simulate(1.0, 2.0, 4, num_stages=2)
   path = str(tmp_path / "timeline.png")
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
@@ -144,4 +145,4 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path):
 ])
 def test_bad_arguments_are_named(kwargs, message):
   with pytest.raises(ValueError, match=message):
-    schedule.simulate(**kwargs)
+    timeline_lib.simulate(**kwargs)

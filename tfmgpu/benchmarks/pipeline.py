@@ -2,7 +2,7 @@
 
 `StageProbe` and `measure_stage_times` time each stage alone on one
 micro-batch (forward, and backward), the per-stage times that
-`tfmgpu.parallel.schedule.simulate` takes. `saved_activation_bytes` reads
+`tfmgpu.parallel.timeline.simulate` takes. `saved_activation_bytes` reads
 from a traced `PipelinedModel` training step how many bytes each stage keeps
 from its forward for its backward (what `recompute=True` saves).
 """
@@ -41,24 +41,17 @@ def saved_activation_bytes(concrete_function) -> dict[int, int]:
     ValueError: a counted tensor has an unknown shape (trace with a fixed
       batch size).
   """
-  def backward_stage(name: str) -> int | None:
-    # The backward ops' name scopes, as `PipelinedModel` names them.
-    match = pipeline._BACKWARD_OP.match(name)  # pylint: disable=protected-access
-    if not match:
-      return None
-    return int(match.group(1) or match.group(2))
-
   skip_types = {"ReadVariableOp", "Const", "VarHandleOp"}
   out: dict[int, int] = collections.defaultdict(int)
   seen: set[tuple[int, str]] = set()
   for op in concrete_function.graph.get_operations():
-    k = backward_stage(op.name)
+    k = pipeline.backward_stage(op.name)
     if k is None:
       continue
     out[k] += 0
     for t in op.inputs:
       producer = t.op.name
-      if (backward_stage(producer) is not None or "_loss/" in producer
+      if (pipeline.backward_stage(producer) is not None or "_loss/" in producer
           or t.op.type in skip_types or t.dtype in (tf.resource, tf.variant)
           or (k, t.name) in seen):
         continue
@@ -149,7 +142,7 @@ def measure_stage_times(model: staged.StagedModel, x, y, loss_fn, *,
                         warmup: int = 2) -> tuple[list[float], list[float]]:
   """Times each stage alone on one micro-batch: forward, and backward.
 
-  These are the per-stage times that `schedule.simulate` takes. See
+  These are the per-stage times that `timeline.simulate` takes. See
   `StageProbe` for how they are measured.
 
   Args:

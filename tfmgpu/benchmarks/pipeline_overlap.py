@@ -29,6 +29,7 @@ from tfmgpu.parallel import partition
 from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import plan as plan_lib
 from tfmgpu.parallel import schedule as schedule_lib
+from tfmgpu.parallel import timeline as timeline_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Overlap:
   bwd: list[float]
   busy: list[float]
   update: float
-  timeline: schedule_lib.Timeline
+  timeline: timeline_lib.Timeline
   predicted: float
   infer: float
   infer_predicted: float
@@ -139,7 +140,7 @@ def _summarise(s: dict[str, Any], m: int, num_stages: int,
                schedule: str) -> Overlap:
   fwd, bwd = probes.stage_times(s["samples"])
   update = statistics.median(s["updates"])
-  timeline = schedule_lib.simulate(fwd, bwd, m, schedule=schedule)
+  timeline = timeline_lib.simulate(fwd, bwd, m, schedule=schedule)
   step = statistics.median(s["times"])
   busy = [m * (f + b) for f, b in zip(fwd, bwd)]
   return Overlap(
@@ -147,7 +148,7 @@ def _summarise(s: dict[str, Any], m: int, num_stages: int,
       update=update, timeline=timeline,
       predicted=timeline.step_time + update,
       infer=statistics.median(s["infers"]),
-      infer_predicted=schedule_lib.simulate(
+      infer_predicted=timeline_lib.simulate(
           fwd, [0.0] * num_stages, m, schedule=schedule).step_time,
       measured_bubble=1.0 - sum(busy) / (num_stages
                                          * max(step - update, 1e-9)))
@@ -280,9 +281,9 @@ def print_report(run: OverlapRun, *, png_prefix: str | None = None,
       "bwd) measured per stage alone, against step - update.")
   for m, r in run.results.items():
     out(f"\nSimulated timeline, M={m} (ms):")
-    scaled = schedule_lib.Timeline(
+    scaled = timeline_lib.Timeline(
         r.timeline.num_stages, m, r.timeline.schedule,
-        tuple(schedule_lib.Event(e.task, 1e3 * e.start, 1e3 * e.end)
+        tuple(timeline_lib.Event(e.task, 1e3 * e.start, 1e3 * e.end)
               for e in r.timeline.events))
     out(scaled.text(width=72))
     if png_prefix:

@@ -16,7 +16,7 @@ from tfmgpu import models as models_lib
 from tfmgpu.benchmarks import report as report_lib
 from tfmgpu.benchmarks import training
 from tfmgpu.parallel import partition
-from tfmgpu.parallel import schedule
+from tfmgpu.parallel import timeline
 
 if TYPE_CHECKING:
   from tfmgpu.benchmarks import suite
@@ -90,5 +90,5 @@ def _plot_stage_memory(plt, opts: suite.SuiteOptions) -> str:
 def _plot_pipeline_timeline(opts: suite.SuiteOptions) -> str:
   """The simulated GPipe timeline of 2 equal stages with 4 micro-batches."""
   out = os.path.join(opts.output_dir, "pipeline_timeline.png")
-  schedule.simulate([1.0, 1.0], [2.0, 2.0], 4).plot(out)
+  timeline.simulate([1.0, 1.0], [2.0, 2.0], 4).plot(out)
   return out

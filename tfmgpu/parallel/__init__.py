@@ -13,9 +13,13 @@
 * `inspection`: `op_placements`, the device every op of a traced function
   asks for (to check placement);
 * `staged`: `StagedModel`, model parallelism along a stage plan;
-* `schedule`: pipeline schedules (GPipe, 1F1B) and a timeline simulator;
+* `schedule`: pipeline schedules (GPipe, 1F1B): each stage's task order;
+* `timeline`: a pipelined step's timeline: simulated, summarised, drawn;
+* `microbatch`: splitting a batch, adding micro-batch gradients and losses;
+* `pipeline_step`: the ops of one pipelined training step, in schedule order;
 * `pipeline`: `PipelinedModel`, micro-batches streamed through the stages;
-* `branches`: `BranchParallel`, parallel sub-models on one input.
+* `branches`: `BranchParallel`, parallel sub-models on one input;
+* `choices`: the partition criteria and schedule names (no TensorFlow).
 
 Its placement names ("model_parallel", "branch_parallel", "pipeline") are
 registered in `tfmgpu.strategies`, the one list of names. Importing this
@@ -33,13 +37,14 @@ _EXPORTS = {
     "PipelinedModel": "tfmgpu.parallel.pipeline",
     "StagePlan": "tfmgpu.parallel.plan",
     "StagedModel": "tfmgpu.parallel.staged",
-    "Timeline": "tfmgpu.parallel.schedule",
+    "Timeline": "tfmgpu.parallel.timeline",
     "plan_stages": "tfmgpu.parallel.partition",
-    "simulate": "tfmgpu.parallel.schedule",
+    "simulate": "tfmgpu.parallel.timeline",
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
-_SUBMODULES = ("branches", "cost", "graph", "inspection", "partition",
-               "pipeline", "placed", "plan", "schedule", "staged")
+_SUBMODULES = ("branches", "choices", "cost", "graph", "inspection",
+               "microbatch", "partition", "pipeline", "pipeline_step",
+               "placed", "plan", "schedule", "staged", "timeline")
 
 __all__ = sorted(_EXPORTS)
 

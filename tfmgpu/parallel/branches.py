@@ -59,6 +59,31 @@ def _place(spec: BranchSpec, device: str, index: int) -> keras.Model:
   return clone
 
 
+def _branch_devices(branches: Sequence[BranchSpec],
+                    devices: Sequence[str] | None) -> list[str]:
+  """One resolved device per branch: `devices`, or the first accelerators.
+
+  Raises:
+    ValueError: no branches, more branches than devices, a `devices` of the
+      wrong length, or an unknown device.
+  """
+  if not branches:
+    raise ValueError("branches=[] is empty; give at least one sub-model.")
+  if devices is None:
+    found = devices_lib.accelerator_devices()
+    if len(branches) > len(found):
+      raise ValueError(
+          f"{len(branches)} branches but only {len(found)} device(s) exist: "
+          f"{', '.join(found)}. Pass devices=[...] (a device may hold "
+          "several branches) or split a device with "
+          "tfmgpu.configure_devices(logical_cpus=N).")
+    devices = found[:len(branches)]
+  elif len(devices) != len(branches):
+    raise ValueError(f"devices={list(devices)} has {len(devices)} entries "
+                     f"for {len(branches)} branches; give one per branch.")
+  return devices_lib.resolve_devices(devices)
+
+
 class BranchParallel(placed_lib.PerDeviceGradientModel):
   """Sub-models on separate devices, same input, outputs combined.
 
@@ -107,21 +132,7 @@ class BranchParallel(placed_lib.PerDeviceGradientModel):
     """
     super().__init__(name=name, **kwargs)
     branches = list(branches)
-    if not branches:
-      raise ValueError("branches=[] is empty; give at least one sub-model.")
-    if devices is None:
-      found = devices_lib.accelerator_devices()
-      if len(branches) > len(found):
-        raise ValueError(
-            f"{len(branches)} branches but only {len(found)} device(s) exist: "
-            f"{', '.join(found)}. Pass devices=[...] (a device may hold "
-            "several branches) or split a device with "
-            "tfmgpu.configure_devices(logical_cpus=N).")
-      devices = found[:len(branches)]
-    elif len(devices) != len(branches):
-      raise ValueError(f"devices={list(devices)} has {len(devices)} entries "
-                       f"for {len(branches)} branches; give one per branch.")
-    devices = devices_lib.resolve_devices(devices)
+    devices = _branch_devices(branches, devices)
     placed = [_place(b, d, i) for i, (b, d) in enumerate(zip(branches, devices))]
     self.branch_devices = tuple(devices)
     self.combine_device = devices_lib.resolve_devices(

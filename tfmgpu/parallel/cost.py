@@ -37,7 +37,10 @@ from tfmgpu.parallel import graph as graph_lib
 
 
 class Criterion(str, enum.Enum):
-  """What `plan_stages` balances."""
+  """What `plan_stages` balances.
+
+  Its values are `tfmgpu.parallel.choices.PARTITION_CHOICES`, in that order.
+  """
   BALANCED = "balanced"  # Mean of the normalised parameter and FLOP shares.
   PARAMS = "params"      # Parameter bytes (memory per device).
   FLOPS = "flops"        # Forward FLOPs (compute time per device).

@@ -14,6 +14,7 @@ from typing import Sequence
 import keras
 
 from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import choices
 from tfmgpu.parallel import cost as cost_lib
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import plan as plan_lib
@@ -133,12 +134,11 @@ def _split_starts(graph: graph_lib.ModelGraph,
 
 
 def _criterion(criterion: str) -> cost_lib.Criterion:
-  try:
-    return cost_lib.Criterion(criterion)
-  except ValueError:
+  if criterion not in choices.PARTITION_CHOICES:
     raise ValueError(
         f"criterion={criterion!r} is unknown; choose one of "
-        f"{', '.join(c.value for c in cost_lib.Criterion)}.") from None
+        f"{', '.join(choices.PARTITION_CHOICES)}.")
+  return cost_lib.Criterion(criterion)
 
 
 def _stages(blocks: Sequence[cost_lib.Block], starts: Sequence[int],

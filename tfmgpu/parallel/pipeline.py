@@ -35,8 +35,14 @@ averaged over the micro-batches.
 `recompute=True` keeps only each stage's input per micro-batch: the forward
 runs without a tape, and the backward re-runs the stage forward under its
 device (after its upstream gradient has arrived, so the executor cannot hoist
-it into the forward phase) and differentiates that. `saved_activation_bytes`
-reads from the traced graph what each stage keeps for its backward.
+it into the forward phase) and differentiates that.
+`tfmgpu.benchmarks.pipeline.saved_activation_bytes` reads from the traced
+graph what each stage keeps for its backward (it finds a stage's backward ops
+with `backward_stage`).
+
+The training step's ops are built by `tfmgpu.parallel.pipeline_step`; the
+micro-batch helpers (split, sum of gradients, losses) are in
+`tfmgpu.parallel.microbatch`.
 
 Known differences from unsplit training: BatchNormalization sees micro-batch
 statistics (and updates its moving averages once per micro-batch; twice with
@@ -51,81 +57,31 @@ padding's outputs are dropped (inference only: training raises).
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import re
-from typing import Any, Sequence
+from typing import Any
 
 from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmgpu.parallel import microbatch
+from tfmgpu.parallel import pipeline_step
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import plan as plan_lib
 from tfmgpu.parallel import schedule as schedule_lib
 from tfmgpu.parallel import staged
 
-FORWARD, BACKWARD = schedule_lib.FORWARD, schedule_lib.BACKWARD
-LOSS_REDUCTIONS = ("sum", "mean")
 
-# Name scopes of the traced step (see `saved_activation_bytes`).
-_FORWARD_SCOPE = "stage_{k}_mb_{m}"
-_RECOMPUTE_SCOPE = "stage_{k}_recompute_mb_{m}"
-_BACKWARD_SCOPE = "stage_{k}_backward_mb_{m}"
-_BACKWARD_OP = re.compile(
-    r"^(?:gradient_tape/)?stage_(\d+)_(?:backward_|recompute_)mb_\d+/"
-    r"|^gradient_tape/stage_(\d+)_mb_\d+/")
+def backward_stage(op_name: str) -> int | None:
+  """The stage whose backward an op of a traced pipelined step belongs to.
 
-
-def _check_micro_batches(micro_batches: Any) -> int:
-  if (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
-      or micro_batches < 1):
-    raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1 "
-                     "(e.g. micro_batches=4; 1 turns pipelining off).")
-  return micro_batches
-
-
-def _split(structure: Any, num: int) -> list[Any]:
-  """Splits every tensor of a structure along axis 0 into `num` parts."""
-  flat = tf.nest.flatten(structure)
-  parts = [[None] * num if t is None else tf.split(t, num, axis=0)
-           for t in flat]
-  return [tf.nest.pack_sequence_as(structure, [p[m] for p in parts])
-          for m in range(num)]
-
-
-def _sum_gradients(grads: Sequence[Any]) -> Any:
-  """Adds one variable's gradients from several micro-batches."""
-  grads = [g for g in grads if g is not None]
-  if not grads:
-    return None
-  if len(grads) == 1:
-    return grads[0]
-  if any(isinstance(g, tf.IndexedSlices) for g in grads):
-    slices = [g if isinstance(g, tf.IndexedSlices) else
-              tf.IndexedSlices(g, tf.range(tf.shape(g)[0]), tf.shape(g))
-              for g in grads]
-    return tf.IndexedSlices(tf.concat([s.values for s in slices], 0),
-                            tf.concat([s.indices for s in slices], 0),
-                            slices[0].dense_shape)
-  return tf.add_n(grads)
-
-
-def _call_losses(stage: keras.Model) -> list[Any]:
-  """The losses added by the stage's last call (activity regularisers etc.).
-
-  `Layer.losses` lists those first and then recomputes one term per
-  regularised weight; the weight terms are counted once per step elsewhere.
+  Reads the name scopes `PipelinedModel` gives its ops
+  (`pipeline_step.BACKWARD_OP`): a stage's gradient ops and, with
+  recomputation, its recomputed forward. `None` for any other op.
   """
-  losses = stage.losses
-  weighted = sum(1 for v in stage.trainable_weights
-                 if getattr(v, "regularizer", None) is not None)
-  return losses[:len(losses) - weighted]
-
-
-def _weight_regularization(stage: keras.Model) -> list[Any]:
-  return [v.regularizer(v) for v in stage.trainable_weights
-          if getattr(v, "regularizer", None) is not None]
+  match = pipeline_step.BACKWARD_OP.match(op_name)
+  if not match:
+    return None
+  return int(match.group(1) or match.group(2))
 
 
 class PipelinedModel(staged.StagedModel):
@@ -169,7 +125,7 @@ class PipelinedModel(staged.StagedModel):
       ValueError: `micro_batches < 1`, an unknown schedule, or a plan that
         does not match the model.
     """
-    micro_batches = _check_micro_batches(micro_batches)
+    micro_batches = microbatch.check_micro_batches(micro_batches)
     schedule = schedule_lib.check_schedule(schedule).value
     if not isinstance(recompute, bool):
       raise ValueError(f"recompute={recompute!r} must be True or False.")
@@ -232,49 +188,20 @@ class PipelinedModel(staged.StagedModel):
         tf.shape(first)[0] % m, 0,
         message=f"The batch (size in the next line) {rule}")]
 
-  def _run_stage(self, k: int, inp, *, record: bool, training: bool,
-                 scale=None, loss_term=None):
-    """Runs stage `k` on one micro-batch; with `record`, under a tape.
-
-    Returns:
-      `(tape, output, objective)`: `objective` is this micro-batch's share
-      of the call losses (and of the loss, via `loss_term(output)`), or
-      `None`.
-    """
-    stage = self.stages[k]
-    sources = [v.value for v in stage.trainable_variables]
-    tape = tf.GradientTape(watch_accessed_variables=False) if record else None
-    with tape if record else contextlib.nullcontext():
-      if record:
-        tape.watch(sources)
-        if k > 0:
-          tape.watch(inp)
-      out = stage(inp, training=training)
-      objective = None
-      if training:
-        calls = _call_losses(stage)
-        if calls:
-          total = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32)
-                            for l in calls])
-          objective = scale(total) / float(self.micro_batches)
-        if loss_term is not None:
-          term = loss_term(out)
-          objective = term if objective is None else term + objective
-    return tape, out, objective
-
   def _forward_only(self, x, training: bool):
     """Streams micro-batches through the stages (no backward)."""
     K, M = len(self.stages), self.micro_batches
     with tf.device(self.stage_devices[0]), tf.name_scope("micro_batches"):
-      xs = _split(x, M)
+      xs = microbatch.split(x, M)
     outs, done = {}, [[] for _ in range(K)]
     orders = schedule_lib.stage_orders(K, M, self.schedule, forward_only=True)
     deps = lambda t: schedule_lib.dependencies(t, K, M, self.schedule)
     for task in schedule_lib.build_order(orders, deps):
       k, m = task.stage, task.micro_batch
       inp = xs[m] if k == 0 else outs[(k - 1, m)]
-      with tf.device(self.stage_devices[k]), tf.name_scope(
-          _FORWARD_SCOPE.format(k=k, m=m)), tf.control_dependencies(done[k]):
+      scope = pipeline_step.FORWARD_SCOPE.format(k=k, m=m)
+      with tf.device(self.stage_devices[k]), tf.name_scope(scope), \
+          tf.control_dependencies(done[k]):
         outs[(k, m)] = self.stages[k](inp, training=training)
       done[k] = [outs[(k, m)]]
     with tf.device(self.stage_devices[-1]):
@@ -340,129 +267,13 @@ class PipelinedModel(staged.StagedModel):
       ValueError: the batch size is not a multiple of `micro_batches`, or
         an unknown `loss_reduction`.
     """
-    if loss_reduction not in LOSS_REDUCTIONS:
-      raise ValueError(f"loss_reduction={loss_reduction!r} is unknown; use "
-                       f"{' or '.join(map(repr, LOSS_REDUCTIONS))}.")
-    scale = scale_regularization or (lambda t: t)
-    K, M = len(self.stages), self.micro_batches
-    last, gpipe = K - 1, self.schedule == schedule_lib.Schedule.GPIPE.value
-    devices = self.stage_devices
-    checks = self._check_batch(x)
-    with tf.device(devices[0]), tf.name_scope("micro_batches"), \
-        tf.control_dependencies(checks):
-      xs = _split(x, M)
-    ys = None
-    if not gpipe:
-      with tf.device(devices[last]), tf.name_scope("micro_targets"), \
-          tf.control_dependencies(checks):
-        ys = _split(y, M)
-    factor = 1.0 / M if loss_reduction == "mean" else 1.0
-
-    inputs, outs, tapes, objectives, upstream = {}, {}, {}, {}, {}
-    grads = [collections.defaultdict(list) for _ in range(K)]
-    done: list[list[Any]] = [[] for _ in range(K)]
-    totals: list[Any] = []
-    y_pred = None
-
-    def loss_term(m):
-      if gpipe:
-        return None
-      return lambda out: loss_fn(ys[m], out) * factor
-
-    orders = schedule_lib.stage_orders(K, M, self.schedule)
-    deps = lambda t: schedule_lib.dependencies(t, K, M, self.schedule)
-    for task in schedule_lib.build_order(orders, deps):
-      k, m = task.stage, task.micro_batch
-      device = devices[k]
-      if task.kind == FORWARD:
-        inp = xs[m] if k == 0 else outs[(k - 1, m)]
-        scope = _FORWARD_SCOPE.format(k=k, m=m)
-        with tf.device(device), tf.name_scope(scope), \
-            tf.control_dependencies(done[k]):
-          tape, out, objective = self._run_stage(
-              k, inp, record=not self.recompute, training=True, scale=scale,
-              loss_term=loss_term(m) if k == last else None)
-        inputs[(k, m)], outs[(k, m)] = inp, out
-        tapes[(k, m)], objectives[(k, m)] = tape, objective
-        done[k] = [out] + ([objective] if objective is not None else [])
-        if objective is not None:
-          totals.append(objective)
-        continue
-
-      if k == last and gpipe and y_pred is None:
-        # The whole batch's loss, once, seeding every micro-batch's backward.
-        with tf.device(device), tf.name_scope(f"stage_{k}_loss"):
-          last_outs = [outs[(k, i)] for i in range(M)]
-          with tf.GradientTape(watch_accessed_variables=False) as loss_tape:
-            loss_tape.watch(last_outs)
-            y_pred = tf.concat(last_outs, axis=0) if M > 1 else last_outs[0]
-            loss = loss_fn(y, y_pred)
-          seeds = loss_tape.gradient(loss, last_outs)
-          for i, (o, s) in enumerate(zip(last_outs, seeds)):
-            upstream[(k, i)] = tf.zeros_like(o) if s is None else s
-        totals.append(loss)
-
-      inp, grad_out = inputs.pop((k, m)), upstream.pop((k, m), None)
-      tape, out, objective = tapes.pop((k, m)), outs[(k, m)], objectives.pop(
-          (k, m))
-      with tf.control_dependencies(done[k] + (
-          [grad_out] if grad_out is not None else [])):
-        if self.recompute:
-          with tf.device(device), tf.name_scope(
-              _RECOMPUTE_SCOPE.format(k=k, m=m)):
-            tape, out, objective = self._run_stage(
-                k, inp, record=True, training=True, scale=scale,
-                loss_term=loss_term(m) if k == last else None)
-        sources = [v.value for v in self.stages[k].trainable_variables]
-        result = placed.backward_on_device(
-            tape, device, _BACKWARD_SCOPE.format(k=k, m=m),
-            outputs=[out] if grad_out is not None else [],
-            output_gradients=[grad_out] if grad_out is not None else [],
-            objective=objective, sources=sources + ([inp] if k > 0 else []))
-      del tape
-      if k > 0:
-        grad_in = result.pop()
-        if grad_in is None:  # The stage ignores its input.
-          with tf.device(device):
-            grad_in = tf.zeros_like(inp)
-        upstream[(k - 1, m)] = grad_in
-      for i, g in enumerate(result):
-        grads[k][i].append(g)
-      signals = [getattr(g, "values", g) for g in result if g is not None]
-      done[k] = signals + ([upstream[(k - 1, m)]] if k > 0 else []) or done[k]
-
-    if y_pred is None:
-      with tf.device(devices[last]):
-        y_pred = tf.concat([outs[(last, i)] for i in range(M)], axis=0)
-    summed = self._accumulate(grads, totals, scale)
-    with tf.device(devices[last]):
-      total = tf.add_n([tf.cast(t, tf.float32) for t in totals])
-    return total, y_pred, [summed.get(id(v)) for v in self.trainable_variables]
-
-  def _accumulate(self, grads, totals, scale) -> dict[int, Any]:
-    """Sums each variable's micro-batch gradients on its stage's device and
-    adds the weight regularisation (once per step)."""
-    out = {}
-    for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
-      variables = stage.trainable_variables
-      with tf.device(device), tf.name_scope(f"stage_{k}_accumulate"):
-        summed = [_sum_gradients(grads[k][i]) for i in range(len(variables))]
-      sources = [v.value for v in variables]
-      with tf.device(device), tf.name_scope(f"stage_{k}_regularization"):
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-          tape.watch(sources)
-          terms = _weight_regularization(stage)
-          reg = (scale(tf.add_n([tf.cast(t, tf.float32) for t in terms]))
-                 if terms else None)
-      if reg is not None:
-        totals.append(reg)
-        reg_grads = placed.backward_on_device(
-            tape, device, f"stage_{k}_backward_regularization", outputs=[],
-            output_gradients=[], objective=reg, sources=sources)
-        with tf.device(device), tf.name_scope(f"stage_{k}_accumulate"):
-          summed = [_sum_gradients([g, r]) for g, r in zip(summed, reg_grads)]
-      out.update({id(v): g for v, g in zip(variables, summed)})
-    return out
+    step = pipeline_step.PipelineStep(
+        self.stages, self.stage_devices, micro_batches=self.micro_batches,
+        schedule=self.schedule, recompute=self.recompute, loss_fn=loss_fn,
+        scale=scale_regularization or (lambda t: t),
+        loss_reduction=loss_reduction)
+    loss, y_pred, summed = step.run(x, y, self._check_batch(x))
+    return loss, y_pred, [summed.get(id(v)) for v in self.trainable_variables]
 
   def _fit_loss_options(self) -> dict[str, Any]:
     """How `fit`'s compiled loss combines over micro-batches (for 1F1B)."""

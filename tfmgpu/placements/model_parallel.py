@@ -12,11 +12,10 @@ from typing import Any, Callable, Sequence
 
 from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
+from tfmgpu.parallel.choices import PARTITION_CHOICES
 from tfmgpu.strategies import registry
 
 tf = LazyModule("tensorflow")
-
-PARTITION_CHOICES = ("balanced", "params", "flops")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,10 +11,9 @@ import dataclasses
 from typing import Any
 
 from tfmgpu import checks
+from tfmgpu.parallel.choices import SCHEDULE_CHOICES
 from tfmgpu.placements import model_parallel
 from tfmgpu.strategies import registry
-
-SCHEDULE_CHOICES = ("gpipe", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)

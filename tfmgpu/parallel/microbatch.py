@@ -1,0 +1,73 @@
+"""Micro-batches: splitting a batch, and adding up their gradients and losses.
+
+The helpers `PipelinedModel` uses to cut a step into `M` micro-batches and
+make their sum equal the unsplit step: `split` cuts every tensor of a batch
+along its first axis, `sum_gradients` adds one variable's gradients (dense or
+`tf.IndexedSlices`), `call_losses` and `weight_regularization` separate the
+losses a call adds (counted per micro-batch) from the weight regularisers
+(counted once per step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+
+def check_micro_batches(micro_batches: Any) -> int:
+  """Returns `micro_batches` if it is an int >= 1.
+
+  Raises:
+    ValueError: anything else, with an example.
+  """
+  if (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+      or micro_batches < 1):
+    raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1 "
+                     "(e.g. micro_batches=4; 1 turns pipelining off).")
+  return micro_batches
+
+
+def split(structure: Any, num: int) -> list[Any]:
+  """Splits every tensor of a structure along axis 0 into `num` parts."""
+  flat = tf.nest.flatten(structure)
+  parts = [[None] * num if t is None else tf.split(t, num, axis=0)
+           for t in flat]
+  return [tf.nest.pack_sequence_as(structure, [p[m] for p in parts])
+          for m in range(num)]
+
+
+def sum_gradients(grads: Sequence[Any]) -> Any:
+  """Adds one variable's gradients from several micro-batches."""
+  grads = [g for g in grads if g is not None]
+  if not grads:
+    return None
+  if len(grads) == 1:
+    return grads[0]
+  if any(isinstance(g, tf.IndexedSlices) for g in grads):
+    slices = [g if isinstance(g, tf.IndexedSlices) else
+              tf.IndexedSlices(g, tf.range(tf.shape(g)[0]), tf.shape(g))
+              for g in grads]
+    return tf.IndexedSlices(tf.concat([s.values for s in slices], 0),
+                            tf.concat([s.indices for s in slices], 0),
+                            slices[0].dense_shape)
+  return tf.add_n(grads)
+
+
+def call_losses(stage: keras.Model) -> list[Any]:
+  """The losses added by the stage's last call (activity regularisers etc.).
+
+  `Layer.losses` lists those first and then recomputes one term per
+  regularised weight; the weight terms are counted once per step elsewhere.
+  """
+  losses = stage.losses
+  weighted = sum(1 for v in stage.trainable_weights
+                 if getattr(v, "regularizer", None) is not None)
+  return losses[:len(losses) - weighted]
+
+
+def weight_regularization(stage: keras.Model) -> list[Any]:
+  """One loss term per regularised trainable weight of `stage`."""
+  return [v.regularizer(v) for v in stage.trainable_weights
+          if getattr(v, "regularizer", None) is not None]

@@ -1,0 +1,230 @@
+"""The timeline of one pipelined step: simulated, summarised and drawn.
+
+`simulate` predicts when each stage runs each task of a schedule
+(`tfmgpu.parallel.schedule.stage_orders`) from per-stage forward/backward
+times: each stage runs its tasks one at a time in the schedule's order, and
+a task starts when its stage is free and its inputs have arrived. The
+`Timeline` it returns (or one built from measured times) gives the start and
+end of every task, the step time, per-stage busy time, the bubble fraction
+(idle share of `K * step_time`), the peak activations held, an ASCII Gantt
+chart (`Timeline.text`) and a matplotlib plot (`Timeline.plot`; matplotlib is
+a dev extra and is imported only there). With equal stage times the bubble is
+the textbook `(K - 1) / (M + K - 1)`
+(`tfmgpu.parallel.schedule.theoretical_bubble`).
+
+Pure Python: importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tfmgpu.parallel import schedule as schedule_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """When one task ran (in the timeline's time unit)."""
+  task: schedule_lib.Task
+  start: float
+  end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+  """The predicted (or measured) timeline of one pipelined step.
+
+  Attributes:
+    num_stages: `K`.
+    micro_batches: `M`.
+    schedule: the schedule's name.
+    events: one per task, in the order they were timed.
+  """
+  num_stages: int
+  micro_batches: int
+  schedule: str
+  events: tuple[Event, ...]
+
+  @property
+  def step_time(self) -> float:
+    """From the first start to the last end."""
+    return (max(e.end for e in self.events) -
+            min(e.start for e in self.events))
+
+  @property
+  def busy(self) -> list[float]:
+    """Time each stage spends running tasks."""
+    out = [0.0] * self.num_stages
+    for e in self.events:
+      out[e.task.stage] += e.end - e.start
+    return out
+
+  @property
+  def bubble_fraction(self) -> float:
+    """Idle share of all stages over the step: `1 - sum(busy) / (K * step)`."""
+    total = self.num_stages * self.step_time
+    return 1.0 - sum(self.busy) / total if total > 0 else 0.0
+
+  @property
+  def theoretical_bubble(self) -> float:
+    return schedule_lib.theoretical_bubble(self.num_stages,
+                                           self.micro_batches)
+
+  @property
+  def peak_in_flight(self) -> list[int]:
+    """Per stage, most micro-batches of activations held at once."""
+    return [schedule_lib.peak_in_flight(self.stage_events(k))
+            for k in range(self.num_stages)]
+
+  def stage_events(self, stage: int) -> list[schedule_lib.Task]:
+    """The tasks of one stage, by start time."""
+    events = sorted((e for e in self.events if e.task.stage == stage),
+                    key=lambda e: (e.start, e.end))
+    return [e.task for e in events]
+
+  def summary(self) -> str:
+    """Step time, per-stage busy time, bubble (predicted and textbook)."""
+    busy = ", ".join(f"{b:.4g}" for b in self.busy)
+    return (f"{self.schedule}: K={self.num_stages} M={self.micro_batches} "
+            f"step={self.step_time:.4g} busy=[{busy}] "
+            f"bubble={self.bubble_fraction:.3f} "
+            f"(theory (K-1)/(M+K-1)={self.theoretical_bubble:.3f})")
+
+  def text(self, width: int = 72) -> str:
+    """An ASCII Gantt chart: one row per stage, time left to right.
+
+    Each column shows what its stage runs at the column's mid-time: a digit
+    for the forward of micro-batch `m` (`m % 10`), a letter for its backward
+    (`a` = 0, `b` = 1, ...), `.` for idle.
+    """
+    if width < 8:
+      raise ValueError(f"width={width} is too narrow; use width >= 8.")
+    start = min(e.start for e in self.events)
+    span = self.step_time or 1.0
+    rows = []
+    for k in range(self.num_stages):
+      mine = [e for e in self.events if e.task.stage == k]
+      cells = []
+      for c in range(width):
+        t = start + (c + 0.5) * span / width
+        hit = next((e for e in mine if e.start <= t < e.end), None)
+        if hit is None:
+          cells.append(".")
+        elif hit.task.kind == schedule_lib.FORWARD:
+          cells.append(str(hit.task.micro_batch % 10))
+        else:
+          cells.append(chr(ord("a") + hit.task.micro_batch % 26))
+      rows.append(f"stage {k:<2d} |{''.join(cells)}|")
+    legend = ("digit m: forward of micro-batch m; letter: its backward "
+              "(a=0, b=1, ...); '.': idle")
+    return "\n".join([self.summary()] + rows + [legend])
+
+  def plot(self, path: str) -> str:
+    """Draws the timeline as a PNG (needs matplotlib, a dev extra).
+
+    Args:
+      path: the file to write.
+
+    Returns:
+      `path`.
+
+    Raises:
+      ImportError: matplotlib is not installed.
+    """
+    try:
+      import matplotlib  # pylint: disable=g-import-not-at-top
+      matplotlib.use("Agg")
+      from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError(
+          "Timeline.plot needs matplotlib, which is a dev extra of tfmgpu: "
+          "pip install 'tfmgpu[dev]' (or pip install matplotlib). "
+          "Timeline.text() draws the same chart without it.") from e
+    fig, ax = plt.subplots(figsize=(10, 0.6 * self.num_stages + 1.2))
+    for e in self.events:
+      forward = e.task.kind == schedule_lib.FORWARD
+      ax.broken_barh([(e.start, e.end - e.start)], (e.task.stage - 0.4, 0.8),
+                     facecolors="tab:blue" if forward else "tab:orange",
+                     edgecolors="black", linewidth=0.5)
+      ax.text((e.start + e.end) / 2, e.task.stage,
+              f"{'F' if forward else 'B'}{e.task.micro_batch}",
+              ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(self.num_stages))
+    ax.set_yticklabels([f"stage {k}" for k in range(self.num_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(self.summary(), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _per_stage(times: float | Sequence[float], num_stages: int | None,
+               what: str) -> list[float]:
+  if isinstance(times, (int, float)):
+    if num_stages is None:
+      raise ValueError(f"{what}={times!r} is one number; pass num_stages=K "
+                       "too, or give one time per stage.")
+    times = [float(times)] * num_stages
+  times = [float(t) for t in times]
+  if not times or any(t < 0 for t in times):
+    raise ValueError(f"{what}={times} needs one non-negative time per stage.")
+  if num_stages is not None and len(times) != num_stages:
+    raise ValueError(f"{what} has {len(times)} time(s) but num_stages="
+                     f"{num_stages}; give one per stage.")
+  return times
+
+
+def simulate(forward_times: float | Sequence[float],
+             backward_times: float | Sequence[float], micro_batches: int, *,
+             schedule: str | schedule_lib.Schedule = "gpipe",
+             num_stages: int | None = None,
+             transfer_time: float = 0.0) -> Timeline:
+  """Predicts the timeline of one pipelined step.
+
+  Each stage runs its tasks in the schedule's order (one at a time, like a
+  device's in-order stream); a task starts when its stage is free and its
+  inputs have arrived.
+
+  Args:
+    forward_times: forward time of one micro-batch on each stage (a list,
+      or one number for every stage with `num_stages`).
+    backward_times: backward time of one micro-batch on each stage, likewise.
+    micro_batches: `M`.
+    schedule: `"gpipe"` or `"1f1b"`. Defaults to `"gpipe"`.
+    num_stages: `K`, needed when both times are single numbers.
+    transfer_time: delay of every activation or gradient sent between
+      stages. Defaults to `0`.
+
+  Returns:
+    The `Timeline`.
+
+  Raises:
+    ValueError: negative or mismatched times, `micro_batches < 1`, or an
+      unknown schedule.
+  """
+  fwd = _per_stage(forward_times, num_stages, "forward_times")
+  bwd = _per_stage(backward_times, num_stages or len(fwd), "backward_times")
+  K = len(fwd)
+  if len(bwd) != K:
+    raise ValueError(f"forward_times has {K} stages but backward_times has "
+                     f"{len(bwd)}.")
+  if transfer_time < 0:
+    raise ValueError(f"transfer_time={transfer_time} must be >= 0.")
+  schedule = schedule_lib.check_schedule(schedule)
+  orders = schedule_lib.stage_orders(K, micro_batches, schedule)
+  deps = lambda t: schedule_lib.dependencies(t, K, micro_batches, schedule)
+  end: dict[schedule_lib.Task, float] = {}
+  free = [0.0] * K
+  events = []
+  for task in schedule_lib.build_order(orders, deps):
+    ready = free[task.stage]
+    for d in deps(task):
+      ready = max(ready, end[d] + (transfer_time if d.stage != task.stage
+                                   else 0.0))
+    cost = (fwd if task.kind == schedule_lib.FORWARD else bwd)[task.stage]
+    end[task] = free[task.stage] = ready + cost
+    events.append(Event(task, ready, ready + cost))
+  return Timeline(K, micro_batches, schedule.value, tuple(events))
