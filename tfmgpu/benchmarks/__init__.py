@@ -15,7 +15,7 @@ Modules:
   report: a suite run's rows, headline figures and CSV.
   sections: the suite's sections, each timing its paths and printing a table.
   plots: the suite's figures.
-  suite: `SuiteOptions` and `run_suite`, behind `python -m tfmgpu.bench`.
+  suite: `run_suite`, behind `python -m tfmgpu.bench`; options: `SuiteOptions`.
 
 Importing this package does not import TensorFlow; its modules do.
 """

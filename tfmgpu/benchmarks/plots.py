@@ -7,21 +7,19 @@ the suite says so and writes none.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tfmgpu import devices as devices_lib
 from tfmgpu import models as models_lib
 from tfmgpu.benchmarks import report as report_lib
+from tfmgpu.benchmarks.options import SuiteOptions
 from tfmgpu.benchmarks import training
 from tfmgpu.parallel import partition
 from tfmgpu.parallel import timeline
 
-if TYPE_CHECKING:
-  from tfmgpu.benchmarks import suite
 
-def write_plots(report: report_lib.Report, opts: suite.SuiteOptions
+def write_plots(report: report_lib.Report, opts: SuiteOptions
                 ) -> list[str]:
   """Writes every plot to `opts.output_dir`; returns their paths."""
   try:
@@ -36,7 +34,7 @@ def write_plots(report: report_lib.Report, opts: suite.SuiteOptions
 
 
 def _plot_throughput(plt, report: report_lib.Report,
-                     opts: suite.SuiteOptions) -> str:
+                     opts: SuiteOptions) -> str:
   """Examples/s against replicas, one panel per model, one line per path."""
   fig, axes = plt.subplots(1, len(opts.models),
                            figsize=(5 * len(opts.models), 3.5))
@@ -61,7 +59,7 @@ def _plot_throughput(plt, report: report_lib.Report,
   return out
 
 
-def _plot_stage_memory(plt, opts: suite.SuiteOptions) -> str:
+def _plot_stage_memory(plt, opts: SuiteOptions) -> str:
   """Per-device training memory of a 4-stage plan of the demo deep MLP."""
   model = models_lib.build_model("deep_mlp", input_shape=(28, 28, 1),
                                  num_classes=10)
@@ -87,7 +85,7 @@ def _plot_stage_memory(plt, opts: suite.SuiteOptions) -> str:
   return out
 
 
-def _plot_pipeline_timeline(opts: suite.SuiteOptions) -> str:
+def _plot_pipeline_timeline(opts: SuiteOptions) -> str:
   """The simulated GPipe timeline of 2 equal stages with 4 micro-batches."""
   out = os.path.join(opts.output_dir, "pipeline_timeline.png")
   timeline.simulate([1.0, 1.0], [2.0, 2.0], 4).plot(out)

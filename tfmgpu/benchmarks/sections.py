@@ -8,7 +8,7 @@ names `python -m tfmgpu.bench --sections` accepts to them, in running order.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from tfmgpu import devices as devices_lib
 from tfmgpu import models as models_lib
@@ -17,17 +17,15 @@ from tfmgpu.benchmarks import ceiling as ceiling_lib
 from tfmgpu.benchmarks import inference as inference_lib
 from tfmgpu.benchmarks import projection as projection_lib
 from tfmgpu.benchmarks import report as report_lib
+from tfmgpu.benchmarks.options import SuiteOptions
 from tfmgpu.benchmarks import training as training_lib
-
-if TYPE_CHECKING:
-  from tfmgpu.benchmarks import suite
 
 
 def _mirrored(replicas: int):
   return strategies_lib.get_strategy("mirrored", num_replicas=replicas)
 
 
-def _floors(opts: suite.SuiteOptions, model: str, arrays
+def _floors(opts: SuiteOptions, model: str, arrays
             ) -> dict[str, training_lib.Timing]:
   """The bare loop's best round, as users write it and with tfmgpu's kernels."""
   best = {}
@@ -42,7 +40,7 @@ def _floors(opts: suite.SuiteOptions, model: str, arrays
   return best
 
 
-def _training(report: report_lib.Report, opts: suite.SuiteOptions,
+def _training(report: report_lib.Report, opts: SuiteOptions,
               arrays) -> None:
   report.say(
       "\n== Training throughput: same model, data, strategy and batch ==")
@@ -77,7 +75,7 @@ def _training(report: report_lib.Report, opts: suite.SuiteOptions,
                       "(the loop's own cost)")
 
 
-def _ceiling(report: report_lib.Report, opts: suite.SuiteOptions,
+def _ceiling(report: report_lib.Report, opts: SuiteOptions,
              arrays) -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   report.say("\n== Compute ceiling: achieved FLOP/s vs float32 matmul ==")
@@ -141,7 +139,7 @@ def _optimisation_runs(spe: int, replicas: int
   return strategies, runs
 
 
-def _optimisations(report: report_lib.Report, opts: suite.SuiteOptions,
+def _optimisations(report: report_lib.Report, opts: SuiteOptions,
                    arrays) -> None:
   report.say("\n== Optimisations, each on/off (mlp, tfmgpu loop; best of "
              f"{opts.rounds} interleaved rounds) ==")
@@ -177,7 +175,7 @@ def _optimisations(report: report_lib.Report, opts: suite.SuiteOptions,
 
 
 def _compression_accuracy(report: report_lib.Report,
-                          opts: suite.SuiteOptions, arrays) -> None:
+                          opts: SuiteOptions, arrays) -> None:
   from tfmgpu.training import allreduce  # pylint: disable=g-import-not-at-top
   from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
   report.say("\n== Gradient compression: bytes and accuracy (convnet, x2) ==")
@@ -207,7 +205,7 @@ def _compression_accuracy(report: report_lib.Report,
                 "(target <= 0.5)")
 
 
-def _inference(report: report_lib.Report, opts: suite.SuiteOptions,
+def _inference(report: report_lib.Report, opts: SuiteOptions,
                arrays) -> None:
   report.say("\n== Inference: tfmgpu.predict vs Keras predict (convnet) ==")
   x = arrays.x_train
@@ -238,7 +236,7 @@ def _inference(report: report_lib.Report, opts: suite.SuiteOptions,
     report.say(f"    {name:<46} {t.examples_per_sec:>9,.0f} ex/s")
 
 
-def _projection(report: report_lib.Report, opts: suite.SuiteOptions,
+def _projection(report: report_lib.Report, opts: SuiteOptions,
                 arrays) -> None:
   report.say("\n== Projection (not a measurement): data parallel on N GPUs ==")
   report.say("  ring all-reduce 2(N-1)/N x bytes / link bandwidth, no overlap,"
@@ -259,7 +257,7 @@ def _projection(report: report_lib.Report, opts: suite.SuiteOptions,
                  f"{link:<12} " + "  ".join(cells))
 
 
-Section = Callable[[report_lib.Report, "suite.SuiteOptions", Any], None]
+Section = Callable[[report_lib.Report, "SuiteOptions", Any], None]
 
 SECTIONS: dict[str, Section] = {
     "training": _training,

@@ -8,7 +8,6 @@ reported as ratios; projections for multi-GPU hosts are labelled as such.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any, Sequence
@@ -20,30 +19,7 @@ from tfmgpu import devices as devices_lib
 from tfmgpu.benchmarks import plots
 from tfmgpu.benchmarks import report as report_lib
 from tfmgpu.benchmarks import sections as sections_lib
-
-
-@dataclasses.dataclass(frozen=True)
-class SuiteOptions:
-  """What the suite runs.
-
-  Attributes:
-    models: registered model names to train.
-    replicas: replica counts for `mirrored` (needs that many devices).
-    steps: timed steps per run; quick mode uses fewer.
-    global_batch_size: examples per step.
-    steps_per_execution: for tfmgpu and Keras fit alike (matched).
-    rounds: interleaved repetitions per path (best kept).
-    output_dir: CSV and PNG go here.
-    quick: fewer steps and sections, for a run under 5 minutes.
-  """
-  models: tuple[str, ...] = ("convnet", "mlp")
-  replicas: tuple[int, ...] = (1, 2, 4)
-  steps: int = 120
-  global_batch_size: int = 64
-  steps_per_execution: int = 10
-  rounds: int = 2
-  output_dir: str = "bench_results"
-  quick: bool = False
+from tfmgpu.benchmarks.options import SuiteOptions
 
 
 def run_suite(opts: SuiteOptions, *,
