@@ -46,18 +46,29 @@ def test_mirrored_options_choose_devices_and_all_reduce():
                     tf.distribute.ReductionToOneDevice)
 
 
-def test_one_replica_mirrored_skips_the_wrapper_unless_asked():
-  assert tfmgpu.get_strategy("mirrored", num_replicas=1) is (
-      tfmgpu.get_strategy("default"))
-  kept = tfmgpu.get_strategy("mirrored", num_replicas=1,
-                             single_replica="mirrored")
+def test_one_replica_mirrored_is_a_mirrored_strategy_unless_asked():
+  """Code written for tf.distribute (Model Garden's factory) gets the class
+  it asked for; tfmgpu's own runs take the fast path (TrainConfig)."""
+  kept = tfmgpu.get_strategy("mirrored", num_replicas=1)
   assert isinstance(kept, tf.distribute.MirroredStrategy)
   assert kept.num_replicas_in_sync == 1
+  assert len(kept.extended.worker_devices) == 1
+  assert tfmgpu.get_strategy("mirrored", num_replicas=1,
+                             single_replica="default") is (
+                                 tfmgpu.get_strategy("default"))
+  assert tfmgpu.TrainConfig().options.single_replica == "default"
   # A single replica elsewhere than the default device stays mirrored.
-  other = tfmgpu.get_strategy("mirrored", devices=["/cpu:3"])
+  other = tfmgpu.get_strategy("mirrored", devices=["/cpu:3"],
+                              single_replica="default")
   assert isinstance(other, tf.distribute.MirroredStrategy)
   with pytest.raises(ValueError, match=r"single_replica='never' is unknown"):
     tfmgpu.get_strategy("mirrored", single_replica="never")
+
+
+def test_names_are_case_insensitive():
+  assert isinstance(tfmgpu.get_strategy("MIRRORED", num_replicas=2),
+                    tf.distribute.MirroredStrategy)
+  assert tfmgpu.TrainConfig(strategy="Pipeline").distribution.name == "pipeline"
 
 
 def test_multi_worker_mirrored_single_process():

@@ -126,6 +126,7 @@ class TrainConfig:
       if getattr(self, name) is not None:  # Lists from notebooks are fine.
         object.__setattr__(self, name, tuple(getattr(self, name)))
     distribution = strategies_lib.lookup(self.strategy)
+    object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     checks.check_choice("model", self.model, models_lib.available_models())
     checks.check_choice("dataset", self.dataset,
                         data_lib.available_datasets())

@@ -126,7 +126,7 @@ def _optimisation_runs(spe: int, replicas: int
       "mirrored x1": strategies_lib.get_strategy(
           "mirrored", num_replicas=1, single_replica="mirrored"),
       "mirrored x1 collapsed": strategies_lib.get_strategy(
-          "mirrored", num_replicas=1),
+          "mirrored", num_replicas=1, single_replica="default"),
       "one_device": strategies_lib.get_strategy("one_device"),
       "default": strategies_lib.get_strategy("default"),
   }

@@ -67,6 +67,11 @@ class BranchParallelPlacement(registry.Distribution):
     return registry.Placement(tf.distribute.get_strategy(), devices[:n],
                               model, distribution=self, options=options)
 
+  def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
+    (row,) = super().describe(placement)
+    return [(row[0], f"{row[1]} (num_stages={placement.options.num_stages}: "
+             "one independently initialised member each, averaged)")]
+
   def serve(self, models: Sequence[Any], options: Any) -> tuple[Any, Any]:
     from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
     del options

@@ -46,13 +46,15 @@ class MirroredOptions(DeviceOptions):
     cross_device_ops: `auto`, `nccl`, `hierarchical_copy`,
       `reduction_to_one` (see `choose_cross_device_ops`).
     num_packs: gradient packs for all-reduce.
-    single_replica: with one replica on the default device, `default` uses
-      the default strategy (no wrapping overhead); `mirrored` keeps
-      `MirroredStrategy`.
+    single_replica: with one replica on the default device, `mirrored`
+      (the default here, what code written for tf.distribute expects) keeps
+      `MirroredStrategy`; `default` uses TF's default strategy, which does
+      the same work without the wrapping overhead. tfmgpu's own runs
+      (`TrainConfig`, the CLIs) choose `default`.
   """
   cross_device_ops: str = "auto"
   num_packs: int = 1
-  single_replica: str = "default"
+  single_replica: str = "mirrored"
 
   def __post_init__(self):
     super().__post_init__()

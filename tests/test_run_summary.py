@@ -1,0 +1,68 @@
+"""What a run's summary says (`tfmgpu.runs.RunSummary`): the layout of each
+placement, and no figure that reads as failure when nothing failed."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from tfmgpu import cluster
+from tfmgpu import runs
+from tfmgpu.config import TrainConfig
+
+
+def _run(tmp_path, strategy="default", name="run", **kw):
+  config = TrainConfig(strategy=strategy, model="mlp", epochs=1,
+                       steps_per_epoch=4, global_batch_size=32,
+                       steps_per_execution=4, verbose=0,
+                       model_dir=str(tmp_path / name), **kw)
+  return config
+
+
+def test_a_rerun_into_a_finished_model_dir_says_so(digits_arrays, tmp_path):
+  config = _run(tmp_path)
+  first = runs.run_training(config, arrays=digits_arrays)
+  assert "nan" not in str(first)
+  again = runs.run_training(config, arrays=digits_arrays)
+  text = str(again)
+  assert again.result.epochs_run == 0
+  assert re.search(r"train loss / accuracy\s+not trained: .* already held 1 "
+                   r"epoch\(s\)", text), text
+  assert "nan" not in text and "0 examples/s" not in text
+  assert again.test_accuracy == pytest.approx(first.test_accuracy)
+
+
+def test_an_epoch_of_one_call_reports_its_throughput(digits_arrays, tmp_path):
+  summary = runs.run_training(_run(tmp_path), arrays=digits_arrays)
+  assert summary.result.steps == 4  # One call of steps_per_execution=4.
+  assert summary.examples_per_sec > 0
+  assert summary.result.history["examples_per_sec"][0] > 0
+
+
+def test_the_pipeline_summary_names_micro_batches_schedule_and_bubble(
+    digits_arrays, tmp_path):
+  summary = runs.run_training(
+      _run(tmp_path, "pipeline", micro_batches=4, schedule="1f1b"),
+      arrays=digits_arrays)
+  text = str(summary)
+  assert re.search(r"stages\s+2 on /device:CPU:0, /device:CPU:1", text), text
+  assert re.search(r"pipeline\s+4 micro-batches, 1f1b schedule, bubble 20%",
+                   text), text
+
+
+def test_branch_parallel_says_where_its_branch_count_comes_from(
+    digits_arrays, tmp_path):
+  summary = runs.run_training(_run(tmp_path, "branch_parallel", num_stages=2),
+                              arrays=digits_arrays)
+  assert re.search(r"branches\s+2 on /device:CPU:0, /device:CPU:1 "
+                   r"\(num_stages=2: ", str(summary)), str(summary)
+
+
+def test_multi_worker_without_a_cluster_warns_that_it_trains_alone(caplog):
+  with caplog.at_level(logging.WARNING):
+    role = cluster.preflight(TrainConfig(strategy="multi_worker_mirrored"), {})
+  assert role.task_type is None
+  assert re.search(r"strategy='multi_worker_mirrored' without TF_CONFIG or a "
+                   r"SLURM job: this process trains alone", caplog.text)
