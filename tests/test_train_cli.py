@@ -10,6 +10,7 @@ from absl import flags
 from absl.testing import flagsaver
 import pytest
 
+import tfmgpu
 from tfmgpu import train
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -110,3 +111,15 @@ def test_one_cpu_logs_how_to_simulate_more(tmp_path):
       check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "--virtual_devices=N" in out.stderr
+
+
+def test_help_lists_the_flags_a_user_needs_and_wraps_between_names():
+  out = subprocess.run([sys.executable, "-m", "tfmgpu.train", "--help"],
+                       capture_output=True, text=True, timeout=60,
+                       check=False).stdout
+  for flag in ("--strategy", "--virtual_devices", "--model",
+               "--global_batch_size", "--epochs", "--num_stages"):
+    assert re.search(rf"^\s+{flag}:", out, re.M), flag
+  choices = re.search(r"--strategy: <([^>]*)>", out, re.S).group(1)
+  names = [n.strip() for n in choices.replace("\n", " ").split("|")]
+  assert names == list(tfmgpu.available_strategies())

@@ -15,6 +15,34 @@ process. Library code never imports this package.
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from absl import flags
+
+
+class _SpacedEnumFlag(flags.EnumFlag):
+  """An enum flag whose `--help` lists choices as `<a | b | c>`, so that long
+  lists wrap between names instead of inside one (absl joins them with a
+  bare `|`, which `--help` wraps mid-word)."""
+
+  def __init__(self, name: str, default: str, help_text: str,
+               choices: Sequence[str]):
+    super().__init__(name, default, help_text, list(choices))
+    self.help = f"<{' | '.join(self.parser.enum_values)}>: {help_text}"
+
+
+def define_choice(name: str, default: str, choices: Sequence[str],
+                  help_text: str, *, module_name: str) -> flags.FlagHolder:
+  """`flags.DEFINE_enum` with a help text that wraps between choices.
+
+  Args:
+    name, default, choices, help_text: as for `flags.DEFINE_enum`.
+    module_name: the defining module's `__name__` (so that the CLIs that
+      adopt the module's key flags list this one in `--help`).
+  """
+  return flags.DEFINE_flag(_SpacedEnumFlag(name, default, help_text, choices),
+                           module_name=module_name)
+
 
 def quiet_tensorflow() -> None:
   """Keeps TF's INFO chatter and a known tf.data warning out of CLI output."""

@@ -2,11 +2,13 @@
 
 from absl import flags
 
+from tfmgpu import flags as flags_lib
 from tfmgpu import strategies as strategies_lib
 
-STRATEGY = flags.DEFINE_enum(
+STRATEGY = flags_lib.define_choice(
     "strategy", "mirrored", list(strategies_lib.available_strategies()),
-    "How to spread work over devices; see tfmgpu.available_strategies().")
+    "How to spread work over devices; see tfmgpu.available_strategies().",
+    module_name=__name__)
 DEVICES = flags.DEFINE_list(
     "devices", None, "Explicit replica devices, e.g. /gpu:0,/gpu:1.")
 NUM_GPUS = flags.DEFINE_integer(
