@@ -62,6 +62,21 @@ def test_model_built_in_strategy_scope_is_used_in_place(rows, reference, model):
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("serve_replicas", [2, 4])
+def test_model_built_under_another_strategy_is_served(rows, reference, model,
+                                                      serve_replicas):
+  # The README's sequence: built in one strategy's scope, served under a new
+  # strategy object (TF refuses to read the weights inside the new scope).
+  with tfmgpu.get_strategy("mirrored", num_replicas=2).scope():
+    built = keras.models.clone_model(model)
+    built.set_weights(model.get_weights())
+  serving = tfmgpu.get_strategy("mirrored", num_replicas=serve_replicas)
+  predictor = inference.Predictor(built, strategy=serving, batch_size=64)
+  assert predictor.runner is not built
+  assert predictor.strategy.num_replicas_in_sync == serve_replicas
+  np.testing.assert_allclose(predictor.predict(rows), reference, rtol=1e-5,
+                             atol=1e-5)
+
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_model_parallel_equals_single_device(model, rows, reference, num_stages):
   split = staged.StagedModel(model, partition.plan_stages(model, num_stages))
@@ -150,6 +165,45 @@ def test_bad_inputs_name_the_file_or_shapes(tmp_path, model, rows):
                      r"model 'convnet' expects \(28, 28, 1\)"):
     inference.predict(model, np.zeros((5, 8, 8, 1), np.float32))
 
+
+def _tiny_model():
+  return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def test_run_directory_loads_its_model_keras(tmp_path, caplog):
+  tiny = _tiny_model()
+  tiny.save(str(tmp_path / "model.keras"))
+  x = np.arange(12, dtype=np.float32).reshape(4, 3)
+  with caplog.at_level("INFO", logger="absl"):
+    loaded = inference.load_model(str(tmp_path))
+  np.testing.assert_allclose(loaded.predict(x, verbose=0),
+                             tiny.predict(x, verbose=0), rtol=1e-6)
+  assert str(tmp_path / "model.keras") in caplog.text
+
+
+def test_directory_without_a_model_lists_what_it_holds(tmp_path):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(ValueError, match=r"model_path='.*empty' is a directory "
+                     r"without saved_model.pb .* or model.keras .*, and it "
+                     r"holds no .keras file"):
+    inference.load_model(str(empty))
+  branches_dir = tmp_path / "branches"
+  branches_dir.mkdir()
+  for i in (0, 1):
+    _tiny_model().save(str(branches_dir / f"model.branch{i}.keras"))
+  with pytest.raises(ValueError, match=r"without saved_model.pb .* or "
+                     r"model.keras .*\. It holds model.branch0.keras, "
+                     r"model.branch1.keras; .* comma-separated with "
+                     r"--strategy=branch_parallel, e.g. --model_path="
+                     r".*branch0.keras,.*branch1.keras"):
+    inference.load_model(str(branches_dir))
+  other = tmp_path / "other"
+  other.mkdir()
+  _tiny_model().save(str(other / "best.keras"))
+  with pytest.raises(ValueError, match=r"It holds best.keras; pass one of "
+                     r"them as the model path"):
+    inference.load_model(str(other))
 
 def test_cli_serves_a_trained_model(tmp_path, model, parsed_flags, capsys,
                                     digits_arrays):

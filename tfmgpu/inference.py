@@ -14,11 +14,14 @@ computes in reduced precision with float32 outputs.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import tempfile
 import weakref
 from typing import Any, Callable
 
+from absl import logging
 import keras
 import numpy as np
 import tensorflow as tf
@@ -40,16 +43,26 @@ def _built_in(model: keras.Model, strategy: tf.distribute.Strategy) -> bool:
       getattr(v, "value", v))
 
 
-def _clone(model: keras.Model, dtype: str | None = None) -> keras.Model:
-  """A copy of `model` (optionally in another dtype) with the same weights."""
-  if dtype is None:
-    clone = keras.models.clone_model(model)
-  else:
-    config = model.get_config()
-    clone = model.__class__.from_config(_with_dtype(config, dtype))
-  if not clone.built:
-    clone.build(model.input_shape)
-  clone.set_weights(model.get_weights())
+def _clone(model: keras.Model, dtype: str | None = None,
+           strategy: tf.distribute.Strategy | None = None) -> keras.Model:
+  """A copy of `model` (optionally in another dtype) with the same weights.
+
+  The weights are read first, outside `strategy`'s scope: a model built
+  under another strategy object can only be read outside it (TF raises
+  "Mixing different tf.distribute.Strategy objects"). The copy is then
+  built in `strategy`'s scope (the current one when `None`).
+  """
+  weights = model.get_weights()
+  scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+  with scope:
+    if dtype is None:
+      clone = keras.models.clone_model(model)
+    else:
+      config = model.get_config()
+      clone = model.__class__.from_config(_with_dtype(config, dtype))
+    if not clone.built:
+      clone.build(model.input_shape)
+    clone.set_weights(weights)
   return clone
 
 
@@ -102,8 +115,8 @@ def _prepare_model(model, strategy, precision: str):
   needs_clone = precision != "float32" or not _built_in(model, strategy)
   if not needs_clone:
     return model, strategy
-  with strategy.scope():
-    return _clone(model, None if precision == "float32" else precision), strategy
+  dtype = None if precision == "float32" else precision
+  return _clone(model, dtype, strategy), strategy
 
 
 class Predictor:
@@ -254,23 +267,55 @@ class SavedModelPredictor:
 def load_model(path: str) -> Any:
   """Loads a `.keras` file or a SavedModel directory for `predict`.
 
+  A directory without `saved_model.pb` that holds `model.keras` (a training
+  run's `--model_dir`) loads that file.
+
   Raises:
     FileNotFoundError: `path` does not exist (named in the message).
-    ValueError: a file that is neither.
+    ValueError: a file that is neither, or a directory holding neither
+      (the message lists the `.keras` files it does hold).
   """
   if not os.path.exists(path):
     raise FileNotFoundError(
         f"model_path={path!r} does not exist. Train one with "
         "`python -m tfmgpu.train --model_dir=DIR` (it saves DIR/model.keras).")
   if os.path.isdir(path):
-    if not os.path.exists(os.path.join(path, "saved_model.pb")):
-      raise ValueError(f"model_path={path!r} is a directory without "
-                       "saved_model.pb; pass a .keras file or a SavedModel.")
-    return SavedModelPredictor(path)
+    if os.path.exists(os.path.join(path, "saved_model.pb")):
+      return SavedModelPredictor(path)
+    directory, path = path, _keras_file_in(path)
+    logging.info("model_path=%r is a directory without saved_model.pb: "
+                 "loading %s.", directory, path)
   if not path.endswith(".keras"):
     raise ValueError(f"model_path={path!r} is not a .keras file or a "
                      "SavedModel directory.")
   return keras.saving.load_model(path, compile=False)
+
+
+def _natural_key(name: str) -> list:
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _keras_file_in(directory: str) -> str:
+  """`directory/model.keras`, or an error saying what the directory holds."""
+  saved = os.path.join(directory, "model.keras")
+  if os.path.isfile(saved):
+    return saved
+  found = sorted((f for f in os.listdir(directory) if f.endswith(".keras")),
+                 key=_natural_key)
+  looked_for = (f"model_path={directory!r} is a directory without "
+                "saved_model.pb (a SavedModel) or model.keras (a training run)")
+  if not found:
+    raise ValueError(f"{looked_for}, and it holds no .keras file. Pass a "
+                     ".keras file or a SavedModel directory.")
+  paths = ",".join(os.path.join(directory, f) for f in found)
+  if all(re.fullmatch(r".*\.branch\d+\.keras", f) for f in found):
+    fix = ("they are the branches of a branch_parallel run: pass them "
+           f"comma-separated with --strategy=branch_parallel, e.g. "
+           f"--model_path={paths} --strategy=branch_parallel.")
+  else:
+    fix = ("pass one of them as the model path (several, comma-separated, "
+           "with --strategy=branch_parallel).")
+  raise ValueError(f"{looked_for}. It holds {', '.join(found)}; {fix}")
 
 
 def load_weights(model: keras.Model, path: str) -> keras.Model:
@@ -295,8 +340,7 @@ def export_saved_model(model: Any, path: str) -> str:
   """
   to_unsplit = getattr(model, "to_unsplit", None)
   model = to_unsplit() if to_unsplit is not None else model
-  with tf.distribute.get_strategy().scope():
-    plain = _clone(model)
+  plain = _clone(model, strategy=tf.distribute.get_strategy())
   plain.export(path, format="tf_saved_model", verbose=False)
   return path
 

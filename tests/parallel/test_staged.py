@@ -330,6 +330,24 @@ def test_weights_move_both_ways_with_identical_outputs(tmp_path):
                                 staged.predict(x, verbose=0))
 
 
+def test_functional_model_unsplits_again_and_exports(tmp_path):
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  model = _resnet()
+  x, _ = _data(model)
+  want = model.predict(x, verbose=0)
+  staged = StagedModel.from_model(model, num_stages=3)
+  # Keras' Functional.from_config consumes the config it is given: every
+  # call must rebuild from an intact one.
+  for _ in range(2):
+    np.testing.assert_allclose(staged.to_unsplit().predict(x, verbose=0), want,
+                               rtol=1e-5, atol=1e-5)
+  # The README's sequence: unsplit, then export the staged model.
+  path = inference.export_saved_model(staged, str(tmp_path / "sm"))
+  served = inference.load_model(path)
+  np.testing.assert_allclose(inference.predict(served, x), want, rtol=1e-5,
+                             atol=1e-5)
+
+
 # ------------------------------------------------------------------- errors
 
 

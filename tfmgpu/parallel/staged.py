@@ -21,6 +21,7 @@ From the outside it is a Keras model: `compile`/`fit`/`evaluate`/`predict`,
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from typing import Any, Sequence
 
@@ -316,6 +317,8 @@ class StagedModel(placed.PerDeviceGradientModel):
     place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
              else contextlib.nullcontext())
     with place, keras.saving.custom_object_scope(custom_objects or {}):
-      model = spec.cls.from_config(spec.config)
+      # A copy: `Functional.from_config` consumes parts of the dict it gets,
+      # and this model must rebuild from the same config every call.
+      model = spec.cls.from_config(copy.deepcopy(spec.config))
     self.copy_weights_to(model)
     return model

@@ -57,6 +57,45 @@ def _uses_float16(model: "keras.Model") -> bool:
              and l.dtype_policy.name == "mixed_float16" for l in model.layers)
 
 
+def _strategies_of(optimizer: Any) -> list[Any]:
+  """The strategies `optimizer` (and a wrapped inner one) were created in."""
+  found = []
+  while optimizer is not None:
+    found.append(getattr(optimizer, "_distribution_strategy", None))
+    optimizer = getattr(optimizer, "inner_optimizer", None)
+  return found
+
+
+def _bind_to(optimizer: Any, strategy: Any) -> Any:
+  """`optimizer`, or an unbuilt copy of it created in `strategy`'s scope.
+
+  Keras optimizers bind to the strategy current when they are created, and
+  creating their slots under another one fails in TensorFlow ("Mixing
+  different tf.distribute.Strategy objects"). An optimizer that has not
+  built its slots yet is re-created from its config, in the scope the
+  caller has entered; a built one cannot move.
+
+  Raises:
+    ValueError: `optimizer` is bound elsewhere and cannot be re-created.
+  """
+  if all(s is None or s is strategy for s in _strategies_of(optimizer)):
+    return optimizer
+  fix = ("Create it inside `with strategy.scope():` (the strategy passed "
+         "here), or pass its name, e.g. optimizer='adam'.")
+  name = f"{type(optimizer).__name__}(name={getattr(optimizer, 'name', '')!r})"
+  if getattr(optimizer, "built", False):
+    raise ValueError(
+        f"optimizer={name} was created outside this strategy's scope and "
+        f"has already built its slot variables, so it cannot move. {fix}")
+  try:
+    return type(optimizer).from_config(optimizer.get_config())
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(
+        f"optimizer={name} was created outside this strategy's scope and "
+        f"could not be re-created from its config ({type(e).__name__}: "
+        f"{e}). {fix}") from e
+
+
 def prepare_optimizer(optimizer: Any, model: "keras.Model",
                       strategy: Any, *,
                       learning_rate: float, clip_norm: float | None,
@@ -66,12 +105,19 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
   A name becomes an optimizer (`make_optimizer`); float16 models get a
   `LossScaleOptimizer`; slots are created now, in the scope (Keras 3 needs
   that before a distributed step), on each stage's device for staged
-  models (their `build_optimizer`).
+  models (their `build_optimizer`). An optimizer object created outside
+  the scope is re-created in it from its config (see `_bind_to`).
+
+  Raises:
+    ValueError: an optimizer object bound to another strategy that cannot
+      be re-created (already built, or its config does not round-trip).
   """
   with strategy.scope():
     if isinstance(optimizer, str):
       optimizer = make_optimizer(optimizer, learning_rate,
                                  clip_norm=clip_norm, fused=fused)
+    else:
+      optimizer = _bind_to(optimizer, strategy)
     if _uses_float16(model) and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer):
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

@@ -1,0 +1,53 @@
+"""Optimizers a Trainer is given: names, and objects made outside its scope."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfmgpu
+from tfmgpu import models
+from tfmgpu.training.loop import Trainer
+
+DIGITS_ROWS = 128  # For the `digits` fixture.
+
+
+def train(strategy, optimizer_fn, digits):
+  """Weights after 4 steps of an MLP; `optimizer_fn()` is called outside."""
+  optimizer = optimizer_fn()  # Outside any strategy scope, as users do.
+  with strategy.scope():
+    model = models.build_model("mlp", input_shape=(28, 28, 1),
+                               num_classes=10, seed=0)
+  trainer = Trainer(model, strategy=strategy, optimizer=optimizer, verbose=0)
+  trainer.fit(*digits, epochs=1, global_batch_size=32, steps_per_epoch=4)
+  return trainer
+
+
+def test_optimizer_made_outside_the_scope_is_recreated_in_it(digits):
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  outside = train(strategy, lambda: keras.optimizers.Adam(learning_rate=3e-3),
+                  digits)
+  bound = outside.optimizer._distribution_strategy  # pylint: disable=protected-access
+  assert bound is strategy
+  assert outside.optimizer.learning_rate.numpy() == pytest.approx(3e-3)
+  assert int(outside.optimizer.iterations.numpy()) == 4
+
+  # The same training with the optimizer created inside the scope.
+  with strategy.scope():
+    inside_optimizer = keras.optimizers.Adam(learning_rate=3e-3)
+  inside = train(strategy, lambda: inside_optimizer, digits)
+  assert inside.optimizer is inside_optimizer  # Already bound: kept as is.
+  for a, b in zip(outside.model.get_weights(), inside.model.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_built_optimizer_from_outside_is_a_clear_error():
+  optimizer = keras.optimizers.SGD()
+  optimizer.build([keras.Variable(np.zeros(3, np.float32))])
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = models.build_model("mlp", input_shape=(4,), num_classes=2)
+  with pytest.raises(ValueError, match=r"optimizer=SGD\(name='sgd'\) was "
+                     r"created outside this strategy's scope and has already "
+                     r"built.*inside `with strategy.scope\(\):`.*"
+                     r"optimizer='adam'"):
+    Trainer(model, strategy=strategy, optimizer=optimizer, verbose=0)
