@@ -136,7 +136,6 @@ class _Clock:
 class LoopOptions:
   """What the controller needs besides the runner (see `Controller`)."""
   model: keras.Model
-  strategy: tf.distribute.Strategy
   global_batch_size: int
   callbacks: Sequence[keras.callbacks.Callback] = ()
   verbose: int = 1
@@ -151,7 +150,7 @@ class Controller:
 
   Args:
     runner: what runs the steps.
-    options: the model, strategy, batch size, callbacks, verbosity,
+    options: the model, batch size, callbacks, verbosity,
       checkpointer, summary writer and validation of the run.
   """
 
@@ -161,6 +160,9 @@ class Controller:
     self.clock = _Clock()
     self.history: dict[str, list[float]] = {}
     self.total_steps = 0
+    self.global_step = 0
+    self.last_checkpoint: str | None = None
+    self.watcher: preemption_lib.PreemptionWatcher | None = None
 
   def run(self, *, epochs: int, steps_per_epoch: int,
           watcher: preemption_lib.PreemptionWatcher | None = None

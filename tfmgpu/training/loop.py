@@ -198,7 +198,7 @@ class Trainer:
       return {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
 
     return LoopOptions(
-        model=self.model, strategy=self.strategy,
+        model=self.model,
         global_batch_size=global_batch_size, callbacks=self.callbacks,
         verbose=self.verbose, checkpointer=self.checkpointer,
         summary_writer=writer, writes_summaries=writes,
