@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -88,8 +89,9 @@ def test_recommend_on_this_cpu_only_machine(report):
     assert "nccl" not in command
     assert "--mixed_precision" not in command
   build = "is built with CUDA" if report.built_with_cuda else "without CUDA"
-  assert recs.problems[0].startswith("no GPU found")
-  assert build in recs.problems[0]
+  where = recs.problems if report.driver_gpus else recs.notes
+  assert where[0].startswith("no GPU found")
+  assert build in where[0]
   amx_note = any("does not recommend it by default" in n for n in recs.notes)
   assert amx_note == (report.cpu.amx_bf16 or report.cpu.avx512_bf16)
 
@@ -246,8 +248,29 @@ def test_tf_config_summary():
 def test_says_what_is_missing_without_gpus(changes, expected):
   recs = diagnostics.recommend(_fake(0, **changes))
   assert recs.strategy.value == "default"
-  assert recs.problems[0].startswith("no GPU found")
-  assert expected in recs.problems[0]
+  # A problem only when GPUs exist that TensorFlow does not use; else a note.
+  where = recs.problems if changes.get("driver_gpus") else recs.notes
+  assert where[0].startswith("no GPU found")
+  assert expected in where[0]
+  if where is recs.notes:
+    assert where[0].endswith("No GPU is needed: tfmgpu trains on the CPU.")
+    assert not any("no GPU" in p for p in recs.problems)
+
+
+def test_model_memory_without_gpus_is_checked_against_host_ram():
+  host = _fake(0, cpu=diagnostics.CpuInfo(memory_mb=16 * 1024))
+  recs = diagnostics.recommend(host, model_memory_gb=4)
+  assert ("--model_memory_gb=4: checked against this host's 16.0 GiB of RAM "
+          "(no GPU): it fits.") in recs.notes
+  assert recs.problems == ()
+  recs = diagnostics.recommend(host, model_memory_gb=40)
+  assert recs.problems == (
+      "the model needs 40 GiB but this host has 16.0 GiB of RAM and no GPU: "
+      "use a smaller model or batch, or a machine with more memory or GPUs.",)
+  unknown = _fake(0, cpu=diagnostics.CpuInfo(memory_mb=None))
+  assert ("--model_memory_gb=4 is not used: there is no GPU to compare it "
+          "with and this host's RAM is unknown.") in diagnostics.recommend(
+              unknown, model_memory_gb=4).notes
 
 
 def test_keras_backend_problem():
@@ -318,6 +341,11 @@ def _run_main(capsys, *args: str) -> str:
 def test_cli_text(capsys):
   out = _run_main(capsys)
   assert out.startswith("tfmgpu doctor\n")
+  if shutil.which("nvidia-smi") is None:  # No GPU is needed: no problem.
+    problems = out.partition("\nRecommendations\n")[0].partition(
+        "\nProblems\n")[2]
+    assert "no GPU found" not in problems
+    assert "no GPU found" in out
   assert "\nRecommendations\n" in out
   assert f"\nStart with\n  {_TRAIN} --strategy=" in out
 

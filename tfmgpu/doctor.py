@@ -14,18 +14,22 @@ from collections.abc import Sequence
 from absl import app
 from absl import flags
 
+from tfmgpu import flags as flags_lib
+
 _JSON = flags.DEFINE_bool(
     "json", False, "Print machine-readable JSON instead of text.")
 _MODEL_MEMORY_GB = flags.DEFINE_float(
     "model_memory_gb", None,
     "Memory (GiB) one replica of your model needs to train, if known; above "
-    "one GPU's memory a pipeline/model-parallel placement is recommended.",
+    "one GPU's memory a pipeline/model-parallel placement is recommended; "
+    "without GPUs it is compared with the host's RAM.",
     lower_bound=1e-9)
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  flags_lib.quiet_tensorflow()
   # Imported here so that --help answers without loading TensorFlow.
   from tfmgpu import diagnostics  # pylint: disable=g-import-not-at-top
   report = diagnostics.collect()

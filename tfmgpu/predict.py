@@ -12,7 +12,6 @@ Nothing is written to --output unless every row was predicted.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import types
@@ -54,7 +53,6 @@ def main(argv: list[str]) -> int:
     raise app.UsageError("--model_path is required: a .keras file or SavedModel "
                          "directory, e.g. runs/X/model.keras from "
                          "python -m tfmgpu.train --model_dir=runs/X.")
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   flags_lib.quiet_tensorflow()
   try:
     predictor, x, y = _prepare()

@@ -22,7 +22,6 @@ checkpoint: run the same command again to resume.
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 
@@ -102,7 +101,10 @@ _TPU = flags.DEFINE_string(
 _MODEL_DIR = flags.DEFINE_string(
     "model_dir", None, "Checkpoints, summaries and model.keras go here; an "
     "existing directory is resumed. Default: a new runs/<time>-<strategy>.")
-_VERBOSE = flags.DEFINE_integer("verbose", 1, "1: progress bar; 0: log lines.")
+_VERBOSE = flags.DEFINE_integer(
+    "verbose", 1, "0: one log line per epoch; 1: a progress bar; 2: a progress "
+    "bar and TensorFlow's own log messages (hidden otherwise, unless "
+    "TF_CPP_MIN_LOG_LEVEL is set).", lower_bound=0, upper_bound=2)
 _PLAN_ONLY = flags.DEFINE_bool(
     "plan_only", False, "Print the stage plan and memory estimate; no training.")
 
@@ -162,8 +164,7 @@ def main(argv: list[str]) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  flags_lib.quiet_tensorflow()
+  flags_lib.quiet_tensorflow(tensorflow_logs=_VERBOSE.value >= 2)
   cluster.run_server_if_needed(role)  # Parameter-server ps/worker: serves.
   from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
   from tfmgpu.training import checkpoints  # pylint: disable=g-import-not-at-top

@@ -54,8 +54,9 @@ def recommend(report: MachineReport, *,
     report: a `MachineReport`, from `collect()` or built by hand.
     model_memory_gb: memory one replica of the model needs to train (weights,
       gradients, optimizer state and activations), if known. When it exceeds
-      one GPU, a placement (`pipeline` / `model_parallel`) is recommended.
-      Defaults to `None` (assume the model fits).
+      one GPU, a placement (`pipeline` / `model_parallel`) is recommended;
+      without GPUs it is compared with the host's RAM. Defaults to `None`
+      (assume the model fits).
 
   Returns:
     `Recommendations`; never raises for a machine without GPUs.
@@ -76,6 +77,13 @@ def recommend(report: MachineReport, *,
   problems = _problems(report)
   if too_big:
     problems += _memory_problems(report.num_gpus, model_memory_gb, smallest)
+  no_gpu = _no_gpu_message(report)
+  if no_gpu and report.driver_gpus:  # GPUs exist that TensorFlow cannot use.
+    problems.insert(0, no_gpu)
+  elif no_gpu:  # No GPU is needed: say why there is none, as a note.
+    notes.insert(0, no_gpu + " No GPU is needed: tfmgpu trains on the CPU.")
+  if model_memory_gb and report.num_gpus == 0:
+    _host_memory_check(report, model_memory_gb, notes, problems)
   notes += _hardware_notes(report)
   return Recommendations(strategy=strategy, cross_device_ops=ops,
                          mixed_precision=precision, command=command,
@@ -241,28 +249,53 @@ def _mixed_precision(report: MachineReport) -> Recommendation:
                         "Tensor Cores: mixed precision would not be faster.")
 
 
+def _no_gpu_message(report: MachineReport) -> str | None:
+  """Why TensorFlow sees no GPU, or `None` when it sees one."""
+  if report.num_gpus:
+    return None
+  if not report.built_with_cuda:
+    return (f"no GPU found: TensorFlow {report.tensorflow_version} was built "
+            "without CUDA. On Linux with an NVIDIA GPU install "
+            "'tensorflow[and-cuda]'.")
+  visible = report.environment.get("CUDA_VISIBLE_DEVICES")
+  msg = (f"no GPU found: TensorFlow is built with CUDA "
+         f"{report.cuda_version or '?'} but no GPU is visible; check "
+         "CUDA_VISIBLE_DEVICES / drivers")
+  if visible is not None and visible.split(",")[0].strip() in ("", "-1"):
+    msg += f" (CUDA_VISIBLE_DEVICES={visible!r} hides every GPU)"
+  elif report.driver_gpus:
+    msg += (f" (nvidia-smi lists {report.driver_gpus} GPU(s) with driver "
+            f"{report.driver_version}: check that the driver supports this "
+            "CUDA and read TensorFlow's log for libraries it failed to load)")
+  elif report.driver_gpus is None:
+    msg += " (no NVIDIA driver found: nvidia-smi is not on PATH)"
+  return msg + "."
+
+
+def _host_memory_check(report: MachineReport, model_memory_gb: float,
+                       notes: list[str], problems: list[str]) -> None:
+  """Without GPUs, `model_memory_gb` is compared with the host's RAM."""
+  ram_mb = report.cpu.memory_mb
+  if not ram_mb:
+    notes.append(f"--model_memory_gb={model_memory_gb:g} is not used: there "
+                 "is no GPU to compare it with and this host's RAM is unknown.")
+  elif model_memory_gb * 1024 > ram_mb:
+    problems.append(
+        f"the model needs {model_memory_gb:g} GiB but this host has "
+        f"{ram_mb / 1024:.1f} GiB of RAM and no GPU: use a smaller model or "
+        "batch, or a machine with more memory or GPUs.")
+  else:
+    notes.append(f"--model_memory_gb={model_memory_gb:g}: checked against "
+                 f"this host's {ram_mb / 1024:.1f} GiB of RAM (no GPU): it "
+                 "fits.")
+
+
 def _problems(report: MachineReport) -> list[str]:
+  """Misconfigurations; a missing GPU is `_no_gpu_message`'s."""
   out = []
   n = report.num_gpus
   visible = report.environment.get("CUDA_VISIBLE_DEVICES")
-  if n == 0 and not report.built_with_cuda:
-    out.append(f"no GPU found: TensorFlow {report.tensorflow_version} was "
-               "built without CUDA. On Linux with an NVIDIA GPU install "
-               "'tensorflow[and-cuda]'.")
-  elif n == 0:
-    msg = (f"no GPU found: TensorFlow is built with CUDA "
-           f"{report.cuda_version or '?'} but no GPU is visible; check "
-           "CUDA_VISIBLE_DEVICES / drivers")
-    if visible is not None and visible.split(",")[0].strip() in ("", "-1"):
-      msg += f" (CUDA_VISIBLE_DEVICES={visible!r} hides every GPU)"
-    elif report.driver_gpus:
-      msg += (f" (nvidia-smi lists {report.driver_gpus} GPU(s) with driver "
-              f"{report.driver_version}: check that the driver supports this "
-              "CUDA and read TensorFlow's log for libraries it failed to load)")
-    elif report.driver_gpus is None:
-      msg += " (no NVIDIA driver found: nvidia-smi is not on PATH)"
-    out.append(msg + ".")
-  elif report.driver_gpus and report.driver_gpus > n and visible is None:
+  if n and report.driver_gpus and report.driver_gpus > n and visible is None:
     out.append(f"nvidia-smi lists {report.driver_gpus} GPUs but TensorFlow "
                f"uses {n}: it skips GPUs this build does not target "
                f"({', '.join(report.cuda_compute_capabilities) or '?'}); see "

@@ -228,6 +228,23 @@ class ParameterServer(DataParallel):
     return tf.distribute.experimental.ParameterServerStrategy(
         resolver, variable_partitioner=partitioner)
 
+  def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
+    """Rows: the workers that run the steps and the ps tasks holding variables.
+
+    Read from the strategy's cluster spec: the coordinator itself computes
+    nothing, so its one "replica" would say nothing about the cluster.
+    """
+    resolver = getattr(placement.strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if not spec.get("worker"):
+      return super().describe(placement)
+    rows = [("workers", f"{len(spec['worker'])} on "
+             f"{', '.join(spec['worker'])}")]
+    if spec.get("ps"):
+      rows.append(("parameter servers",
+                   f"{len(spec['ps'])} on {', '.join(spec['ps'])}"))
+    return rows
+
 
 @registry.register
 class CentralStorage(DataParallel):

@@ -1,0 +1,109 @@
+"""CLI output without TensorFlow's own chatter (tfmgpu.flags.quiet_tensorflow)."""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tfmgpu import flags as flags_lib
+
+# A line of TF's C++ logging: `E0000 00:00:1796258865.469782   29897
+# cuda_platform.cc:52] failed call to cuInit: ...` (tfmgpu's own absl lines
+# name a .py file).
+CPP_ERROR_OR_WARNING = re.compile(r"^[EW]\d{4} [\d:.]+ +\d+ \S+\.cc:\d+\] ",
+                                  re.M)
+BANNER = ("WARNING: All log messages before absl::InitializeLog() is called "
+          "are written to STDERR\n")
+ONEDNN = ("I0000 00:00:1796258863.403359   29897 port.cc:153] oneDNN custom "
+          "operations are on.\n")
+CUDART = ("I0000 00:00:1796258863.403740   29897 cudart_stub.cc:31] Could not "
+          "find cuda drivers on your machine, GPU will not be used.\n")
+CUINIT = ("E0000 00:00:1796258865.469782   29897 cuda_platform.cc:52] failed "
+          "call to cuInit: UNKNOWN ERROR (303)\n")
+PY_WARNING = "/x/y.py:3: DeprecationWarning: old\n  import y\n"
+# What `import tensorflow` writes: two runtime copies log the same lines.
+STARTUP = (BANNER + ONEDNN + CUDART + PY_WARNING + CUINIT
+           + BANNER + ONEDNN.replace("403359", "999999") + CUDART)
+
+
+def test_quiet_keeps_only_what_is_not_tf_logging():
+  assert flags_lib.filter_startup_log(STARTUP, 3) == PY_WARNING
+
+
+def test_error_level_keeps_errors_once():
+  assert flags_lib.filter_startup_log(STARTUP, 2) == PY_WARNING + CUINIT
+
+
+def test_default_level_prints_the_startup_lines_once():
+  assert flags_lib.filter_startup_log(STARTUP, 0) == (
+      BANNER + ONEDNN + CUDART + PY_WARNING + CUINIT)
+
+
+def _record(pathname: str, level: int) -> logging.LogRecord:
+  return logging.LogRecord("absl", level, pathname, 1, "m", (), None)
+
+
+def test_tensorflow_info_records_are_dropped_and_others_kept():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  saver = os.path.join(os.path.dirname(tf.__file__), "python", "checkpoint",
+                       "functional_saver.py")
+  keep = flags_lib._TensorFlowInfoFilter().filter  # pylint: disable=protected-access
+  assert not keep(_record(saver, logging.INFO))
+  assert keep(_record(saver, logging.WARNING))
+  assert keep(_record(flags_lib.__file__, logging.INFO))
+
+
+@pytest.fixture
+def restored_absl_filters():
+  absl_logger = logging.getLogger("absl")
+  before = list(absl_logger.filters)
+  yield
+  absl_logger.filters[:] = before
+
+
+@pytest.mark.usefixtures("restored_absl_filters")
+@pytest.mark.parametrize("user_value, tensorflow_logs, expected", [
+    (None, False, "3"), ("1", False, "1"), (None, True, None),
+    ("0", True, "0")])
+def test_log_level(monkeypatch, user_value, tensorflow_logs, expected):
+  if user_value is None:
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+  else:
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", user_value)
+  flags_lib.quiet_tensorflow(tensorflow_logs=tensorflow_logs)
+  assert os.environ.get("TF_CPP_MIN_LOG_LEVEL") == expected
+
+
+def _train(tmp_path, *args):
+  env = dict(os.environ)
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+  env["TFMGPU_CACHE_DIR"] = str(tmp_path / "cache")
+  out = subprocess.run(
+      [sys.executable, "-m", "tfmgpu.train", "--strategy=mirrored",
+       "--epochs=1", "--steps_per_epoch=2", f"--model_dir={tmp_path / 'run'}",
+       *args], capture_output=True, text=True, timeout=300, env=env,
+      check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_train_prints_no_tensorflow_errors_or_warnings(tmp_path):
+  text = _train(tmp_path)
+  assert not CPP_ERROR_OR_WARNING.findall(text), text[-3000:]
+  assert "Sharding callback duration" not in text
+  assert "absl::InitializeLog" not in text
+  assert "test loss / accuracy" in text
+
+
+@pytest.mark.slow
+def test_verbose_2_shows_tensorflow_logs_once(tmp_path):
+  text = _train(tmp_path, "--verbose=2")
+  records = re.findall(r"^[IWE]0000 [\d:.]+ +\d+ (\S+\.cc:\d+\] .*)$", text,
+                       re.M)
+  assert records, text[-3000:]  # TF's own start-up lines are shown...
+  assert len(records) == len(set(records)), records  # ...once each.
+  assert text.count("absl::InitializeLog") <= 1
