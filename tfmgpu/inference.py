@@ -15,10 +15,12 @@ computes in reduced precision with float32 outputs.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import tempfile
 import weakref
+import zipfile
 from typing import Any, Callable
 
 from absl import logging
@@ -288,7 +290,26 @@ def load_model(path: str) -> Any:
   if not path.endswith(".keras"):
     raise ValueError(f"model_path={path!r} is not a .keras file or a "
                      "SavedModel directory.")
-  return keras.saving.load_model(path, compile=False)
+  return _load_keras_file(path)
+
+
+def _load_keras_file(path: str) -> keras.Model:
+  """Loads a `.keras` file; a damaged one is named, not a raw traceback."""
+  size = os.path.getsize(path)
+  if not zipfile.is_zipfile(path):  # Keras would say "File not found".
+    raise ValueError(
+        f"model_path={path!r} is not a valid .keras file ({size} bytes, not "
+        "a zip archive). It may be truncated or damaged: save the model "
+        "again, or restore it from the run's checkpoints.")
+  try:
+    return keras.saving.load_model(path, compile=False)
+  except (OSError, KeyError, EOFError, zipfile.BadZipFile,
+          json.JSONDecodeError) as e:  # A damaged member of the zip.
+    why = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+    raise ValueError(
+        f"model_path={path!r} is not a valid .keras file ({size} bytes: "
+        f"{why}). It may be truncated or damaged: save the model again, or "
+        "restore it from the run's checkpoints.") from e
 
 
 def _natural_key(name: str) -> list:

@@ -240,13 +240,37 @@ def _summary(config: TrainConfig, placement: strategies_lib.Placement,
       layout=placement.distribution.describe(placement))
 
 
+def _save_aside(model: keras.Model, path: str) -> None:
+  """`model.save(path)` through a temporary file in the same directory.
+
+  The file is fsynced and renamed over `path`, and the directory fsynced: a
+  kill or a full disk leaves the previous `path` whole, never a torn one.
+  """
+  directory, name = os.path.split(os.path.abspath(path))
+  aside = os.path.join(directory, f".{name}.tmp-{os.getpid()}.keras")
+  try:
+    model.save(aside)
+    with open(aside, "rb") as f:
+      os.fsync(f.fileno())
+    os.replace(aside, path)
+  finally:
+    if os.path.exists(aside):
+      os.remove(aside)
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def save_model(model: keras.Model, path: str) -> str:
   """Saves servable `.keras` file(s); returns what to pass to `--model_path`.
 
   A staged or pipelined model is saved unsplit. Branch-parallel members are
   saved one file each (`model.branch0.keras`, ...), which
   `python -m tfmgpu.predict --strategy=branch_parallel --model_path=a,b`
-  serves side by side.
+  serves side by side. Each file is written aside and renamed into place
+  (`_save_aside`), so an existing file is replaced whole or not at all.
   """
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   branches = getattr(model, "branches", None)
@@ -254,9 +278,9 @@ def save_model(model: keras.Model, path: str) -> str:
     stem = path[:-len(".keras")] if path.endswith(".keras") else path
     paths = [f"{stem}.branch{i}.keras" for i in range(len(branches))]
     for branch, branch_path in zip(branches, paths):
-      branch.save(branch_path)
+      _save_aside(branch, branch_path)
     return ",".join(paths)
   to_unsplit = getattr(model, "to_unsplit", None)
   servable = to_unsplit() if to_unsplit is not None else model
-  servable.save(path)
+  _save_aside(servable, path)
   return path

@@ -171,6 +171,10 @@ def main(argv: list[str]) -> int:
   if _PLAN_ONLY.value:
     print(runs.describe_plan(config))
     return 0
+  from tfmgpu.training import preemption  # pylint: disable=g-import-not-at-top
+  # A SIGTERM resent after the preemption save keeps exit 42: the watcher
+  # leaves SIGTERM ignored until this process exits (only for this call).
+  preemption.hold_sigterm_after_preemption()
   try:
     summary = runs.run_training(config)
   except checkpoints.PreemptedError as e:
@@ -179,6 +183,8 @@ def main(argv: list[str]) -> int:
   except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  finally:
+    preemption.hold_sigterm_after_preemption(False)
   print("\n" + str(summary), flush=True)
   return 0
 

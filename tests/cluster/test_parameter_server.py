@@ -55,9 +55,15 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
   assert re.search(rf"\[chief:0\] .*Resumed from .*global step {step}\.", text)
   accuracy = float(helpers.summary_value(
       text, "chief:0", "test loss / accuracy").split(" / ")[1])
-  assert sorted(f for f in os.listdir(model_dir / "checkpoints")
-                if f.endswith(".index")) == [
-                    f"ckpt-{e}.index" for e in range(1, EPOCHS + 1)]
+  # No checkpoint number is saved twice (#16): the preemption's mid-epoch
+  # checkpoint keeps its number, so the last one is the last epoch's.
+  numbers = sorted(int(f[len("ckpt-"):-len(".index")])
+                   for f in os.listdir(model_dir / "checkpoints")
+                   if f.endswith(".index"))
+  assert numbers == list(range(numbers[-1] - 2, numbers[-1] + 1))
+  assert tf.train.load_variable(
+      str(model_dir / "checkpoints" / f"ckpt-{numbers[-1]}"),
+      "epoch/.ATTRIBUTES/VARIABLE_VALUE") == EPOCHS
   assert (model_dir / "model.keras").exists()
 
   reference = runs.run_training(TrainConfig(

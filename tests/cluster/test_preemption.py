@@ -80,12 +80,13 @@ def test_sigterm_saves_mid_epoch_and_resume_matches_uninterrupted(
   assert int(second.optimizer.iterations.numpy()) == 18
   for a, b in zip(second.model.get_weights(), whole.model.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  # ckpt-2 (partial) was overwritten by the full epoch 2.
+  # No number is saved twice (#16): the partial ckpt-2 is kept as saved,
+  # epoch 2's end is ckpt-3 and epoch 3's ckpt-4.
   assert sorted(os.path.basename(p) for p in glob.glob(
       os.path.join(run_dir, "checkpoints", "ckpt-*.index"))) == [
-          "ckpt-1.index", "ckpt-2.index", "ckpt-3.index"]
+          "ckpt-2.index", "ckpt-3.index", "ckpt-4.index"]
   assert [tf.train.load_variable(
-      os.path.join(run_dir, "checkpoints", "ckpt-2"),
+      os.path.join(run_dir, "checkpoints", "ckpt-3"),
       f"{v}/.ATTRIBUTES/VARIABLE_VALUE") for v in ("epoch", "epoch_step",
                                                    "step")] == [2, 0, 12]
 
@@ -126,3 +127,41 @@ def test_without_model_dir_sigterm_is_not_caught(digits):
   make_trainer(tfmgpu.get_strategy("one_device"), callbacks=[Probe()]).fit(
       *digits, epochs=1, global_batch_size=32, steps_per_epoch=1)
   assert seen == [before]
+
+
+class _Killed(BaseException):
+  """Stands for SIGKILL in the middle of a save."""
+
+
+def test_a_kill_while_resaving_after_a_preemption_tears_nothing(
+    digits, tmp_path, monkeypatch, caplog):
+  # Issue 16, item 1: preempted mid-epoch, the resumed run is killed while it
+  # writes the end of that epoch; the next run resumes bit-exactly.
+  one = tfmgpu.get_strategy("one_device")
+  whole = make_trainer(one, model_dir=str(tmp_path / "whole"))
+  whole.fit(*digits, **FIT)
+  run_dir = str(tmp_path / "run")
+  with pytest.raises(checkpoints.PreemptedError, match=r"Saved .*ckpt-2 at "):
+    make_trainer(one, model_dir=run_dir, callbacks=[
+        SigtermAt(9, FIT["steps_per_epoch"])]).fit(*digits, **FIT)
+
+  def killed_after_write(self, path):  # The new .index half written.
+    open(path + ".index", "wb").close()
+    raise _Killed(path)
+
+  with monkeypatch.context() as patch:
+    patch.setattr(checkpoints.Checkpointer, "_commit", killed_after_write)
+    with pytest.raises(_Killed, match=r"ckpt-3$"):
+      make_trainer(one, model_dir=run_dir).fit(*digits, **FIT)
+  partial = os.path.join(run_dir, "checkpoints", "ckpt-2")
+  assert [tf.train.load_variable(partial, f"{v}/.ATTRIBUTES/VARIABLE_VALUE")
+          for v in ("epoch", "epoch_step", "step")] == [1, 3, 9]
+
+  third = make_trainer(one, model_dir=run_dir)
+  result = third.fit(*digits, **FIT)
+  assert (result.initial_epoch, result.initial_step) == (1, 9)
+  assert f"Skipping checkpoint {partial[:-1]}3: it does not read" in (
+      caplog.text)
+  for a, b in zip(third.model.get_weights(), whole.model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  assert os.path.basename(result.checkpoint) == "ckpt-5"  # 3 is never reused.

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 
 import keras
 import numpy as np
@@ -96,3 +97,178 @@ def test_progress_round_trips_through_the_files(tmp_path, epoch_step, number):
   assert os.path.basename(path) == f"ckpt-{number}"
   assert [tf.train.load_variable(path, f"{v}/.ATTRIBUTES/VARIABLE_VALUE")
           for v in ("epoch", "epoch_step", "step")] == [4, epoch_step, 17]
+
+
+# ----------------------------------------------------------- never torn
+
+
+def _position(path):
+  return [tf.train.load_variable(path, f"{v}/.ATTRIBUTES/VARIABLE_VALUE")
+          for v in ("epoch", "epoch_step", "step")]
+
+
+def test_a_resumed_run_never_saves_over_the_preemption_checkpoint(tmp_path):
+  saver = _checkpointer(tmp_path, seed=1)
+  saver.save(1, step=3)
+  preempted = saver.save(1, step=5, epoch_step=2)  # During epoch 2: ckpt-2.
+  assert os.path.basename(preempted) == "ckpt-2"
+  fresh = _checkpointer(tmp_path, seed=2)
+  assert fresh.restore_latest() == 1
+  # The end of epoch 2 takes the next number instead of rewriting ckpt-2.
+  assert fresh.save(2, step=8) == str(tmp_path / "checkpoints" / "ckpt-3")
+  assert fresh.save(3, step=12) == str(tmp_path / "checkpoints" / "ckpt-4")
+  assert _position(preempted) == [1, 2, 5]
+  assert _position(fresh.latest) == [3, 0, 12]
+  assert _saved_numbers(tmp_path) == [2, 3, 4]
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")) == (
+      fresh.latest)
+
+
+def test_numbers_are_never_reused_even_after_pruning_or_a_partial_write(
+    tmp_path):
+  saver = _checkpointer(tmp_path)
+  numbers = [os.path.basename(saver.save(1, step=s, epoch_step=s))
+             for s in range(1, 6)]
+  assert numbers == ["ckpt-2", "ckpt-3", "ckpt-4", "ckpt-5", "ckpt-6"]
+  assert _saved_numbers(tmp_path) == [4, 5, 6]
+  # A save killed before its .index was written left a data file: skipped.
+  with open(tmp_path / "checkpoints" / "ckpt-7.data-00000-of-00001", "wb") as f:
+    f.write(b"partial")
+  fresh = _checkpointer(tmp_path)
+  assert fresh.restore_latest() == 1
+  assert os.path.basename(fresh.save(7, step=9)) == "ckpt-8"
+
+
+def test_files_and_directory_are_fsynced_before_the_state_file_names_them(
+    tmp_path, monkeypatch):
+  saver = _checkpointer(tmp_path)
+  saver.save(1, step=1)
+  events = []
+  real_fsync, real_replace = os.fsync, os.replace
+
+  def fsync(fd):
+    events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    real_fsync(fd)
+
+  def replace(src, dst):
+    events.append(("replace", str(dst)))
+    real_replace(src, dst)
+
+  monkeypatch.setattr(checkpoints.os, "fsync", fsync)
+  monkeypatch.setattr(checkpoints.os, "replace", replace)
+  path = saver.save(2, step=2)
+  directory = str(tmp_path / "checkpoints")
+  state = ("replace", os.path.join(directory, "checkpoint"))
+  assert state in events
+  before = events[:events.index(state)]
+  files = glob.glob(path + ".*")
+  assert {os.path.basename(f) for f in files} == {
+      "ckpt-2.index", "ckpt-2.data-00000-of-00001"}
+  for name in files + [directory]:
+    assert ("fsync", name) in before, (name, events)
+  # The state file's own bytes too, and the directory after the rename.
+  assert events[-1] == ("fsync", directory)
+
+
+def _damage(path, how):
+  """Damages checkpoint `path` the way a full disk, a kill or a user does."""
+  data, index = path + ".data-00000-of-00001", path + ".index"
+  if how == "truncated data":
+    with open(data, "r+b") as f:
+      f.truncate(os.path.getsize(data) // 2)
+  elif how == "emptied index":
+    open(index, "wb").close()
+  elif how == "garbage index":
+    with open(index, "wb") as f:
+      f.write(os.urandom(64))
+  elif how == "deleted data":
+    os.remove(data)
+  elif how == "deleted index":
+    os.remove(index)
+  elif how == "flipped data":
+    with open(data, "r+b") as f:
+      f.seek(os.path.getsize(data) // 2)
+      byte = f.read(1)
+      f.seek(-1, os.SEEK_CUR)
+      f.write(bytes([byte[0] ^ 0xFF]))
+
+
+DAMAGES = ["truncated data", "emptied index", "garbage index", "deleted data",
+           "deleted index", "flipped data"]
+
+
+def _two_epochs(tmp_path):
+  saver = _checkpointer(tmp_path, seed=1)
+  older = saver.save(1, step=3)
+  weights = [w.copy() for w in saver.checkpoint.model.get_weights()]
+  saver.checkpoint.model.set_weights(
+      [w + 1 for w in saver.checkpoint.model.get_weights()])
+  newest = saver.save(2, step=6)
+  return older, newest, weights
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(
+    tmp_path, caplog, how):
+  older, newest, weights = _two_epochs(tmp_path)
+  _damage(newest, how)
+  fresh = _checkpointer(tmp_path, seed=7)
+  assert fresh.restore_latest() == 1
+  assert fresh.progress == checkpoints.Progress(epoch=1, epoch_step=0, step=3)
+  for got, want in zip(fresh.checkpoint.model.get_weights(), weights):
+    np.testing.assert_array_equal(got, want)
+  assert fresh.latest == older
+  assert f"Skipping checkpoint {newest}: it does not read back (" in caplog.text
+  # The next save neither reuses ckpt-2 nor deletes ckpt-1 on its account.
+  assert os.path.basename(fresh.save(2, step=6)) == "ckpt-3"
+  assert 1 in _saved_numbers(tmp_path)
+
+
+@pytest.mark.parametrize("state", ["missing", "garbage", "empty",
+                                   "names a deleted checkpoint"])
+def test_checkpoints_are_found_without_a_readable_state_file(tmp_path, state):
+  _, newest, _ = _two_epochs(tmp_path)
+  state_file = tmp_path / "checkpoints" / "checkpoint"
+  if state == "missing":
+    os.remove(state_file)
+  elif state == "garbage":
+    state_file.write_bytes(b"\x00\xffnot a proto {{{")
+  elif state == "empty":
+    state_file.write_bytes(b"")
+  else:
+    state_file.write_text('model_checkpoint_path: "ckpt-9"\n'
+                          'all_model_checkpoint_paths: "ckpt-9"\n')
+  fresh = _checkpointer(tmp_path, seed=7)
+  assert fresh.restore_latest() == 2
+  assert fresh.progress == checkpoints.Progress(epoch=2, epoch_step=0, step=6)
+  assert fresh.latest == newest
+  # Saving afterwards takes a new number and keeps the older checkpoints.
+  assert os.path.basename(fresh.save(3, step=9)) == "ckpt-3"
+  assert _saved_numbers(tmp_path)[:2] == [1, 2]
+
+
+def test_when_no_checkpoint_reads_back_restore_refuses_to_start_over(
+    tmp_path):
+  older, newest, _ = _two_epochs(tmp_path)
+  _damage(older, "garbage index")
+  _damage(newest, "deleted data")
+  fresh = _checkpointer(tmp_path, seed=7)
+  directory = str(tmp_path / "checkpoints")
+  with pytest.raises(checkpoints.UnreadableCheckpointError,
+                     match=rf"No checkpoint in {re.escape(directory)} reads "
+                     r"back: ckpt-2 \(.+No such file.+\); ckpt-1 \(not an "
+                     r"sstable.+\) \(files: "
+                     r"ckpt-1\.data-00000-of-00001, ckpt-1\.index, "
+                     r"ckpt-2\.index\)\. Not training from scratch over them"):
+    fresh.restore_latest()
+
+
+def test_a_state_file_naming_only_deleted_checkpoints_starts_over(
+    tmp_path, caplog):
+  directory = tmp_path / "checkpoints"
+  directory.mkdir()
+  (directory / "checkpoint").write_text('model_checkpoint_path: "ckpt-4"\n')
+  fresh = _checkpointer(tmp_path)
+  assert fresh.restore_latest() == 0
+  assert "no checkpoint file exists: starting from scratch" in caplog.text
+  assert os.path.basename(fresh.save(1, step=2)) == "ckpt-1"

@@ -2,12 +2,23 @@
 
 A checkpoint holds the model, the optimizer and the training position: the
 epochs completed, the steps done in the next epoch, and the global step.
-`ckpt-N` belongs to epoch N: it is written when epoch N completes, or
-partway through epoch N when the job is preempted (and then overwritten when
-the resumed job completes that epoch). A resumed run skips the steps already
-done in its first epoch, so with the same `global_batch_size` it sees exactly
-the data of an uninterrupted run (`data.epoch_order`), whatever the number of
-workers or replicas.
+Every save takes a number never used before in the directory: `ckpt-N` for
+the end of epoch N or a preemption during epoch N when N is free, otherwise
+the next free number (a run preempted during epoch 3 saves `ckpt-3`; the
+resumed run saves the end of epoch 3 as `ckpt-4`, not over `ckpt-3`). The
+position is read from inside the checkpoint (`Progress`), never from its
+name. A resumed run skips the steps already done in its first epoch, so with
+the same `global_batch_size` it sees exactly the data of an uninterrupted run
+(`data.epoch_order`), whatever the number of workers or replicas.
+
+Durability: a checkpoint's files and directory are fsynced before the
+`checkpoint` state file (itself written aside, fsynced and renamed) names it;
+old checkpoints beyond `max_to_keep` are deleted only after that. Restore
+takes the newest checkpoint that reads back, logging each one skipped and
+why; checkpoints are also found by scanning the directory, so a missing or
+damaged state file never hides them. When checkpoints exist but none reads
+back, restore raises `UnreadableCheckpointError` rather than training from
+scratch over them.
 
 Preemption: while `Trainer.fit` runs with a `model_dir`, SIGTERM (what
 schedulers send before they kill a job) is caught; at the next step boundary
@@ -25,7 +36,9 @@ to a temporary directory that `close()` removes.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
+import re
 import shutil
 import tempfile
 
@@ -79,8 +92,85 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
   return resolver.task_type == "worker" and resolver.task_id == 0
 
 
+class UnreadableCheckpointError(RuntimeError):
+  """Checkpoints exist but none of them reads back."""
+
+
+_STATE = "checkpoint"  # TF's state file: which checkpoints a directory holds.
+_FILE = re.compile(r"^ckpt-(\d+)(?:\.|_temp)")  # A checkpoint's file or temp.
+
+
+def _number(path: str) -> int:
+  match = _FILE.match(os.path.basename(path) + ".")
+  return int(match.group(1)) if match else -1
+
+
+def _used_numbers(directory: str) -> set[int]:
+  """Numbers with any file in `directory` (complete or not)."""
+  if not os.path.isdir(directory):
+    return set()
+  return {int(m.group(1)) for m in map(_FILE.match, os.listdir(directory))
+          if m}
+
+
+def _complete(directory: str) -> list[str]:
+  """Prefixes of the checkpoints with an `.index` file, oldest first."""
+  prefixes = [p[:-len(".index")] for p in
+              glob.glob(os.path.join(glob.escape(directory), "ckpt-*.index"))]
+  return sorted((p for p in prefixes if _number(p) >= 0), key=_number)
+
+
+def _named_in_state(directory: str) -> list[str]:
+  """The checkpoints the state file names (none if missing or garbage)."""
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except (tf.errors.OpError, ValueError) as e:
+    logging.warning("Ignoring the unreadable state file %s (%s); looking for "
+                    "checkpoints in the directory.",
+                    os.path.join(directory, _STATE), str(e).splitlines()[0])
+    return []
+  if state is None:
+    return []
+  return [os.path.join(directory, p) if not os.path.isabs(p) else p
+          for p in [*state.all_model_checkpoint_paths,
+                    state.model_checkpoint_path] if p]
+
+
+def _files_of(prefix: str) -> list[str]:
+  return glob.glob(glob.escape(prefix) + ".*")
+
+
+def _fsync(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_state(directory: str, kept: list[str]) -> None:
+  """Writes the state file naming `kept` (newest last): aside, fsync, rename."""
+  names = [os.path.basename(p) for p in kept]
+  text = "".join([f'model_checkpoint_path: "{names[-1]}"\n'] + [
+      f'all_model_checkpoint_paths: "{n}"\n' for n in names])
+  final = os.path.join(directory, _STATE)
+  aside = f"{final}.tmp-{os.getpid()}"
+  with open(aside, "w", encoding="utf-8") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(aside, final)
+  _fsync(directory)
+
+
+def _delete(prefix: str) -> None:
+  for path in _files_of(prefix):
+    os.remove(path)
+  shutil.rmtree(prefix + "_temp", ignore_errors=True)
+
+
 class Checkpointer:
-  """Wraps `tf.train.CheckpointManager` for the training loop.
+  """Saves and restores the model, optimizer and position of a run.
 
   Args:
     model_dir: the run directory; checkpoints go to `model_dir/checkpoints`.
@@ -97,6 +187,7 @@ class Checkpointer:
     self.chief_directory = os.path.join(model_dir, "checkpoints")
     self._tmp = None if self.chief else tempfile.mkdtemp(prefix="tfmgpu-ckpt-")
     self.directory = self.chief_directory if self.chief else self._tmp
+    self.max_to_keep = max_to_keep
     self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
     self.epoch_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                   name="epoch_step")
@@ -104,15 +195,20 @@ class Checkpointer:
     self.checkpoint = tf.train.Checkpoint(
         model=model, optimizer=optimizer, epoch=self.epoch,
         epoch_step=self.epoch_step, step=self.step)
-    self.manager = tf.train.CheckpointManager(
-        self.checkpoint, self.directory, max_to_keep=max_to_keep)
+    # Saves counted as `tf.train.CheckpointManager` did, so that checkpoints
+    # of either kind restore with every object matched.
+    self._saves = self.checkpoint.save_counter
+    self._latest: str | None = None  # Restored or saved (the chief's name).
+    self._last_number: int | None = None  # Highest number seen or used.
 
   @property
   def latest(self) -> str | None:
-    """The newest checkpoint of the run (the chief's copy, which is kept)."""
-    if self.chief:
-      return self.manager.latest_checkpoint
-    return tf.train.latest_checkpoint(self.chief_directory)
+    """The newest checkpoint of the run (the chief's copy, which is kept).
+
+    The one restored or saved by this object, else the one the chief's state
+    file names.
+    """
+    return self._latest or tf.train.latest_checkpoint(self.chief_directory)
 
   @property
   def progress(self) -> Progress:
@@ -120,38 +216,107 @@ class Checkpointer:
     return Progress(int(self.epoch.numpy()), int(self.epoch_step.numpy()),
                     int(self.step.numpy()))
 
-  def restore_latest(self) -> int:
-    """Restores the chief's newest checkpoint if any; returns epochs completed.
+  def candidates(self) -> list[str]:
+    """The chief's checkpoints, newest first: found by scanning the directory
+    and named by its state file (which may name deleted ones)."""
+    found = set(_complete(self.chief_directory))
+    found.update(_named_in_state(self.chief_directory))
+    return sorted(found, key=_number, reverse=True)
 
-    `progress` then says how far into the next epoch it was saved.
+  def restore_latest(self) -> int:
+    """Restores the chief's newest checkpoint that reads back.
+
+    A checkpoint that fails to read (a truncated, emptied or deleted file) is
+    logged with the reason and skipped for the next older one.
+
+    Returns:
+      Epochs completed (`0` without checkpoints); `progress` then says how
+      far into the next epoch it was saved.
+
+    Raises:
+      UnreadableCheckpointError: checkpoint files exist but none reads back.
     """
-    path = tf.train.latest_checkpoint(self.chief_directory)
-    if not path:
-      return 0
-    self.checkpoint.restore(path).assert_existing_objects_matched()
-    p = self.progress
-    logging.info("Resumed from %s: epoch %d, step %d of it, global step %d.",
-                 path, p.epoch + (1 if p.epoch_step else 0), p.epoch_step,
-                 p.step)
-    return p.epoch
+    self._last_number = max(_used_numbers(self.chief_directory), default=0)
+    skipped = []
+    for path in self.candidates():
+      try:
+        status = self.checkpoint.restore(path)
+      # TF's reader maps damage to OpErrors, IndexError (a short read),
+      # ValueError, protobuf DecodeError ...: each means "does not read".
+      except Exception as e:  # pylint: disable=broad-except
+        why = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        logging.warning("Skipping checkpoint %s: it does not read back (%s). "
+                        "Trying the next older one.", path, why)
+        skipped.append(f"{os.path.basename(path)} ({why})")
+        continue
+      status.assert_existing_objects_matched()
+      self._latest = path
+      p = self.progress
+      logging.info("Resumed from %s: epoch %d, step %d of it, global step %d.",
+                   path, p.epoch + (1 if p.epoch_step else 0), p.epoch_step,
+                   p.step)
+      return p.epoch
+    self._check_nothing_left(skipped)
+    return 0
+
+  def _check_nothing_left(self, skipped: list[str]) -> None:
+    """Raises if checkpoint files exist although none read back."""
+    if not skipped:
+      return
+    files = sorted(f for f in os.listdir(self.chief_directory)
+                   if _FILE.match(f))
+    if not files:
+      logging.warning("The state file in %s names %s, but no checkpoint file "
+                      "exists: starting from scratch.", self.chief_directory,
+                      ", ".join(skipped))
+      return
+    raise UnreadableCheckpointError(
+        f"No checkpoint in {self.chief_directory} reads back: "
+        f"{'; '.join(skipped)} (files: {', '.join(files)}). Not training "
+        "from scratch over them: restore the directory from a copy, or move "
+        "it aside to start a new run.")
 
   def save(self, epoch: int, *, step: int | None = None,
            epoch_step: int = 0) -> str:
-    """Saves the position; returns the path (the chief's, or a temporary one).
+    """Saves the position under a new number; returns the path.
+
+    The path is the chief's, or a temporary one on other workers. The files
+    are fsynced before the state file names them.
 
     Args:
       epoch: epochs completed.
       step: the global step. Defaults to the last one saved or restored.
       epoch_step: steps done in epoch `epoch + 1` (a preemption mid-epoch);
-        `0` at an epoch end. The file is `ckpt-<epoch>` at an epoch end and
-        `ckpt-<epoch + 1>` mid-epoch.
+        `0` at an epoch end. The number is that of the epoch the save belongs
+        to (`epoch`, or `epoch + 1` mid-epoch) unless a save already used it
+        or a higher one; then the next free one.
     """
     self.epoch.assign(epoch)
     self.epoch_step.assign(epoch_step)
     if step is not None:
       self.step.assign(step)
-    return self.manager.save(
-        checkpoint_number=epoch + (1 if epoch_step else 0))
+    if self._last_number is None:
+      self._last_number = max(_used_numbers(self.chief_directory), default=0)
+    number = max(epoch + (1 if epoch_step else 0), self._last_number + 1)
+    self._last_number = number
+    os.makedirs(self.directory, exist_ok=True)
+    self._saves.assign_add(1)
+    path = self.checkpoint.write(os.path.join(self.directory, f"ckpt-{number}"))
+    self._commit(path)
+    self._latest = self.chief_path(path)
+    return path
+
+  def _commit(self, path: str) -> None:
+    """fsync, name in the state file, then delete the oldest beyond max."""
+    for f in _files_of(path):
+      _fsync(f)
+    _fsync(self.directory)
+    complete = _complete(self.directory)  # `path` is the newest.
+    kept = complete[-self.max_to_keep:]
+    _write_state(self.directory, kept)
+    for old in complete:
+      if old not in kept:
+        _delete(old)
 
   def chief_path(self, path: str) -> str:
     """The chief's copy of checkpoint `path` (the one that is kept)."""

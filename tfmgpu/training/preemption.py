@@ -10,6 +10,13 @@ its own `run` calls rather than steps, restores through a CheckpointManager
 of its own, does nothing on GCP CPU VMs and refuses parameter-server
 clusters. One tiny all-reduce per `tf.function` call does the same job
 through the existing `Checkpointer`.
+
+Exit 42 stays 42: SIGTERM is only recorded from the moment training stops
+for it (and saves) until the watcher exits. A process that then exits with
+`EXIT_PREEMPTED` (the CLI) calls `hold_sigterm_after_preemption()` first, so
+that a second SIGTERM (a scheduler resending it, a launcher stopping the
+other tasks) is logged and ignored instead of killing it with 143 ("killed
+without saving") after the checkpoint was saved.
 """
 
 from __future__ import annotations
@@ -21,6 +28,31 @@ from absl import logging
 import tensorflow as tf
 
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.training import checkpoints as ckpt_lib
+
+_HOLD_AFTER_PREEMPTION = False
+
+
+def hold_sigterm_after_preemption(hold: bool = True) -> None:
+  """Keeps SIGTERM ignored after a preemption save, until the process exits.
+
+  For a process that exits with `EXIT_PREEMPTED` when `PreemptedError`
+  reaches it (`python -m tfmgpu.train`): a watcher that stopped training for
+  SIGTERM then leaves a handler that logs and ignores further SIGTERMs
+  instead of restoring the previous one. Other callers (a notebook, tests)
+  get the previous handler back, as without this call.
+
+  Args:
+    hold: `False` turns it off again.
+  """
+  global _HOLD_AFTER_PREEMPTION
+  _HOLD_AFTER_PREEMPTION = hold
+
+
+def _ignore_after_save(signum, frame) -> None:
+  del signum, frame
+  logging.warning("SIGTERM again after the preemption checkpoint was saved: "
+                  "ignored; exiting with code %d.", ckpt_lib.EXIT_PREEMPTED)
 
 
 def _is_collective_multi_worker(strategy: tf.distribute.Strategy) -> bool:
@@ -39,7 +71,9 @@ class PreemptionWatcher:
         if watcher.stop_requested():
           save(); raise PreemptedError(...)
 
-  The previous SIGTERM handler is restored on exit. Outside the main thread
+  The previous SIGTERM handler is restored on exit (unless training stopped
+  for SIGTERM and `hold_sigterm_after_preemption()` was called: then
+  SIGTERM stays ignored until the process exits). Outside the main thread
   (where Python cannot install signal handlers) it watches nothing.
 
   Args:
@@ -52,6 +86,7 @@ class PreemptionWatcher:
     self._received = threading.Event()
     self._previous = None
     self._installed = False
+    self._stopping = False  # stop_requested() said yes: a save follows.
     self._agree = None
     if _is_collective_multi_worker(strategy):
       @tf.function
@@ -76,10 +111,16 @@ class PreemptionWatcher:
       logging.info("Not in the main thread: SIGTERM will not be caught.")
     return self
 
-  def __exit__(self, *exc) -> None:
-    if self._installed:
+  def __exit__(self, exc_type, *exc) -> None:
+    if not self._installed:
+      return
+    self._installed = False
+    preempted = (self._stopping and exc_type is not None
+                 and issubclass(exc_type, ckpt_lib.PreemptedError))
+    if preempted and _HOLD_AFTER_PREEMPTION:
+      signal.signal(signal.SIGTERM, _ignore_after_save)
+    else:
       signal.signal(signal.SIGTERM, self._previous)
-      self._installed = False
 
   @property
   def received(self) -> bool:
@@ -89,6 +130,9 @@ class PreemptionWatcher:
   def stop_requested(self) -> bool:
     """Whether any worker received SIGTERM (collective under multi-worker)."""
     if self._agree is None:
-      return self.received
-    flag = tf.constant(1.0 if self.received else 0.0)
-    return float(self._agree(flag)) > 0
+      stop = self.received
+    else:
+      flag = tf.constant(1.0 if self.received else 0.0)
+      stop = float(self._agree(flag)) > 0
+    self._stopping = self._stopping or stop
+    return stop

@@ -1,0 +1,89 @@
+"""`model.keras` is replaced whole or not at all; a damaged one is named."""
+
+import os
+import re
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+
+from tfmgpu import inference
+from tfmgpu import runs
+
+
+def _model(value):
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  model.set_weights([np.full((3, 2), value, np.float32),
+                     np.zeros((2,), np.float32)])
+  return model
+
+
+def test_save_model_replaces_the_file_whole(tmp_path):
+  path = str(tmp_path / "model.keras")
+  assert runs.save_model(_model(1.0), path) == path
+  assert runs.save_model(_model(2.0), path) == path
+  assert os.listdir(tmp_path) == ["model.keras"]  # No temporary file left.
+  np.testing.assert_array_equal(
+      inference.load_model(path).get_weights()[0], np.full((3, 2), 2.0))
+
+
+def test_a_save_that_fails_midway_keeps_the_previous_file(tmp_path,
+                                                          monkeypatch):
+  path = str(tmp_path / "model.keras")
+  runs.save_model(_model(1.0), path)
+  before = open(path, "rb").read()
+
+  def disk_full(self, filepath, *args, **kwargs):
+    with open(filepath, "wb") as f:
+      f.write(before[:100])  # What a full disk leaves.
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(keras.Model, "save", disk_full)
+  with pytest.raises(OSError, match="No space left on device"):
+    runs.save_model(_model(2.0), path)
+  assert open(path, "rb").read() == before
+  assert os.listdir(tmp_path) == ["model.keras"]
+
+
+def test_save_model_fsyncs_the_file_before_renaming_it(tmp_path, monkeypatch):
+  events = []
+  real_fsync, real_replace = os.fsync, os.replace
+  monkeypatch.setattr(runs.os, "fsync", lambda fd: (events.append(
+      ("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))[1])
+  monkeypatch.setattr(runs.os, "replace", lambda a, b: (events.append(
+      ("replace", a, b)), real_replace(a, b))[1])
+  path = str(tmp_path / "model.keras")
+  runs.save_model(_model(1.0), path)
+  (_, aside), (_, src, dst), (_, directory) = events
+  assert (src, dst) == (aside, path)
+  assert os.path.dirname(aside) == directory == str(tmp_path)
+
+
+def _damaged(tmp_path, how):
+  path = str(tmp_path / "model.keras")
+  runs.save_model(_model(1.0), path)
+  data = open(path, "rb").read()
+  if how == "empty":
+    open(path, "wb").close()
+  elif how == "truncated":
+    open(path, "wb").write(data[:len(data) // 2])
+  else:  # A corrupt weights file inside the zip.
+    with zipfile.ZipFile(str(tmp_path / "good.keras"), "w") as out, \
+        zipfile.ZipFile(path) as good:
+      for name in good.namelist():
+        out.writestr(name, b"garbage" if name.endswith(".h5")
+                     else good.read(name))
+    os.replace(tmp_path / "good.keras", path)
+  return path
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "corrupt weights"])
+def test_a_damaged_keras_file_is_named(tmp_path, how):
+  path = _damaged(tmp_path, how)
+  with pytest.raises(ValueError, match=rf"model_path={re.escape(repr(path))} "
+                     r"is not a valid \.keras file \(\d+ bytes"):
+    inference.load_model(path)
+  # The same through the run directory.
+  with pytest.raises(ValueError, match=r"is not a valid \.keras file"):
+    inference.load_model(str(tmp_path))

@@ -1,0 +1,98 @@
+"""Exit 42 stays 42: a second SIGTERM after the preemption save is ignored.
+
+A subprocess trains, gets SIGTERM (from itself, at step 2), saves and
+catches `PreemptedError`; the test then sends a second SIGTERM (a scheduler
+resending it) and lets the process exit. With
+`hold_sigterm_after_preemption()` (what the CLI calls) it exits with 42;
+without it (a library caller) the previous handler is back and SIGTERM kills
+it, which shows the test can tell the two apart.
+"""
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tfmgpu.training import checkpoints
+
+CHILD = r"""
+import os, signal, sys
+import keras
+import numpy as np
+import tfmgpu
+from tfmgpu import models
+from tfmgpu.training import checkpoints, preemption
+from tfmgpu.training.loop import Trainer
+
+if sys.argv[2] == "hold":
+  preemption.hold_sigterm_after_preemption()
+
+
+class SigtermAtStep2(keras.callbacks.Callback):
+  def on_train_batch_end(self, batch, logs=None):
+    if batch == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+strategy = tfmgpu.get_strategy("one_device")
+with strategy.scope():
+  model = models.build_model("mlp", input_shape=(8,), num_classes=3, seed=0)
+rng = np.random.default_rng(0)
+x = rng.random((64, 8), dtype=np.float32)
+y = rng.integers(0, 3, 64).astype(np.int32)
+trainer = Trainer(model, strategy=strategy, verbose=0, steps_per_execution=1,
+                  model_dir=sys.argv[1], callbacks=[SigtermAtStep2()])
+try:
+  trainer.fit(x, y, epochs=2, global_batch_size=16, steps_per_epoch=4)
+except checkpoints.PreemptedError as e:
+  print("saved", e.checkpoint, flush=True)
+  sys.stdin.readline()  # The test has sent the second SIGTERM by now.
+  print("exiting", flush=True)
+  sys.exit(checkpoints.EXIT_PREEMPTED)
+sys.exit(1)
+"""
+
+TIMEOUT_S = 120
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+  """The child's next stdout line, or a failure after `timeout_s`."""
+  with selectors.DefaultSelector() as selector:
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    if not selector.select(timeout_s):
+      proc.kill()
+      pytest.fail(f"no output from the child within {timeout_s} s")
+  return proc.stdout.readline()
+
+
+@pytest.mark.parametrize("mode,exit_code", [
+    ("hold", checkpoints.EXIT_PREEMPTED), ("restore", -signal.SIGTERM)])
+def test_a_second_sigterm_after_the_save(tmp_path, mode, exit_code):
+  stderr_path = tmp_path / "stderr.txt"
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  with open(stderr_path, "w") as stderr:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "run"), mode],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+        text=True, env=env)
+    try:
+      line = _read_line(proc, TIMEOUT_S)
+      assert line.startswith("saved "), (line, stderr_path.read_text())
+      assert os.path.exists(line.split()[1] + ".index")
+      proc.send_signal(signal.SIGTERM)  # The scheduler resends it.
+      try:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+      except BrokenPipeError:  # Already killed (the "restore" case).
+        pass
+      assert proc.wait(timeout=TIMEOUT_S) == exit_code, stderr_path.read_text()
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=TIMEOUT_S)
+  ignored = ("SIGTERM again after the preemption checkpoint was saved: "
+             "ignored; exiting with code 42.")
+  assert (ignored in stderr_path.read_text()) == (mode == "hold")
