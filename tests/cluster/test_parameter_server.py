@@ -65,6 +65,11 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
       str(model_dir / "checkpoints" / f"ckpt-{numbers[-1]}"),
       "epoch/.ATTRIBUTES/VARIABLE_VALUE") == EPOCHS
   assert (model_dir / "model.keras").exists()
+  # Epoch accuracies are sums over the workers' concurrent calls: each call
+  # keeps its own, so none can pass 1 (shared sums once gave 1.006).
+  accuracies = [float(a) for a in re.findall(
+      r"\[chief:0\] .*epoch \d+/\d+: .*accuracy=([\d.e+-]+)", text)]
+  assert accuracies and all(0 <= a <= 1 for a in accuracies), accuracies
 
   reference = runs.run_training(TrainConfig(
       strategy="one_device", epochs=EPOCHS, verbose=0,

@@ -105,6 +105,38 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
   return train_from_device_data if device_data else train_from_iterator
 
 
+def make_scheduled_train_function(
+    strategy: tf.distribute.Strategy, step: StepFn, *,
+    check_fn: Callable[[], tf.Tensor] | None = None
+) -> Callable[..., dict[str, tf.Tensor]]:
+  """`train(iterator, num_steps) -> sums` for `ClusterCoordinator.schedule`.
+
+  Under parameter servers several workers run the function at once, and
+  variables created in the strategy's scope live on the servers, shared by
+  all of them: sums kept in variables would mix the workers' calls. Here
+  they are loop-carried tensors, local to each call (one replica per
+  worker, so the per-step reduction moves no data).
+
+  Args:
+    strategy: the `ParameterServerStrategy`.
+    step: per-replica `step(x, y) -> dict` with the keys of `TRAIN_KEYS`.
+    check_fn: as for `make_train_function`.
+  """
+
+  @tf.function
+  def train(iterator, num_steps):
+    totals = {k: tf.constant(0.0) for k in TRAIN_KEYS}
+    for _ in tf.range(num_steps):
+      x, y = next(iterator)
+      out = _reduce_sum(strategy, strategy.run(step, args=(x, y)))
+      totals = {k: totals[k] + tf.cast(out[k], tf.float32) for k in TRAIN_KEYS}
+    if check_fn is not None:
+      totals["non_finite"] += tf.cast(check_fn(), tf.float32)
+    return totals
+
+  return train
+
+
 def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
                        replicated: bool = True
                        ) -> Callable[..., dict[str, tf.Tensor]]:

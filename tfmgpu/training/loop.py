@@ -174,11 +174,15 @@ class Trainer:
           self.model, self.optimizer, global_batch_size=global_batch_size,
           loss=self.loss, jit_compile=self.jit_compile,
           allreduce=self.allreduce)
-      self._train_fns[key] = distributed.make_train_function(
-          self.strategy, step,
-          check_fn=lambda: step_lib.non_finite_weights(self.model),
-          device_data=device_data)
+      self._train_fns[key] = self._make_train_function(step, device_data)
     return self._train_fns[key]
+
+  def _make_train_function(self, step, device_data: bool):
+    """The distributed function that runs `step` several times per call."""
+    return distributed.make_train_function(
+        self.strategy, step,
+        check_fn=lambda: step_lib.non_finite_weights(self.model),
+        device_data=device_data)
 
   def _summaries(self) -> tuple[Any, bool]:
     """The summary writer (a no-op one off the chief) and whether it writes."""

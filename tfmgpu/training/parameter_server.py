@@ -143,6 +143,13 @@ class ParameterServerTrainer(Trainer):
     return iter(self.coordinator.create_per_worker_dataset(
         per_worker_dataset_fn))
 
+  def _make_train_function(self, step, device_data: bool):
+    """Sums local to each scheduled call (workers run calls concurrently)."""
+    del device_data  # Workers read their own tf.data streams.
+    return distributed.make_scheduled_train_function(
+        self.strategy, step,
+        check_fn=lambda: step_lib.non_finite_weights(self.model))
+
   def _make_eval_fn(self):
     """Evaluation on the coordinator, reading variables from the servers."""
     return distributed.make_eval_function(
