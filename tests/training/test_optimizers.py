@@ -41,7 +41,7 @@ def test_optimizer_made_outside_the_scope_is_recreated_in_it(digits):
 
 
 def test_built_optimizer_from_outside_is_a_clear_error():
-  optimizer = keras.optimizers.SGD()
+  optimizer = keras.optimizers.SGD(name="sgd")
   optimizer.build([keras.Variable(np.zeros(3, np.float32))])
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
   with strategy.scope():
