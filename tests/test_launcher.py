@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 import pytest
@@ -58,6 +59,26 @@ for action in plan.get(name, plan.get("*", [])):
     sys.exit(int(arg))
   elif what == "kill":
     os.kill(os.getpid(), getattr(signal, arg))
+  elif what == "pid":
+    open(arg, "w").write(str(os.getpid()))
+  elif what == "waitpid":  # Until the task whose pid is in `arg` is reaped.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+      try:
+        os.kill(int(open(arg).read()), 0)
+      except (ProcessLookupError, OSError, ValueError):
+        break
+      time.sleep(0.02)
+  elif what == "trap":  # trap:FILE:CODE:DELAY -- log SIGTERM, wait, exit.
+    log, code, delay = arg.rsplit(":", 2)
+    def on_term(signum, frame, log=log, code=int(code), delay=float(delay)):
+      with open(log, "a") as f:
+        f.write(name + " got SIGTERM\n")
+      time.sleep(delay)
+      with open(log, "a") as f:
+        f.write(name + " exits\n")
+      os._exit(code)
+    signal.signal(signal.SIGTERM, on_term)
 """
 
 # Tasks that wait to be stopped sleep this long: a launch that returns sooner
@@ -319,3 +340,77 @@ def test_script_usage_errors(args, message):
 
   assert proc.returncode != 0
   assert message in proc.stderr
+
+
+# ------------------------------------------- parameter-server semantics
+
+
+def test_parameter_servers_go_on_without_a_lost_worker(tmp_path):
+  pid = str(tmp_path / "worker_1.pid")
+  result, output = _launch(
+      {"chief:0": [f"wait:{pid}", f"waitpid:{pid}", "exit:0"],
+       "worker:1": [f"pid:{pid}", "kill:SIGKILL"], "*": [_SLEEP]},
+      num_workers=2, num_ps=1, chief=True)
+
+  assert result.exit_code == 0, output
+  assert result.outcome == launcher.Outcome.SUCCEEDED
+  assert result.lost == ("worker:1",)
+  assert result.first_failure is None
+  assert ("Task worker:1 was killed by signal SIGKILL (9). Parameter-server "
+          "training goes on without it: the coordinator reschedules its "
+          "steps on the other workers (worker:0).") in output
+  assert result.stopped == ("worker:0", "ps:0")
+  assert result.duration_s < _SLEEP_S
+
+
+def test_losing_every_worker_stops_a_parameter_server_run():
+  result, output = _launch(
+      {"chief:0": [_SLEEP], "ps:0": [_SLEEP], "*": ["kill:SIGKILL"]},
+      num_workers=2, num_ps=1, chief=True)
+
+  assert result.exit_code == 128 + signal.SIGKILL, output
+  assert result.outcome == launcher.Outcome.TASK_FAILED
+  assert "No worker is left to run the coordinator's steps." in output
+  assert set(result.stopped) == {"chief:0", "ps:0"}
+  assert all(_gone(pid) for pid in result.pids.values())
+
+
+def test_parameter_servers_stop_coordinator_first_and_ps_last(tmp_path):
+  log = str(tmp_path / "log")
+  ready = [str(tmp_path / f"ready_{n}") for n in ("chief_0", "worker_0",
+                                                  "worker_1", "ps_0")]
+  plan = {"chief:0": [f"trap:{log}:42:0.5", f"touch:{ready[0]}", _SLEEP],
+          "*": [f"trap:{log}:143:0", "touch:" + str(tmp_path / "ready_{task}"),
+                _SLEEP]}
+
+  def interrupt_when_ready():
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(map(os.path.exists, ready)):
+      time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  handler = signal.getsignal(signal.SIGTERM)
+  thread = threading.Thread(target=interrupt_when_ready, daemon=True)
+  thread.start()
+  try:
+    result, output = _launch(plan, num_workers=2, num_ps=1, chief=True)
+  finally:
+    thread.join(35)
+  assert signal.getsignal(signal.SIGTERM) is handler
+
+  events = open(log).read().splitlines()
+  assert events[:2] == ["chief:0 got SIGTERM", "chief:0 exits"], events
+  workers = [e for e in events[2:-2]]
+  assert sorted(workers) == ["worker:0 exits", "worker:0 got SIGTERM",
+                             "worker:1 exits", "worker:1 got SIGTERM"], events
+  assert events[-2:] == ["ps:0 got SIGTERM", "ps:0 exits"], events
+  # The coordinator saved and exited 42: the launch says "resume me" too.
+  assert result.exit_code == 42, output
+  assert "Every task that trains exited with 42" in output
+
+
+def test_tf_config_for_refuses_a_job_given_as_a_string():
+  with pytest.raises(ValueError, match=r"cluster\['worker'\]='127\.0\.0\.1:1'"
+                     r" is invalid: give a list of 'host:port' strings, e\.g\. "
+                     r"\{'worker': \['127\.0\.0\.1:1'\]\}"):
+    launcher.tf_config_for({"worker": "127.0.0.1:1"}, "worker", 0)

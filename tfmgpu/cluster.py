@@ -69,6 +69,25 @@ class TaskRole:
     return "ps" in self.cluster and self.task_type in ("ps", "worker")
 
 
+def writes_outputs(role: TaskRole, config: Any,
+                   environ: Mapping[str, str] | None = None) -> bool:
+  """Whether this task owns the run's outputs: checkpoints, model.keras, and
+  the run directory's lock and record (`tfmgpu.rundir`).
+
+  The only process; the "chief", or worker 0 of a cluster without one; under
+  `cluster_resolver='slurm'` (no TF_CONFIG), SLURM task 0.
+  """
+  if role.task_type:
+    if "chief" in role.cluster:
+      return role.task_type == "chief"
+    return role.task_type == "worker" and role.index == 0
+  environ = os.environ if environ is None else environ
+  if (config.cluster_resolver == "slurm"
+      and strategies_lib.lookup(config.strategy).joins_cluster):
+    return environ.get("SLURM_PROCID", "0") == "0"
+  return True
+
+
 def task_role(tf_config: str | None) -> TaskRole:
   """Parses a TF_CONFIG value (`None` or empty: no cluster).
 

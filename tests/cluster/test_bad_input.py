@@ -79,6 +79,13 @@ PS_CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
      r"--strategy=multi_worker_mirrored, or unset TF_CONFIG"),
     (PS.replace(cluster_resolver="slurm"), None,
      r"'parameter_server' with cluster_resolver='slurm' is not supported"),
+    # Issue 16: a worker list given as a string was read as address 'l'.
+    (MWMS, tf_config({"worker": "localhost:2222"}),
+     r"^TF_CONFIG's cluster gives job 'worker' the string 'localhost:2222', "
+     r'not a list of addresses: write "worker": \["localhost:2222"\]'),
+    (MWMS, tf_config({"worker": [2222]}),
+     r"^TF_CONFIG's cluster gives job 'worker' \[2222\]: it must be a list "
+     r'of "host:port" strings'),
 ])
 def test_preflight_errors(config, raw, match):
   environ = {} if raw is None else {"TF_CONFIG": raw}

@@ -33,9 +33,10 @@ def test_two_workers_train_what_one_process_trains(uninterrupted_mwms,
   assert len(set(digests.values())) == 1, digests
 
   # Only the chief (worker 0) keeps outputs; worker 1's temp files are gone.
+  # The chief's run record stays; its lock (run.lock) is released (#16).
   model_dir = run["model_dir"]
   assert sorted(os.listdir(model_dir)) == ["checkpoints", "model.keras",
-                                           "summaries"]
+                                           "run.json", "summaries"]
   assert sorted(f for f in os.listdir(model_dir / "checkpoints")
                 if f.endswith(".index")) == [
                     "ckpt-1.index", "ckpt-2.index", "ckpt-3.index"]

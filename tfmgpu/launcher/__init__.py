@@ -26,7 +26,10 @@ Contract with the command:
   that runs the training. Servers never exit on their own, so the launcher
   waits only for the tasks that do the work -- the chief if there is one,
   else the workers -- and once all of those have exited 0 it stops the
-  remaining (server) tasks with SIGTERM and still reports success.
+  remaining (server) tasks with SIGTERM and still reports success. With a
+  coordinator, a lost worker is logged and tolerated (the coordinator
+  reschedules its steps), and stopping goes coordinator first (time to
+  save), then workers, then parameter servers.
 
 Lifecycle (see `supervisor`): each task leads its own process group, its
 output is printed line by line as `[worker:0] ...`; the first failure, the

@@ -154,9 +154,19 @@ def tf_config_for(cluster: Mapping[str, Sequence[str]], task_type: str,
   """Returns the TF_CONFIG JSON of one task of `cluster`.
 
   Raises:
-    ValueError: `task_type` is not a job of `cluster`, or `index` is out of
-      range for it.
+    ValueError: a job's addresses are not a list of strings (a string would
+      give one address per character), `task_type` is not a job of
+      `cluster`, or `index` is out of range for it.
   """
+  for job, addresses in cluster.items():
+    if isinstance(addresses, str) or not all(isinstance(a, str)
+                                             for a in addresses):
+      raise ValueError(
+          f"cluster[{job!r}]={addresses!r} is invalid: give a list of "
+          f"'host:port' strings, e.g. {{{job!r}: [{addresses!r}]}}"
+          if isinstance(addresses, str) else
+          f"cluster[{job!r}]={addresses!r} is invalid: give a list of "
+          "'host:port' strings, e.g. ['127.0.0.1:2222'].")
   if task_type not in cluster:
     raise ValueError(f"task_type={task_type!r} is not a job of this cluster. "
                      f"Available: {sorted(cluster)}.")

@@ -9,9 +9,19 @@ TF_CONFIG contract) and waits:
 * The first task to exit non-zero or die by a signal is named, the others get
   SIGTERM, then SIGKILL after `grace_s`. The exit code is that task's code,
   or 128 + the signal number.
+* Parameter-server training (ps tasks and a coordinator, the chief) survives
+  a lost worker: its exit is logged and the run goes on, as the coordinator
+  reschedules the worker's steps on the others. Losing the last worker, a
+  ps task or the coordinator stops the run.
 * After `timeout_s` everything is stopped the same way; exit code 124.
 * SIGINT or SIGTERM to the launcher stops the tasks the same way; exit code
-  130 or 143. A second signal skips the rest of the grace period.
+  130 or 143, or 42 when every task that does the work exited with 42
+  (stopped after saving a checkpoint: rerun to resume). A second signal
+  skips the rest of the grace period.
+* Stopping a parameter-server cluster goes in order: the coordinator first,
+  given `grace_s` to save a checkpoint while the servers still hold its
+  variables; then the workers; the parameter servers last. Other clusters
+  are stopped all at once.
 * Whatever happens (success, failure, exception), every process group still
   alive at the end is stopped, so no task or child of a task outlives the
   launcher -- unless the launcher itself is killed with SIGKILL.
@@ -42,6 +52,8 @@ EXIT_TIMEOUT = 124  # As coreutils' `timeout`.
 _POLL_S = 0.05
 _KILL_WAIT_S = 5.0  # After SIGKILL, how long to wait for the processes to go.
 _DRAIN_S = 1.0  # How long to wait for a finished task's last output lines.
+# `tfmgpu.training.checkpoints.EXIT_PREEMPTED` (not imported: it loads TF).
+_EXIT_PREEMPTED = 42
 
 
 class Outcome(str, enum.Enum):
@@ -70,6 +82,8 @@ class LaunchResult:
     pids: per task name, its process id (also its process group id).
     cluster: the cluster spec every task saw in TF_CONFIG.
     duration_s: wall time from the first start to the last exit.
+    lost: workers of a parameter-server cluster that exited while the run
+      went on without them.
   """
   exit_code: int
   outcome: Outcome
@@ -79,6 +93,7 @@ class LaunchResult:
   pids: dict[str, int]
   cluster: dict[str, list[str]]
   duration_s: float
+  lost: tuple[str, ...] = ()
 
   @property
   def ok(self) -> bool:
@@ -94,6 +109,8 @@ class _Run:
     self.tasks: list[Task] = []
     self.signals: list[int] = []
     self.first_failure: str | None = None
+    self.coordinated = False  # Parameter servers with a coordinator.
+    self.lost: list[str] = []  # Workers lost and tolerated.
     self._lock = threading.Lock()
 
   def write(self, text: str) -> None:
@@ -111,6 +128,7 @@ class _Run:
             cluster: dict[str, list[str]], env: Mapping[str, str]) -> None:
     self.say(f"Starting {config.num_tasks} task(s) on cluster "
              f"{json.dumps(cluster)}.")
+    self.coordinated = bool(config.num_ps and config.chief)
     for task_type, index in config.tasks:
       name = f"{task_type}:{index}"
       task_env = dict(env)
@@ -131,21 +149,10 @@ class _Run:
     primaries = [t for t in self.tasks if t.type in config.primary_types]
     while True:
       if self.signals:
-        sig = self.signals[0]
-        self.say(f"Received {signal.Signals(sig).name}; stopping all tasks.")
-        self.stop(self.running())
-        return Outcome.INTERRUPTED, 128 + sig
-      for task in self.tasks:
-        code = task.proc.poll()
-        if code is not None and code != 0:
-          task.reader.join(_DRAIN_S)
-          self.first_failure = task.name
-          others = self.running()
-          self.say(f"Task {task.name} {processes.describe_exit(code)}." + (
-              f" Stopping the other tasks: {processes.names(others)}."
-              if others else ""))
-          self.stop(others)
-          return Outcome.TASK_FAILED, code if code > 0 else 128 - code
+        return self._interrupted(primaries)
+      failed = self._failure()
+      if failed is not None:
+        return Outcome.TASK_FAILED, failed
       if all(t.proc.returncode == 0 for t in primaries):
         servers = self.running()
         if servers:
@@ -165,7 +172,61 @@ class _Run:
         return Outcome.TIMED_OUT, EXIT_TIMEOUT
       time.sleep(_POLL_S)
 
+  def _interrupted(self, primaries: Sequence[Task]) -> tuple[Outcome, int]:
+    """Stops every task after a signal; 42 if the work all saved and left."""
+    sig = self.signals[0]
+    self.say(f"Received {signal.Signals(sig).name}; stopping all tasks.")
+    self.stop(self.running())
+    if primaries and all(t.proc.returncode == _EXIT_PREEMPTED
+                         for t in primaries):
+      self.say(f"Every task that trains exited with {_EXIT_PREEMPTED} "
+               "(checkpoint saved): run the same command again to resume.")
+      return Outcome.INTERRUPTED, _EXIT_PREEMPTED
+    return Outcome.INTERRUPTED, 128 + sig
+
+  def _failure(self) -> int | None:
+    """The exit code if a task failed the run (after stopping the others).
+
+    A lost worker of a parameter-server cluster is logged and tolerated
+    while another worker runs.
+    """
+    for task in self.tasks:
+      code = task.proc.poll()
+      if code is None or code == 0 or task.name in self.lost:
+        continue
+      task.reader.join(_DRAIN_S)
+      what = f"Task {task.name} {processes.describe_exit(code)}."
+      workers = [t for t in self.running() if t.type == "worker"]
+      if self.coordinated and task.type == "worker" and workers:
+        self.lost.append(task.name)
+        self.say(f"{what} Parameter-server training goes on without it: the "
+                 "coordinator reschedules its steps on the other workers "
+                 f"({processes.names(workers)}).")
+        continue
+      self.first_failure = task.name
+      others = self.running()
+      if self.coordinated and task.type == "worker":
+        what += " No worker is left to run the coordinator's steps."
+      self.say(what + (f" Stopping the other tasks: {processes.names(others)}."
+                       if others else ""))
+      self.stop(others)
+      return code if code > 0 else 128 - code
+    return None
+
   def stop(self, tasks: Sequence[Task]) -> None:
+    """Stops the tasks: at once, or in order under parameter servers.
+
+    A coordinated parameter-server cluster is stopped coordinator first (it
+    saves a checkpoint while the servers still hold its variables), then the
+    workers, then the parameter servers, each given `grace_s`.
+    """
+    if not self.coordinated:
+      self._stop_now(tasks)
+      return
+    for task_type in cluster_spec.TASK_TYPES:  # chief, worker, ps.
+      self._stop_now([t for t in tasks if t.type == task_type])
+
+  def _stop_now(self, tasks: Sequence[Task]) -> None:
     """SIGTERM to the tasks' process groups, SIGKILL after the grace period."""
     tasks = [t for t in tasks if t.alive()]
     if not tasks:
@@ -219,7 +280,7 @@ class _Run:
         first_failure=self.first_failure,
         stopped=tuple(t.name for t in self.tasks if t.stopped),
         pids={t.name: t.proc.pid for t in self.tasks}, cluster=cluster,
-        duration_s=duration)
+        duration_s=duration, lost=tuple(self.lost))
 
 
 @contextlib.contextmanager

@@ -63,6 +63,28 @@ CLUSTER_RESOLVERS: dict[str, Callable[[], Any]] = {
 }
 
 
+def _check_job_addresses(job: str, addresses: Any) -> None:
+  """A job's addresses must be a list of "host:port" strings.
+
+  Raises:
+    ValueError: a string (which would read as one address per character),
+      or anything else that is not a list of strings.
+  """
+  if isinstance(addresses, str):
+    raise ValueError(
+        f"TF_CONFIG's cluster gives job {job!r} the string {addresses!r}, "
+        f"not a list of addresses: write \"{job}\": [{json.dumps(addresses)}]"
+        " (one \"host:port\" per task).")
+  values = (list(addresses.values()) if isinstance(addresses, dict)
+            else addresses)
+  if not isinstance(values, list) or not all(isinstance(a, str)
+                                             for a in values):
+    raise ValueError(
+        f"TF_CONFIG's cluster gives job {job!r} {addresses!r}: it must be a "
+        f"list of \"host:port\" strings, e.g. \"{job}\": "
+        "[\"10.0.0.1:2222\", \"10.0.0.2:2222\"].")
+
+
 def validate_tf_config(raw: str) -> dict[str, Any]:
   """Parses and checks a `TF_CONFIG` value.
 
@@ -78,6 +100,8 @@ def validate_tf_config(raw: str) -> dict[str, Any]:
     raise ValueError(
         f"TF_CONFIG needs a 'cluster' object mapping job names to address "
         f"lists; got {raw[:200]!r}.")
+  for job, addresses in cfg["cluster"].items():
+    _check_job_addresses(job, addresses)
   task = cfg.get("task") or {}
   job, index = task.get("type"), task.get("index", 0)
   if job is not None:

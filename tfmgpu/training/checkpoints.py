@@ -18,7 +18,14 @@ takes the newest checkpoint that reads back, logging each one skipped and
 why; checkpoints are also found by scanning the directory, so a missing or
 damaged state file never hides them. When checkpoints exist but none reads
 back, restore raises `UnreadableCheckpointError` rather than training from
-scratch over them.
+scratch over them. A save that fails (a full disk) deletes what it wrote of
+its own number and raises `OSError` (`errno.ENOSPC` when the disk is full,
+naming the directory); the checkpoints saved before are untouched.
+
+Learning rate: restore brings back the optimizer's state except its
+learning rate, which keeps the value the optimizer holds when restore is
+called (the `learning_rate` given to this run): a resumed run with a new
+`--learning_rate` trains with it, as the NaN error's advice expects.
 
 Preemption: while `Trainer.fit` runs with a `model_dir`, SIGTERM (what
 schedulers send before they kill a job) is caught; at the next step boundary
@@ -36,6 +43,7 @@ to a temporary directory that `close()` removes.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import os
 import re
@@ -45,6 +53,8 @@ import tempfile
 from absl import logging
 import keras
 import tensorflow as tf
+
+from tfmgpu import files
 
 # Exit code of `python -m tfmgpu.train` when SIGTERM stopped training after a
 # checkpoint was saved: "preempted, restart me". (143 = 128 + SIGTERM means a
@@ -169,6 +179,26 @@ def _delete(prefix: str) -> None:
   shutil.rmtree(prefix + "_temp", ignore_errors=True)
 
 
+def _learning_rate_variable(optimizer):
+  """The variable holding `optimizer`'s learning rate (`None`: a schedule)."""
+  while getattr(optimizer, "inner_optimizer", None) is not None:
+    optimizer = optimizer.inner_optimizer  # LossScaleOptimizer's own is unused.
+  variable = getattr(optimizer, "_learning_rate", None)
+  return variable if hasattr(variable, "assign") else None
+
+
+def _keep_learning_rate(optimizer, given, path: str) -> None:
+  """Puts back the learning rate given to this run after a restore."""
+  variable = _learning_rate_variable(optimizer)
+  if variable is None or given is None:
+    return
+  restored = float(variable.numpy())
+  if restored != given:
+    variable.assign(given)
+    logging.info("learning_rate: %s holds %.6g; training with the %.6g given "
+                 "to this run.", path, restored, given)
+
+
 class Checkpointer:
   """Saves and restores the model, optimizer and position of a run.
 
@@ -237,6 +267,9 @@ class Checkpointer:
       UnreadableCheckpointError: checkpoint files exist but none reads back.
     """
     self._last_number = max(_used_numbers(self.chief_directory), default=0)
+    optimizer = self.checkpoint.optimizer
+    lr = _learning_rate_variable(optimizer)
+    given = float(lr.numpy()) if lr is not None else None
     skipped = []
     for path in self.candidates():
       try:
@@ -250,6 +283,7 @@ class Checkpointer:
         skipped.append(f"{os.path.basename(path)} ({why})")
         continue
       status.assert_existing_objects_matched()
+      _keep_learning_rate(optimizer, given, path)
       self._latest = path
       p = self.progress
       logging.info("Resumed from %s: epoch %d, step %d of it, global step %d.",
@@ -301,10 +335,28 @@ class Checkpointer:
     self._last_number = number
     os.makedirs(self.directory, exist_ok=True)
     self._saves.assign_add(1)
-    path = self.checkpoint.write(os.path.join(self.directory, f"ckpt-{number}"))
+    path = self._write(os.path.join(self.directory, f"ckpt-{number}"))
     self._commit(path)
     self._latest = self.chief_path(path)
     return path
+
+  def _write(self, prefix: str) -> str:
+    """Writes checkpoint `prefix`; on failure deletes what it wrote.
+
+    Raises:
+      OSError: the write failed; `errno.ENOSPC` when the disk is full.
+    """
+    try:
+      return self.checkpoint.write(prefix)
+    except (tf.errors.OpError, OSError) as e:
+      _delete(prefix)  # Never named: its partial files only take space.
+      if isinstance(e, tf.errors.ResourceExhaustedError) or files.is_disk_full(
+          e):
+        raise OSError(errno.ENOSPC, "No space left on device; "
+                      f"{os.path.basename(prefix)} was not saved, the "
+                      "checkpoints before it are intact", self.directory
+                      ) from e
+      raise
 
   def _commit(self, path: str) -> None:
     """fsync, name in the state file, then delete the oldest beyond max."""

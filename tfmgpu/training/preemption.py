@@ -129,10 +129,14 @@ class PreemptionWatcher:
 
   def stop_requested(self) -> bool:
     """Whether any worker received SIGTERM (collective under multi-worker)."""
-    if self._agree is None:
-      stop = self.received
-    else:
-      flag = tf.constant(1.0 if self.received else 0.0)
-      stop = float(self._agree(flag)) > 0
+    stop = self.any_worker(self.received)
     self._stopping = self._stopping or stop
     return stop
+
+  def any_worker(self, flag: bool) -> bool:
+    """Whether `flag` holds on any worker: one all-reduce under multi-worker
+    mirrored (every worker must call it as often), else `flag` itself. The
+    controller agrees on time-based checkpoints this way."""
+    if self._agree is None:
+      return bool(flag)
+    return float(self._agree(tf.constant(1.0 if flag else 0.0))) > 0

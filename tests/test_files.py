@@ -1,0 +1,89 @@
+"""`tfmgpu.files`: outputs written whole or not at all; OS errors said plainly."""
+
+import errno
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfmgpu import files
+
+TIMEOUT_S = 60
+
+
+@pytest.fixture
+def umask_027():
+  old = os.umask(0o027)
+  yield
+  os.umask(old)
+
+
+def _listing(directory):
+  return sorted(os.listdir(directory))
+
+
+def test_the_file_gets_the_mode_of_a_plain_open(tmp_path, umask_027):
+  path = files.write_atomically(str(tmp_path / "a.bin"),
+                                lambda f: f.write(b"new"))
+  assert open(path, "rb").read() == b"new"
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o640  # Not mkstemp's 0600.
+  assert _listing(tmp_path) == ["a.bin"]
+
+
+def test_a_failed_write_keeps_the_previous_file_and_leaves_no_temp(tmp_path):
+  path = str(tmp_path / "a.bin")
+  files.write_atomically(path, lambda f: f.write(b"old"))
+
+  def disk_full(f):
+    f.write(b"partial")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  with pytest.raises(OSError, match="No space left on device"):
+    files.write_atomically(path, disk_full)
+  assert open(path, "rb").read() == b"old"
+  assert _listing(tmp_path) == ["a.bin"]
+
+
+def test_a_kill_during_the_write_leaves_nothing(tmp_path):
+  code = ("import os, signal, sys; from tfmgpu import files\n"
+          "def write(f):\n"
+          "  f.write(b'x' * 100000); f.flush()\n"
+          "  os.kill(os.getpid(), signal.SIGKILL)\n"
+          "files.write_atomically(sys.argv[1], write)\n")
+  proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.bin")],
+                        timeout=TIMEOUT_S, check=False)
+  assert proc.returncode == -signal.SIGKILL
+  assert _listing(tmp_path) == []  # The file had no name yet.
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    OSError("10000 requested and 4064 written"),  # numpy's short write.
+])
+def test_a_full_disk_says_disk_full_and_names_the_path(error):
+  assert files.describe_os_error(error, "/data/p.npy").startswith(
+      "disk full while writing /data/p.npy")
+  assert files.describe_os_error(error, "/data/p.npy").endswith(
+      ": free space on that filesystem (or write elsewhere) and run the "
+      "same command again.")
+
+
+def test_other_os_errors_name_the_path_and_reason():
+  error = PermissionError(errno.EACCES, "Permission denied", "/x/y")
+  assert files.describe_os_error(error) == (
+      "cannot write /x/y (Permission denied): check the path and its "
+      "permissions.")
+
+
+def test_predictions_follow_the_umask_and_replace_whole(tmp_path, umask_027):
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / "p.npy")
+  inference.save_predictions(path, np.ones((3, 2), np.float32))
+  inference.save_predictions(path, np.zeros((4, 2), np.float32))
+  np.testing.assert_array_equal(np.load(path), np.zeros((4, 2)))
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+  assert _listing(tmp_path) == ["p.npy"]

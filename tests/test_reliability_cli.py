@@ -1,0 +1,232 @@
+"""Issue 16 through the command lines, in-process: each bad input ends in one
+`error:` naming the path or value and what to do, before work starts where
+it can be checked; the run directory's record refuses what a resume cannot
+change and applies what it may."""
+
+import errno
+import json
+import logging
+import re
+import selectors
+import subprocess
+import sys
+
+from absl.testing import flagsaver
+import numpy as np
+import pytest
+
+from tfmgpu import cluster
+from tfmgpu import data
+from tfmgpu import models
+from tfmgpu import predict
+from tfmgpu import rundir
+from tfmgpu import train
+from tfmgpu.config import TrainConfig
+
+pytestmark = pytest.mark.usefixtures("parsed_flags")
+
+TIMEOUT_S = 60
+TINY = dict(strategy="one_device", model="mlp", epochs=1, steps_per_epoch=2,
+            steps_per_execution=1, verbose=0)
+
+
+def _error_line(capsys) -> str:
+  err = capsys.readouterr().err
+  lines = [l for l in err.splitlines() if l.startswith("error: ")]
+  assert len(lines) == 1, err
+  return lines[0]
+
+
+# ---------------------------------------------------------------- train
+
+
+@pytest.mark.parametrize("how", ["file", "under a file"])
+def test_a_model_dir_that_cannot_be_a_directory(tmp_path, capsys, how):
+  (tmp_path / "f").write_text("x")
+  path = str(tmp_path / "f") if how == "file" else str(tmp_path / "f" / "x")
+  with flagsaver.flagsaver(**TINY, model_dir=path):
+    assert train.main(["train"]) == 1
+  line = _error_line(capsys)
+  assert line.startswith(f"error: model_dir={path!r} ")
+  assert ("is a regular file, not a directory" if how == "file" else
+          "cannot be created (Not a directory). Choose a path") in line
+
+
+def test_a_resume_refuses_other_settings_and_applies_a_new_learning_rate(
+    tmp_path, capsys, caplog):
+  caplog.set_level(logging.INFO)
+  model_dir = str(tmp_path / "run")
+  with flagsaver.flagsaver(**TINY, model_dir=model_dir):
+    assert train.main(["train"]) == 0
+  capsys.readouterr()
+  with flagsaver.flagsaver(**TINY, model_dir=model_dir, seed=1,
+                           optimizer="sgd"):
+    assert train.main(["train"]) == 1
+  assert capsys.readouterr().err == (
+      f"error: model_dir={model_dir!r} holds a run whose checkpoints depend "
+      "on settings this run changes:\n"
+      "  optimizer: 'adam' -> 'sgd' (--optimizer)\n"
+      "  seed: 0 -> 1 (--seed)\n"
+      "Run again with the old values to resume it, or use a new "
+      "--model_dir to start another run.\n")
+
+  with flagsaver.flagsaver(**{**TINY, "epochs": 2}, model_dir=model_dir,
+                           learning_rate=1e-4):
+    assert train.main(["train"]) == 0
+  assert re.search(r"learning_rate: .*ckpt-1 holds 0\.002; training with "
+                   r"the 0\.0001 given to this run\.", caplog.text)
+  record = json.loads((tmp_path / "run" / rundir.RECORD_NAME).read_text())
+  assert (record["learning_rate"], record["epochs"]) == (1e-4, 2)
+  assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()
+
+
+def test_a_live_run_keeps_a_second_one_out(tmp_path, capsys):
+  model_dir = str(tmp_path / "run")
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys; from tfmgpu import rundir; "
+       "rundir.RunLock(sys.argv[1]).acquire(); print('held', flush=True); "
+       "sys.stdin.readline()", model_dir],
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  try:
+    with selectors.DefaultSelector() as selector:
+      selector.register(holder.stdout, selectors.EVENT_READ)
+      assert selector.select(TIMEOUT_S), "the lock holder said nothing"
+    assert holder.stdout.readline() == "held\n"
+    with flagsaver.flagsaver(**TINY, model_dir=model_dir):
+      assert train.main(["train"]) == 1
+  finally:
+    holder.communicate("", timeout=TIMEOUT_S)
+  line = _error_line(capsys)
+  assert re.match(rf"error: model_dir={re.escape(repr(model_dir))} is in use "
+                  rf"by a live run: PID {holder.pid} on host \S+, started", line)
+  assert not (tmp_path / "run" / rundir.RECORD_NAME).exists()  # Untouched.
+
+
+def test_a_full_disk_is_one_error_line_naming_the_path(tmp_path, capsys,
+                                                       monkeypatch):
+  from tfmgpu import runs  # pylint: disable=g-import-not-at-top
+  path = str(tmp_path / "run" / "model.keras")
+
+  def disk_full(config, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+
+  monkeypatch.setattr(runs, "run_training", disk_full)
+  with flagsaver.flagsaver(**TINY, model_dir=str(tmp_path / "run")):
+    assert train.main(["train"]) == 1
+  assert _error_line(capsys) == (
+      f"error: disk full while writing {path} (No space left on device): "
+      "free space on that filesystem (or write elsewhere) and run the same "
+      "command again.")
+
+
+def test_only_the_chief_takes_the_lock_and_writes_the_record():
+  spec = {"chief": ["a:1"], "worker": ["b:1"], "ps": ["c:1"]}
+  role = lambda t, i=0, s=spec: cluster.TaskRole(t, i, s)
+  ps, mwms = (TrainConfig(strategy="parameter_server"),
+              TrainConfig(strategy="multi_worker_mirrored"))
+  assert cluster.writes_outputs(role("chief"), ps)
+  assert not cluster.writes_outputs(role("worker"), ps)
+  workers = {"worker": ["a:1", "b:1"]}
+  assert cluster.writes_outputs(role("worker", 0, workers), mwms)
+  assert not cluster.writes_outputs(role("worker", 1, workers), mwms)
+  slurm = mwms.replace(cluster_resolver="slurm")
+  assert not cluster.writes_outputs(cluster.TaskRole(), slurm,
+                                    {"SLURM_PROCID": "1"})
+  assert cluster.writes_outputs(cluster.TaskRole(), slurm, {"SLURM_PROCID": "0"})
+  assert cluster.writes_outputs(cluster.TaskRole(), TrainConfig(),
+                                {"SLURM_PROCID": "3"})
+
+
+# -------------------------------------------------------------- predict
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("model") / "m.keras")
+  models.build_model("mlp", input_shape=(28, 28, 1), num_classes=10,
+                     seed=0).save(path)
+  return path
+
+
+def test_predict_output_that_is_a_directory_fails_before_predicting(
+    tmp_path, capsys, monkeypatch, model_path):
+  monkeypatch.setattr(predict, "_prepare", lambda: pytest.fail("predicted"))
+  with flagsaver.flagsaver(model_path=[model_path], output=str(tmp_path)):
+    assert predict.main(["predict"]) == 1
+  assert _error_line(capsys) == (
+      f"error: --output={str(tmp_path)!r} is a directory; give a file path, "
+      f"e.g. {str(tmp_path / 'predictions.npy')!r}.")
+  (tmp_path / "f").write_text("x")
+  with flagsaver.flagsaver(model_path=[model_path],
+                           output=str(tmp_path / "f" / "p.npy")):
+    assert predict.main(["predict"]) == 1
+  assert "is a file, not a directory. Choose another path." in (
+      _error_line(capsys))
+
+
+def test_predict_on_a_full_disk_says_disk_full(tmp_path, capsys, monkeypatch,
+                                               model_path):
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "p.npy")
+
+  def short_write(path, predictions):
+    raise OSError("10000 requested and 4064 written")  # numpy's words.
+
+  monkeypatch.setattr(inference, "save_predictions", short_write)
+  with flagsaver.flagsaver(model_path=[model_path], output=out,
+                           strategy="default"):
+    assert predict.main(["predict"]) == 1
+  assert _error_line(capsys).startswith(f"error: disk full while writing {out}")
+
+
+# ----------------------------------------------------------------- data
+
+
+def _npz(path, **changes):
+  rng = np.random.default_rng(0)
+  arrays = dict(x_train=rng.random((64, 8), np.float32),
+                y_train=rng.integers(0, 3, 64), x_test=rng.random(
+                    (8, 8), np.float32), y_test=rng.integers(0, 3, 8))
+  arrays.update(changes)
+  np.savez(path, **arrays)
+  return str(path)
+
+
+@pytest.mark.parametrize("how,why", [
+    ("empty", r"0 bytes: No data left in file"),
+    ("garbage", r"500 bytes: This file contains pickled \(object\) data"),
+    ("truncated", r"\d+ bytes: File is not a zip file"),
+    ("one array", r"\d+ bytes: one array \(a \.npy file\), not an archive"),
+])
+def test_a_damaged_npz_is_named(tmp_path, how, why):
+  path = str(tmp_path / "d.npz")
+  good = open(_npz(path), "rb").read()
+  if how == "one array":
+    with open(path, "wb") as f:
+      np.save(f, np.zeros(3))
+  else:
+    open(path, "wb").write({"empty": b"", "garbage": b"\x00" * 500,
+                            "truncated": good[:len(good) // 2]}[how])
+  with pytest.raises(ValueError, match=(
+      rf"^dataset 'npz': path={re.escape(repr(path))} is not a valid \.npz "
+      rf"file \({why}.*\)\. Write it with numpy\.savez\(path, x_train=")):
+    data.load_dataset("npz", path=path)
+
+
+def test_npz_labels_are_checked_before_training(tmp_path, capsys):
+  y = np.zeros(64, np.int64)
+  y[5] = -1
+  path = _npz(tmp_path / "labels.npz", y_train=y)
+  with flagsaver.flagsaver(**TINY, dataset="npz", data_path=path,
+                           global_batch_size=16,
+                           model_dir=str(tmp_path / "run")):
+    assert train.main(["train"]) == 1
+  assert _error_line(capsys) == (
+      f"error: dataset {path!r}: y_train[5]=-1 is outside the class range "
+      "0..2 (1 label(s) out of range). Labels must be integer class indices "
+      "from 0 to num_classes - 1: fix the labels.")
+  assert not (tmp_path / "run" / "checkpoints").exists()
+  with pytest.raises(ValueError, match=r"y_train in .* holds non-integer "
+                     r"labels"):
+    data.load_dataset("npz", path=_npz(tmp_path / "f.npz",
+                                       y_train=np.full(64, 0.5)))

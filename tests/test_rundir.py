@@ -1,0 +1,229 @@
+"""`tfmgpu.rundir`: one live run per directory (lock) and its record.
+
+TensorFlow-free: a second "run" is a tiny Python process that takes the lock
+(`_HOLDER`), so the tests are fast.
+"""
+
+import json
+import logging
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tfmgpu import rundir
+from tfmgpu.config import TrainConfig
+
+TIMEOUT_S = 60
+
+# Takes the lock of argv[1], says so, then waits for a line on stdin (or, with
+# argv[2] == "die", dies by SIGKILL while holding it).
+_HOLDER = r"""
+import os, signal, sys
+from tfmgpu import rundir
+lock = rundir.RunLock(sys.argv[1]).acquire()
+print("held", os.getpid(), flush=True)
+if sys.argv[2] == "die":
+  os.kill(os.getpid(), signal.SIGKILL)
+sys.stdin.readline()
+lock.release()
+print("released", flush=True)
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+  """Starts a process holding `tmp_path/run`'s lock; yields (proc, pid)."""
+  procs = []
+
+  def start(mode="hold"):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path / "run"), mode],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs.append(proc)
+    with selectors.DefaultSelector() as selector:
+      selector.register(proc.stdout, selectors.EVENT_READ)
+      assert selector.select(TIMEOUT_S), "the lock holder said nothing"
+    line = proc.stdout.readline()
+    assert line.startswith("held "), line
+    return proc, int(line.split()[1])
+
+  yield start
+  for proc in procs:
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait(timeout=TIMEOUT_S)
+
+
+# ---------------------------------------------------------------- lock
+
+
+def test_a_second_run_refuses_naming_the_live_one(tmp_path, holder):
+  proc, pid = holder()
+  lock_file = tmp_path / "run" / rundir.LOCK_NAME
+  info = json.loads(lock_file.read_text())
+  assert info["pid"] == pid and info["host"] == socket.gethostname()
+  assert info["started"] and "-c" in info["command"]
+
+  with pytest.raises(rundir.RunDirLockedError, match=(
+      rf"model_dir='{re.escape(str(tmp_path / 'run'))}' is in use by a live "
+      rf"run: PID {pid} on host {re.escape(socket.gethostname())}, started "
+      r"\S+ \(.+\) \(lock .+run\.lock\)\. Wait for it to end or stop it, or "
+      r"use another --model_dir\.")):
+    rundir.RunLock(str(tmp_path / "run")).acquire()
+
+  proc.communicate("go\n", timeout=TIMEOUT_S)
+  assert proc.returncode == 0
+  assert not lock_file.exists()  # Released and removed on exit.
+  with rundir.RunLock(str(tmp_path / "run")) as lock:
+    assert lock.held
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+  assert not lock_file.exists()
+
+
+def test_a_stale_lock_of_a_dead_run_is_reported_and_taken_over(
+    tmp_path, holder, caplog):
+  proc, pid = holder("die")
+  assert proc.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
+  lock_file = tmp_path / "run" / rundir.LOCK_NAME
+  assert json.loads(lock_file.read_text())["pid"] == pid  # Left behind.
+
+  with rundir.RunLock(str(tmp_path / "run")):
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+  assert re.search(rf"Taking over the stale lock .*run\.lock: its run \(PID "
+                   rf"{pid} on host .*\) ended without releasing it; PID {pid} "
+                   r"no longer runs\.", caplog.text), caplog.text
+
+
+def test_a_lock_file_of_another_host_is_not_taken_over(tmp_path):
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / rundir.LOCK_NAME).write_text(json.dumps(
+      {"host": "elsewhere", "pid": 7, "started": "2026-01-01T00:00:00",
+       "command": "python -m tfmgpu.train"}))
+  with pytest.raises(rundir.RunDirLockedError, match=(
+      r"is locked by a run on another host: PID 7 on host elsewhere, "
+      r"started 2026-01-01T00:00:00 \(python -m tfmgpu\.train\)\. Whether it "
+      r"still runs cannot be checked from here: if it does not, delete "
+      rf"{re.escape(str(run / rundir.LOCK_NAME))} and run again")):
+    rundir.RunLock(str(run)).acquire()
+
+
+def test_the_lock_is_reentrant_within_a_process(tmp_path):
+  outer = rundir.RunLock(str(tmp_path)).acquire()
+  with rundir.RunLock(str(tmp_path)):  # What Trainer.fit does under the CLI.
+    pass
+  assert (tmp_path / rundir.LOCK_NAME).exists()  # The outer still holds it.
+  outer.release()
+  assert not (tmp_path / rundir.LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("how", ["file", "under a file"])
+def test_a_model_dir_that_cannot_be_a_directory_is_named(tmp_path, how):
+  (tmp_path / "f").write_text("x")
+  path = str(tmp_path / "f") if how == "file" else str(tmp_path / "f" / "run")
+  match = (r"is a regular file, not a directory\. Give a directory"
+           if how == "file" else r"cannot be created \(Not a directory\)\. "
+           r"Choose a path in a writable directory\.")
+  with pytest.raises(rundir.RunDirError,
+                     match=rf"model_dir={re.escape(repr(path))} {match}"):
+    rundir.RunLock(path).acquire()
+
+
+# -------------------------------------------------------------- record
+
+
+def _record(**changes):
+  config = TrainConfig(strategy="one_device", model="mlp", epochs=2,
+                       steps_per_epoch=5).replace(**changes)
+  return rundir.record_of(config)
+
+
+def _with_checkpoint(model_dir):
+  os.makedirs(model_dir / "checkpoints", exist_ok=True)
+  (model_dir / "checkpoints" / "ckpt-1.index").write_bytes(b"")
+
+
+def test_the_record_holds_the_run(tmp_path):
+  record = _record()
+  assert {k: record[k] for k in rundir.FIXED} == {
+      "model": "mlp", "optimizer": "adam", "global_batch_size": 64,
+      "seed": 0, "dataset": "digits", "placement": "data_parallel"}
+  assert (record["learning_rate"], record["epochs"]) == (2e-3, 2)
+  assert set(record["versions"]) == {"tfmgpu", "tensorflow", "keras"}
+  assert rundir.record_of(TrainConfig(strategy="pipeline", num_stages=3))[
+      "placement"] == "pipeline (num_stages=3, partition=balanced)"
+  lock = rundir.open_run(str(tmp_path), record)
+  lock.release()
+  saved = json.loads((tmp_path / rundir.RECORD_NAME).read_text())
+  assert {k: saved[k] for k in record} == json.loads(json.dumps(record))
+  assert "created" in saved
+
+
+def test_a_resume_that_changes_what_checkpoints_depend_on_is_refused(
+    tmp_path):
+  rundir.open_run(str(tmp_path), _record()).release()
+  _with_checkpoint(tmp_path)
+  with pytest.raises(rundir.RunRecordMismatchError) as refused:
+    rundir.open_run(str(tmp_path), _record(seed=1, model="convnet",
+                                           global_batch_size=32))
+  assert str(refused.value) == (
+      f"model_dir={str(tmp_path)!r} holds a run whose checkpoints depend on "
+      "settings this run changes:\n"
+      "  model: 'mlp' -> 'convnet' (--model)\n"
+      "  global_batch_size: 64 -> 32 (--global_batch_size)\n"
+      "  seed: 0 -> 1 (--seed)\n"
+      "Run again with the old values to resume it, or use a new "
+      "--model_dir to start another run.")
+  assert not (tmp_path / rundir.LOCK_NAME).exists()  # Released on refusal.
+  with pytest.raises(rundir.RunRecordMismatchError,
+                     match=r"placement: 'data_parallel' -> 'pipeline "
+                     r"\(num_stages=2, partition=balanced\)' \(--strategy\)"):
+    rundir.check_record(str(tmp_path), rundir.record_of(
+        TrainConfig(strategy="pipeline", model="mlp", epochs=2,
+                    steps_per_epoch=5)))
+
+
+def test_a_resume_applies_and_logs_what_may_change(tmp_path, caplog):
+  caplog.set_level(logging.INFO)
+  rundir.open_run(str(tmp_path), _record()).release()
+  _with_checkpoint(tmp_path)
+  changed = rundir.check_record(str(tmp_path),
+                                _record(learning_rate=1e-4, epochs=4))
+  assert changed == ["learning_rate", "epochs"]
+  assert "with learning_rate=0.0001 (was 0.002): applied from now on" in (
+      caplog.text)
+  saved = json.loads((tmp_path / rundir.RECORD_NAME).read_text())
+  assert (saved["learning_rate"], saved["epochs"]) == (1e-4, 4)
+  assert "updated" in saved
+  # A directory without checkpoints holds no run yet: anything goes.
+  os.remove(tmp_path / "checkpoints" / "ckpt-1.index")
+  assert rundir.check_record(str(tmp_path), _record(seed=5)) == []
+  assert json.loads((tmp_path / rundir.RECORD_NAME).read_text())["seed"] == 5
+
+
+def test_other_workers_compare_but_never_write(tmp_path):
+  assert rundir.check_record(str(tmp_path), _record(), write=False) == []
+  assert not (tmp_path / rundir.RECORD_NAME).exists()
+  rundir.open_run(str(tmp_path), _record()).release()
+  _with_checkpoint(tmp_path)
+  lock = rundir.open_run(str(tmp_path), _record(epochs=3), chief=False)
+  assert not lock.held and not (tmp_path / rundir.LOCK_NAME).exists()
+  assert json.loads((tmp_path / rundir.RECORD_NAME).read_text())[
+      "epochs"] == 2
+  with pytest.raises(rundir.RunRecordMismatchError, match="seed: 0 -> 2"):
+    rundir.open_run(str(tmp_path), _record(seed=2), chief=False)
+
+
+def test_an_unreadable_record_is_named(tmp_path):
+  (tmp_path / rundir.RECORD_NAME).write_text("{not json")
+  with pytest.raises(rundir.RunDirError, match=(
+      rf"{re.escape(str(tmp_path / rundir.RECORD_NAME))} is not a readable "
+      r"run record \(.+\)\. Fix it, or delete it to record this run's "
+      r"settings anew \(the checkpoints are kept\)\.")):
+    rundir.open_run(str(tmp_path), _record())

@@ -1,0 +1,223 @@
+"""Issue 16 in the Trainer: the run directory's lock, the learning rate given
+on resume, checkpoints by steps and by time (a kill mid-epoch resumes
+bit-exactly), a full disk while saving, the NaN message with a model_dir."""
+
+import errno
+import glob
+import json
+import logging
+import os
+import re
+import signal
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmgpu
+from tfmgpu import data
+from tfmgpu import models
+from tfmgpu import rundir
+from tfmgpu import runs
+from tfmgpu.config import TrainConfig
+from tfmgpu.training import checkpoints
+from tfmgpu.training import controller as controller_lib
+from tfmgpu.training.loop import NonFiniteLossError, Trainer
+
+DIGITS_ROWS = 256  # For the `digits` fixture.
+FIT = dict(epochs=2, global_batch_size=32, steps_per_epoch=6)
+
+
+def make_trainer(model_dir=None, model="mlp", **kwargs):
+  strategy = tfmgpu.get_strategy("one_device")
+  with strategy.scope():
+    model = models.build_model(model, input_shape=(28, 28, 1),
+                               num_classes=10, seed=0)
+  kwargs.setdefault("steps_per_execution", 1)
+  return Trainer(model, strategy=strategy, verbose=0,
+                 model_dir=str(model_dir) if model_dir else None, **kwargs)
+
+
+def _numbers(model_dir):
+  return sorted(int(os.path.basename(p)[len("ckpt-"):-len(".index")])
+                for p in glob.glob(os.path.join(model_dir, "checkpoints",
+                                                "ckpt-*.index")))
+
+
+def _position(path):
+  return [tf.train.load_variable(path, f"{v}/.ATTRIBUTES/VARIABLE_VALUE")
+          for v in ("epoch", "epoch_step", "step")]
+
+
+class _Killed(BaseException):
+  """Stands for SIGKILL: nothing after it runs, not even `except Exception`."""
+
+
+class KillAt(keras.callbacks.Callback):
+  """Raises `_Killed` after global step `step` (1-based)."""
+
+  def __init__(self, step, steps_per_epoch):
+    super().__init__()
+    self.step, self.steps_per_epoch, self.epoch = step, steps_per_epoch, 0
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self.epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.epoch * self.steps_per_epoch + batch + 1 == self.step:
+      raise _Killed(self.step)
+
+
+# ---------------------------------------------------------------- lock
+
+
+def test_fit_holds_the_run_dir_lock_and_releases_it(digits, tmp_path):
+  seen = []
+
+  class Probe(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      seen.append(json.loads((tmp_path / rundir.LOCK_NAME).read_text())["pid"])
+
+  make_trainer(tmp_path, callbacks=[Probe()]).fit(*digits, epochs=1,
+                                                  global_batch_size=32,
+                                                  steps_per_epoch=2)
+  assert seen == [os.getpid()] * 2
+  assert not (tmp_path / rundir.LOCK_NAME).exists()
+
+
+def test_the_lock_is_released_after_a_preemption(digits, tmp_path):
+  class SigtermAt2(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      if batch == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+  with pytest.raises(checkpoints.PreemptedError):
+    make_trainer(tmp_path, callbacks=[SigtermAt2()]).fit(*digits, **FIT)
+  assert not (tmp_path / rundir.LOCK_NAME).exists()
+  rundir.RunLock(str(tmp_path)).acquire().release()  # Free for the rerun.
+
+
+# ------------------------------------------------------- learning rate
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_the_learning_rate_given_on_resume_wins(digits, tmp_path, caplog,
+                                                optimizer):
+  caplog.set_level(logging.INFO)
+  make_trainer(tmp_path, optimizer=optimizer, learning_rate=1e-2).fit(
+      *digits, epochs=1, global_batch_size=32, steps_per_epoch=3)
+  resumed = make_trainer(tmp_path, optimizer=optimizer, learning_rate=1e-9)
+  result = resumed.fit(*digits, epochs=2, global_batch_size=32,
+                       steps_per_epoch=3)
+  assert result.initial_epoch == 1
+  assert float(resumed.optimizer.learning_rate) == np.float32(1e-9)
+  assert re.search(r"learning_rate: .*ckpt-1 holds 0\.01; training with the "
+                   r"1e-09 given to this run\.", caplog.text)
+  # The optimizer state other than the rate was restored: its step count.
+  assert int(resumed.optimizer.iterations.numpy()) == 6
+  saved = os.path.join(str(tmp_path), "checkpoints", "ckpt-2")
+  assert tf.train.load_variable(
+      saved, "optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE") == (
+          np.float32(1e-9))
+
+
+# ------------------------------------------------ periodic checkpoints
+
+
+def test_checkpoint_every_steps_saves_mid_epoch_and_a_kill_resumes_exactly(
+    digits, tmp_path):
+  whole = make_trainer(tmp_path / "whole")
+  whole.fit(*digits, **FIT)
+
+  run_dir = tmp_path / "run"
+  with pytest.raises(_Killed):
+    make_trainer(run_dir, checkpoint_every_steps=4,
+                 callbacks=[KillAt(9, FIT["steps_per_epoch"])]).fit(
+                     *digits, **FIT)
+  # Step 4 (epoch 1), the end of epoch 1 (step 6) and step 8 (epoch 2).
+  assert _numbers(run_dir) == [1, 2, 3]
+  assert [_position(str(run_dir / "checkpoints" / f"ckpt-{n}"))
+          for n in (1, 2, 3)] == [[0, 4, 4], [1, 0, 6], [1, 2, 8]]
+
+  resumed = make_trainer(run_dir, checkpoint_every_steps=4)
+  result = resumed.fit(*digits, **FIT)
+  assert (result.initial_epoch, result.initial_step, result.steps) == (1, 8, 4)
+  for a, b in zip(resumed.model.get_weights(), whole.model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_every_s_saves_on_the_clock(digits, tmp_path, monkeypatch):
+  now = [0.0]
+
+  def clock():  # Every reading is 10 s later: no real time is measured.
+    now[0] += 10.0
+    return now[0]
+
+  monkeypatch.setattr(controller_lib.time, "monotonic", clock)
+  trainer = make_trainer(tmp_path, checkpoint_every_s=25.0)
+  trainer.fit(*digits, epochs=1, global_batch_size=32, steps_per_epoch=6)
+  # Read when training starts (20 s) and after each step (30, 40, 50 s:
+  # 30 s since the start, a save, read again at 60 s; then 70, 80 s): one
+  # save after step 3, then the end of the epoch.
+  positions = [_position(str(tmp_path / "checkpoints" / f"ckpt-{n}"))
+               for n in _numbers(tmp_path)]
+  assert positions == [[0, 3, 3], [1, 0, 6]]
+
+
+# ---------------------------------------------------------- disk full
+
+
+def test_a_full_disk_while_saving_names_the_directory_and_keeps_the_rest(
+    digits, tmp_path, monkeypatch):
+  trainer = make_trainer(tmp_path)
+  trainer.fit(*digits, epochs=1, global_batch_size=32, steps_per_epoch=2)
+  real_write = tf.train.Checkpoint.write
+
+  def disk_full(self, prefix, *args, **kwargs):
+    with open(prefix + ".data-00000-of-00001", "wb") as f:
+      f.write(b"partial")
+    raise tf.errors.ResourceExhaustedError(None, None, "")
+
+  monkeypatch.setattr(tf.train.Checkpoint, "write", disk_full)
+  with pytest.raises(OSError) as full:
+    trainer.fit(*digits, epochs=2, global_batch_size=32, steps_per_epoch=2)
+  assert full.value.errno == errno.ENOSPC
+  assert full.value.filename == str(tmp_path / "checkpoints")
+  assert "ckpt-2 was not saved, the checkpoints before it are intact" in (
+      str(full.value))
+  assert _numbers(tmp_path) == [1]
+  assert not glob.glob(str(tmp_path / "checkpoints" / "ckpt-2*"))  # Freed.
+  monkeypatch.setattr(tf.train.Checkpoint, "write", real_write)
+  assert make_trainer(tmp_path).checkpointer.restore_latest() == 1
+
+
+# -------------------------------------------------------- NaN message
+
+
+def test_the_nan_message_names_the_checkpoint_state_of_a_model_dir(
+    digits, tmp_path):
+  x, y = digits
+  with pytest.raises(NonFiniteLossError) as first:
+    make_trainer(tmp_path).fit(np.full_like(x, np.nan), y, **FIT)
+  assert "the last good checkpoint is none yet" in str(first.value)
+  assert "no model_dir" not in str(first.value)
+  with pytest.raises(NonFiniteLossError, match=r"none \(no model_dir\)"):
+    make_trainer().fit(np.full_like(x, np.nan), y, **FIT)
+
+
+# ---------------------------------------------------------- bad labels
+
+
+def test_a_label_outside_the_class_range_is_refused_before_training(
+    digits, tmp_path):
+  x, y = digits
+  y = y.copy()
+  y[17] = 10
+  arrays = data.Arrays("mine", x, y, x[:8], y[:8] % 10, num_classes=10)
+  with pytest.raises(ValueError, match=(
+      r"dataset 'mine': y_train\[17\]=10 is outside the class range 0\.\.9 "
+      r"\(1 label\(s\) out of range\)\. Labels must be integer class indices")):
+    runs.run_training(TrainConfig(strategy="one_device", model="mlp",
+                                  model_dir=str(tmp_path)), arrays=arrays)
+  assert not os.path.exists(tmp_path / "checkpoints")  # Nothing started.

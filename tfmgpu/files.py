@@ -1,0 +1,133 @@
+"""Output files written whole or not at all, and OS errors said plainly.
+
+`write_atomically` writes a file aside and renames it into place: a kill or
+a full disk leaves the previous file (or none), never a torn one, and no
+temporary file behind. On Linux the aside file is anonymous (`O_TMPFILE`):
+it has no name until it is complete, so even SIGKILL leaves nothing. The new
+file gets the mode a plain `open(path, "w")` would give (0666 less the
+umask), not the 0600 of `tempfile.mkstemp`.
+
+`describe_os_error` turns an `OSError` into one sentence naming the path
+and what to do; a full disk says "disk full".
+
+Importing this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from typing import BinaryIO, Callable
+
+# errnos that mean "no room": a full filesystem or an exhausted quota.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def fsync_directory(directory: str) -> None:
+  """fsyncs `directory` (its entries: a rename or a new file in it)."""
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether `error` means the disk (or quota) is full.
+
+  Also a short write without an errno (numpy's "10000 requested and 4064
+  written"), which on a regular file means the same.
+  """
+  if isinstance(error, OSError) and error.errno in _NO_SPACE:
+    return True
+  text = str(error)
+  return ("requested and" in text and "written" in text) or (
+      "No space left on device" in text)
+
+
+def describe_os_error(error: OSError, path: str | None = None) -> str:
+  """One sentence for an `OSError` while writing `path`.
+
+  Args:
+    error: the error.
+    path: the file or directory being written; defaults to the error's own
+      `filename`.
+  """
+  path = path or error.filename or "?"
+  if is_disk_full(error):
+    why = f" ({error.strerror})" if error.strerror else ""
+    return (f"disk full while writing {path}{why}: free space on that "
+            "filesystem (or write elsewhere) and run the same command again.")
+  why = error.strerror or str(error) or type(error).__name__
+  return f"cannot write {path} ({why}): check the path and its permissions."
+
+
+def _open_aside(directory: str) -> tuple[int, str | None]:
+  """An anonymous file in `directory` (Linux), else a named hidden one.
+
+  Returns:
+    `(fd, name)`: `name` is `None` for an anonymous file.
+  """
+  if hasattr(os, "O_TMPFILE"):
+    try:
+      return os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o666), None
+    except OSError as e:
+      if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+        raise  # A full disk, no permission, ...: the same for a named file.
+  name = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+  return os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), name
+
+
+def _umask_mode(fd: int) -> None:
+  """Gives an `O_TMPFILE` file the mode `open()` would (0666 & ~umask)."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  os.fchmod(fd, 0o666 & ~mask)
+
+
+def _link_anonymous(fd: int, name: str) -> None:
+  """Gives the `O_TMPFILE` file `fd` the path `name`.
+
+  `linkat(AT_SYMLINK_FOLLOW)` of `/proc/self/fd/N`; Python calls plain
+  `link()` (which would link the /proc symlink itself) unless a directory fd
+  is given, hence `dst_dir_fd`.
+  """
+  directory = os.open(os.path.dirname(name), os.O_RDONLY)
+  try:
+    os.link(f"/proc/self/fd/{fd}", os.path.basename(name),
+            dst_dir_fd=directory, follow_symlinks=True)
+  finally:
+    os.close(directory)
+
+
+def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> str:
+  """Writes `path` whole or not at all; returns `path`.
+
+  `write(f)` writes the contents to a binary file object; the file is then
+  fsynced, renamed over `path`, and the directory fsynced.
+
+  Raises:
+    OSError: the write failed (the previous `path`, if any, is untouched and
+      no temporary file is left).
+  """
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, name = _open_aside(directory)
+  try:
+    with os.fdopen(fd, "wb", closefd=False) as f:
+      write(f)
+      f.flush()
+      os.fsync(fd)
+    if name is None:
+      _umask_mode(fd)
+      name = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+      _link_anonymous(fd, name)  # Named only when complete.
+    os.replace(name, path)
+    name = None
+  finally:
+    os.close(fd)
+    if name is not None and os.path.exists(name):
+      os.remove(name)
+  fsync_directory(directory)
+  return path

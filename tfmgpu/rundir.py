@@ -1,0 +1,420 @@
+"""A run directory (`--model_dir`): one live run at a time, and its record.
+
+**Lock.** A run that trains in a directory holds `MODEL_DIR/run.lock`: an
+exclusive `flock` on the file, which records the host, PID, start time and
+command of the run. A second run on the directory refuses, naming them
+(`RunDirLockedError`). The kernel drops the `flock` when its process dies,
+however it dies, so a lock file left by a dead run on this host is seen to
+be stale, reported and taken over. A lock file naming another host whose
+lock is free cannot be checked from here: the run refuses and says which
+file to delete if that run is gone. The lock is reentrant within a process
+(`python -m tfmgpu.train` holds it around `Trainer.fit`, which takes it
+too) and released when the run ends, also on `PreemptedError` (exit 42).
+In a cluster only the chief takes it.
+
+**Record.** `run.json` records what a run is: model, optimizer, global
+batch, seed, dataset, placement, learning rate, epochs, and the versions of
+tfmgpu, TensorFlow and Keras. It is written (atomically) when a directory
+is first used. A resume compares: a change of what the checkpoints depend
+on (`FIXED`) is refused with one line per field, `old -> new`
+(`RunRecordMismatchError`); a change of what may change (`CHANGEABLE`:
+learning rate, epochs, steps per epoch) is applied and logged, and the
+record updated. A directory without checkpoints holds no run yet: its
+record is simply rewritten.
+
+Importing this module imports nothing heavy (no TensorFlow).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+from typing import Any, Mapping
+
+from absl import logging
+
+from tfmgpu import files
+
+LOCK_NAME = "run.lock"
+RECORD_NAME = "run.json"
+# What checkpoints depend on: never changed by a resume.
+FIXED = ("model", "optimizer", "global_batch_size", "seed", "dataset",
+         "placement")
+# What a resume may change: applied from then on, and logged.
+CHANGEABLE = ("learning_rate", "epochs", "steps_per_epoch", "loss", "metrics")
+_FLAG_OF = {"placement": "strategy"}  # The flag that sets a record field.
+_CHECKPOINT = re.compile(r"^ckpt-\d+[._]")
+
+
+class RunDirError(ValueError):
+  """A run directory that cannot be used as asked (the message says why)."""
+
+
+class RunDirLockedError(RunDirError):
+  """Another live run holds the directory's lock."""
+
+
+class RunRecordMismatchError(RunDirError):
+  """A resume changes settings that the directory's checkpoints depend on."""
+
+
+def default_model_dir(strategy: str) -> str:
+  """A fresh run directory, `runs/<time>-<strategy>` (never resumes by accident)."""
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+  return os.path.join("runs", f"{stamp}-{strategy}")
+
+
+def prepare_model_dir(model_dir: str) -> str:
+  """Creates `model_dir` if needed; returns it.
+
+  Raises:
+    RunDirError: it is a file, or cannot be created (the message says why).
+  """
+  if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+    raise RunDirError(
+        f"model_dir={model_dir!r} is a regular file, not a directory. Give "
+        "a directory: a new path, or the model_dir of the run to resume.")
+  try:
+    os.makedirs(model_dir, exist_ok=True)
+  except OSError as e:
+    raise RunDirError(
+        f"model_dir={model_dir!r} cannot be created ({e.strerror or e}). "
+        "Choose a path in a writable directory.") from e
+  return model_dir
+
+
+def has_checkpoints(model_dir: str) -> bool:
+  """Whether `model_dir/checkpoints` holds any checkpoint file."""
+  directory = os.path.join(model_dir, "checkpoints")
+  return os.path.isdir(directory) and any(
+      _CHECKPOINT.match(f) for f in os.listdir(directory))
+
+
+# ---------------------------------------------------------------- lock
+
+_HELD: dict[str, list] = {}  # Lock path (real) -> [fd, holders] in-process.
+
+
+def _command() -> str:
+  """This process's command line, `python -m tfmgpu.train ...` for a CLI."""
+  argv = list(sys.argv) or [""]
+  package = os.path.dirname(os.path.abspath(__file__))
+  first = os.path.abspath(argv[0]) if argv[0] else ""
+  if first.startswith(package + os.sep) and first.endswith(".py"):
+    module = os.path.relpath(first[:-3], os.path.dirname(package))
+    argv = ["-m", module.replace(os.sep, "."), *argv[1:]]
+  return shlex.join(["python", *argv])
+
+
+def _process_info() -> dict[str, Any]:
+  return {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": datetime.datetime.now().isoformat(timespec="seconds"),
+          "command": _command()}
+
+
+def _read_info(fd: int) -> dict[str, Any]:
+  """The holder a lock file names (`{}` if empty or unreadable)."""
+  try:
+    raw = os.pread(fd, 65536, 0)
+    info = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+  except (OSError, ValueError):
+    return {}
+  return info if isinstance(info, dict) else {}
+
+
+def _describe(info: Mapping[str, Any]) -> str:
+  return (f"PID {info.get('pid', '?')} on host {info.get('host', '?')}, "
+          f"started {info.get('started', '?')} "
+          f"({info.get('command', 'command unknown')})")
+
+
+def _pid_runs(pid: Any) -> bool:
+  try:
+    os.kill(int(pid), 0)
+  except (ProcessLookupError, ValueError, TypeError):
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _locked_error(path: str, info: Mapping[str, Any], *, remote: bool
+                  ) -> RunDirLockedError:
+  model_dir = os.path.dirname(path)
+  if remote:
+    return RunDirLockedError(
+        f"model_dir={model_dir!r} is locked by a run on another host: "
+        f"{_describe(info)}. Whether it still runs cannot be checked from "
+        f"here: if it does not, delete {path} and run again; otherwise use "
+        "another --model_dir.")
+  return RunDirLockedError(
+      f"model_dir={model_dir!r} is in use by a live run: {_describe(info)} "
+      f"(lock {path}). Wait for it to end or stop it, or use another "
+      "--model_dir.")
+
+
+def _take(path: str) -> int:
+  """Takes the lock file's `flock`; returns its fd (see `RunLock`)."""
+  for _ in range(20):  # Retries only if the file is replaced meanwhile.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      info = _read_info(fd)
+      os.close(fd)
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        raise _locked_error(path, info, remote=False) from None
+      raise
+    try:
+      same = os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+      same = False  # Its holder released and deleted it meanwhile.
+    if not same:
+      os.close(fd)
+      continue
+    _replace_stale(fd, path)
+    return fd
+  raise RunDirError(f"Could not take the lock {path}: it kept being replaced.")
+
+
+def _replace_stale(fd: int, path: str) -> None:
+  """Reports a stale holder, then writes this process into the lock file."""
+  previous = _read_info(fd)
+  if previous and previous.get("host") != socket.gethostname():
+    os.close(fd)
+    raise _locked_error(path, previous, remote=True)
+  if previous:
+    state = ("no longer runs" if not _pid_runs(previous.get("pid"))
+             else "is another process now (the PID was reused)")
+    logging.warning("Taking over the stale lock %s: its run (%s) ended "
+                    "without releasing it; PID %s %s.", path,
+                    _describe(previous), previous.get("pid"), state)
+  data = json.dumps(_process_info(), indent=1).encode("utf-8") + b"\n"
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, data, 0)
+  os.fsync(fd)
+
+
+class RunLock:
+  """The lock of a run directory, held by one live run (see the module doc).
+
+  Example:
+    with RunLock("runs/a"):
+      ...  # Train in runs/a; a second run on it refuses.
+
+  Args:
+    model_dir: the run directory (created if missing).
+  """
+
+  def __init__(self, model_dir: str):
+    self.model_dir = model_dir
+    self.path = os.path.join(model_dir, LOCK_NAME)
+    self.held = False
+
+  def acquire(self) -> "RunLock":
+    """Takes the lock (reentrant within this process).
+
+    Raises:
+      RunDirLockedError: another live run holds it.
+      RunDirError: the directory cannot be created.
+    """
+    if self.held:
+      return self
+    prepare_model_dir(self.model_dir)
+    key = os.path.realpath(self.path)
+    if key in _HELD:
+      _HELD[key][1] += 1
+    else:
+      try:
+        _HELD[key] = [_take(self.path), 1]
+      except OSError as e:  # No write permission, no locks on this mount ...
+        raise RunDirError(
+            f"model_dir={self.model_dir!r} cannot be locked: {self.path} "
+            f"({e.strerror or e}). Use a directory on a writable local or "
+            "shared filesystem that supports flock.") from e
+    self.held = True
+    return self
+
+  def release(self) -> None:
+    """Releases the lock; the last holder in the process deletes the file."""
+    if not self.held:
+      return
+    self.held = False
+    key = os.path.realpath(self.path)
+    entry = _HELD[key]
+    entry[1] -= 1
+    if entry[1]:
+      return
+    del _HELD[key]
+    try:
+      os.remove(self.path)  # Still under the flock: nobody takes it half-way.
+    except FileNotFoundError:
+      pass
+    os.close(entry[0])
+
+  def __enter__(self) -> "RunLock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+# -------------------------------------------------------------- record
+
+
+def versions() -> dict[str, str]:
+  """The installed versions of tfmgpu, TensorFlow and Keras (no import)."""
+  found = {}
+  for name in ("tfmgpu", "tensorflow", "keras"):
+    try:
+      found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      found[name] = "not installed"
+  return found
+
+
+def _placement(config: Any) -> str:
+  """`"data_parallel"` (any strategy, any replicas) or the placement's
+  name and the options that shape its checkpoints."""
+  if not config.is_placement:
+    return "data_parallel"
+  options = config.options
+  shape = [f"{name}={getattr(options, name)}"
+           for name in ("num_stages", "partition", "split_points")
+           if getattr(options, name, None) is not None]
+  return f"{config.strategy} ({', '.join(shape)})" if shape else config.strategy
+
+
+def record_of(config: Any) -> dict[str, Any]:
+  """The record of a `TrainConfig`: what `run.json` holds."""
+  return {
+      "model": config.model, "optimizer": config.optimizer,
+      "global_batch_size": config.global_batch_size, "seed": config.seed,
+      "dataset": config.dataset, "placement": _placement(config),
+      "learning_rate": config.learning_rate, "epochs": config.epochs,
+      "steps_per_epoch": config.steps_per_epoch,
+      "loss": getattr(config, "loss", None),
+      "metrics": (list(config.metrics) if getattr(config, "metrics", None)
+                  is not None else None),  # As JSON reads it back.
+      "strategy": config.strategy, "data_path": config.data_path,
+      "versions": versions(),
+  }
+
+
+def read_record(model_dir: str) -> dict[str, Any] | None:
+  """The record in `model_dir` (`None` if it has none).
+
+  Raises:
+    RunDirError: `run.json` exists but does not read as a record.
+  """
+  path = os.path.join(model_dir, RECORD_NAME)
+  try:
+    with open(path, encoding="utf-8") as f:
+      record = json.load(f)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as e:
+    record = e
+  if not isinstance(record, dict):
+    raise RunDirError(
+        f"{path} is not a readable run record ({record}). Fix it, or delete "
+        "it to record this run's settings anew (the checkpoints are kept).")
+  return record
+
+
+def write_record(model_dir: str, record: Mapping[str, Any]) -> str:
+  """Writes `run.json` whole or not at all; returns its path."""
+  text = json.dumps(dict(record), indent=2, sort_keys=True) + "\n"
+  return files.write_atomically(os.path.join(model_dir, RECORD_NAME),
+                                lambda f: f.write(text.encode("utf-8")))
+
+
+def _mismatch(model_dir: str, old: Mapping[str, Any],
+              record: Mapping[str, Any], fields: list[str]) -> str:
+  lines = [f"model_dir={model_dir!r} holds a run whose checkpoints depend on "
+           "settings this run changes:"]
+  for name in fields:
+    flag = _FLAG_OF.get(name, name)
+    lines.append(f"  {name}: {old[name]!r} -> {record.get(name)!r} "
+                 f"(--{flag})")
+  lines.append("Run again with the old values to resume it, or use a new "
+               "--model_dir to start another run.")
+  return "\n".join(lines)
+
+
+def check_record(model_dir: str, record: Mapping[str, Any], *,
+                 write: bool = True) -> list[str]:
+  """Compares `record` with the directory's; writes or updates `run.json`.
+
+  Args:
+    model_dir: the run directory.
+    record: this run's (`record_of(config)`).
+    write: write the record (the chief); `False` only compares.
+
+  Returns:
+    The `CHANGEABLE` fields this run changes (applied, and logged).
+
+  Raises:
+    RunRecordMismatchError: a `FIXED` field differs while the directory
+      holds checkpoints.
+    RunDirError: `run.json` does not read.
+  """
+  old = read_record(model_dir)
+  now = datetime.datetime.now().isoformat(timespec="seconds")
+  if old is None or not has_checkpoints(model_dir):
+    if old is None and has_checkpoints(model_dir):
+      logging.warning("%s has checkpoints but no %s (an older tfmgpu wrote "
+                      "it): recording this run's settings.", model_dir,
+                      RECORD_NAME)
+    if write:
+      write_record(model_dir, {**record, "created": now})
+    return []
+  fixed = [f for f in FIXED if f in old and old[f] != record.get(f)]
+  if fixed:
+    raise RunRecordMismatchError(_mismatch(model_dir, old, record, fixed))
+  changed = [f for f in CHANGEABLE if old.get(f) != record.get(f)]
+  for name in changed:
+    logging.info("Resuming %s with %s=%r (was %r): applied from now on.",
+                 model_dir, name, record.get(name), old.get(name))
+  if old.get("versions") != record.get("versions"):
+    logging.info("Resuming %s with versions %s (it was written by %s).",
+                 model_dir, record.get("versions"), old.get("versions"))
+  if write and (changed or old.get("versions") != record.get("versions")):
+    write_record(model_dir, {**old, **record, "updated": now})
+  return changed
+
+
+def open_run(model_dir: str, record: Mapping[str, Any], *,
+             chief: bool = True) -> RunLock:
+  """Prepares `model_dir` for a run: lock (chief), then record.
+
+  Args:
+    model_dir: the run directory.
+    record: this run's (`record_of(config)`).
+    chief: this process writes the run's outputs: it creates the directory,
+      takes the lock and writes the record. Other workers only compare.
+
+  Returns:
+    The `RunLock` (held by the chief): release it when the run ends.
+
+  Raises:
+    RunDirError: the directory cannot be used, another run holds it, or
+      the record forbids this resume.
+  """
+  lock = RunLock(model_dir)
+  if chief:
+    lock.acquire()
+  try:
+    check_record(model_dir, record, write=chief)
+  except BaseException:
+    lock.release()
+    raise
+  return lock
