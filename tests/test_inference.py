@@ -9,8 +9,10 @@ from absl.testing import flagsaver
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmgpu
+from tfmgpu import devices as tfmgpu_devices
 from tfmgpu import inference, models
 from tfmgpu.parallel import branches, partition, staged
 
@@ -239,3 +241,33 @@ def test_cli_without_model_path_is_a_usage_error(parsed_flags):
   with flagsaver.flagsaver(model_path=None):
     with pytest.raises(app.UsageError, match=r"--model_path is required"):
       predict.main(["predict"])
+
+
+def test_a_saved_model_is_served_on_every_replica_asked_for(tmp_path, model,
+                                                            rows, reference,
+                                                            cpu_devices):
+  path = inference.export_saved_model(model, str(tmp_path / "sm"))
+  loaded = inference.load_model(path)
+  predictor = inference.Predictor(loaded, strategy="mirrored", batch_size=64)
+  assert predictor.strategy.num_replicas_in_sync == len(cpu_devices)
+  np.testing.assert_allclose(predictor.predict(rows), reference, rtol=1e-5,
+                             atol=1e-5)
+  # Each replica runs the serving function on its own device.
+  concrete = predictor._fn.get_concrete_function(  # pylint: disable=protected-access
+      iter(predictor.strategy.experimental_distribute_dataset(
+          tf.data.Dataset.from_tensor_slices(rows).batch(64))), tf.constant(1))
+  calls = {op.device for op in concrete.graph.get_operations()
+           if op.type in ("StatefulPartitionedCall", "PartitionedCall")}
+  assert {tfmgpu_devices.canonical_device(d) for d in calls if d} >= set(
+      cpu_devices)
+
+
+@pytest.mark.parametrize("strategy", ["model_parallel", "branch_parallel"])
+def test_a_saved_model_cannot_be_split_and_says_why(tmp_path, model, strategy):
+  path = inference.export_saved_model(model, str(tmp_path / "sm"))
+  loaded = [inference.load_model(path)] * (2 if strategy == "branch_parallel"
+                                           else 1)
+  with pytest.raises(ValueError, match=rf"strategy='{strategy}' places the "
+                     r"layers of a Keras model.*is a SavedModel.*Give its "
+                     r".keras file.*--strategy=mirrored"):
+    inference.place_for_serving(loaded, strategy)

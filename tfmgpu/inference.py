@@ -15,10 +15,10 @@ computes in reduced precision with float32 outputs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
-import tempfile
 import weakref
 import zipfile
 from typing import Any, Callable
@@ -28,7 +28,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmgpu import files
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.training import inputs as inputs_lib
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 
@@ -109,6 +111,12 @@ def _prepare_model(model, strategy, precision: str):
   if precision not in PRECISIONS:
     raise ValueError(f"precision={precision!r} is unknown. Choose one of "
                      f"{', '.join(PRECISIONS)}.")
+  if isinstance(model, SavedModelPredictor):
+    if precision != "float32":
+      raise ValueError(f"precision={precision!r} needs a Keras model to "
+                       f"cast; {model.path!r} is a SavedModel. Use "
+                       "precision='float32' or its .keras file.")
+    return model.under(strategy), strategy
   if _is_placement(model):
     if precision != "float32":
       raise ValueError(f"precision={precision!r} is not supported for placed "
@@ -152,57 +160,150 @@ class Predictor:
     self.batch_size = -(-batch_size // replicas) * replicas
     self.steps_per_execution = steps_per_execution
     self._fn = _predict_function(self.runner, self.strategy)
+    self._fn_one = self._fn.one
 
-  def predict(self, x: np.ndarray) -> np.ndarray:
+  def predict(self, x: Any) -> Any:
     """Predictions for every row of `x`, in input order (float32 numpy).
 
+    Args:
+      x: an array, a dict/list/tuple of arrays (a model with several
+        inputs), or a `tf.data.Dataset` of input batches (`x`, or `(x, y)`
+        / `(x, y, sample_weight)` whose targets are ignored, as in Keras).
+
+    Returns:
+      One float32 array with a row per input row, or a list/dict of them
+      for a model with several outputs.
+
     Raises:
-      ValueError: rows that do not fit the model's input.
+      ValueError, TypeError: inputs that are not arrays or a dataset, or
+        rows that do not fit the model's input.
     """
-    x = np.asarray(x)
-    check_input_shape(self.model, x)
-    n = len(x)
+    if isinstance(x, tf.data.Dataset):
+      return self._predict_dataset(x)
+    source = inputs_lib.from_user(x, what="x", needs_targets=False)
+    if not isinstance(source, inputs_lib.ArrayData):
+      raise TypeError("x is a dataset function; predict takes arrays (any "
+                      "nesting) or a tf.data.Dataset of input batches.")
+    x = source.x
+    if not isinstance(x, (dict, tuple)):
+      check_input_shape(self.model, x)
+    n = len(tf.nest.flatten(x)[0])
     if n == 0:
       return np.zeros((0,) + tuple(self.model.output_shape[1:]), np.float32)
     replicas = self.strategy.num_replicas_in_sync
     # No bigger than needed, so small inputs are not padded to a huge batch.
     batch = min(self.batch_size, -(-n // replicas) * replicas)
     steps = -(-n // batch)
-    pad = steps * batch - n
-    if pad:
-      x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
-    dataset = tf.data.Dataset.from_tensor_slices(x).batch(
-        batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    dataset = _streamed_batches(x, batch).prefetch(2)
     iterator = iter(self.strategy.experimental_distribute_dataset(dataset))
-    outputs, done = [], 0
+    out, done = _Rows(n), 0
     while done < steps:
       k = min(self.steps_per_execution, steps - done)
-      outputs.append(self._fn(iterator, tf.constant(k)).numpy())
+      out.add(self._fn(iterator, tf.constant(k)))
       done += k
-    return np.concatenate(outputs)[:n].astype(np.float32, copy=False)
+    return out.result()
+
+  def _predict_dataset(self, dataset: tf.data.Dataset) -> Any:
+    """Batch by batch over a user's dataset (the last batch may be short)."""
+    spec = dataset.element_spec
+    if isinstance(spec, tuple) and 1 <= len(spec) <= 3:
+      dataset = dataset.map(lambda *parts: parts[0])
+    out = _Rows(None)
+    for batch in self.strategy.experimental_distribute_dataset(dataset):
+      out.add(self._fn_one(batch))
+    return out.result()
 
 
-def _predict_function(model, strategy) -> Callable[..., tf.Tensor]:
-  """`fn(iterator, k)`: k batches' outputs, gathered in replica order."""
+def _streamed_batches(x: Any, batch: int) -> tf.data.Dataset:
+  """`x`'s rows as batches of exactly `batch` rows (the last one padded with
+  zero rows), sliced from the arrays as they are needed: no copy of the
+  whole input is made (`from_tensor_slices` would hold one)."""
+  n = len(tf.nest.flatten(x)[0])
+
+  def pad(a: np.ndarray) -> np.ndarray:
+    if len(a) == batch:
+      return a
+    return np.concatenate([a, np.zeros((batch - len(a), *a.shape[1:]),
+                                       a.dtype)])
+
+  def batches():
+    for start in range(0, n, batch):
+      yield tf.nest.map_structure(lambda a: pad(a[start:start + batch]), x)
+
+  spec = tf.nest.map_structure(
+      lambda a: tf.TensorSpec((batch, *a.shape[1:]), tf.as_dtype(a.dtype)), x)
+  return tf.data.Dataset.from_generator(batches, output_signature=spec)
+
+
+class _Rows:
+  """Output chunks written into arrays allocated once (`n` rows if known),
+  so the predictions are held once, not once per chunk plus a copy."""
+
+  def __init__(self, n: int | None):
+    self.n = n
+    self.done = 0
+    self.chunks: list[Any] = []
+    self.arrays: list[np.ndarray] | None = None
+    self.structure = None
+
+  def add(self, chunk: Any) -> None:
+    flat = [np.asarray(t) for t in tf.nest.flatten(chunk)]
+    if self.n is None:
+      self.chunks.append(flat)
+      self.structure = chunk
+      return
+    if self.arrays is None:
+      self.structure = chunk
+      self.arrays = [np.empty((self.n, *f.shape[1:]), np.float32)
+                     for f in flat]
+    take = min(len(flat[0]), self.n - self.done)
+    for array, f in zip(self.arrays, flat):
+      array[self.done:self.done + take] = f[:take]
+    self.done += take
+
+  def result(self) -> Any:
+    if self.n is None:
+      if not self.chunks:
+        raise ValueError("x is an empty dataset: nothing to predict.")
+      self.arrays = [np.concatenate(parts).astype(np.float32, copy=False)
+                     for parts in zip(*self.chunks)]
+    return tf.nest.pack_sequence_as(self.structure, self.arrays)
+
+
+def _predict_function(model, strategy) -> Callable[..., Any]:
+  """`fn(iterator, k)`: k batches' outputs (any structure), gathered in
+  replica order."""
 
   def replica_fn(x):
-    return tf.cast(model(x, training=False), tf.float32)
+    return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32),
+                                 model(x, training=False))
 
-  @tf.function
+  def one(batch):
+    per_replica = strategy.run(replica_fn, args=(batch,))
+    return tf.nest.map_structure(lambda t: strategy.gather(t, axis=0),
+                                 per_replica)
+
   def run(iterator, k):
-    ta = tf.TensorArray(tf.float32, size=k)
-    for i in tf.range(k):
-      per_replica = strategy.run(replica_fn, args=(next(iterator),))
-      ta = ta.write(i, strategy.gather(per_replica, axis=0))
-    return ta.concat()
+    first = one(next(iterator))
+    flat = tf.nest.flatten(first)
+    arrays = [tf.TensorArray(tf.float32, size=k, infer_shape=False).write(0, t)
+              for t in flat]
+    for i in tf.range(1, k):
+      outs = tf.nest.flatten(one(next(iterator)))
+      arrays = [a.write(i, t) for a, t in zip(arrays, outs)]
+    return tf.nest.pack_sequence_as(first, [a.concat() for a in arrays])
 
+  # Wrapped in partials, TF keys its retracing count by this Predictor's
+  # functions, not by `run`'s code shared by all (it warned at the fifth).
+  run = tf.function(functools.partial(run))
+  run.one = tf.function(functools.partial(one), reduce_retracing=True)
   return run
 
 
 _PREDICTORS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def predict(model: Any, x: np.ndarray, *, strategy: Any = None,
+def predict(model: Any, x: Any, *, strategy: Any = None,
             batch_size: int = 1024, steps_per_execution: int = 4,
             precision: str = "float32") -> np.ndarray:
   """Predictions for every row of `x`, in input order, on any placement.
@@ -213,11 +314,13 @@ def predict(model: Any, x: np.ndarray, *, strategy: Any = None,
 
   Args:
     model: a Keras model, or a staged / pipelined / branch-parallel model.
-    x: input rows (numpy).
+    x: input rows: an array, a dict/list/tuple of arrays, or a
+      `tf.data.Dataset` of batches (see `Predictor.predict`).
     strategy, batch_size, steps_per_execution, precision: see `Predictor`.
 
   Returns:
-    A float32 numpy array with `len(x)` rows.
+    A float32 numpy array with a row per input row (a list or dict of them
+    for a model with several outputs).
 
   Raises:
     ValueError: rows that do not fit the model's input, or bad options.
@@ -235,13 +338,18 @@ def predict(model: Any, x: np.ndarray, *, strategy: Any = None,
 # ------------------------------------------------------- load and export
 
 class SavedModelPredictor:
-  """Wraps a SavedModel's serving function so `predict` can call it."""
+  """Wraps a SavedModel's serving function so `predict` can call it.
 
-  places_itself = True  # Runs where the SavedModel's ops were placed.
+  Loaded under a strategy's scope (`under`), its variables are replicated
+  and `predict` runs it on every replica, as TF's "save and load with a
+  distribution strategy" guide does.
+  """
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, strategy: tf.distribute.Strategy | None = None):
     self.path = path
-    self._loaded = tf.saved_model.load(path)
+    self.strategy = strategy
+    with strategy.scope() if strategy else contextlib.nullcontext():
+      self._loaded = tf.saved_model.load(path)
     self._fn = getattr(self._loaded, "signatures", {}).get("serving_default")
     if self._fn is None:
       raise ValueError(f"SavedModel {path!r} has no 'serving_default' "
@@ -257,6 +365,12 @@ class SavedModelPredictor:
     outputs = self._fn.structured_outputs
     self.output_shape = tuple(next(iter(outputs.values())).shape) if isinstance(
         outputs, dict) else None
+
+  def under(self, strategy: tf.distribute.Strategy) -> "SavedModelPredictor":
+    """This SavedModel loaded in `strategy`'s scope (itself if it is)."""
+    if self.strategy is strategy:
+      return self
+    return SavedModelPredictor(self.path, strategy)
 
   def __call__(self, x, training=False):
     del training  # A SavedModel's serving function is inference-only.
@@ -385,16 +499,7 @@ def place_for_serving(models: list, strategy: str, **options) -> tuple:
 
 
 def save_predictions(path: str, predictions: np.ndarray) -> str:
-  """Writes `.npy` atomically: a failed run never leaves a partial file."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".npy", dir=directory)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.save(f, predictions)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-  return path
+  """Writes `.npy` atomically (`tfmgpu.files.write_atomically`): a failed or
+  killed run never leaves a partial or temporary file, and the file gets
+  the mode of a plain `open` (umask), not 0600."""
+  return files.write_atomically(path, lambda f: np.save(f, predictions))

@@ -12,6 +12,7 @@ Nothing is written to --output unless every row was predicted.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import types
@@ -19,6 +20,7 @@ import types
 from absl import app
 from absl import flags
 
+from tfmgpu import files
 from tfmgpu import flags as flags_lib
 from tfmgpu.flags import data
 from tfmgpu.flags import devices
@@ -53,10 +55,15 @@ def main(argv: list[str]) -> int:
     raise app.UsageError("--model_path is required: a .keras file or SavedModel "
                          "directory, e.g. runs/X/model.keras from "
                          "python -m tfmgpu.train --model_dir=runs/X.")
+  if _OUTPUT.value:
+    problem = check_output(_OUTPUT.value)
+    if problem:  # Said now, not after every row is predicted.
+      print(f"error: {problem}", file=sys.stderr)
+      return 1
   flags_lib.quiet_tensorflow()
   try:
     predictor, x, y = _prepare()
-    predictor.predict(x[:_BATCH_SIZE.value])  # Warm-up: trace once.
+    predictor.predict(_first_rows(x, _BATCH_SIZE.value))  # Warm-up: trace.
     start = time.perf_counter()
     predictions = predictor.predict(x)
     seconds = time.perf_counter() - start
@@ -64,6 +71,34 @@ def main(argv: list[str]) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 1
   return _report(predictor, predictions, y, seconds)
+
+
+def _first_rows(x, n: int):
+  """The first `n` rows of `x`: an array, or a dict/list/tuple of arrays
+  (a user's `--dataset=module:function` for a model with several inputs)."""
+  if isinstance(x, dict):
+    return {k: _first_rows(v, n) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return type(x)(_first_rows(v, n) for v in x)
+  return x[:n]
+
+
+def check_output(path: str) -> str | None:
+  """What is wrong with `--output=path` before predicting (`None`: fine)."""
+  if os.path.isdir(path):
+    return (f"--output={path!r} is a directory; give a file path, e.g. "
+            f"{os.path.join(path, 'predictions.npy')!r}.")
+  parent = os.path.dirname(os.path.abspath(path))
+  existing = parent
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    return (f"--output={path!r} cannot be created: {existing!r} is a file, "
+            "not a directory. Choose another path.")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    return (f"--output={path!r} cannot be written: {existing!r} is not "
+            "writable. Choose another path.")
+  return None
 
 
 def _prepare():
@@ -93,17 +128,42 @@ def _prepare():
   return predictor, x, y
 
 
+def _first_output(predictions):
+  """The first output of one array or a list/dict of them."""
+  if isinstance(predictions, dict):
+    return next(iter(predictions.values()))
+  if isinstance(predictions, (list, tuple)):
+    return predictions[0]
+  return predictions
+
+
+def _are_class_scores(predictions, y) -> bool:
+  """Accuracy means something: one output of class scores, integer labels."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if y is None or not isinstance(predictions, np.ndarray) or not isinstance(
+      y, np.ndarray):
+    return False
+  return (predictions.ndim == 2 and predictions.shape[1] > 1
+          and np.issubdtype(y.dtype, np.integer) and y.ndim == 1)
+
+
 def _report(predictor, predictions, y, seconds: float) -> int:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
-  print(f"predicted  {len(predictions)} rows with {strategy_flags.STRATEGY.value} "
+  rows = len(np.asarray(_first_output(predictions)))
+  print(f"predicted  {rows} rows with {strategy_flags.STRATEGY.value} "
         f"({predictor.strategy.num_replicas_in_sync} replica(s))")
-  print(f"throughput {len(predictions) / seconds:,.0f} examples/s")
-  if y is not None:
+  print(f"throughput {rows / seconds:,.0f} examples/s")
+  if _are_class_scores(predictions, y):
     accuracy = float(np.mean(np.argmax(predictions, -1) == y))
     print(f"accuracy   {accuracy:.4f}")
   if _OUTPUT.value:
-    inference.save_predictions(_OUTPUT.value, predictions)
+    try:
+      inference.save_predictions(_OUTPUT.value, predictions)
+    except OSError as e:
+      print(f"error: {files.describe_os_error(e, _OUTPUT.value)}",
+            file=sys.stderr)
+      return 1
     print(f"output     {_OUTPUT.value}")
   return 0
 

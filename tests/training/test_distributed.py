@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tfmgpu.training import distributed
+from tfmgpu.training import objectives
 from tfmgpu.training import step as step_lib
 
 GLOBAL_BATCH = 4
@@ -39,28 +40,37 @@ def _dense(strategy):
   return model
 
 
+COUNTED = {"metric/ones": (2,)}  # A shaped sum: [1 per replica, its rows].
+
+
 def _counting_step(x, y):
-  """Per replica: the sum of its rows, 1 "correct" per replica, its count."""
+  """Per replica: the sum of its rows, its count, and a shaped sum."""
   del y
-  return {"loss": tf.reduce_sum(x), "correct": tf.constant(1.0),
-          "count": tf.cast(tf.shape(x)[0], tf.float32),
-          "non_finite": tf.constant(0.0)}
+  rows = tf.cast(tf.shape(x)[0], tf.float32)
+  return {"loss": tf.reduce_sum(x), "metric/ones": tf.stack([1.0, rows]),
+          "count": rows, "non_finite": tf.constant(0.0)}
+
+
+def _right(labels, logits):
+  return float(np.sum(np.argmax(np.asarray(logits), -1) == labels))
 
 
 def test_train_function_sums_over_steps_and_replicas(strategy):
   train = distributed.make_train_function(
-      strategy, _counting_step, check_fn=lambda: tf.constant(2.0))
+      strategy, _counting_step, check_fn=lambda: tf.constant(2.0),
+      metric_shapes=COUNTED)
   iterator = iter(_batches(strategy, ROWS, LABELS))
 
   first = train(iterator, tf.constant(3))
   assert float(first["loss"]) == ROWS[:12].sum()
-  assert float(first["correct"]) == 3 * 2  # Steps x replicas.
+  assert list(first["metric/ones"].numpy()) == [3 * 2, 12]  # Steps x replicas.
   assert float(first["count"]) == 12
   assert float(first["non_finite"]) == 2.0  # check_fn, once per call.
   # The next call starts from zero and continues the iterator.
   second = train(iterator, tf.constant(2))
   assert float(second["loss"]) == ROWS[12:20].sum()
-  assert (float(second["correct"]), float(second["count"])) == (4.0, 8.0)
+  assert list(second["metric/ones"].numpy()) == [4.0, 8.0]
+  assert float(second["count"]) == 8.0
   assert train.experimental_get_tracing_count() == 1  # num_steps is a tensor.
 
 
@@ -69,8 +79,10 @@ def test_replica_loss_shares_add_up_to_the_global_mean(strategy):
   with strategy.scope():
     optimizer = keras.optimizers.SGD(learning_rate=0.0)  # Weights stay put.
     optimizer.build(model.trainable_variables)
+  objective = objectives.Objective(model)
   train = distributed.make_train_function(strategy, step_lib.make_train_step(
-      model, optimizer, global_batch_size=GLOBAL_BATCH))
+      model, optimizer, global_batch_size=GLOBAL_BATCH, loss=objective),
+                                          metric_shapes=objective.state_shapes())
   out = train(iter(_batches(strategy, ROWS, LABELS)), tf.constant(5))
 
   per_example = keras.losses.sparse_categorical_crossentropy(
@@ -78,23 +90,25 @@ def test_replica_loss_shares_add_up_to_the_global_mean(strategy):
   step_means = per_example.reshape(5, GLOBAL_BATCH).mean(axis=1)
   np.testing.assert_allclose(float(out["loss"]), step_means.sum(), rtol=1e-5)
   assert float(out["count"]) == 20
-  assert float(out["correct"]) == float(step_lib.correct_count(
-      LABELS, model(ROWS)))
+  assert objective.results(out)["accuracy"] == pytest.approx(
+      _right(LABELS, model(ROWS)) / 20)
 
 
 def test_eval_function_sums_every_batch_on_every_replica(strategy):
   model = _dense(strategy)
-  evaluate = distributed.make_eval_function(strategy,
-                                            step_lib.make_eval_step(model))
+  objective = objectives.Objective(model)
+  evaluate = distributed.make_eval_function(
+      strategy, step_lib.make_eval_step(model, loss=objective),
+      metric_shapes=objective.state_shapes())
   mask = (np.arange(20) < 17).astype(np.float32)  # The last 3 rows: padding.
   out = evaluate(_batches(strategy, ROWS, LABELS, mask))
 
   logits = model(ROWS[:17])
   per_example = keras.losses.sparse_categorical_crossentropy(
       LABELS[:17], logits, from_logits=True).numpy()
-  assert set(out) == {"loss_sum", "correct", "count"}
+  assert set(out) == {"loss_sum", "count", *objective.state_shapes()}
   np.testing.assert_allclose(float(out["loss_sum"]), per_example.sum(),
                              rtol=1e-5)
-  assert float(out["correct"]) == float(step_lib.correct_count(LABELS[:17],
-                                                               logits))
+  assert objective.results(out)["accuracy"] == pytest.approx(
+      _right(LABELS[:17], logits) / 17)
   assert float(out["count"]) == 17

@@ -53,7 +53,7 @@ def test_epoch_table_matches_input_fn_batches(digits):
   """Replica r of step k holds the rows the tf.data pipeline hands it."""
   x, y = digits
   strategy = _strategy("mirrored x2")
-  held = resident.DeviceData(strategy, x, y)
+  held = resident.DeviceData(strategy, (x, y))
   table = held.epoch(global_batch_size=BATCH, steps=3, seed=5, epoch=1,
                      shuffle=True)
   dataset = data.distribute(strategy, x, y, global_batch_size=BATCH, seed=5,
@@ -68,7 +68,7 @@ def test_each_replica_gathers_on_its_own_device(digits, cpu_devices):
   strategy = _strategy("mirrored x2")
   _, _, trainer = _train(strategy, *digits, "device", steps_per_execution=1)
   fn = trainer._train_fns[(BATCH, True)]  # pylint: disable=protected-access
-  held = resident.DeviceData(strategy, *digits)
+  held = resident.DeviceData(strategy, tuple(digits))
   batches = held.epoch(global_batch_size=BATCH, steps=7, seed=1, epoch=0,
                        shuffle=True).from_step(0)
   ops = inspection.op_placements(
@@ -76,22 +76,22 @@ def test_each_replica_gathers_on_its_own_device(digits, cpu_devices):
   gathers = collections.Counter(p.device for p in ops if p.type == "GatherV2")
   assert set(gathers) == set(cpu_devices[:2]), gathers
   assert not any(p.type.startswith("IteratorGetNext") for p in ops)
-  for r, local in enumerate(strategy.experimental_local_results(held.x)):
+  for r, local in enumerate(strategy.experimental_local_results(held.data[0])):
     assert tfmgpu.devices.canonical_device(local.device) == cpu_devices[r]
 
 
 def test_auto_picks_device_data_on_one_host_when_it_fits(digits):
   x, y = digits
   mirrored = _strategy("mirrored x2")
-  assert resident.use_device_data("auto", mirrored, x, y)
+  assert resident.use_device_data("auto", mirrored, (x, y))
   both_copies = 2 * (x.nbytes + y.nbytes)  # The budget counts every replica.
-  assert resident.use_device_data("auto", mirrored, x, y,
+  assert resident.use_device_data("auto", mirrored, (x, y),
                                   max_bytes=both_copies)
-  assert not resident.use_device_data("auto", mirrored, x, y,
+  assert not resident.use_device_data("auto", mirrored, (x, y),
                                       max_bytes=both_copies - 1)
-  assert not resident.use_device_data("tf_data", mirrored, x, y)
+  assert not resident.use_device_data("tf_data", mirrored, (x, y))
   central = tf.distribute.experimental.CentralStorageStrategy()
-  assert not resident.use_device_data("auto", central, x, y)
+  assert not resident.use_device_data("auto", central, (x, y))
 
 
 def test_input_mode_errors_name_the_argument():
@@ -104,7 +104,7 @@ def test_input_mode_errors_name_the_argument():
 
 
 def test_epoch_needs_enough_examples(digits):
-  held = resident.DeviceData(_strategy("one_device"), *digits)
+  held = resident.DeviceData(_strategy("one_device"), tuple(digits))
   with pytest.raises(ValueError, match="steps=9 of global_batch_size=32"):
     held.epoch(global_batch_size=BATCH, steps=9, seed=0, epoch=0,
                shuffle=False)

@@ -14,6 +14,7 @@ W = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, -0.5]], np.float32)
 X = np.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 2.0]], np.float32)
 Y = np.array([0, 0, 1], np.int32)  # Row 0 is predicted right, rows 1-2 wrong.
 LEARNING_RATE = 0.5
+ACCURACY = ("metric/accuracy/0", "metric/accuracy/1")  # Its total and count.
 
 
 def _dense():
@@ -43,10 +44,12 @@ def test_train_step_loss_is_a_share_of_the_global_batch(global_batch_size):
   out = step(X, Y)
 
   losses, grad = _cross_entropy(X, Y)
-  assert set(out) == {"loss", "correct", "count", "non_finite"}
+  assert set(out) == {"loss", "count", "non_finite", *ACCURACY}
   np.testing.assert_allclose(out["loss"], losses.sum() / global_batch_size,
                              rtol=1e-6)
-  assert (float(out["correct"]), float(out["count"])) == (1.0, 3.0)
+  # The accuracy's state change: 1 right of 3.
+  assert [float(out[k]) for k in ACCURACY] == [1.0, 3.0]
+  assert float(out["count"]) == 3.0
   assert float(out["non_finite"]) == 0.0
   # The update is the gradient of this replica's share, not of its mean.
   np.testing.assert_allclose(
@@ -70,25 +73,20 @@ def test_eval_step_sums_only_the_rows_the_mask_keeps():
   out = step(X, Y, mask)
 
   losses, _ = _cross_entropy(X, Y)
-  assert set(out) == {"loss_sum", "correct", "count"}
+  assert set(out) == {"loss_sum", "count", *ACCURACY}
   np.testing.assert_allclose(out["loss_sum"], losses[:2].sum(), rtol=1e-6)
-  assert (float(out["correct"]), float(out["count"])) == (1.0, 2.0)
+  assert [float(out[k]) for k in ACCURACY] == [1.0, 2.0]
+  assert float(out["count"]) == 2.0
 
 
-def test_correct_count_compares_the_arg_max_with_the_label():
-  logits = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]], np.float32)
-  assert float(step_lib.correct_count(np.array([1, 1, 1]), logits)) == 2.0
-  assert float(step_lib.correct_count(np.array([[1], [0], [1]]), logits)) == 3.0
+def test_eval_step_weights_rows_by_mask_times_sample_weight():
+  step = step_lib.make_eval_step(_dense())
+  mask = np.array([1.0, 1.0, 0.0], np.float32)
+  weight = np.array([2.0, 0.5, 9.0], np.float32)
+  out = step(X, Y, mask, weight)
 
-
-def test_per_example_loss_accepts_names_losses_and_functions():
-  y, logits = np.array([1, 0]), np.array([[0.0, 2.0], [1.0, 1.0]], np.float32)
-  expected = keras.losses.sparse_categorical_crossentropy(
-      y, logits, from_logits=True).numpy()
-  for loss in (None, "sparse_categorical_crossentropy",
-               keras.losses.SparseCategoricalCrossentropy(from_logits=True)):
-    np.testing.assert_allclose(step_lib.per_example_loss_fn(loss)(y, logits),
-                               expected, rtol=1e-6)
-  with pytest.raises(ValueError, match=r"loss=3 is not a loss name, Keras Loss "
-                     r"or function."):
-    step_lib.per_example_loss_fn(3)
+  losses, _ = _cross_entropy(X, Y)
+  np.testing.assert_allclose(out["loss_sum"], 2.0 * losses[0] + 0.5 * losses[1],
+                             rtol=1e-6)
+  # Accuracy weighted: row 0 right (2.0), row 1 wrong (0.5), row 2 masked.
+  assert [float(out[k]) for k in ACCURACY] == [2.0, 2.5]

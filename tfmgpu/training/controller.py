@@ -55,12 +55,30 @@ class TrainResult:
 
 @dataclasses.dataclass
 class StepSums:
-  """What a runner returns for one call: steps run and their summed results."""
+  """What a runner returns for one call: steps run and their summed results.
+
+  Attributes:
+    steps: steps run.
+    loss: the sum of the steps' mean losses.
+    count: examples.
+    non_finite: > 0 when the loss or a weight became NaN/inf.
+    metrics: each metric state's summed change (`Objective.results` turns
+      an epoch's sum into the metric values).
+  """
   steps: int
   loss: float
-  correct: float
   count: float
   non_finite: float = 0.0
+  metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __add__(self, other: "StepSums") -> "StepSums":
+    keys = set(self.metrics) | set(other.metrics)
+    return StepSums(
+        steps=self.steps + other.steps, loss=self.loss + other.loss,
+        count=self.count + other.count,
+        non_finite=self.non_finite + other.non_finite,
+        metrics={k: self.metrics.get(k, 0.0) + other.metrics.get(k, 0.0)
+                 for k in keys})
 
 
 class StepRunner(Protocol):
@@ -136,13 +154,19 @@ class _Clock:
 class LoopOptions:
   """What the controller needs besides the runner (see `Controller`)."""
   model: keras.Model
-  global_batch_size: int
+  global_batch_size: int | None = None
   callbacks: Sequence[keras.callbacks.Callback] = ()
   verbose: int = 1
   checkpointer: ckpt_lib.Checkpointer | None = None
   summary_writer: Any = None
   writes_summaries: bool = False
   validate: Callable[[], dict[str, float]] | None = None
+  metric_results: Callable[[dict[str, Any]], dict[str, float]] = (
+      lambda sums: {})
+  metric_names: Sequence[str] = ()
+  # Periodic checkpoints besides the epoch ends (see `Controller._save_due`).
+  checkpoint_every_steps: int | None = None
+  checkpoint_every_s: float | None = None
 
 
 class Controller:
@@ -163,6 +187,7 @@ class Controller:
     self.global_step = 0
     self.last_checkpoint: str | None = None
     self.watcher: preemption_lib.PreemptionWatcher | None = None
+    self._saved_at = (0, time.monotonic())  # Global step and time of a save.
 
   def run(self, *, epochs: int, steps_per_epoch: int,
           watcher: preemption_lib.PreemptionWatcher | None = None
@@ -183,6 +208,7 @@ class Controller:
       logging.info("model_dir already holds %d epoch(s) >= epochs=%d; nothing "
                    "to train.", initial_epoch, epochs)
     self.watcher, self.global_step = watcher, progress.step
+    self._saved_at = (progress.step, time.monotonic())
     self.last_checkpoint = ckpt.latest if ckpt else None
     callbacks = keras.callbacks.CallbackList(
         list(self.o.callbacks), add_history=False, add_progbar=False,
@@ -220,39 +246,80 @@ class Controller:
 
   def _run_epoch(self, epoch: int, epochs: int, first: int,
                  steps_per_epoch: int, callbacks) -> dict[str, float]:
-    """The steps of one epoch; returns its running loss and accuracy."""
+    """The steps of one epoch; returns its running loss and metrics."""
     self.runner.start_epoch(epoch, first)
     bar = None
     if self.o.verbose:
       print(f"Epoch {epoch + 1}/{epochs}", flush=True)
       bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=[
-          "loss", "accuracy", "examples/s"])
-    done, loss_sum, correct, count = first, 0.0, 0.0, 0.0
-    logs: dict[str, float] = {}
+          "loss", *self.o.metric_names, "examples/s"])
+    per_call = bar is not None or bool(self.o.callbacks)
+    done, total = first, StepSums(steps=0, loss=0.0, count=0.0)
     while done < steps_per_epoch:
       start = time.perf_counter()
       sums = self.runner.run(done, steps_per_epoch - done)
       elapsed = time.perf_counter() - start
       self._check_finite(sums, epoch)
-      self.clock.add(sums.steps * self.o.global_batch_size, elapsed)
-      loss_sum, correct, count = (loss_sum + sums.loss,
-                                  correct + sums.correct, count + sums.count)
+      self.clock.add(int(sums.count), elapsed)
+      total = total + sums
       done += sums.steps
       self.total_steps += sums.steps
       self.global_step += sums.steps
-      logs = {"loss": loss_sum / (done - first),
-              "accuracy": correct / max(count, 1.0)}
-      rate = sums.steps * self.o.global_batch_size / elapsed if elapsed else 0.0
-      if bar is not None:
-        bar.update(done, values=list(logs.items()) + [("examples/s", rate)])
-      callbacks.on_train_batch_end(done - 1, logs)
+      rate = sums.count / elapsed if elapsed else 0.0
+      if per_call:
+        logs = self._logs(total)
+        if bar is not None:
+          bar.update(done, values=list(logs.items()) + [("examples/s", rate)])
+        callbacks.on_train_batch_end(done - 1, logs)
       self._write_step_summaries(sums, rate)
-      if (self.watcher and done < steps_per_epoch
-          and self.watcher.stop_requested()):
-        self.o.summary_writer.flush()
-        saved = self.o.checkpointer.save(epoch, step=self.global_step,
-                                         epoch_step=done)
-        self._preempt(epoch, done, steps_per_epoch, saved)
+      if done < steps_per_epoch:
+        self._mid_epoch_saves(epoch, done, steps_per_epoch)
+    return self._logs(total) if total.steps else {}
+
+  # ------------------------------------------ checkpoints (reliability)
+
+  def _mid_epoch_saves(self, epoch: int, done: int,
+                       steps_per_epoch: int) -> None:
+    """The periodic checkpoint, then the preemption save (reusing it)."""
+    saved = None
+    if self._save_due():
+      saved = self.last_checkpoint = self._save(epoch, done)
+    if self.watcher and self.watcher.stop_requested():
+      self.o.summary_writer.flush()
+      saved = saved or self._save(epoch, done)
+      self._preempt(epoch, done, steps_per_epoch, saved)
+
+  def _save(self, epoch: int, epoch_step: int = 0) -> str:
+    """Saves the position: `epoch` epochs and `epoch_step` steps done."""
+    path = self.o.checkpointer.save(epoch, step=self.global_step,
+                                    epoch_step=epoch_step)
+    self._saved_at = (self.global_step, time.monotonic())
+    return path
+
+  def _save_due(self) -> bool:
+    """Whether a periodic checkpoint is due: the global step crossed a
+    multiple of `checkpoint_every_steps` (the same on every worker), or
+    `checkpoint_every_s` passed since the last save on any worker's clock
+    (agreed by one all-reduce under multi-worker mirrored)."""
+    every_steps = self.o.checkpoint_every_steps
+    every_s = self.o.checkpoint_every_s
+    if self.o.checkpointer is None or not (every_steps or every_s):
+      return False
+    last_step, last_time = self._saved_at
+    if every_steps and (self.global_step // every_steps
+                        > last_step // every_steps):
+      return True
+    if not every_s:
+      return False
+    due = time.monotonic() - last_time >= every_s
+    return self.watcher.any_worker(due) if self.watcher else due
+
+  # ------------------------------------------------------------------
+
+  def _logs(self, total: StepSums) -> dict[str, float]:
+    """The running loss (mean of the steps') and metrics of an epoch."""
+    logs = {"loss": total.loss / max(total.steps, 1)}
+    logs.update(self.o.metric_results(total.metrics))
     return logs
 
   def _check_finite(self, sums: StepSums, epoch: int) -> None:
@@ -294,8 +361,7 @@ class Controller:
       for k, v in epoch_logs.items():
         tf.summary.scalar(f"epoch/{k}", v)
     if self.o.checkpointer is not None:
-      self.last_checkpoint = self.o.checkpointer.save(
-          epoch + 1, step=self.global_step)
+      self.last_checkpoint = self._save(epoch + 1)
     if not self.o.verbose:
       logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
           f"{k}={v:.4g}" for k, v in epoch_logs.items()))

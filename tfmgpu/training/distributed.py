@@ -9,18 +9,38 @@ batch, counts add up).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import tensorflow as tf
 
 from tfmgpu.training import resident
 
-StepFn = Callable[[tf.Tensor, tf.Tensor], dict[str, tf.Tensor]]
+StepFn = Callable[..., dict[str, tf.Tensor]]
+Shapes = Mapping[str, tuple[int, ...]]
+
+TRAIN_KEYS = ("loss", "count", "non_finite")
+EVAL_KEYS = ("loss_sum", "count")
 
 
 def _reduce_sum(strategy: tf.distribute.Strategy, per_replica):
   return {k: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
           for k, v in per_replica.items()}
+
+
+def sum_shapes(keys: Sequence[str], extra: Shapes | None) -> dict[str, tuple]:
+  """Scalar `keys` plus the shaped `extra` sums (metric states)."""
+  shapes = {k: () for k in keys}
+  shapes.update(extra or {})
+  return shapes
+
+
+def _zeros(shapes: Shapes) -> dict[str, tf.Tensor]:
+  return {k: tf.zeros(shape, tf.float32) for k, shape in shapes.items()}
+
+
+def _add(totals: dict[str, tf.Tensor], out: Mapping[str, tf.Tensor]
+         ) -> dict[str, tf.Tensor]:
+  return {k: totals[k] + tf.cast(out[k], tf.float32) for k in totals}
 
 
 class _ReplicaSums:
@@ -31,12 +51,14 @@ class _ReplicaSums:
   all-reduced at every step.
   """
 
-  def __init__(self, strategy: tf.distribute.Strategy, keys):
+  def __init__(self, strategy: tf.distribute.Strategy, shapes: Shapes):
     with strategy.scope():
       self.vars = {k: tf.Variable(
-          0.0, trainable=False, name=f"sum_{k}",
+          tf.zeros(shape, tf.float32), trainable=False,
+          name="sum_" + k.replace("/", "_"),
           synchronization=tf.VariableSynchronization.ON_READ,
-          aggregation=tf.VariableAggregation.SUM) for k in keys}
+          aggregation=tf.VariableAggregation.SUM)
+                   for k, shape in shapes.items()}
 
   def reset(self):
     for v in self.vars.values():
@@ -50,12 +72,10 @@ class _ReplicaSums:
     return {k: v.read_value() for k, v in self.vars.items()}
 
 
-TRAIN_KEYS = ("loss", "correct", "count", "non_finite")
-
-
 def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
                         check_fn: Callable[[], tf.Tensor] | None = None,
-                        device_data: bool = False
+                        device_data: bool = False,
+                        metric_shapes: Shapes | None = None
                         ) -> Callable[..., dict[str, tf.Tensor]]:
   """Returns `train(batches, num_steps) -> sums over num_steps steps`.
 
@@ -65,20 +85,23 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
 
   Args:
     strategy: the strategy the step runs under.
-    step: per-replica `step(x, y) -> dict` with the keys of `TRAIN_KEYS`.
+    step: per-replica `step(x, y[, sample_weight]) -> dict` with the keys of
+      `TRAIN_KEYS` and of `metric_shapes`.
     check_fn: run once at the end of each call in cross-replica context; its
       result is added to `non_finite` (e.g. a check that weights are finite).
     device_data: `batches` is `EpochBatches.from_step(first_step)` of
       `tfmgpu.training.resident` (each replica gathers its batch on its
       device) instead of a distributed iterator.
+    metric_shapes: the shapes of the step's metric state changes
+      (`Objective.state_shapes`), summed like the loss.
   """
-  sums = _ReplicaSums(strategy, TRAIN_KEYS)
+  sums = _ReplicaSums(strategy, sum_shapes(TRAIN_KEYS, metric_shapes))
 
-  def replica_step(x, y):
-    sums.add(step(x, y))
+  def replica_step(*batch):
+    sums.add(step(*batch))
 
-  def replica_gather_step(x, y, index, step_in_epoch):
-    replica_step(*resident.gather_batch(x, y, index, step_in_epoch))
+  def replica_gather_step(data, index, step_in_epoch):
+    replica_step(*resident.gather_batch(data, index, step_in_epoch))
 
   def finish():
     totals = sums.read()
@@ -90,16 +113,15 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
   def train_from_iterator(iterator, num_steps):
     strategy.run(sums.reset)
     for _ in tf.range(num_steps):
-      x, y = next(iterator)
-      strategy.run(replica_step, args=(x, y))
+      strategy.run(replica_step, args=tuple(next(iterator)))
     return finish()
 
   @tf.function
   def train_from_device_data(batches, num_steps):
-    x, y, index, first_step = batches
+    data, index, first_step = batches
     strategy.run(sums.reset)
     for i in tf.range(num_steps):
-      strategy.run(replica_gather_step, args=(x, y, index, first_step + i))
+      strategy.run(replica_gather_step, args=(data, index, first_step + i))
     return finish()
 
   return train_from_device_data if device_data else train_from_iterator
@@ -107,7 +129,8 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
 
 def make_scheduled_train_function(
     strategy: tf.distribute.Strategy, step: StepFn, *,
-    check_fn: Callable[[], tf.Tensor] | None = None
+    check_fn: Callable[[], tf.Tensor] | None = None,
+    metric_shapes: Shapes | None = None
 ) -> Callable[..., dict[str, tf.Tensor]]:
   """`train(iterator, num_steps) -> sums` for `ClusterCoordinator.schedule`.
 
@@ -119,17 +142,19 @@ def make_scheduled_train_function(
 
   Args:
     strategy: the `ParameterServerStrategy`.
-    step: per-replica `step(x, y) -> dict` with the keys of `TRAIN_KEYS`.
+    step: per-replica `step(x, y[, sample_weight]) -> dict`.
     check_fn: as for `make_train_function`.
+    metric_shapes: as for `make_train_function`.
   """
+  shapes = sum_shapes(TRAIN_KEYS, metric_shapes)
 
   @tf.function
   def train(iterator, num_steps):
-    totals = {k: tf.constant(0.0) for k in TRAIN_KEYS}
+    totals = _zeros(shapes)
     for _ in tf.range(num_steps):
-      x, y = next(iterator)
-      out = _reduce_sum(strategy, strategy.run(step, args=(x, y)))
-      totals = {k: totals[k] + tf.cast(out[k], tf.float32) for k in TRAIN_KEYS}
+      batch = tuple(next(iterator))
+      totals = _add(totals, _reduce_sum(strategy,
+                                        strategy.run(step, args=batch)))
     if check_fn is not None:
       totals["non_finite"] += tf.cast(check_fn(), tf.float32)
     return totals
@@ -138,18 +163,22 @@ def make_scheduled_train_function(
 
 
 def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
-                       replicated: bool = True
+                       replicated: bool = True,
+                       metric_shapes: Shapes | None = None
                        ) -> Callable[..., dict[str, tf.Tensor]]:
   """Returns `evaluate(dataset) -> summed results over all batches`.
 
   Args:
     strategy: the strategy the step runs under.
-    step: per-replica `step(x, y, mask) -> dict` (`step.make_eval_step`).
+    step: per-replica `step(x, y, mask[, sample_weight]) -> dict`
+      (`step.make_eval_step`).
     replicated: `dataset` is distributed and each batch runs on every
       replica (`strategy.run` + SUM); `False` runs each batch of a plain
       dataset right here (a parameter-server coordinator, which reads the
       variables from the servers).
+    metric_shapes: as for `make_train_function`.
   """
+  shapes = sum_shapes(EVAL_KEYS, metric_shapes)
 
   def one_batch(batch):
     if not replicated:
@@ -158,11 +187,9 @@ def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
 
   @tf.function
   def evaluate(dataset):
-    totals = {"loss_sum": tf.constant(0.0), "correct": tf.constant(0.0),
-              "count": tf.constant(0.0)}
+    totals = _zeros(shapes)
     for batch in dataset:
-      out = one_batch(batch)
-      totals = {k: totals[k] + tf.cast(out[k], tf.float32) for k in totals}
+      totals = _add(totals, one_batch(tuple(batch)))
     return totals
 
   return evaluate

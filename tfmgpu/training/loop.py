@@ -12,19 +12,22 @@ which Keras 3 needs inside a distributed `tf.function`), compiles the step
 from __future__ import annotations
 
 import contextlib
+import warnings
 import os
 from typing import Any, Sequence
 
 from absl import logging
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
+from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import distributed
+from tfmgpu.training import inputs
+from tfmgpu.training import objectives
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import resident
 from tfmgpu.training import runners
@@ -71,6 +74,42 @@ def steps_in_one_pass(num_examples: int, *, epochs: int,
   return full
 
 
+DEFAULT_GLOBAL_BATCH = 64
+# TF warns about its own `options()` call when a `tf.function` iterates a
+# distributed dataset; nothing for the user to do.
+_TF_DATA_OPTIONS_WARNING = "To make it possible to preserve tf.data options"
+
+
+def _dataset_steps(source: inputs.InputData, strategy: tf.distribute.Strategy,
+                   steps_per_epoch: int | None) -> int | None:
+  """Batches in one pass of a user's dataset (`None`: endless, then
+  `steps_per_epoch` is required)."""
+  card = (source.cardinality if isinstance(source, inputs.DatasetData)
+          else source.cardinality(strategy))
+  if card == 0:
+    raise ValueError("x is an empty dataset (0 batches); check its source "
+                     "and its batch(..., drop_remainder=...).")
+  if card in (None, inputs.INFINITE):
+    if steps_per_epoch is None:
+      what = "infinite" if card == inputs.INFINITE else "of unknown length"
+      raise ValueError(
+          f"x is a dataset {what}: pass steps_per_epoch=N (or, for a finite "
+          "one, tell TF its length with "
+          "dataset.apply(tf.data.experimental.assert_cardinality(n))).")
+    return None
+  return card
+
+
+def _describe_input(source: inputs.InputData, device_data: bool) -> str:
+  if device_data:
+    return "in-memory arrays on each replica's device"
+  return {inputs.ArrayData: "in-memory arrays through a tf.data pipeline",
+          inputs.DatasetData: "the given tf.data.Dataset (global batches "
+                              "split over the replicas)",
+          inputs.DatasetFnData: "the given dataset function (one pipeline "
+                                "per worker)"}[type(source)]
+
+
 class Trainer:
   """Trains a Keras model with `strategy.run` steps, on any strategy.
 
@@ -94,7 +133,15 @@ class Trainer:
     gradient_compression: `"none"`, `"float16"` or `"bfloat16"`: the dtype
       gradients are all-reduced in (half the bytes). Defaults to `"none"`.
     bytes_per_pack: all-reduce pack size in bytes (0: TF's default).
-    loss: see `tfmgpu.training.step.per_example_loss_fn`.
+    loss: a Keras loss: a name, a `keras.losses.Loss`, a function
+      `fn(y_true, y_pred)`, or a dict (by output name) or list of them for a
+      model with several outputs. Defaults to sparse categorical
+      cross-entropy from logits. See `tfmgpu.training.objectives`.
+    metrics: Keras metrics (names or `keras.metrics.Metric` objects), a list
+      for every output or a dict by output name. Defaults to
+      `["accuracy"]` with the default loss, none otherwise. Reduced from
+      summed states, exact across replicas, micro-batches and workers.
+    loss_weights: per-output weights of the total loss (dict or list).
     steps_per_execution: steps run per `tf.function` call. Defaults to `1`.
     jit_compile: XLA-compile each replica's forward/backward.
     fused_optimizer: when `optimizer` is a name, update each variable with
@@ -107,7 +154,13 @@ class Trainer:
       at most `resident.DEFAULT_MAX_BYTES`. Both give each replica the same
       examples.
     model_dir: where checkpoints and TensorBoard summaries go; `None` keeps
-      nothing. A directory with checkpoints is resumed from.
+      nothing. A directory with checkpoints is resumed from. While `fit`
+      runs, the chief holds the directory's lock (`tfmgpu.rundir`): a second
+      run on it refuses.
+    checkpoint_every_steps: also save a checkpoint every N global steps (at
+      the first call boundary reaching a multiple of N), not only per epoch.
+    checkpoint_every_s: also save a checkpoint once N seconds have passed
+      since the last save (agreed by every worker).
     callbacks: Keras callbacks (epoch/batch hooks, `model.stop_training`).
     verbose: 1 shows a progress bar per epoch, 0 logs one line per epoch.
   """
@@ -117,21 +170,26 @@ class Trainer:
                optimizer: str | keras.optimizers.Optimizer = "adam",
                learning_rate: float = 1e-3, clip_norm: float | None = None,
                gradient_compression: str = "none", bytes_per_pack: int = 0,
-               loss: Any = None, steps_per_execution: int = 1,
+               loss: Any = None, metrics: Any = None,
+               loss_weights: Any = None, steps_per_execution: int = 1,
                jit_compile: bool = False, fused_optimizer: bool = True,
                input_mode: str = "auto", model_dir: str | None = None,
+               checkpoint_every_steps: int | None = None,
+               checkpoint_every_s: float | None = None,
                callbacks: Sequence[keras.callbacks.Callback] = (),
                verbose: int = 1):
     if steps_per_execution < 1:
       raise ValueError(f"steps_per_execution={steps_per_execution} must be >= 1.")
     self.model = model
     self.strategy = strategy or tf.distribute.get_strategy()
-    self.loss = loss
+    self.objective = objectives.Objective(model, loss, metrics, loss_weights)
+    self.loss = self.objective
     self.steps_per_execution = steps_per_execution
     resident.check_input_mode(input_mode, self.strategy)
     self.input_mode = input_mode
     self.jit_compile = jit_compile
     self.model_dir = model_dir
+    self.checkpoint_every = (checkpoint_every_steps, checkpoint_every_s)
     self.verbose = verbose
     _check_built_in_scope(model, self.strategy)
     # tfmgpu sums replica gradients itself (then clips), except under
@@ -167,7 +225,8 @@ class Trainer:
           optimizer=self.optimizer)
     return self._checkpointer
 
-  def _train_fn(self, global_batch_size: int, device_data: bool = False):
+  def _train_fn(self, global_batch_size: int | None,
+                device_data: bool = False):
     key = (global_batch_size, device_data)
     if key not in self._train_fns:
       step = step_lib.make_train_step(
@@ -182,7 +241,8 @@ class Trainer:
     return distributed.make_train_function(
         self.strategy, step,
         check_fn=lambda: step_lib.non_finite_weights(self.model),
-        device_data=device_data)
+        device_data=device_data,
+        metric_shapes=self.objective.state_shapes())
 
   def _summaries(self) -> tuple[Any, bool]:
     """The summary writer (a no-op one off the chief) and whether it writes."""
@@ -193,20 +253,35 @@ class Trainer:
                       else tf.summary.create_noop_writer())
     return self._writer, writes
 
-  def _loop_options(self, global_batch_size: int, validation_data
+  def _loop_options(self, global_batch_size: int | None, validation_data
                     ) -> LoopOptions:
     writer, writes = self._summaries()
+    validate = None
+    if validation_data is not None:
+      val_source = inputs.from_validation_data(validation_data)
 
-    def validate() -> dict[str, float]:
-      val = self.evaluate(*validation_data, global_batch_size=global_batch_size)
-      return {"val_loss": val["loss"], "val_accuracy": val["accuracy"]}
+      def validate_once() -> dict[str, float]:
+        val = self._evaluate(val_source, global_batch_size or 256)
+        return {f"val_{k}": v for k, v in val.items() if k != "count"}
+
+      validate = validate_once
 
     return LoopOptions(
         model=self.model,
         global_batch_size=global_batch_size, callbacks=self.callbacks,
         verbose=self.verbose, checkpointer=self.checkpointer,
-        summary_writer=writer, writes_summaries=writes,
-        validate=validate if validation_data is not None else None)
+        summary_writer=writer, writes_summaries=writes, validate=validate,
+        metric_results=self.objective.results,
+        metric_names=self.objective.metric_names,
+        checkpoint_every_steps=self.checkpoint_every[0],
+        checkpoint_every_s=self.checkpoint_every[1])
+
+  def _hold_run_dir(self):
+    """The run directory's lock while `fit` runs (the chief's; see
+    `tfmgpu.rundir`). Reentrant: the train CLI holds it already."""
+    if not self.model_dir or not ckpt_lib.is_chief(self.strategy):
+      return contextlib.nullcontext()
+    return rundir.RunLock(self.model_dir)
 
   def _watch_preemption(self):
     """SIGTERM becomes a checkpoint when the run keeps checkpoints."""
@@ -216,99 +291,158 @@ class Trainer:
 
   # --------------------------------------------------------------- API
 
-  def evaluate(self, x: np.ndarray, y: np.ndarray, *,
+  def evaluate(self, x: Any, y: Any = None, *, sample_weight: Any = None,
                global_batch_size: int = 256) -> dict[str, float]:
-    """Loss and accuracy over every example of `(x, y)` (no row dropped).
+    """The loss and metrics over every example of the input (no row dropped).
+
+    Args:
+      x, y, sample_weight: as for `fit` (arrays, a dataset or a dataset
+        function); arrays are batched by `global_batch_size`, their last
+        batch padded and masked out.
+      global_batch_size: examples per evaluation step over all replicas.
 
     Returns:
-      `{"loss": mean loss, "accuracy": fraction correct, "count": rows}`.
+      `{"loss": mean loss, <metric>: value, ..., "count": rows}`.
     """
+    return self._evaluate(inputs.from_user(x, y, sample_weight),
+                          global_batch_size)
+
+  def _evaluate(self, source: inputs.InputData,
+                global_batch_size: int) -> dict[str, float]:
     if self._eval_fn is None:
       self._eval_fn = self._make_eval_fn()
-    dataset = self._eval_dataset(x, y, global_batch_size)
-    out = {k: float(v) for k, v in self._eval_fn(dataset).items()}
-    n = max(out["count"], 1.0)
-    return {"loss": out["loss_sum"] / n, "accuracy": out["correct"] / n,
-            "count": out["count"]}
+    with warnings.catch_warnings():  # TF's own, from tracing the loop.
+      warnings.filterwarnings("ignore", message=_TF_DATA_OPTIONS_WARNING)
+      out = self._eval_fn(self._eval_dataset(source, global_batch_size))
+    sums = {k: v.numpy() for k, v in out.items()}
+    n = max(float(sums["count"]), 1.0)
+    result = {"loss": float(sums["loss_sum"]) / n}
+    result.update(self.objective.results(sums))
+    result["count"] = float(sums["count"])
+    return result
 
   def _make_eval_fn(self):
     return distributed.make_eval_function(
-        self.strategy, step_lib.make_eval_step(self.model, loss=self.loss))
+        self.strategy, step_lib.make_eval_step(self.model, loss=self.objective),
+        metric_shapes=self.objective.state_shapes())
 
-  def _eval_dataset(self, x: np.ndarray, y: np.ndarray,
-                    global_batch_size: int):
-    """Every row once: the last batch padded and masked out."""
+  def _eval_dataset(self, source: inputs.InputData, global_batch_size: int):
+    """Every row once: arrays' last batch padded and masked out; a user's
+    dataset as it comes, with a mask of ones."""
+    if isinstance(source, inputs.DatasetData):
+      return self.strategy.experimental_distribute_dataset(
+          inputs.with_mask(source.dataset))
+    if isinstance(source, inputs.DatasetFnData):
+      return self.strategy.distribute_datasets_from_function(
+          lambda ctx: inputs.with_mask(source.fn(ctx)))
     data_lib.check_global_batch(global_batch_size, self.num_replicas)
-    x, y, mask = data_lib.pad_to_multiple(x, y, global_batch_size)
-    return data_lib.distribute(
-        self.strategy, x, y, sample_weight=mask,
-        global_batch_size=global_batch_size, shuffle=False,
-        drop_remainder=True)
+    return inputs.distribute_arrays(
+        self.strategy, source.padded(global_batch_size),
+        global_batch_size=global_batch_size)
 
-  def fit(self, x: np.ndarray, y: np.ndarray, *, epochs: int = 1,
-          global_batch_size: int = 64, steps_per_epoch: int | None = None,
-          validation_data: tuple[np.ndarray, np.ndarray] | None = None,
+  def fit(self, x: Any, y: Any = None, *, sample_weight: Any = None,
+          epochs: int = 1, global_batch_size: int | None = None,
+          steps_per_epoch: int | None = None, validation_data: Any = None,
           seed: int = 0, shuffle: bool = True) -> TrainResult:
     """Trains for `epochs` (resuming from `model_dir` if it has checkpoints).
 
+    Inputs follow Keras (`tfmgpu.training.inputs`): in-memory arrays (any
+    nesting of dicts, lists and tuples), batched here; a `tf.data.Dataset`
+    of `(x, y[, sample_weight])` global batches, batched by you; or a
+    dataset function `fn(input_context)` batching per replica.
+
     Args:
-      x, y: training features and integer labels.
+      x: inputs: arrays, a `tf.data.Dataset` or a dataset function.
+      y: targets (arrays only; a dataset carries its own).
+      sample_weight: per-example weights (arrays only).
       epochs: total epochs; a resumed run trains only the missing ones.
-      global_batch_size: examples per step over all replicas; must divide
-        by the replica count.
+      global_batch_size: examples per step over all replicas, for arrays
+        (default 64); must divide by the replica count. A dataset sets its
+        own batch.
       steps_per_epoch: steps per epoch. Defaults to one pass over the data
-        (`len(x) // global_batch_size`).
-      validation_data: `(x_val, y_val)` evaluated after each epoch.
-      seed: fixes every epoch's shuffle order (`data.epoch_order`).
-      shuffle: shuffle each epoch.
+        (`len(x) // global_batch_size`, or the dataset's length); needed for
+        an infinite dataset or one whose length TF does not know.
+      validation_data: `(x_val, y_val[, sample_weight])`, a dataset or a
+        dataset function, evaluated after each epoch (`val_` logs).
+      seed: fixes every epoch's shuffle order of arrays (`data.epoch_order`).
+      shuffle: shuffle arrays each epoch (a dataset shuffles itself).
 
     Returns:
       A `TrainResult`.
 
     Raises:
-      ValueError: bad sizes (indivisible batch, too few examples), or a
-        checkpoint saved mid-epoch beyond `steps_per_epoch`.
+      ValueError, TypeError: bad inputs or sizes (indivisible batch, too few
+        examples, a dataset of unknown length without `steps_per_epoch`),
+        or a checkpoint saved mid-epoch beyond `steps_per_epoch`.
       NonFiniteLossError: the loss became NaN/inf; the last good checkpoint
         is kept and the message names the step.
       tfmgpu.training.checkpoints.PreemptedError: SIGTERM arrived (with a
         `model_dir`); every worker saved a checkpoint at the same step. Call
         `fit` again (in a new process) to resume from it.
     """
+    source = inputs.from_user(x, y, sample_weight)
+    global_batch_size = self._global_batch(source, global_batch_size)
     steps_per_epoch = self._steps_per_epoch(
-        len(x), epochs=epochs, global_batch_size=global_batch_size,
+        source, epochs=epochs, global_batch_size=global_batch_size,
         steps_per_epoch=steps_per_epoch)
-    runner = self._make_runner(x, y, global_batch_size=global_batch_size,
+    runner = self._make_runner(source, global_batch_size=global_batch_size,
                                steps_per_epoch=steps_per_epoch, seed=seed,
                                shuffle=shuffle)
-    controller = Controller(runner, self._loop_options(global_batch_size,
-                                                       validation_data))
-    with self._watch_preemption() as watcher:
-      return controller.run(epochs=epochs, steps_per_epoch=steps_per_epoch,
-                            watcher=watcher)
+    with self._hold_run_dir():  # Before the summary writer opens its file.
+      controller = Controller(runner, self._loop_options(global_batch_size,
+                                                         validation_data))
+      with self._watch_preemption() as watcher:
+        return controller.run(epochs=epochs, steps_per_epoch=steps_per_epoch,
+                              watcher=watcher)
 
-  def _steps_per_epoch(self, num_examples: int, *, epochs: int,
-                       global_batch_size: int,
+  def _global_batch(self, source: inputs.InputData,
+                    global_batch_size: int | None) -> int | None:
+    """The arrays' global batch (checked); `None` for a user's dataset."""
+    if isinstance(source, inputs.ArrayData):
+      global_batch_size = global_batch_size or DEFAULT_GLOBAL_BATCH
+      data_lib.check_global_batch(global_batch_size, self.num_replicas)
+      return global_batch_size
+    if global_batch_size is not None:
+      raise ValueError(
+          f"global_batch_size={global_batch_size} is for arrays: a "
+          "tf.data.Dataset is batched by you (each element one global "
+          "batch), a dataset function by "
+          "input_context.get_per_replica_batch_size(...). Leave it unset.")
+    return None
+
+  def _steps_per_epoch(self, source: inputs.InputData, *, epochs: int,
+                       global_batch_size: int | None,
                        steps_per_epoch: int | None) -> int:
     """Checks the sizes; returns the steps of one epoch."""
-    data_lib.check_global_batch(global_batch_size, self.num_replicas)
-    full = steps_in_one_pass(num_examples, epochs=epochs,
-                             global_batch_size=global_batch_size)
+    if isinstance(source, inputs.ArrayData):
+      full = steps_in_one_pass(source.num_examples, epochs=epochs,
+                               global_batch_size=global_batch_size)
+    else:
+      if epochs < 1:
+        raise ValueError(f"epochs={epochs} must be >= 1.")
+      full = _dataset_steps(source, self.strategy, steps_per_epoch)
+    if steps_per_epoch is not None and steps_per_epoch < 1:
+      raise ValueError(f"steps_per_epoch={steps_per_epoch} must be >= 1.")
     steps_per_epoch = steps_per_epoch or full
-    if steps_per_epoch > full:
+    if full is not None and steps_per_epoch > full:
       raise ValueError(f"steps_per_epoch={steps_per_epoch} needs more data "
-                       f"than one pass gives ({full} steps of "
-                       f"{global_batch_size}); use at most {full}.")
+                       f"than one pass gives ({full} steps); use at most "
+                       f"{full}, or repeat the dataset.")
     return steps_per_epoch
 
-  def _make_runner(self, x: np.ndarray, y: np.ndarray, *,
-                   global_batch_size: int, steps_per_epoch: int, seed: int,
-                   shuffle: bool) -> runners.SyncRunner:
-    device_data = resident.use_device_data(self.input_mode, self.strategy,
-                                           x, y)
-    logging.info("Training data: %s.", "on each replica's device"
-                 if device_data else "tf.data pipeline")
+  def _make_runner(self, source: inputs.InputData, *,
+                   global_batch_size: int | None, steps_per_epoch: int,
+                   seed: int, shuffle: bool) -> runners.SyncRunner:
+    device_data = (isinstance(source, inputs.ArrayData)
+                   and resident.use_device_data(self.input_mode, self.strategy,
+                                                source.data))
+    if not isinstance(source, inputs.ArrayData) and self.input_mode == "device":
+      raise ValueError("input_mode='device' holds in-memory arrays on the "
+                       f"devices; x is a {type(source).__name__}. Use "
+                       "input_mode='auto' or 'tf_data'.")
+    logging.info("Training data: %s.", _describe_input(source, device_data))
     return runners.SyncRunner(
-        self._train_fn(global_batch_size, device_data), self.strategy, x, y,
+        self._train_fn(global_batch_size, device_data), self.strategy, source,
         global_batch_size=global_batch_size,
         steps_per_execution=self.steps_per_execution, seed=seed,
         shuffle=shuffle, steps_per_epoch=steps_per_epoch,

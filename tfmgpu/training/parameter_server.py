@@ -20,10 +20,10 @@ worker's clock.
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from tfmgpu.training import distributed
+from tfmgpu.training import inputs
 from tfmgpu.training import step as step_lib
 from tfmgpu.training.controller import StepSums
 from tfmgpu.training.loop import steps_in_one_pass
@@ -72,12 +72,10 @@ class CoordinatorRunner:
           self.train_fn, args=(self.iterator, tf.constant(n)))))
       scheduled += n
     self.coordinator.join()
-    sums = [to_sums(r.fetch(), n) for n, r in results]
-    return StepSums(steps=scheduled,
-                    loss=sum(s.loss for s in sums),
-                    correct=sum(s.correct for s in sums),
-                    count=sum(s.count for s in sums),
-                    non_finite=sum(s.non_finite for s in sums))
+    total = StepSums(steps=0, loss=0.0, count=0.0)
+    for n, r in results:
+      total = total + to_sums(r.fetch(), n)
+    return total
 
 
 class ParameterServerTrainer(Trainer):
@@ -112,29 +110,14 @@ class ParameterServerTrainer(Trainer):
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     self.num_workers = getattr(strategy, "_num_workers", 1)  # No public API.
 
-  def _per_worker_iterator(self, x: np.ndarray, y: np.ndarray,
-                           global_batch_size: int, shuffle: bool):
-    """An iterator on each worker over its own endless shuffled stream."""
-
-    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
-      features, labels = tf.constant(x), tf.constant(y)
-      n = len(x)
-      # Seeded from the worker's clock so that workers differ (a fixed or
-      # global seed would give every worker the same order).
-      clock = tf.cast(tf.timestamp() * 1e6, tf.int64)
-
-      def one_pass(epoch):
-        order = tf.range(n, dtype=tf.int64)
-        if shuffle:
-          order = tf.random.experimental.stateless_shuffle(
-              order, seed=tf.stack([clock, epoch]))
-        return tf.data.Dataset.from_tensor_slices(order)
-
-      ds = tf.data.Dataset.range(2**62).flat_map(one_pass).map(
-          lambda i: (tf.gather(features, i), tf.gather(labels, i)))
-      ds = ds.batch(ctx.get_per_replica_batch_size(global_batch_size),
-                    drop_remainder=True)
-      return ds.prefetch(tf.data.AUTOTUNE)
+  def _per_worker_iterator(self, source: inputs.InputData,
+                           global_batch_size: int | None, shuffle: bool):
+    """An iterator on each worker over its own endless stream: arrays
+    shuffled per worker, or the user's dataset function, repeated."""
+    if isinstance(source, inputs.DatasetFnData):
+      dataset_fn = lambda ctx: source.fn(ctx).repeat()  # pylint: disable=unnecessary-lambda-assignment
+    else:
+      dataset_fn = _endless_arrays(source.data, global_batch_size, shuffle)
 
     @tf.function
     def per_worker_dataset_fn():
@@ -148,36 +131,78 @@ class ParameterServerTrainer(Trainer):
     del device_data  # Workers read their own tf.data streams.
     return distributed.make_scheduled_train_function(
         self.strategy, step,
-        check_fn=lambda: step_lib.non_finite_weights(self.model))
+        check_fn=lambda: step_lib.non_finite_weights(self.model),
+        metric_shapes=self.objective.state_shapes())
 
   def _make_eval_fn(self):
     """Evaluation on the coordinator, reading variables from the servers."""
     return distributed.make_eval_function(
-        self.strategy, step_lib.make_eval_step(self.model, loss=self.loss),
-        replicated=False)
+        self.strategy, step_lib.make_eval_step(self.model,
+                                               loss=self.objective),
+        replicated=False, metric_shapes=self.objective.state_shapes())
 
-  def _eval_dataset(self, x: np.ndarray, y: np.ndarray,
-                    global_batch_size: int):
-    mask = np.ones(len(x), np.float32)
-    return tf.data.Dataset.from_tensor_slices((x, y, mask)).batch(
+  def _eval_dataset(self, source: inputs.InputData, global_batch_size: int):
+    if isinstance(source, inputs.DatasetData):
+      return inputs.with_mask(source.dataset)
+    if isinstance(source, inputs.DatasetFnData):
+      return inputs.with_mask(source.fn(tf.distribute.InputContext()))
+    return tf.data.Dataset.from_tensor_slices(source.padded(1)).batch(
         global_batch_size)
 
-  def _steps_per_epoch(self, num_examples: int, *, epochs: int,
-                       global_batch_size: int,
+  def _steps_per_epoch(self, source: inputs.InputData, *, epochs: int,
+                       global_batch_size: int | None,
                        steps_per_epoch: int | None) -> int:
     """Workers stream endlessly: any `steps_per_epoch` can be served."""
+    if isinstance(source, inputs.DatasetData):
+      raise ValueError(
+          "Under parameter servers each worker builds its own input: give x "
+          "as a dataset function fn(input_context) -> tf.data.Dataset (or "
+          "arrays), not a tf.data.Dataset.")
+    if isinstance(source, inputs.DatasetFnData):
+      if not steps_per_epoch:
+        raise ValueError("Under parameter servers a dataset function is "
+                         "streamed endlessly by each worker: pass "
+                         "steps_per_epoch=N.")
+      return steps_per_epoch
     return steps_per_epoch or steps_in_one_pass(
-        num_examples, epochs=epochs, global_batch_size=global_batch_size)
+        source.num_examples, epochs=epochs,
+        global_batch_size=global_batch_size)
 
-  def _make_runner(self, x: np.ndarray, y: np.ndarray, *,
-                   global_batch_size: int, steps_per_epoch: int, seed: int,
-                   shuffle: bool) -> CoordinatorRunner:
+  def _make_runner(self, source: inputs.InputData, *,
+                   global_batch_size: int | None, steps_per_epoch: int,
+                   seed: int, shuffle: bool) -> CoordinatorRunner:
     """`seed` is unused: each worker shuffles in its own order (see the
-    module docstring). Each step trains on `global_batch_size` examples on
-    one worker."""
+    module docstring). Each step trains on one global batch on one
+    worker."""
     del steps_per_epoch, seed
     return CoordinatorRunner(
         self.coordinator, self._train_fn(global_batch_size),
-        self._per_worker_iterator(x, y, global_batch_size, shuffle),
+        self._per_worker_iterator(source, global_batch_size, shuffle),
         steps_per_execution=self.steps_per_execution,
         calls_per_join=CALLS_PER_WORKER_PER_JOIN * self.num_workers)
+
+
+def _endless_arrays(data: tuple, global_batch_size: int, shuffle: bool):
+  """A dataset function streaming `data`'s rows, reshuffled each pass."""
+
+  def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+    tensors = tf.nest.map_structure(tf.constant, data)
+    n = len(tf.nest.flatten(data)[0])
+    # Seeded from the worker's clock so that workers differ (a fixed or
+    # global seed would give every worker the same order).
+    clock = tf.cast(tf.timestamp() * 1e6, tf.int64)
+
+    def one_pass(epoch):
+      order = tf.range(n, dtype=tf.int64)
+      if shuffle:
+        order = tf.random.experimental.stateless_shuffle(
+            order, seed=tf.stack([clock, epoch]))
+      return tf.data.Dataset.from_tensor_slices(order)
+
+    ds = tf.data.Dataset.range(2**62).flat_map(one_pass).map(
+        lambda i: tf.nest.map_structure(lambda t: tf.gather(t, i), tensors))
+    ds = ds.batch(ctx.get_per_replica_batch_size(global_batch_size),
+                  drop_remainder=True)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+  return dataset_fn

@@ -61,15 +61,20 @@ def check_input_mode(input_mode: str, strategy: tf.distribute.Strategy) -> None:
         "their own pipelines). Use input_mode='auto' or 'tf_data'.")
 
 
+def nbytes(data) -> int:
+  """The bytes of every array in a nested structure."""
+  return sum(int(np.asarray(a).nbytes) for a in tf.nest.flatten(data))
+
+
 def use_device_data(input_mode: str, strategy: tf.distribute.Strategy,
-                    x: np.ndarray, y: np.ndarray,
-                    max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
+                    data, max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
   """Resolves `input_mode` for these arrays.
 
   Args:
     input_mode: one of `INPUT_MODE_CHOICES`.
     strategy: the strategy training will run under.
-    x, y: the training arrays.
+    data: the training arrays, `(x, y)` or `(x, y, sample_weight)` (any
+      nesting).
     max_bytes: `auto` holds the data on the devices only if all replicas'
       copies together take at most this many bytes.
 
@@ -80,7 +85,7 @@ def use_device_data(input_mode: str, strategy: tf.distribute.Strategy,
     return input_mode == "device"
   if not supports(strategy):
     return False
-  total = (x.nbytes + y.nbytes) * strategy.num_replicas_in_sync
+  total = nbytes(data) * strategy.num_replicas_in_sync
   if total > max_bytes:
     logging.info("input_mode='auto': %d replica copies of the data would take "
                  "%.0f MiB (> %.0f MiB); reading through tf.data instead.",
@@ -96,16 +101,16 @@ class EpochBatches:
   argument: distributed values and tensors only).
 
   Attributes:
-    x, y: the training set on every replica's device.
-    index: per replica, `[steps, per_replica_batch]` rows of `x` to gather.
+    data: the training set (`(x, y[, sample_weight])`, any nesting) on every
+      replica's device.
+    index: per replica, `[steps, per_replica_batch]` rows to gather.
   """
-  x: object
-  y: object
+  data: object
   index: object
 
   def from_step(self, step: int) -> tuple:
     """The argument of a call whose first step is `step` of the epoch."""
-    return (self.x, self.y, self.index, tf.constant(step, tf.int32))
+    return (self.data, self.index, tf.constant(step, tf.int32))
 
 
 class DeviceData:
@@ -113,15 +118,15 @@ class DeviceData:
 
   Args:
     strategy: a strategy for which `supports` holds.
-    x, y: features and labels.
+    data: `(x, y[, sample_weight])`, arrays in any nesting, all with the
+      same number of rows.
   """
 
-  def __init__(self, strategy: tf.distribute.Strategy, x: np.ndarray,
-               y: np.ndarray):
+  def __init__(self, strategy: tf.distribute.Strategy, data):
     self.strategy = strategy
-    self.num_examples = len(x)
-    self.x = self._on_each_device(lambda _: x)
-    self.y = self._on_each_device(lambda _: y)
+    self.num_examples = len(tf.nest.flatten(data)[0])
+    self.data = tf.nest.map_structure(
+        lambda a: self._on_each_device(lambda _: a), data)
 
   def _on_each_device(self, value_fn):
     try:
@@ -156,11 +161,10 @@ class DeviceData:
     table = order[:steps * global_batch_size].astype(np.int32).reshape(
         steps, replicas, global_batch_size // replicas)
     index = self._on_each_device(lambda r: table[:, r, :])
-    return EpochBatches(self.x, self.y, index)
+    return EpochBatches(self.data, index)
 
 
-def gather_batch(x: tf.Tensor, y: tf.Tensor, index: tf.Tensor,
-                 step: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def gather_batch(data, index: tf.Tensor, step: tf.Tensor) -> tuple:
   """One replica's batch of step `step` (call in replica context)."""
   rows = index[step]
-  return tf.gather(x, rows), tf.gather(y, rows)
+  return tuple(tf.nest.map_structure(lambda a: tf.gather(a, rows), data))

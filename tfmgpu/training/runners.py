@@ -16,32 +16,38 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
+from tfmgpu.training import inputs
 from tfmgpu.training import resident
 from tfmgpu.training.controller import StepSums
 
 
 def to_sums(out: dict[str, Any], steps: int) -> StepSums:
-  """A train function's result (tensors) as host floats."""
+  """A train function's result (tensors) as host values."""
   return StepSums(steps=steps, loss=float(out["loss"]),
-                  correct=float(out["correct"]), count=float(out["count"]),
-                  non_finite=float(out["non_finite"]))
+                  count=float(out["count"]),
+                  non_finite=float(out["non_finite"]),
+                  metrics={k: np.asarray(v) for k, v in out.items()
+                           if k.startswith("metric/")})
 
 
 class SyncRunner:
   """Synchronous steps under `strategy.run`, `steps_per_execution` per call.
 
-  Each replica sees exactly the examples of `tfmgpu.data.input_fn`'s order
-  (seeded by `seed` and the epoch), from either source, so a resumed run
-  skips exactly the steps already done.
+  In-memory arrays: each replica sees exactly the examples of
+  `tfmgpu.data.input_fn`'s order (seeded by `seed` and the epoch), from
+  `tf.data` or from device-resident copies, so a resumed run skips exactly
+  the steps already done. A user's dataset (or dataset function) is iterated
+  afresh each epoch, skipping the steps a resumed epoch already did; an
+  infinite one is iterated once, across epochs.
 
   Args:
     train_fn: from `distributed.make_train_function` (its `device_data`
       must match `device_data` here).
     strategy: the strategy `train_fn` runs under.
-    x, y: the training arrays.
-    global_batch_size: examples per step over all replicas.
+    source: the input (`inputs.from_user`).
+    global_batch_size: examples per step over all replicas (arrays).
     steps_per_execution: steps per call.
-    seed, shuffle: the epoch order.
+    seed, shuffle: the epoch order (arrays).
     device_data: gather batches from arrays held on each replica's device
       instead of a `tf.data` iterator.
   """
@@ -49,46 +55,82 @@ class SyncRunner:
   coordinator_only = False
 
   def __init__(self, train_fn: Callable[..., dict[str, tf.Tensor]],
-               strategy: tf.distribute.Strategy, x: np.ndarray, y: np.ndarray,
-               *, global_batch_size: int, steps_per_execution: int,
+               strategy: tf.distribute.Strategy, source: inputs.InputData,
+               *, global_batch_size: int | None, steps_per_execution: int,
                seed: int, shuffle: bool, steps_per_epoch: int,
                device_data: bool):
     self.train_fn = train_fn
     self.strategy = strategy
-    self.x, self.y = x, y
+    self.source = source
     self.global_batch_size = global_batch_size
     self.steps_per_execution = steps_per_execution
     self.seed, self.shuffle = seed, shuffle
     self.steps_per_epoch = steps_per_epoch
     self.device_data = device_data
     self._held: resident.DeviceData | None = None
-    self._source: Any = None
+    self._batches: Any = None
+    self._endless: Any = None
+    self._endless_known: bool | None = None
 
   def start_epoch(self, epoch: int, first_step: int) -> None:
-    if not self.device_data:
-      self._source = iter(self._epoch_dataset(epoch, first_step))
-      return
-    if self._held is None:  # Copied once, when there is an epoch to train.
-      self._held = resident.DeviceData(self.strategy, self.x, self.y)
-    self._source = self._held.epoch(
-        global_batch_size=self.global_batch_size, steps=self.steps_per_epoch,
-        seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+    if isinstance(self.source, inputs.ArrayData):
+      self._batches = (self._held_epoch(epoch) if self.device_data
+                       else iter(self._array_epoch(epoch, first_step)))
+    else:
+      self._batches = self._user_epoch(epoch, first_step)
 
   def run(self, done: int, limit: int) -> StepSums:
     n = min(self.steps_per_execution, limit)
-    source = self._source.from_step(done) if self.device_data else self._source
-    return to_sums(self.train_fn(source, tf.constant(n)), n)
+    batches = (self._batches.from_step(done) if self.device_data
+               else self._batches)
+    return to_sums(self.train_fn(batches, tf.constant(n)), n)
 
-  def _epoch_dataset(self, epoch: int, first_step: int):
+  def _held_epoch(self, epoch: int) -> resident.EpochBatches:
+    if self._held is None:  # Copied once, when there is an epoch to train.
+      self._held = resident.DeviceData(self.strategy, self.source.data)
+    return self._held.epoch(
+        global_batch_size=self.global_batch_size, steps=self.steps_per_epoch,
+        seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+
+  def _array_epoch(self, epoch: int, first_step: int):
     """The epoch's distributed dataset, from step `first_step` on (resume)."""
-    x, y, shuffle = self.x, self.y, self.shuffle
-    if first_step:
-      # The rest of the same order: with `input_fn`'s interleaved sharding,
-      # each global batch is a contiguous slice of the epoch's order.
-      order = data_lib.epoch_indices(len(x), seed=self.seed, epoch=epoch,
-                                     shuffle=shuffle)
-      rest = order[first_step * self.global_batch_size:]
-      x, y, shuffle = x[rest], y[rest], False
-    return data_lib.distribute(
-        self.strategy, x, y, global_batch_size=self.global_batch_size,
-        shuffle=shuffle, seed=self.seed, epoch=epoch, drop_remainder=True)
+    # With `input_fn`'s interleaved sharding each global batch is a
+    # contiguous slice of the epoch's order: the rest of it is the rest.
+    order = data_lib.epoch_indices(self.source.num_examples, seed=self.seed,
+                                   epoch=epoch, shuffle=self.shuffle)
+    return inputs.distribute_arrays(
+        self.strategy, self.source.data,
+        global_batch_size=self.global_batch_size,
+        order=order[first_step * self.global_batch_size:])
+
+  def _user_epoch(self, epoch: int, first_step: int):
+    """An iterator over the user's dataset from step `first_step` of the
+    epoch. An endless one is created once and runs on across epochs; a
+    resumed run starts it at the global step reached (`epoch *
+    steps_per_epoch + first_step`): a dataset function with a
+    `from_step(step)` method seeks there, others skip the batches."""
+    if self._endless is not None:
+      return self._endless
+    endless = self._is_endless()
+    start = epoch * self.steps_per_epoch + first_step if endless else first_step
+    if isinstance(self.source, inputs.DatasetData):  # Global batches.
+      batches = self.strategy.experimental_distribute_dataset(
+          self.source.dataset.skip(start) if start else self.source.dataset)
+    else:
+      batches = self.strategy.distribute_datasets_from_function(
+          inputs.dataset_fn_from_step(self.source.fn, start))
+    iterator = iter(batches)
+    if endless:
+      self._endless = iterator
+    return iterator
+
+  def _is_endless(self) -> bool:
+    if self._endless_known is None:
+      if isinstance(self.source, inputs.DatasetData):
+        card = self.source.cardinality
+      else:
+        card = self.source.cardinality(self.strategy)
+      # Only a dataset TF knows to be infinite runs on across epochs; one of
+      # unknown length is read afresh each epoch (it may end).
+      self._endless_known = card == inputs.INFINITE
+    return self._endless_known

@@ -18,38 +18,17 @@ import keras
 import tensorflow as tf
 
 from tfmgpu.training import allreduce as allreduce_lib
+from tfmgpu.training import objectives
 
 LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
 
-def per_example_loss_fn(loss: str | Callable[..., Any] | None) -> LossFn:
-  """Returns `fn(y_true, y_pred) -> per-example loss` (unreduced).
-
-  Args:
-    loss: `None` or `"sparse_categorical_crossentropy"` (from logits, the
-      default), a Keras `Loss` object (its reduction is bypassed), or a
-      function returning per-example losses.
-  """
-  if loss is None or loss == "sparse_categorical_crossentropy":
-    def sparse_ce(y_true, y_pred):
-      return keras.losses.sparse_categorical_crossentropy(
-          y_true, tf.cast(y_pred, tf.float32), from_logits=True)
-    return sparse_ce
-  if isinstance(loss, keras.losses.Loss):
-    return loss.call
-  if isinstance(loss, str):
-    fn = keras.losses.get(loss)
-    return getattr(fn, "call", fn)
-  if callable(loss):
+def as_objective(model: keras.Model, loss: Any = None
+                 ) -> objectives.Objective:
+  """`loss` as an `Objective` (an `Objective` is returned as it is)."""
+  if isinstance(loss, objectives.Objective):
     return loss
-  raise ValueError(f"loss={loss!r} is not a loss name, Keras Loss or function.")
-
-
-def correct_count(y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
-  """Number of examples whose arg-max logit equals the integer label."""
-  pred = tf.argmax(y_pred, axis=-1, output_type=tf.int32)
-  return tf.reduce_sum(tf.cast(tf.equal(pred, tf.cast(
-      tf.reshape(y_true, tf.shape(pred)), tf.int32)), tf.float32))
+  return objectives.Objective(model, loss)
 
 
 def _uses_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
@@ -58,40 +37,45 @@ def _uses_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
 
 def make_gradients_fn(model: keras.Model,
                       optimizer: keras.optimizers.Optimizer, *,
-                      global_batch_size: int, loss: Any = None,
+                      global_batch_size: int | None,
+                      objective: objectives.Objective,
                       jit_compile: bool = False):
-  """`grads(x, y) -> (loss share, predictions, gradients)` of one replica.
+  """`grads(x, y, sw) -> (loss share, predictions, gradients)` of one replica.
 
   The loss is averaged over the global batch (plus regularization), scaled
   for a `LossScaleOptimizer`; a placed model computes each part's backward
-  on that part's device (`compute_loss_and_gradients`).
+  on that part's device (`compute_loss_and_gradients`), with the targets
+  and sample weights travelling together (`(y, sw)`, split with the batch).
+  `global_batch_size=None` takes the replica's batch times the replica
+  count (batches from a user's dataset).
 
   Raises:
     ValueError: `jit_compile` for a model whose variables live on several
       devices.
   """
-  per_example = per_example_loss_fn(loss)
   scaling = _uses_loss_scaling(optimizer)
 
-  def scaled_loss(y_true, y_pred):
-    return tf.nn.compute_average_loss(per_example(y_true, y_pred),
-                                      global_batch_size=global_batch_size)
+  def scaled_loss(target, y_pred):
+    y_true, sample_weight = target
+    return tf.nn.compute_average_loss(
+        objective.per_example_loss(y_true, y_pred, sample_weight),
+        global_batch_size=global_batch_size)
 
-  def placed_grads(x, y):  # Each part's backward on that part's device.
-    def objective(y_true, y_pred):
-      value = scaled_loss(y_true, y_pred)
+  def placed_grads(x, y, sw=None):  # Each part's backward on its device.
+    def loss_fn(target, y_pred):
+      value = scaled_loss(target, y_pred)
       return optimizer.scale_loss(value) if scaling else value
     total, y_pred, grads = model.compute_loss_and_gradients(
-        x, y, objective,
+        x, (y, sw), loss_fn,
         scale_regularization=optimizer.scale_loss if scaling else None)
     if scaling:
       total = total / optimizer.scale_loss(tf.constant(1.0))
     return total, y_pred, grads
 
-  def tape_grads(x, y):
+  def tape_grads(x, y, sw=None):
     with tf.GradientTape() as tape:
       y_pred = model(x, training=True)
-      loss_value = scaled_loss(y, y_pred)
+      loss_value = scaled_loss((y, sw), y_pred)
       if model.losses:
         loss_value += tf.nn.scale_regularization_loss(
             tf.add_n([tf.cast(l, tf.float32) for l in model.losses]))
@@ -109,18 +93,24 @@ def make_gradients_fn(model: keras.Model,
   return tf.function(tape_grads, jit_compile=True) if jit_compile else tape_grads
 
 
+def batch_count(y_pred: Any) -> tf.Tensor:
+  """The number of examples in a batch of predictions (any structure)."""
+  return tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0], tf.float32)
+
+
 def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                    *, global_batch_size: int, loss: Any = None,
+                    *, global_batch_size: int | None, loss: Any = None,
                     jit_compile: bool = False,
                     allreduce: allreduce_lib.AllReduceOptions | None = None
-                    ) -> Callable[[tf.Tensor, tf.Tensor], dict[str, tf.Tensor]]:
+                    ) -> Callable[..., dict[str, tf.Tensor]]:
   """Builds the per-replica training step.
 
   Args:
     model: the Keras model (built in the strategy's scope).
     optimizer: a built Keras optimizer (a `LossScaleOptimizer` for float16).
-    global_batch_size: examples per step over all replicas.
-    loss: see `per_example_loss_fn`.
+    global_batch_size: examples per step over all replicas (`None`: the
+      replica's batch times the replica count).
+    loss: an `objectives.Objective`, or a loss for one (`as_objective`).
     jit_compile: XLA-compile the forward/backward (not the update, whose
       variables may live on several devices).
     allreduce: if given, the step sums replica gradients itself (then clips
@@ -128,22 +118,24 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
       caller must have called `allreduce.take_over_aggregation(optimizer)`.
 
   Returns:
-    `step(x, y) -> {"loss": mean loss share, "correct": count, "count": n,
-    "non_finite": 1 if the loss is NaN/inf}`,
+    `step(x, y, sample_weight=None) -> {"loss": mean loss share, "count": n,
+    "non_finite": 1 if the loss is NaN/inf, **metric state changes}`,
     to be called once per replica inside `strategy.run`.
   """
+  objective = as_objective(model, loss)
   grads_fn = make_gradients_fn(model, optimizer,
-                                global_batch_size=global_batch_size,
-                                loss=loss, jit_compile=jit_compile)
+                               global_batch_size=global_batch_size,
+                               objective=objective, jit_compile=jit_compile)
 
-  def step(x, y):
-    loss_value, y_pred, grads = grads_fn(x, y)
+  def step(x, y, sample_weight=None):
+    loss_value, y_pred, grads = grads_fn(x, y, sample_weight)
     if allreduce is not None:
       grads = allreduce_lib.all_reduce_gradients(grads, allreduce)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return {"loss": loss_value, "correct": correct_count(y, y_pred),
-            "count": tf.cast(tf.shape(y_pred)[0], tf.float32),
-            "non_finite": tf.cast(~tf.math.is_finite(loss_value), tf.float32)}
+    out = {"loss": loss_value, "count": batch_count(y_pred),
+           "non_finite": tf.cast(~tf.math.is_finite(loss_value), tf.float32)}
+    out.update(objective.metric_updates(y, y_pred, sample_weight))
+    return out
 
   return step
 
@@ -160,20 +152,27 @@ def non_finite_weights(model: keras.Model) -> tf.Tensor:
 
 
 def make_eval_step(model: keras.Model, *, loss: Any = None
-                   ) -> Callable[[tf.Tensor, tf.Tensor], dict[str, tf.Tensor]]:
+                   ) -> Callable[..., dict[str, tf.Tensor]]:
   """Builds the per-replica evaluation step: weighted sums, reduced by the caller.
 
-  `mask` is 1 for real rows and 0 for the padding of the last batch.
-  """
-  per_example = per_example_loss_fn(loss)
+  `mask` is 1 for real rows and 0 for the padding of the last batch; it
+  multiplies the user's sample weights, if any.
 
-  def step(x, y, mask):
+  Returns:
+    `step(x, y, mask, sample_weight=None) -> {"loss_sum", "count",
+    **metric state changes}`.
+  """
+  objective = as_objective(model, loss)
+
+  def step(x, y, mask, sample_weight=None):
     y_pred = model(x, training=False)
-    pred = tf.argmax(y_pred, axis=-1, output_type=tf.int32)
-    hits = tf.cast(tf.equal(pred, tf.cast(tf.reshape(y, tf.shape(pred)),
-                                          tf.int32)), tf.float32)
-    return {"loss_sum": tf.reduce_sum(per_example(y, y_pred) * mask),
-            "correct": tf.reduce_sum(hits * mask),
-            "count": tf.reduce_sum(mask)}
+    weight = mask if sample_weight is None else tf.nest.map_structure(
+        lambda w: tf.cast(w, tf.float32) * objectives.as_row_weight(mask, w),
+        sample_weight)
+    out = {"loss_sum": tf.reduce_sum(
+        objective.per_example_loss(y, y_pred, sample_weight) * mask),
+           "count": tf.reduce_sum(mask)}
+    out.update(objective.metric_updates(y, y_pred, weight))
+    return out
 
   return step

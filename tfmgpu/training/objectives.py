@@ -1,0 +1,348 @@
+"""What training minimises and reports: losses and metrics, as Keras takes them.
+
+`Objective` turns a Keras-style `loss` (a name, a `keras.losses.Loss`, a
+function, or a dict/list of them per output, with `loss_weights`) and
+`metrics` (names or `keras.metrics.Metric` objects, a list for every output
+or a dict per output) into the two things a distributed step needs:
+
+- `per_example_loss(y_true, y_pred, sample_weight)`: one loss per example
+  (the weighted sum over outputs, each the mean over the example's own
+  elements), which the step averages over the *global* batch. Averaged that
+  way, the loss equals Keras' `"sum_over_batch_size"` loss of the whole
+  batch, whatever the replica count.
+- metric *states*: each metric's variables as plain tensors, updated
+  statelessly (`Metric.stateless_update_state`). The step returns one
+  step's change of every state; the distributed function sums the changes
+  over replicas (SUM), the runner over calls and the coordinator over
+  workers, and `results` computes each metric once from the summed state.
+  Every Keras metric keeps sums and counts (its variables aggregate by
+  SUM), so this is exact: never an average of averages, across replicas,
+  micro-batches, stages or workers.
+
+The default (`loss=None`) is sparse categorical cross-entropy *from
+logits*, the loss of tfmgpu's demo models, with `"accuracy"`. A loss given
+by name follows Keras: `"sparse_categorical_crossentropy"` expects
+probabilities (pass `keras.losses.SparseCategoricalCrossentropy(
+from_logits=True)` for logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+LossSpec = Any  # str | keras.losses.Loss | callable | dict | list | None
+MetricSpec = Any  # str | keras.metrics.Metric | list | dict | None
+
+_ACCURACY_NAMES = ("accuracy", "acc")
+
+
+def default_loss(y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
+  """Sparse categorical cross-entropy from logits, per example."""
+  return keras.losses.sparse_categorical_crossentropy(
+      y_true, tf.cast(y_pred, tf.float32), from_logits=True)
+
+
+def loss_function(loss: Any, *, what: str = "loss") -> Callable[..., Any]:
+  """`fn(y_true, y_pred)` -> element-wise losses (unreduced), for one output.
+
+  Args:
+    loss: `None` (the default loss), a Keras loss name, a
+      `keras.losses.Loss` (its reduction is bypassed) or a function
+      returning per-example (or per-element) losses.
+    what: the argument's name for errors.
+
+  Raises:
+    ValueError: `loss` is none of these.
+  """
+  if loss is None:
+    return default_loss
+  if isinstance(loss, keras.losses.Loss):
+    return loss.call
+  if isinstance(loss, str):
+    try:
+      fn = keras.losses.get(loss)
+    except ValueError:
+      fn = None
+    if fn is None:
+      raise ValueError(f"{what}={loss!r} is not a Keras loss name. Use e.g. "
+                       "'mse', 'mae', 'binary_crossentropy', "
+                       "'sparse_categorical_crossentropy', a keras.losses.Loss "
+                       "or a function fn(y_true, y_pred).")
+    return getattr(fn, "call", fn)
+  if callable(loss):
+    return loss
+  raise ValueError(f"{what}={loss!r} is not a loss name, a keras.losses.Loss "
+                   "or a function fn(y_true, y_pred).")
+
+
+def _loss_kind(loss: Any) -> str:
+  """The Keras loss family of `loss`, to resolve `"accuracy"` like Keras."""
+  if loss is None:
+    return "sparse"
+  name = loss if isinstance(loss, str) else getattr(
+      loss, "name", getattr(loss, "__name__", ""))
+  name = str(name).lower()
+  if "sparse_categorical" in name:
+    return "sparse"
+  if "categorical" in name:
+    return "categorical"
+  if "binary" in name:
+    return "binary"
+  return "other"
+
+
+def _metric_object(metric: Any, loss: Any, what: str) -> keras.metrics.Metric:
+  """A fresh Keras metric for `metric` (a name or a `Metric`)."""
+  if isinstance(metric, keras.metrics.Metric):
+    return metric
+  if isinstance(metric, str) and metric.lower() in _ACCURACY_NAMES:
+    kind = _loss_kind(loss)
+    cls = {"sparse": keras.metrics.SparseCategoricalAccuracy,
+           "categorical": keras.metrics.CategoricalAccuracy,
+           "binary": keras.metrics.BinaryAccuracy}.get(kind,
+                                                       keras.metrics.Accuracy)
+    return cls(name=metric)
+  if isinstance(metric, str) or callable(metric):
+    try:
+      fn = keras.metrics.get(metric)
+    except ValueError:
+      fn = None
+    if isinstance(fn, keras.metrics.Metric):
+      return fn
+    if fn is not None:
+      name = metric if isinstance(metric, str) else fn.__name__
+      return keras.metrics.MeanMetricWrapper(fn, name=name)
+  raise ValueError(f"{what}={metric!r} is not a Keras metric name, a "
+                   "keras.metrics.Metric or a function fn(y_true, y_pred). "
+                   "Use e.g. 'accuracy', 'mae', keras.metrics.AUC().")
+
+
+def _metric_label(metric: Any) -> str | None:
+  """The reported name of a metric given by name: the name (as in Keras)."""
+  return metric if isinstance(metric, str) else None
+
+
+@dataclasses.dataclass
+class _Output:
+  """One model output: its name, position, loss and metrics."""
+  name: str
+  index: int
+  loss_fn: Callable[..., Any] | None
+  weight: float
+  metrics: list[tuple[str, keras.metrics.Metric]]
+
+
+def _per_output(spec: Any, names: Sequence[str], what: str) -> list[Any]:
+  """`spec` given for all outputs, as a list, or as a dict: one per output."""
+  if isinstance(spec, Mapping):
+    unknown = sorted(set(spec) - set(names))
+    if unknown:
+      raise ValueError(f"{what} has keys {unknown} that are not outputs of "
+                       f"the model; its outputs are {list(names)}.")
+    return [spec.get(n) for n in names]
+  if isinstance(spec, (list, tuple)) and len(names) > 1:
+    if what == "metrics" and all(not isinstance(m, (list, tuple, Mapping))
+                                 for m in spec):
+      return [list(spec)] * len(names)  # One list for every output.
+    if len(spec) != len(names):
+      raise ValueError(f"{what} has {len(spec)} entries for the model's "
+                       f"{len(names)} outputs {list(names)}; give one per "
+                       "output or a dict keyed by output name.")
+    return list(spec)
+  return [spec] * len(names)
+
+
+def output_names(model: keras.Model) -> list[str]:
+  """The names of `model`'s outputs (`["output"]` when it has one); a
+  staged or pipelined model answers for the model it was split from."""
+  unsplit = getattr(model, "unsplit_output_names", None)
+  if unsplit:
+    return list(unsplit)
+  outputs = getattr(model, "outputs", None)
+  names = list(getattr(model, "output_names", None) or [])
+  if outputs is not None and len(tf.nest.flatten(outputs)) > 1 and names:
+    return names
+  return names[:1] if len(names) == 1 else ["output"]
+
+
+class Objective:
+  """The losses and metrics of a training run (see the module docstring).
+
+  Args:
+    model: the Keras model (its output names key per-output dicts).
+    loss: see `loss_function`; or a dict (by output name) / list (by
+      position) of them for a model with several outputs.
+    metrics: metric names or `Metric` objects: a list (for every output),
+      or a dict by output name. `None` gives `["accuracy"]` with the default
+      loss and no metric otherwise.
+    loss_weights: per-output weights of the total loss (dict or list).
+
+  Raises:
+    ValueError: a loss or metric that is not one, or per-output specs that
+      do not match the model's outputs.
+  """
+
+  def __init__(self, model: keras.Model, loss: LossSpec = None,
+               metrics: MetricSpec = None, loss_weights: Any = None):
+    names = output_names(model)
+    if metrics is None:
+      metrics = ["accuracy"] if loss is None else []
+    losses = _per_output(loss, names, "loss")
+    weights = _per_output(loss_weights if loss_weights is not None else 1.0,
+                          names, "loss_weights")
+    per_metrics = _per_output(metrics, names, "metrics")
+    self.outputs: list[_Output] = []
+    multi = len(names) > 1
+    for i, name in enumerate(names):
+      wanted = per_metrics[i]
+      wanted = [] if wanted is None else (
+          list(wanted) if isinstance(wanted, (list, tuple)) else [wanted])
+      objs = [(_metric_label(m), _metric_object(m, losses[i], "metrics"))
+              for m in wanted]
+      labelled = [((f"{name}_{label or m.name}" if multi else label or m.name),
+                   m) for label, m in objs]
+      self.outputs.append(_Output(
+          name=name, index=i,
+          loss_fn=(None if isinstance(loss, Mapping) and losses[i] is None
+                   else loss_function(losses[i], what="loss")),
+          weight=float(weights[i] if weights[i] is not None else 1.0),
+          metrics=labelled))
+    self._check_unique_names()
+    self._initial = {key: np.asarray(v) for key, v in self._variables()}
+
+  def _check_unique_names(self) -> None:
+    seen: set[str] = {"loss"}
+    for out in self.outputs:
+      for label, _ in out.metrics:
+        if label in seen:
+          raise ValueError(f"metrics: two metrics are named {label!r}; give "
+                           "each metric object its own name=.")
+        seen.add(label)
+
+  def _variables(self):
+    for out in self.outputs:
+      for label, metric in out.metrics:
+        for j, v in enumerate(metric.variables):
+          yield f"metric/{label}/{j}", v
+
+  # ------------------------------------------------------------- shapes
+
+  @property
+  def metric_names(self) -> list[str]:
+    """The reported metric names, in order (after `"loss"`)."""
+    return [label for out in self.outputs for label, _ in out.metrics]
+
+  def state_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Each metric state tensor's key and shape (the step's extra sums)."""
+    return {k: tuple(v.shape) for k, v in self._initial.items()}
+
+  # ------------------------------------------------------------ in steps
+
+  def _pairs(self, y_true: Any, y_pred: Any):
+    """`(output, y_true_i, y_pred_i)` for each output, by name or position."""
+    if len(self.outputs) == 1:
+      yield self.outputs[0], _single(y_true), _single(y_pred)
+      return
+    for out in self.outputs:
+      yield out, _pick(y_true, out, "y"), _pick(y_pred, out, "the model output")
+
+  def per_example_loss(self, y_true: Any, y_pred: Any,
+                       sample_weight: Any = None) -> tf.Tensor:
+    """The weighted sum over outputs of each example's mean element loss."""
+    total = None
+    for out, yt, yp in self._pairs(y_true, y_pred):
+      if out.loss_fn is None:
+        continue
+      values = tf.cast(out.loss_fn(yt, yp), tf.float32)
+      sw = _pick_weight(sample_weight, out, len(self.outputs))
+      if sw is not None:
+        values = values * _broadcast_weight(tf.cast(sw, tf.float32), values)
+      rank = len(values.shape)
+      if rank > 1:
+        values = tf.reduce_mean(values, axis=list(range(1, rank)))
+      values = values * out.weight
+      total = values if total is None else total + values
+    if total is None:
+      raise ValueError("loss: no output has a loss; give at least one.")
+    return total
+
+  def metric_updates(self, y_true: Any, y_pred: Any,
+                     sample_weight: Any = None) -> dict[str, tf.Tensor]:
+    """One batch's change of every metric state (keys of `state_shapes`)."""
+    deltas: dict[str, tf.Tensor] = {}
+    for out, yt, yp in self._pairs(y_true, y_pred):
+      sw = _pick_weight(sample_weight, out, len(self.outputs))
+      for label, metric in out.metrics:
+        keys = [f"metric/{label}/{j}" for j in range(len(metric.variables))]
+        start = [tf.constant(self._initial[k]) for k in keys]
+        new = metric.stateless_update_state(start, yt, yp, sample_weight=sw)
+        for k, s, n in zip(keys, start, new):
+          deltas[k] = tf.cast(n, tf.float32) - tf.cast(s, tf.float32)
+    return deltas
+
+  # ------------------------------------------------------------ on host
+
+  def zero_states(self) -> dict[str, np.ndarray]:
+    """Summed changes of nothing: the start of an epoch's accumulation."""
+    return {k: np.zeros(v.shape, np.float32) for k, v in self._initial.items()}
+
+  def results(self, deltas: Mapping[str, Any]) -> dict[str, float]:
+    """Each metric's value from its summed state changes."""
+    out: dict[str, float] = {}
+    for o in self.outputs:
+      for label, metric in o.metrics:
+        keys = [f"metric/{label}/{j}" for j in range(len(metric.variables))]
+        state = [self._initial[k] + np.asarray(deltas.get(k, 0.0))
+                 for k in keys]
+        out[label] = float(np.asarray(metric.stateless_result(state)))
+    return out
+
+
+def _single(value: Any) -> Any:
+  """The one tensor of a one-output structure (a 1-list, 1-dict or tensor)."""
+  if isinstance(value, Mapping) and len(value) == 1:
+    return next(iter(value.values()))
+  if isinstance(value, (list, tuple)) and len(value) == 1:
+    return value[0]
+  return value
+
+
+def _pick(value: Any, out: _Output, what: str) -> Any:
+  if isinstance(value, Mapping):
+    if out.name not in value:
+      raise ValueError(f"{what} has no entry {out.name!r} for output "
+                       f"{out.name!r}; its keys are {sorted(value)}.")
+    return value[out.name]
+  if isinstance(value, (list, tuple)):
+    return value[out.index]
+  raise ValueError(f"{what} is one tensor, but the model has several "
+                   "outputs; give one per output (a list or a dict by "
+                   "output name).")
+
+
+def _pick_weight(sample_weight: Any, out: _Output, num_outputs: int) -> Any:
+  if sample_weight is None or num_outputs == 1:
+    return _single(sample_weight) if sample_weight is not None else None
+  if isinstance(sample_weight, Mapping):
+    return sample_weight.get(out.name)
+  if isinstance(sample_weight, (list, tuple)):
+    return sample_weight[out.index]
+  return sample_weight  # One weight per example, for every output.
+
+
+def _broadcast_weight(weight: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
+  """Per-example weights `[batch]` against element losses `[batch, ...]`."""
+  extra = len(values.shape) - len(weight.shape)
+  for _ in range(max(extra, 0)):
+    weight = tf.expand_dims(weight, -1)
+  return weight
+
+
+def as_row_weight(mask: tf.Tensor, weight: Any) -> tf.Tensor:
+  """The row mask `[batch]` shaped to multiply `weight` (`[batch, ...]`)."""
+  return _broadcast_weight(tf.cast(mask, tf.float32), tf.convert_to_tensor(weight))
