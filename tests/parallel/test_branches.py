@@ -184,3 +184,40 @@ def test_bad_arguments(cpu_devices, tmp_path):
     BranchParallel([])
   with pytest.raises(ValueError, match=r"index=2 is out of range"):
     BranchParallel(towers).load_branch_weights(2, "x.weights.h5")
+
+
+def combine_predictions(pred1, pred2):
+  """The seed's style: one argument per branch."""
+  return (pred1 + 2.0 * pred2) / 3.0
+
+
+def test_combine_takes_a_list_or_one_argument_per_branch(cpu_devices):
+  towers = [_tower(4, 0, "a"), _tower(5, 1, "b")]
+  x, _ = _data()
+  outputs = [t(x).numpy() for t in towers]
+  per_branch = BranchParallel(towers, devices=cpu_devices[1:3],
+                              combine=combine_predictions)
+  np.testing.assert_allclose(per_branch(x).numpy(),
+                             (outputs[0] + 2.0 * outputs[1]) / 3.0, rtol=1e-6)
+  as_list = BranchParallel(towers, devices=cpu_devices[1:3],
+                           combine=lambda outs: tf.reduce_max(
+                               tf.stack(outs), axis=0))
+  np.testing.assert_allclose(as_list(x).numpy(), np.maximum(*outputs),
+                             rtol=1e-6)
+
+
+def test_a_combine_that_cannot_take_the_outputs_fails_at_build(cpu_devices):
+  towers = [_tower(4, 0, "a"), _tower(5, 1, "b")]
+
+  def three(p1, p2, p3):
+    return p1 + p2 + p3
+
+  with pytest.raises(ValueError, match=r"combine='three' takes neither one "
+                     r"list of outputs nor one argument per branch \(2 "
+                     r"branches\): its signature is \(p1, p2, p3\)"):
+    BranchParallel(towers, devices=cpu_devices[1:3], combine=three)
+  with pytest.raises(ValueError, match=r"combine='<lambda>' fails when called "
+                     r"with the list of branch outputs \(shapes \[\(None, 3\), "
+                     r"\(None, 3\)\]\): IndexError: .*It must take one list"):
+    BranchParallel(towers, devices=cpu_devices[1:3],
+                   combine=lambda outs: outs[0] + outs[2])  # 2 branches.

@@ -4,6 +4,7 @@ import keras
 
 from tfmgpu.models import demo
 from tfmgpu.parallel import cost
+from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import partition
 
 plan_stages = partition.plan_stages
@@ -27,18 +28,38 @@ def test_costs_count_dense_and_conv_flops_params_and_activations():
   assert dense.param_bytes == (64 * 5 + 5) * 4
 
 
-def test_residual_blocks_are_cut_only_between_blocks():
+def test_residual_blocks_are_cut_between_blocks_where_one_tensor_crosses():
   model = demo.small_resnet((8, 8, 3), 4, blocks=3, filters=4)
-  blocks = cost.model_blocks(model)
-  starts = [b.layers[0] for b in blocks]
-  assert "block1_conv1" in starts and "block1_conv2" not in starts
-  assert "block1_bn1" not in starts and "block2_proj" not in starts
-  block1 = next(b for b in blocks if b.layers[0] == "block1_conv1")
-  assert block1.layers == ("block1_conv1", "block1_bn1", "block1_relu1",
-                           "block1_conv2", "block1_bn2", "block1_add")
-  block2 = next(b for b in blocks if b.layers[0] == "block2_conv1")
-  assert "block2_proj" in block2.layers  # The projection shortcut is inside.
-  plan = plan_stages(model, 3, criterion="flops")
-  for stage in plan.stages[1:]:
-    assert stage.layers[0] in starts
-  assert plan.layer_names == tuple(l.name for l in model.layers[1:])
+  graph = graph_lib.ModelGraph(model)
+  blocks = cost.model_blocks(graph)
+  assert [b.layers[0] for b in blocks] == graph.names  # One block per layer.
+  # A cut inside a residual block sends the skip tensor too, and costs it.
+  inside, between = graph.position("block1_conv2"), graph.position(
+      "block1_conv1")
+  assert [graph.name_of(t) for t in graph.crossing(inside)] == [
+      "block0_out", "block1_relu1"]
+  crossing = cost.cut_bytes(graph)
+  assert crossing[between] == 8 * 8 * 4 * 4
+  assert crossing[inside] == 2 * crossing[between]
+  costs = cost.block_costs(blocks, cost.Criterion.FLOPS)
+  cuts = cost.cut_costs(blocks, costs, crossing)
+  assert cuts[inside - 1] == 2 * cuts[between - 1] > 0
+  assert cost.cut_costs(blocks, costs, crossing, 0.0) == [0.0] * len(cuts)
+  # Expensive transfers keep the cuts between residual blocks, where one
+  # tensor crosses; free ones cut inside a block for a better balance.
+  single = {graph.names[p] for p in range(1, len(graph.nodes))
+            if len(graph.crossing(p)) == 1}
+  assert "block1_conv1" in single and "block1_conv2" not in single
+  assert "block1_bn1" not in single and "block2_proj" not in single
+  costly = plan_stages(model, 3, criterion="flops", transfer_weight=2.0)
+  free = plan_stages(model, 3, criterion="flops", transfer_weight=0.0)
+  for stage in costly.stages[:-1]:
+    assert len(stage.sent) == 1
+  for stage in costly.stages[1:]:
+    assert stage.layers[0] in single
+  assert any(len(s.sent) == 2 for s in free.stages)
+  assert (max(s.flops for s in free.stages) <
+          max(s.flops for s in costly.stages))
+  assert sum(s.sent_bytes for s in free.stages) > sum(
+      s.sent_bytes for s in costly.stages)
+  assert costly.layer_names == tuple(l.name for l in model.layers[1:])

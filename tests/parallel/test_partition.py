@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 import tfmgpu
@@ -39,6 +40,55 @@ def test_partitioner_is_optimal_against_brute_force():
     got = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
     assert got == pytest.approx(_brute_force(costs, k), rel=1e-12,
                                 abs=1e-12), (trial, costs, k)
+
+
+def _brute_force_with_cuts(costs, cuts, k):
+  """As `_brute_force`, each part also paying the cuts at its two ends."""
+  n = len(costs)
+  edge = [0.0] + list(cuts) + [0.0]
+  best = float("inf")
+  for inner in itertools.combinations(range(1, n), k - 1):
+    bounds = (0,) + inner + (n,)
+    best = min(best, max(sum(costs[a:b]) + edge[a] + edge[b]
+                         for a, b in zip(bounds, bounds[1:])))
+  return best
+
+
+def test_partitioner_with_cut_costs_is_optimal_against_brute_force():
+  rng = random.Random(1)
+  for trial in range(300):
+    n = rng.randint(1, 9)
+    costs = [rng.choice([0, rng.randint(1, 100), rng.random() * 50])
+             for _ in range(n)]
+    cuts = [rng.choice([0, rng.randint(1, 60), rng.random() * 30])
+            for _ in range(n - 1)]
+    k = rng.randint(1, n)
+    starts = partition.min_max_partition(costs, k, cuts)
+    assert starts[0] == 0 and len(starts) == k
+    assert starts == sorted(set(starts)) and starts[-1] < n
+    bounds = starts + [n]
+    edge = [0.0] + cuts + [0.0]
+    got = max(sum(costs[a:b]) + edge[a] + edge[b]
+              for a, b in zip(bounds, bounds[1:]))
+    assert got == pytest.approx(_brute_force_with_cuts(costs, cuts, k),
+                                rel=1e-12, abs=1e-12), (trial, costs, cuts, k)
+
+
+def test_an_expensive_cut_moves_the_split():
+  # Free cuts: [4], [3], [3, 2] (max 5). A cut before item 1 that costs 10
+  # is avoided: [4, 3], [3], [2] (max 7).
+  costs, cuts = [4, 3, 3, 2], [10, 0, 0]
+  assert partition.min_max_partition(costs, 3) == [0, 1, 2]
+  starts = partition.min_max_partition(costs, 3, cuts)
+  assert starts == [0, 2, 3]
+  bounds = starts + [4]
+  edge = [0.0] + cuts + [0.0]
+  got = max(sum(costs[a:b]) + edge[a] + edge[b]
+            for a, b in zip(bounds, bounds[1:]))
+  assert got == _brute_force_with_cuts(costs, cuts, 3) == 7
+  with pytest.raises(ValueError, match=r"cut_costs has 1 entries; 4 items "
+                     r"need 3"):
+    partition.min_max_partition(costs, 2, [1.0])
 
 
 def test_partitioner_is_not_greedy():
@@ -125,13 +175,14 @@ def test_unknown_split_point_lists_the_valid_ones():
     plan_stages(model, 2, split_points=["hidden_9"])
 
 
-def test_split_point_inside_a_residual_block_names_the_crossing_tensors():
+def test_split_point_inside_a_residual_block_sends_both_tensors():
   model = demo.small_resnet((8, 8, 3), 4, blocks=2, filters=4)
-  with pytest.raises(ValueError, match=r"split point 'block1_conv2' cannot "
-                     r"start a stage: cutting before it leaves 2 tensors "
-                     r"crossing the cut \(output of 'block0_out' .*output of "
-                     r"'block1_relu1'.*Valid split points: .*block1_conv1"):
-    plan_stages(model, 2, split_points=["block1_conv2"])
+  plan = plan_stages(model, 2, split_points=["block1_conv2"])
+  first, second = plan.stages
+  assert second.layers[0] == "block1_conv2"
+  assert first.sent == ("block0_out", "block1_relu1")
+  assert first.sent_bytes == 2 * 8 * 8 * 4 * 4 == second.input_bytes
+  assert "2: block0_out, block1_relu1" in plan.table()
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -159,9 +210,21 @@ def test_models_that_cannot_be_split():
   with pytest.raises(ValueError, match=r"calls layer\(s\) \['shared'\] more "
                      r"than once"):
     plan_stages(model, 1)
-  a, b = keras.Input((2,)), keras.Input((2,))
-  two = keras.Model([a, b], keras.layers.Add()([a, b]))
-  with pytest.raises(ValueError, match=r"has 2 inputs and 1 outputs"):
-    plan_stages(two, 1)
+
+  class Subclassed(keras.Model):
+
+    def __init__(self):
+      super().__init__(name="sub")
+      self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+      return self.dense(x)
+
+  sub = Subclassed()
+  sub(np.ones((1, 3), np.float32))
+  with pytest.raises(ValueError, match=r"model 'sub' has no symbolic "
+                     r"inputs/outputs \(Subclassed\): only Sequential and "
+                     r"functional models can be split. Rewrite it"):
+    plan_stages(sub, 1)
   with pytest.raises(ValueError, match=r"num_stages=0 must be a positive"):
     plan_stages(demo.deep_mlp((8,), 2, depth=1, width=2), 0)

@@ -1,9 +1,9 @@
 """How a model is spread over devices, one idea per module (low to high):
 
-* `graph`: a Keras model's layer calls in topological order and its cut
-  points (where exactly one tensor crosses);
+* `graph`: a Keras model's layer calls in topological order and the tensors
+  that cross a cut before any of them (activations, skip tensors, inputs);
 * `cost`: the cost model: parameter bytes, forward FLOPs and activation bytes
-  of each block between two cut points;
+  of each layer, and the bytes crossing each cut;
 * `plan`: the `StagePlan`: which layers go to which device, with their
   costs, printable, with a per-device memory estimate;
 * `partition`: `plan_stages`, the exact balanced split of the blocks into

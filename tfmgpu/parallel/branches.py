@@ -10,6 +10,7 @@ callable. Each branch can load its own weights file.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence, Union
 
 import keras
@@ -25,6 +26,58 @@ _COMBINE = {
     "sum": tf.add_n,
     "mean": lambda outs: tf.add_n(outs) / len(outs),
 }
+
+
+def _takes_one_per_branch(fn: Callable[..., Any], count: int) -> bool:
+  """Whether `fn` is called as `fn(out_1, ..., out_n)` rather than
+  `fn([out_1, ..., out_n])`: it binds `count` arguments but not one."""
+  return count > 1 and _binds(fn, count) and not _binds(fn, 1)
+
+
+def _binds(fn: Callable[..., Any], n: int) -> bool:
+  """Whether `fn` accepts `n` positional arguments (unknown: yes for 1)."""
+  try:
+    inspect.signature(fn).bind(*range(n))
+    return True
+  except TypeError:
+    return False
+  except ValueError:  # No signature (a builtin): assume the list form.
+    return n == 1
+
+
+def _checked_callable(fn: Callable[..., Any], specs: Sequence[Any]
+                      ) -> Callable[[list], Any]:
+  """`fn` as `combine(list)`, traced once on the branches' output specs.
+
+  Raises:
+    ValueError: `fn` takes neither one list nor one argument per branch,
+      or fails on outputs of these shapes.
+  """
+  per_branch = _takes_one_per_branch(fn, len(specs))
+  name = getattr(fn, "__name__", repr(fn))
+  if not per_branch and not _binds(fn, 1):
+    raise ValueError(
+        f"combine={name!r} takes neither one list of outputs nor one argument "
+        f"per branch ({len(specs)} branches): its signature is "
+        f"{inspect.signature(fn)}. Use fn(outputs) or fn(out_1, ..., "
+        f"out_{len(specs)}).")
+  combine = (lambda outs: fn(*outs)) if per_branch else fn
+  tensor_specs = [tf.TensorSpec(s.shape, s.dtype) for s in specs]
+  try:
+    tf.function(lambda *outs: combine(list(outs)),
+                autograph=False).get_concrete_function(
+        *tensor_specs)
+  except Exception as e:  # pylint: disable=broad-except  (reported, named)
+    shapes = [tuple(s.shape) for s in specs]
+    how = ("one argument per branch" if per_branch
+           else "the list of branch outputs")
+    reason = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+    raise ValueError(
+        f"combine={name!r} fails when called with {how} (shapes {shapes}): "
+        f"{type(e).__name__}: {reason}. It must take "
+        "one list, fn(outputs), or one argument per branch, fn(out_1, ..., "
+        "out_n), and return a tensor.") from e
+  return combine
 
 
 def _place(spec: BranchSpec, device: str, index: int) -> keras.Model:
@@ -118,7 +171,10 @@ class BranchParallel(placed_lib.PerDeviceGradientModel):
         Defaults to the first `len(branches)` accelerators.
       combine: `"concat"` (last axis), `"mean"`, `"sum"`, a Keras layer
         called on the list of outputs (built on `combine_device`), or a
-        callable `fn(list_of_outputs) -> output`. Defaults to `"concat"`.
+        callable taking the list of outputs (`fn(outputs)`) or one
+        argument per branch (`fn(pred1, pred2)`); a callable is traced on
+        the branches' output shapes here, so a mistake shows at build time.
+        Defaults to `"concat"`.
       combine_device: where outputs are combined. Defaults to `devices[0]`.
       weights_paths: one entry per branch: a weights file
         (`.weights.h5`) to load into it, or `None`.
@@ -181,7 +237,7 @@ class BranchParallel(placed_lib.PerDeviceGradientModel):
         combine(specs)
       return None, combine
     if callable(combine):
-      return combine, None
+      return _checked_callable(combine, specs), None
     raise TypeError(f"combine={combine!r} is not a name, a Keras layer or a "
                     "callable.")
 

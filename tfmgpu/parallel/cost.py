@@ -1,8 +1,9 @@
-"""Cost model: parameter bytes, forward FLOPs and activation bytes per block.
+"""Cost model: parameter bytes, forward FLOPs and activation bytes per layer,
+and the bytes that cross each cut.
 
-The layers between two consecutive cut points of a `ModelGraph` form a
-`Block`, the unit the partitioner moves between stages. Costs, per block and
-per example:
+Each layer call of a `ModelGraph` is a `Block`, the unit the partitioner
+moves between stages; a stage boundary may fall before any of them. Costs,
+per block and per example:
 
 * parameter bytes: every weight (trainable or not) times its dtype size;
 * forward FLOPs (a multiply-add counts as 2):
@@ -16,11 +17,16 @@ per example:
     (`Flatten`, `Reshape`, `Dropout`, `Concatenate`, `Embedding`, ...): 0;
   - a nested model: the sum over its own layers;
   - anything else: one FLOP per output element (a coarse estimate);
-* activation bytes: the outputs of every layer (kept for the backward pass)
-  and, at each cut, the single tensor sent to the next stage.
+* activation bytes: the outputs of every layer (kept for the backward pass);
+* at each cut, the bytes of every tensor crossing it (`cut_bytes`): what one
+  stage sends to the next, and receives back as gradients.
 
-`Criterion` names what a split balances and `block_costs` turns blocks into
-the numbers the partitioner balances.
+`Criterion` names what a split balances; `block_costs` and `cut_costs` turn
+blocks and cuts into the numbers the partitioner balances. A cut costs
+`transfer_weight` times what the model's layers cost, on average, per byte
+of output they make (`TRANSFER_WEIGHT` by default): a cut that sends two
+tensors costs more than one that sends one of them, and a stage pays for
+what it receives and what it sends.
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ from absl import logging
 import keras
 
 from tfmgpu.parallel import graph as graph_lib
+
+# What a byte crossing a cut costs, relative to what the model's layers cost
+# on average per byte of output they make (see the module docstring). Small:
+# a pipeline overlaps its transfers with compute, so cut bytes mostly decide
+# between splits of about equal balance.
+TRANSFER_WEIGHT = 0.1
 
 
 class Criterion(str, enum.Enum):
@@ -145,16 +157,16 @@ def node_flops(node) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-  """The layers between two consecutive cut points: the unit of partitioning.
+  """One layer call: the unit of partitioning.
 
   Attributes:
-    layers: layer names in topological order.
+    layers: its layer name (a tuple, in topological order).
     param_bytes: bytes of all weights.
     trainable_param_bytes: bytes of the trainable weights.
     flops: forward FLOPs per example.
-    activation_bytes: bytes per example of every layer output in the block.
-    output_bytes: bytes per example of the one tensor leaving the block.
-    output_shape: shape of that tensor (batch axis `None`).
+    activation_bytes: bytes per example of the layer's outputs.
+    output_bytes: bytes per example of its (first) output.
+    output_shape: shape of that output (batch axis `None`).
   """
   layers: tuple[str, ...]
   param_bytes: int
@@ -166,19 +178,16 @@ class Block:
 
 
 def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
-  """Splits a model at its cut points and costs each block.
+  """Costs each layer call of a model, in topological order.
 
   Args:
-    model: a built single-input, single-output Sequential or functional model
-      (or its `ModelGraph`).
+    model: a built Sequential or functional model (or its `ModelGraph`).
 
   Returns:
-    The blocks in order; their layers cover the model's layers exactly once.
+    One block per layer call; their layers cover the model's layers once.
   """
   graph = (model if isinstance(model, graph_lib.ModelGraph)
            else graph_lib.ModelGraph(model))
-  starts = [0] + graph.cut_positions()
-  ends = starts[1:] + [len(graph.nodes)]
   unknown = [t for t in graph.tensors()
              if any(d is None for d in tuple(t.shape)[1:])]
   if unknown:
@@ -186,20 +195,26 @@ def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
                     "costs count them as 1.", graph.model.name,
                     graph.describe(unknown[0]))
   blocks = []
-  for start, end in zip(starts, ends):
-    nodes = graph.nodes[start:end]
-    out = graph.boundary(end)
+  for node in graph.nodes:
+    out = node.output_tensors[0]
     blocks.append(Block(
-        layers=tuple(n.operation.name for n in nodes),
-        param_bytes=sum(param_bytes(n.operation) for n in nodes),
-        trainable_param_bytes=sum(param_bytes(n.operation, True)
-                                  for n in nodes),
-        flops=sum(node_flops(n) for n in nodes),
-        activation_bytes=sum(graph_lib.tensor_bytes(t) for n in nodes
-                             for t in n.output_tensors),
+        layers=(node.operation.name,),
+        param_bytes=param_bytes(node.operation),
+        trainable_param_bytes=param_bytes(node.operation, True),
+        flops=node_flops(node),
+        activation_bytes=sum(graph_lib.tensor_bytes(t)
+                             for t in node.output_tensors),
         output_bytes=graph_lib.tensor_bytes(out),
         output_shape=tuple(out.shape)))
   return blocks
+
+
+def cut_bytes(graph: graph_lib.ModelGraph) -> list[int]:
+  """Bytes per example crossing a cut before each node, positions 0..n.
+
+  Entry 0 is the model's inputs, entry `n` its outputs.
+  """
+  return [graph.crossing_bytes(p) for p in range(len(graph.nodes) + 1)]
 
 
 def block_costs(blocks: Sequence[Block], criterion: Criterion) -> list[float]:
@@ -220,3 +235,28 @@ def block_costs(blocks: Sequence[Block], criterion: Criterion) -> list[float]:
   if not shares:
     return [1.0] * len(blocks)
   return [sum(s[i] for s in shares) / len(shares) for i in range(len(blocks))]
+
+
+def cut_costs(blocks: Sequence[Block], costs: Sequence[float],
+              crossing: Sequence[int],
+              transfer_weight: float = TRANSFER_WEIGHT) -> list[float]:
+  """The cost of cutting between consecutive blocks, in the blocks' units.
+
+  A byte crossing a cut costs `transfer_weight` times the blocks' total cost
+  divided by their total activation bytes (what the layers cost, on average,
+  per byte of output they make).
+
+  Args:
+    blocks: the blocks, in order.
+    costs: their costs (`block_costs`).
+    crossing: `cut_bytes` of the graph: bytes at positions 0..n.
+    transfer_weight: see above; 0 balances compute alone.
+
+  Returns:
+    `n - 1` costs: entry `i - 1` is the cost of a cut before block `i`.
+  """
+  if transfer_weight < 0:
+    raise ValueError(f"transfer_weight={transfer_weight!r} must be >= 0.")
+  made = sum(b.activation_bytes for b in blocks)
+  rate = transfer_weight * sum(costs) / made if made else 0.0
+  return [rate * crossing[p] for p in range(1, len(blocks))]

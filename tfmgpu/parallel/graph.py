@@ -1,10 +1,12 @@
-"""The layer graph of a Keras model: topological order and where it can be cut.
+"""The layer graph of a Keras model: topological order and what crosses a cut.
 
-A model can be split where exactly one tensor crosses from the layers before
-to the layers after (a *cut point*). A Sequential model can be cut between any
-two layers; a functional model with residual connections can only be cut
-between its blocks. `ModelGraph` lists a model's layer calls in topological
-order and, for any position, the tensors that cross a cut placed there.
+A functional (or Sequential) model can be cut before any of its layer calls:
+the layers before the cut form one stage, the layers after it the next, and
+every tensor made before the cut and read after it *crosses* it: the
+activation, skip (residual) tensors, and model inputs that later layers read
+(a padding mask, position ids, a tabular input joined late). `ModelGraph`
+lists a model's layer calls in topological order and, for any position, the
+tensors that cross a cut placed there and their bytes.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def _producer(tensor: keras.KerasTensor):
   return op._inbound_nodes[node_index]  # pylint: disable=protected-access
 
 
-def _single_input_output(model: keras.Model):
-  """`(input, output)` of a built single-input, single-output model."""
+def _symbolic_inputs_outputs(model: keras.Model):
+  """`(inputs, outputs)`: the flat symbolic tensors of a built model."""
   if not isinstance(model, keras.Model):
     raise TypeError(f"model={model!r} is not a keras.Model.")
   if not model.built:
@@ -55,25 +57,26 @@ def _single_input_output(model: keras.Model):
         f"model {model.name!r} has no symbolic inputs/outputs "
         f"({type(model).__name__}): only Sequential and functional models "
         "can be split. Rewrite it functionally.") from e
-  if inputs is None or len(inputs) != 1 or len(outputs) != 1:
+  if not inputs or not outputs:
     raise ValueError(
         f"model {model.name!r} has {len(inputs or [])} inputs and "
-        f"{len(outputs)} outputs; only single-input, single-output chains "
-        "can be split into stages.")
-  return inputs[0], outputs[0]
+        f"{len(outputs or [])} outputs; a model to split needs symbolic "
+        "inputs and outputs (a functional or Sequential model).")
+  return list(inputs), list(outputs)
 
 
-def _reachable_nodes(model: keras.Model, model_input, model_output
+def _reachable_nodes(model: keras.Model, model_inputs, model_outputs
                      ) -> dict[int, Any]:
-  """`{id: node}` of the layer calls reachable backwards from the output.
+  """`{id: node}` of the layer calls reachable backwards from the outputs.
 
   Raises:
     ValueError: a layer is called more than once.
   """
-  found, stack = {}, [model_output]
+  input_ops = {id(t._keras_history[0]) for t in model_inputs}  # pylint: disable=protected-access
+  found, stack = {}, list(model_outputs)
   while stack:
     node = _producer(stack.pop())
-    if id(node) in found or node.operation is model_input._keras_history[0]:  # pylint: disable=protected-access
+    if id(node) in found or id(node.operation) in input_ops:
       continue
     found[id(node)] = node
     stack.extend(node.input_tensors)
@@ -87,8 +90,6 @@ def _reachable_nodes(model: keras.Model, model_input, model_output
         "shared layer cannot be placed on one stage device. Give each call "
         "its own layer.")
   return found
-
-
 def _topological_order(model: keras.Model, found: dict[int, Any]) -> list[Any]:
   """Kahn's algorithm, ties broken by the model's own layer order."""
   # Functional models list bare ops (keras.ops.*) in `_operations` only.
@@ -117,13 +118,29 @@ def _topological_order(model: keras.Model, found: dict[int, Any]) -> list[Any]:
   return nodes
 
 
+def _structure(model: keras.Model, which: str, flat: list[Any]) -> Any:
+  """`model.input` or `model.output` (the structure the model takes or
+  returns); a single tensor when there is one (Sequential models have no
+  `input` before their first call)."""
+  if len(flat) == 1:
+    return flat[0]
+  return getattr(model, which)
+
+
 class ModelGraph:
-  """The nodes of a single-input, single-output Keras model in topological order.
+  """The layer calls of a Keras model in topological order, and its cuts.
+
+  A cut at position `p` (`0 < p < len(nodes)`) puts `nodes[:p]` before it
+  and `nodes[p:]` after it. Position 0 is the model's input, position
+  `len(nodes)` its output.
 
   Attributes:
     model: the model.
-    input: its symbolic input tensor.
-    output: its symbolic output tensor.
+    inputs: its symbolic input tensors, flat (`model.inputs`).
+    outputs: its symbolic output tensors, flat (`model.outputs`).
+    input_structure: its inputs as the model takes them (one tensor, or a
+      list or dict of them: `model.input`).
+    output_structure: its outputs as the model returns them (`model.output`).
     nodes: the layer calls (Keras `Node`s) in topological order, inputs
       excluded.
     names: the layer name of each node.
@@ -134,27 +151,32 @@ class ModelGraph:
 
     Raises:
       TypeError: `model` is not a Keras model.
-      ValueError: the model is not built, is subclassed, has several inputs
-        or outputs, or calls a layer more than once.
+      ValueError: the model is not built, is subclassed, or calls a layer
+        more than once.
     """
-    self.input, self.output = _single_input_output(model)
+    self.inputs, self.outputs = _symbolic_inputs_outputs(model)
+    self.input_structure = _structure(model, "input", self.inputs)
+    self.output_structure = _structure(model, "output", self.outputs)
     self.model = model
-    found = _reachable_nodes(model, self.input, self.output)
+    found = _reachable_nodes(model, self.inputs, self.outputs)
     self.nodes = _topological_order(model, found)
     self.names = [n.operation.name for n in self.nodes]
     self._position = {name: i for i, name in enumerate(self.names)}
-    # Each tensor lives from its producer's position to its last consumer's.
-    self._tensors = {id(self.input): [self.input, -1, -1]}
+    # Each tensor lives from its producer's position to its last consumer's
+    # (model inputs from -1, model outputs to len(nodes)).
+    self._tensors = {id(t): [t, -1, -1] for t in self.inputs}
     for i, node in enumerate(self.nodes):
       for t in node.output_tensors:
-        self._tensors[id(t)] = [t, i, i]
+        self._tensors.setdefault(id(t), [t, i, i])
     for i, node in enumerate(self.nodes):
       for t in node.input_tensors:
-        self._tensors[id(t)][2] = max(self._tensors[id(t)][2], i)
-    self._tensors[id(self.output)][2] = len(self.nodes)
+        if id(t) in self._tensors:
+          self._tensors[id(t)][2] = max(self._tensors[id(t)][2], i)
+    for t in self.outputs:
+      self._tensors[id(t)][2] = len(self.nodes)
 
   def tensors(self) -> list[keras.KerasTensor]:
-    """Every tensor of the graph: the input and each layer output."""
+    """Every tensor of the graph: the inputs and each layer output."""
     return [t for t, _, _ in self._tensors.values()]
 
   def position(self, layer_name: str) -> int:
@@ -164,24 +186,33 @@ class ModelGraph:
     return self._position[layer_name]
 
   def crossing(self, position: int) -> list[keras.KerasTensor]:
-    """The tensors that cross a cut placed just before node `position`."""
+    """The tensors that cross a cut placed just before node `position`.
+
+    In a fixed order: model inputs first (in `model.inputs` order), then
+    layer outputs in topological order. Position 0 gives every model input,
+    position `len(nodes)` every model output.
+    """
+    if position == 0:
+      return list(self.inputs)
+    if position == len(self.nodes):
+      return list(self.outputs)
     return [t for t, first, last in self._tensors.values()
             if first < position <= last]
 
-  def cut_positions(self) -> list[int]:
-    """Positions (1..n-1) where exactly one tensor crosses."""
-    return [i for i in range(1, len(self.nodes)) if len(self.crossing(i)) == 1]
+  def crossing_bytes(self, position: int) -> int:
+    """Bytes per example of the tensors crossing a cut at `position`."""
+    return sum(tensor_bytes(t) for t in self.crossing(position))
 
-  def boundary(self, position: int) -> keras.KerasTensor:
-    """The single tensor crossing a valid cut (0: the input, n: the output)."""
-    if position == 0:
-      return self.input
-    if position == len(self.nodes):
-      return self.output
-    (tensor,) = self.crossing(position)
-    return tensor
+  def name_of(self, tensor: keras.KerasTensor) -> str:
+    """The layer that makes `tensor` (`"<layer>:<i>"` for its `i`-th of
+    several outputs), or the model input's name."""
+    op, node_index, index = tensor._keras_history  # pylint: disable=protected-access
+    node = op._inbound_nodes[node_index]  # pylint: disable=protected-access
+    many = len(node.output_tensors) > 1
+    return f"{op.name}:{index}" if many else op.name
 
   def describe(self, tensor: keras.KerasTensor) -> str:
-    """`"output of '<layer>' (<shape>)"`, for error messages."""
-    op = tensor._keras_history[0]  # pylint: disable=protected-access
-    return f"output of {op.name!r} {tuple(tensor.shape)}"
+    """`"output of '<layer>' (<shape>)"` or `"input '<name>' (<shape>)"`."""
+    what = ("input" if any(tensor is t for t in self.inputs)
+            else "output of")
+    return f"{what} {self.name_of(tensor)!r} {tuple(tensor.shape)}"

@@ -2,7 +2,7 @@
 
 The helpers `PipelinedModel` uses to cut a step into `M` micro-batches and
 make their sum equal the unsplit step: `split` cuts every tensor of a batch
-along its first axis, `sum_gradients` adds one variable's gradients (dense or
+(any structure) along its first axis and `concat` joins the parts again, `sum_gradients` adds one variable's gradients (dense or
 `tf.IndexedSlices`), `call_losses` and `weight_regularization` separate the
 losses a call adds (counted per micro-batch) from the weight regularisers
 (counted once per step).
@@ -36,6 +36,11 @@ def split(structure: Any, num: int) -> list[Any]:
            for t in flat]
   return [tf.nest.pack_sequence_as(structure, [p[m] for p in parts])
           for m in range(num)]
+
+
+def concat(parts: Sequence[Any]) -> Any:
+  """Joins micro-batch structures along axis 0 (the inverse of `split`)."""
+  return tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *parts)
 
 
 def sum_gradients(grads: Sequence[Any]) -> Any:

@@ -1,10 +1,14 @@
 """The partitioner: an exact, balanced split of a model's blocks into stages.
 
-`plan_stages` costs a model's blocks (`tfmgpu.parallel.cost`), finds the
-contiguous split into stages that minimises the cost of the most expensive
-stage exactly (`min_max_partition`, dynamic programming), or follows the
-split points it is given, assigns one device per stage, and returns a
-`StagePlan` (`tfmgpu.parallel.plan`).
+`plan_stages` costs a model's layer calls and the bytes crossing each cut
+(`tfmgpu.parallel.cost`), finds the contiguous split into stages that
+minimises the cost of the most expensive stage exactly (`min_max_partition`,
+dynamic programming; a stage's cost is its layers' cost plus the cost of the
+cuts it receives and sends across), or follows the split points it is given,
+assigns one device per stage, and returns a `StagePlan`
+(`tfmgpu.parallel.plan`). A cut may fall before any layer: every tensor that
+crosses it (activations, skip tensors, model inputs read later) travels to
+the next stage.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import plan as plan_lib
 
 
-def min_max_partition(costs: Sequence[float], num_parts: int) -> list[int]:
+def min_max_partition(costs: Sequence[float], num_parts: int,
+                      cut_costs: Sequence[float] | None = None) -> list[int]:
   """Exact contiguous partition minimising the largest part's cost.
 
+  A part `items[i:j]` costs `sum(costs[i:j])` plus the cost of the cuts at
+  its ends (`cut_costs[i - 1]` if `i > 0`, `cut_costs[j - 1]` if `j < n`).
   Dynamic programming over (parts, prefix): O(num_parts * n^2). Among the
   optimal partitions it returns the one with the smallest sum of squared part
   costs (a second exact pass), so the other parts are even too.
@@ -30,48 +37,63 @@ def min_max_partition(costs: Sequence[float], num_parts: int) -> list[int]:
   Args:
     costs: non-negative cost of each item, in order.
     num_parts: number of non-empty contiguous parts, `1 <= num_parts <= n`.
+    cut_costs: non-negative cost of cutting before item `i` at index
+      `i - 1` (`n - 1` entries). Defaults to free cuts.
 
   Returns:
     The start index of each part (the first is 0).
 
   Raises:
-    ValueError: `num_parts` outside `1..len(costs)` or a negative cost.
+    ValueError: `num_parts` outside `1..len(costs)`, a negative cost, or
+      `cut_costs` of the wrong length.
   """
   n = len(costs)
   if not 1 <= num_parts <= n:
     raise ValueError(f"num_parts={num_parts} must be between 1 and the "
                      f"number of items ({n}).")
-  if any(c < 0 for c in costs):
-    raise ValueError(f"costs must be non-negative; got {list(costs)}.")
+  cuts = [0.0] * max(n - 1, 0) if cut_costs is None else list(cut_costs)
+  if len(cuts) != max(n - 1, 0):
+    raise ValueError(f"cut_costs has {len(cuts)} entries; {n} items need "
+                     f"{max(n - 1, 0)} (one per place between two items).")
+  if any(c < 0 for c in list(costs) + cuts):
+    raise ValueError(f"costs must be non-negative; got {list(costs)} and "
+                     f"cut_costs {cuts}.")
   prefix = [0.0]
   for c in costs:
     prefix.append(prefix[-1] + c)
-  inf = float("inf")
-
-  def solve(score, combine, allowed):
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    arg = [[-1] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
-    for m in range(1, num_parts + 1):
-      for j in range(m, n - num_parts + m + 1):
-        for i in range(m - 1, j):
-          part = prefix[j] - prefix[i]
-          if best[m - 1][i] == inf or not allowed(part):
-            continue
-          value = combine(best[m - 1][i], score(part))
-          if value < best[m][j]:
-            best[m][j], arg[m][j] = value, i
-    starts, j = [], n
-    for m in range(num_parts, 0, -1):
-      j = arg[m][j]
-      starts.append(j)
-    return best[num_parts][n], starts[::-1]
-
-  optimum, _ = solve(lambda p: p, max, lambda p: True)
+  edge = [0.0] + cuts + [0.0]  # edge[p]: the cut before item p.
+  part_cost = lambda i, j: prefix[j] - prefix[i] + edge[i] + edge[j]
+  optimum, _ = _solve(n, num_parts, part_cost, lambda p: p, max,
+                      lambda p: True)
   bound = optimum + 1e-12 * max(1.0, abs(optimum))
-  _, starts = solve(lambda p: p * p, lambda a, b: a + b,
-                    lambda p: p <= bound)
+  _, starts = _solve(n, num_parts, part_cost, lambda p: p * p,
+                     lambda a, b: a + b, lambda p: p <= bound)
   return starts
+
+
+def _solve(n: int, num_parts: int, part_cost, score, combine, allowed):
+  """`(best value, part starts)` over contiguous splits of `n` items:
+  `combine` of `score(part_cost(i, j))` over parts, only `allowed` parts."""
+  inf = float("inf")
+  best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
+  arg = [[-1] * (n + 1) for _ in range(num_parts + 1)]
+  best[0][0] = 0.0
+  for m in range(1, num_parts + 1):
+    for j in range(m, n - num_parts + m + 1):
+      for i in range(m - 1, j):
+        if best[m - 1][i] == inf:
+          continue
+        part = part_cost(i, j)
+        if not allowed(part):
+          continue
+        value = combine(best[m - 1][i], score(part))
+        if value < best[m][j]:
+          best[m][j], arg[m][j] = value, i
+  starts, j = [], n
+  for m in range(num_parts, 0, -1):
+    j = arg[m][j]
+    starts.append(j)
+  return best[num_parts][n], starts[::-1]
 
 
 def _choose_devices(num_stages: int, devices: Sequence[str] | None) -> list[str]:
@@ -93,6 +115,14 @@ def _choose_devices(num_stages: int, devices: Sequence[str] | None) -> list[str]
   return devices_lib.resolve_devices(devices)
 
 
+def _valid_names(blocks: Sequence[cost_lib.Block]) -> str:
+  """The layers that can start a stage, for error messages (abridged)."""
+  names = [b.layers[0] for b in blocks[1:]]
+  if len(names) > 12:
+    names = names[:6] + [f"... ({len(names) - 12} more) ..."] + names[-6:]
+  return ", ".join(names) or "none"
+
+
 def _split_starts(graph: graph_lib.ModelGraph,
                   blocks: Sequence[cost_lib.Block],
                   split_points: Sequence[str], num_stages: int) -> list[int]:
@@ -102,8 +132,7 @@ def _split_starts(graph: graph_lib.ModelGraph,
         f"split_points={list(split_points)} has {len(split_points)} name(s) "
         f"but num_stages={num_stages} needs {num_stages - 1}: each split point "
         "is the first layer of a new stage.")
-  first_layers = {b.layers[0]: i for i, b in enumerate(blocks)}
-  valid = [b.layers[0] for b in blocks[1:]]
+  valid = _valid_names(blocks)
   starts = [0]
   for name in split_points:
     try:
@@ -111,26 +140,17 @@ def _split_starts(graph: graph_lib.ModelGraph,
     except KeyError:
       raise ValueError(
           f"split point {name!r} is not a layer of model {graph.model.name!r}. "
-          f"Valid split points: {', '.join(valid) or 'none'}.") from None
-    if name not in first_layers or first_layers[name] == 0:
-      if pos == 0:
-        raise ValueError(
-            f"split point {name!r} is the model's first layer: a stage "
-            f"would be empty. Valid split points: {', '.join(valid)}.")
-      crossing = graph.crossing(pos)
+          f"Valid split points: {valid}.") from None
+    if pos == 0:
       raise ValueError(
-          f"split point {name!r} cannot start a stage: cutting before it "
-          f"leaves {len(crossing)} tensors crossing the cut "
-          f"({'; '.join(graph.describe(t) for t in crossing)}), as inside a "
-          "residual block; a stage boundary needs exactly one. Valid split "
-          f"points: {', '.join(valid) or 'none'}.")
-    starts.append(first_layers[name])
+          f"split point {name!r} is the model's first layer: a stage "
+          f"would be empty. Valid split points: {valid}.")
+    starts.append(pos)
   if starts != sorted(set(starts)):
     raise ValueError(
         f"split_points={list(split_points)} must be distinct and in the "
-        f"model's layer order ({', '.join(valid)}).")
+        f"model's layer order ({valid}).")
   return starts
-
 
 
 def _criterion(criterion: str) -> cost_lib.Criterion:
@@ -141,13 +161,16 @@ def _criterion(criterion: str) -> cost_lib.Criterion:
   return cost_lib.Criterion(criterion)
 
 
-def _stages(blocks: Sequence[cost_lib.Block], starts: Sequence[int],
-            devices: Sequence[str], input_bytes: int) -> tuple[plan_lib.Stage, ...]:
+def _stages(graph: graph_lib.ModelGraph, blocks: Sequence[cost_lib.Block],
+            starts: Sequence[int], devices: Sequence[str]
+            ) -> tuple[plan_lib.Stage, ...]:
   """One `Stage` per run of blocks from `starts[k]`, on `devices[k]`."""
   ends = list(starts[1:]) + [len(blocks)]
   stages = []
   for k, (a, b) in enumerate(zip(starts, ends)):
     part = blocks[a:b]
+    last = k == len(starts) - 1
+    sent = [] if last else graph.crossing(b)
     stages.append(plan_lib.Stage(
         index=k, device=devices[k],
         layers=tuple(n for blk in part for n in blk.layers),
@@ -155,38 +178,48 @@ def _stages(blocks: Sequence[cost_lib.Block], starts: Sequence[int],
         trainable_param_bytes=sum(blk.trainable_param_bytes for blk in part),
         flops=sum(blk.flops for blk in part),
         activation_bytes=sum(blk.activation_bytes for blk in part),
-        input_bytes=input_bytes,
-        sent_bytes=part[-1].output_bytes if k < len(starts) - 1 else 0))
-    input_bytes = part[-1].output_bytes
+        input_bytes=graph.crossing_bytes(a),
+        sent_bytes=sum(graph_lib.tensor_bytes(t) for t in sent),
+        sent=tuple(graph.name_of(t) for t in sent)))
   return tuple(stages)
 
 
 def plan_stages(model: keras.Model, num_stages: int, *,
                 criterion: str = "balanced",
                 split_points: Sequence[str] | None = None,
-                devices: Sequence[str] | None = None) -> plan_lib.StagePlan:
+                devices: Sequence[str] | None = None,
+                transfer_weight: float = cost_lib.TRANSFER_WEIGHT
+                ) -> plan_lib.StagePlan:
   """Splits a model into `num_stages` contiguous stages, one per device.
 
+  A stage may start at any layer: every tensor made before it and read
+  after it (activations, skip tensors, model inputs such as a mask) is sent
+  across, and the plan lists them with their bytes.
+
   Args:
-    model: a built single-input, single-output Sequential or functional model.
+    model: a built Sequential or functional model (several inputs and
+      outputs allowed).
     num_stages: number of stages.
     criterion: what to balance when `split_points` is not given: `"params"`
       (parameter bytes), `"flops"` (forward FLOPs per example) or
-      `"balanced"` (each block's share of total params plus its share of
-      total FLOPs, halved). The split minimises the largest stage's cost
-      exactly. Defaults to `"balanced"`.
+      `"balanced"` (each layer's share of total params plus its share of
+      total FLOPs, halved). A stage's cost adds the cost of the bytes it
+      receives and sends (`transfer_weight`). The split minimises the
+      largest stage's cost exactly. Defaults to `"balanced"`.
     split_points: names of the layers that *start* stages 1..K-1, instead
       of balancing.
     devices: one device per stage. Defaults to the first `num_stages`
       accelerators (GPUs, else logical CPUs).
+    transfer_weight: what a byte crossing a cut costs, relative to what
+      the model's layers cost on average per byte of output
+      (`tfmgpu.parallel.cost.cut_costs`); 0 balances the layers alone.
 
   Returns:
     The `StagePlan`.
 
   Raises:
-    ValueError: more stages than cuttable blocks or than devices, an unknown
-      criterion or device, an unknown split point or one where the model
-      cannot be cut into a chain.
+    ValueError: more stages than layers or than devices, an unknown
+      criterion or device, or an unknown or misplaced split point.
   """
   if not isinstance(num_stages, int) or num_stages < 1:
     raise ValueError(f"num_stages={num_stages!r} must be a positive int.")
@@ -196,15 +229,17 @@ def plan_stages(model: keras.Model, num_stages: int, *,
   if num_stages > len(blocks):
     raise ValueError(
         f"num_stages={num_stages} but model {model.name!r} has only "
-        f"{len(blocks)} cuttable block(s) (layers between valid cut points; "
-        "residual blocks cannot be cut inside). Use num_stages<="
-        f"{len(blocks)}.")
+        f"{len(blocks)} cuttable block(s) (one per layer call; a stage "
+        f"needs at least one). Use num_stages<={len(blocks)}.")
   chosen = _choose_devices(num_stages, devices)
   if split_points is not None:
     starts = _split_starts(graph, blocks, split_points, num_stages)
     label = "split_points"
   else:
-    starts = min_max_partition(cost_lib.block_costs(blocks, crit), num_stages)
+    costs = cost_lib.block_costs(blocks, crit)
+    cuts = cost_lib.cut_costs(blocks, costs, cost_lib.cut_bytes(graph),
+                              transfer_weight)
+    starts = min_max_partition(costs, num_stages, cuts)
     label = crit.value
-  stages = _stages(blocks, starts, chosen, graph_lib.tensor_bytes(graph.input))
+  stages = _stages(graph, blocks, starts, chosen)
   return plan_lib.StagePlan(stages, label, model.name)

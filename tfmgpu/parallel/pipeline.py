@@ -203,9 +203,9 @@ class PipelinedModel(staged.StagedModel):
       with tf.device(self.stage_devices[k]), tf.name_scope(scope), \
           tf.control_dependencies(done[k]):
         outs[(k, m)] = self.stages[k](inp, training=training)
-      done[k] = [outs[(k, m)]]
+      done[k] = tf.nest.flatten(outs[(k, m)])
     with tf.device(self.stage_devices[-1]):
-      return tf.concat([outs[(K - 1, m)] for m in range(M)], axis=0)
+      return microbatch.concat([outs[(K - 1, m)] for m in range(M)])
 
   # ------------------------------------------------------------- forward
 
@@ -221,17 +221,19 @@ class PipelinedModel(staged.StagedModel):
     if training:
       with tf.control_dependencies(self._check_batch(inputs)):
         return self._forward_only(inputs, training=True)
-    x = tf.convert_to_tensor(inputs)
-    size = x.shape[0]
+    x = tf.nest.map_structure(tf.convert_to_tensor, inputs)
+    first = tf.nest.flatten(x)[0]
+    size = first.shape[0]
     if size is not None and size % m == 0:
       return self._forward_only(x, training=False)
     with tf.device(self.stage_devices[0]):
-      n = tf.shape(x)[0]
+      n = tf.shape(first)[0]
       pad = (-n) % m
-      x = tf.pad(x, [[0, pad]] + [[0, 0]] * (x.shape.rank - 1))
+      x = tf.nest.map_structure(
+          lambda t: tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1)), x)
     out = self._forward_only(x, training=False)
     with tf.device(self.stage_devices[-1]):
-      return out[:n]
+      return tf.nest.map_structure(lambda t: t[:n], out)
 
   # ------------------------------------------------------------ training
 
@@ -244,7 +246,10 @@ class PipelinedModel(staged.StagedModel):
     `train_step` (what `fit` runs) uses it too.
 
     Args:
-      x: a batch of inputs; its size must be a multiple of `micro_batches`.
+      x: a batch of inputs, as the unsplit model takes them (a tensor, or a
+        list or dict of them); its size must be a multiple of
+        `micro_batches`. Inputs that later stages read travel with the
+        activations.
       y: its targets (any structure of tensors with the batch axis first).
       loss_fn: `loss_fn(y_true, y_pred)` returns the scalar loss to
         differentiate, averaged and scaled by the caller. It runs on the

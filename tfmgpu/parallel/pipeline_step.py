@@ -122,8 +122,8 @@ class PipelineStep:
         self._backward(task.stage, task.micro_batch)
     if self.y_pred is None:
       with tf.device(self.devices[self.last]):
-        self.y_pred = tf.concat([self.outs[(self.last, i)] for i in range(M)],
-                                axis=0)
+        self.y_pred = microbatch.concat(
+            [self.outs[(self.last, i)] for i in range(M)])
     summed = self._accumulate()
     with tf.device(self.devices[self.last]):
       total = tf.add_n([tf.cast(t, tf.float32) for t in self.totals])
@@ -165,7 +165,7 @@ class PipelineStep:
       if record:
         tape.watch(sources)
         if k > 0:
-          tape.watch(inp)
+          tape.watch(placed.differentiable(inp))
       out = stage(inp, training=True)
       objective = None
       calls = microbatch.call_losses(stage)
@@ -187,7 +187,8 @@ class PipelineStep:
           k, inp, record=not self.recompute, loss_term=self._loss_term(k, m))
     self.inputs[(k, m)], self.outs[(k, m)] = inp, out
     self.tapes[(k, m)], self.objectives[(k, m)] = tape, objective
-    self.done[k] = [out] + ([objective] if objective is not None else [])
+    self.done[k] = (tf.nest.flatten(out) +
+                    ([objective] if objective is not None else []))
     if objective is not None:
       self.totals.append(objective)
 
@@ -197,13 +198,15 @@ class PipelineStep:
     k, M = self.last, self.micro_batches
     with tf.device(self.devices[k]), tf.name_scope(f"stage_{k}_loss"):
       last_outs = [self.outs[(k, i)] for i in range(M)]
+      watched = [placed.differentiable(o) for o in last_outs]
       with tf.GradientTape(watch_accessed_variables=False) as loss_tape:
-        loss_tape.watch(last_outs)
-        self.y_pred = tf.concat(last_outs, axis=0) if M > 1 else last_outs[0]
+        loss_tape.watch(watched)
+        self.y_pred = microbatch.concat(last_outs) if M > 1 else last_outs[0]
         loss = self.loss_fn(self.y, self.y_pred)
-      seeds = loss_tape.gradient(loss, last_outs)
-      for i, (o, s) in enumerate(zip(last_outs, seeds)):
-        self.upstream[(k, i)] = tf.zeros_like(o) if s is None else s
+      seeds = loss_tape.gradient(loss, watched)
+      for i, (outs, grads) in enumerate(zip(watched, seeds)):
+        self.upstream[(k, i)] = placed.input_gradients(grads, outs,
+                                                       self.devices[k])
     self.totals.append(loss)
 
   def _backward(self, k: int, m: int) -> None:
@@ -212,28 +215,29 @@ class PipelineStep:
     if k == self.last and self.gpipe and self.y_pred is None:
       self._seed_from_batch_loss()
     inp = self.inputs.pop((k, m))
-    grad_out = self.upstream.pop((k, m), None)
+    grad_out = self.upstream.pop((k, m), [])
     result = self._differentiate(k, m, inp, grad_out)
+    num_vars = len(self.stages[k].trainable_variables)
     if k > 0:
-      grad_in = result.pop()
-      if grad_in is None:  # The stage ignores its input.
-        with tf.device(self.devices[k]):
-          grad_in = tf.zeros_like(inp)
-      self.upstream[(k - 1, m)] = grad_in
+      self.upstream[(k - 1, m)] = placed.input_gradients(
+          result[num_vars:], placed.differentiable(inp), self.devices[k])
+    result = result[:num_vars]
     for i, g in enumerate(result):
       self.grads[k][i].append(g)
     signals = [getattr(g, "values", g) for g in result if g is not None]
-    self.done[k] = (signals + ([self.upstream[(k - 1, m)]] if k > 0 else [])
+    self.done[k] = (signals + (self.upstream[(k - 1, m)] if k > 0 else [])
                     or self.done[k])
 
-  def _differentiate(self, k: int, m: int, inp, grad_out) -> list[Any]:
-    """The gradients of stage `k`'s variables (and of its input, last, when
-    `k > 0`) on micro-batch `m`, recomputing its forward first if asked."""
+  def _differentiate(self, k: int, m: int, inp, grad_out: list[Any]
+                     ) -> list[Any]:
+    """The gradients of stage `k`'s variables (then, when `k > 0`, of its
+    input's floating-point tensors) on micro-batch `m`, recomputing its
+    forward first if asked. `grad_out`: the gradients of its output's
+    floating-point tensors (empty on the last stage)."""
     tape, out = self.tapes.pop((k, m)), self.outs[(k, m)]
     objective = self.objectives.pop((k, m))
     device = self.devices[k]
-    with tf.control_dependencies(self.done[k] + (
-        [grad_out] if grad_out is not None else [])):
+    with tf.control_dependencies(self.done[k] + list(grad_out)):
       if self.recompute:
         with tf.device(device), tf.name_scope(
             RECOMPUTE_SCOPE.format(k=k, m=m)):
@@ -242,9 +246,9 @@ class PipelineStep:
       sources = [v.value for v in self.stages[k].trainable_variables]
       result = placed.backward_on_device(
           tape, device, BACKWARD_SCOPE.format(k=k, m=m),
-          outputs=[out] if grad_out is not None else [],
-          output_gradients=[grad_out] if grad_out is not None else [],
-          objective=objective, sources=sources + ([inp] if k > 0 else []))
+          outputs=placed.differentiable(out) if grad_out else [],
+          output_gradients=grad_out, objective=objective,
+          sources=sources + (placed.differentiable(inp) if k > 0 else []))
     del tape
     return result
 

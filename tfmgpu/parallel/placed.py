@@ -8,8 +8,9 @@ per-variable update beside its variable. The helpers below are the pieces
 the subclasses build their hook from: where a variable lives
 (`variable_device`), colocated optimizer updates
 (`colocate_optimizer_updates`), a part's regularisation
-(`regularization_loss`) and one device's vector-Jacobian product
-(`backward_on_device`).
+(`regularization_loss`), the tensors of a structure that carry gradients
+(`differentiable`, `input_gradients`) and one device's vector-Jacobian
+product (`backward_on_device`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,28 @@ def regularization_loss(layer: keras.layers.Layer,
     return None
   total = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in losses])
   return scale(total)
+
+
+def differentiable(structure: Any) -> list[Any]:
+  """The floating-point tensors of a structure, flat, in `tf.nest` order.
+
+  These are what stages send gradients back for; integer tensors (token
+  ids, masks) cross a stage boundary forward only.
+  """
+  return [t for t in tf.nest.flatten(structure)
+          if t is not None and (t.dtype.is_floating or t.dtype.is_complex)]
+
+
+def input_gradients(grads: Sequence[Any], inputs: Sequence[Any],
+                    device: str) -> list[Any]:
+  """`grads`, with zeros (made on `device`) where an input got `None`."""
+  out = []
+  for g, t in zip(grads, inputs):
+    if g is None:  # The stage ignores this input.
+      with tf.device(device):
+        g = tf.zeros_like(t)
+    out.append(g)
+  return out
 
 
 def backward_on_device(tape: tf.GradientTape, device: str, scope: str, *,

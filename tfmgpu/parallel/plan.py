@@ -1,9 +1,10 @@
 """The stage plan: which layers go to which device, with their costs.
 
 A `StagePlan` is data: its `Stage`s (layers, device, parameter bytes, FLOPs,
-activation and transfer bytes), validated when built, printable as a table
-(`str(plan)`), with a per-device training-memory estimate
-(`memory_estimate`). `tfmgpu.parallel.partition.plan_stages` makes one.
+activation bytes, and the tensors and bytes each sends to the next),
+validated when built, printable as a table (`str(plan)`), with a per-device
+training-memory estimate (`memory_estimate`).
+`tfmgpu.parallel.partition.plan_stages` makes one.
 
 Pure Python: importing this module does not import TensorFlow.
 """
@@ -33,6 +34,14 @@ def _fmt_count(n: float) -> str:
   return str(n)
 
 
+def _fmt_sent(sent: tuple[str, ...]) -> str:
+  """`"-"`, or the count of tensors sent and their names (abridged)."""
+  if not sent:
+    return "-"
+  names = ", ".join(sent[:3]) + (", ..." if len(sent) > 3 else "")
+  return f"{len(sent)}: {names}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
   """One stage of a `StagePlan`; byte and FLOP counts are per example.
@@ -46,9 +55,12 @@ class Stage:
     flops: forward FLOPs per example.
     activation_bytes: bytes of its layers' outputs per example (kept for
       the backward pass).
-    input_bytes: bytes of the tensor it receives per example.
-    sent_bytes: bytes it sends to the next stage per example (and receives
-      back as a gradient); 0 for the last stage.
+    input_bytes: bytes of the tensors it receives per example (the model
+      inputs for stage 0).
+    sent_bytes: bytes of every tensor it sends to the next stage per
+      example (and receives back as gradients); 0 for the last stage.
+    sent: the tensors it sends, named by the layer that makes them (or the
+      model input's name), in the order the next stage takes them.
   """
   index: int
   device: str
@@ -59,6 +71,7 @@ class Stage:
   activation_bytes: int
   input_bytes: int
   sent_bytes: int
+  sent: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,19 +182,23 @@ class StagePlan:
 
   def table(self) -> str:
     """A plain-text table: one row per stage, then the totals."""
-    header = ("stage", "device", "layers", "params", "FLOPs/ex", "sends/ex")
+    header = ("stage", "device", "layers", "params", "FLOPs/ex", "sends/ex",
+              "tensors")
     rows = []
     for s in self.stages:
       names = (s.layers[0] if len(s.layers) == 1 else
                f"{s.layers[0]} .. {s.layers[-1]} ({len(s.layers)})")
       rows.append((str(s.index), s.device, names, _fmt_bytes(s.param_bytes),
                    _fmt_count(s.flops),
-                   _fmt_bytes(s.sent_bytes) if s.sent_bytes else "-"))
+                   _fmt_bytes(s.sent_bytes) if s.sent_bytes else "-",
+                   _fmt_sent(s.sent)))
     rows.append(("total", "", f"{len(self.layer_names)} layers",
                  _fmt_bytes(sum(s.param_bytes for s in self.stages)),
                  _fmt_count(sum(s.flops for s in self.stages)),
-                 _fmt_bytes(sum(s.sent_bytes for s in self.stages))))
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(6)]
+                 _fmt_bytes(sum(s.sent_bytes for s in self.stages)),
+                 str(sum(len(s.sent) for s in self.stages))))
+    widths = [max(len(r[i]) for r in [header] + rows)
+              for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     title = (f"StagePlan for {self.model_name!r}: {self.num_stages} stage(s), "
              f"criterion={self.criterion}")

@@ -1,17 +1,24 @@
 """Device-placed submodel stages: model parallelism with a per-stage backward.
 
-`StagedModel` cuts a Sequential or functional model along a `StagePlan`. Each
-stage is a Keras submodel whose variables are created on its device; the
-forward pass runs each stage under its device, and the backward pass goes back
-stage by stage, each under its own device, with its own `tf.GradientTape`:
+`StagedModel` cuts a Sequential or functional model (one input or several)
+along a `StagePlan`. Each stage is a Keras submodel whose variables are
+created on its device. Its inputs are the tensors crossing into it: the
+model's inputs (as the model takes them: a tensor, list or dict) for stage 0;
+for a later stage every tensor made before it and read by it or after it (the
+activation, skip tensors, and model inputs such as a mask, which travel with
+the activations); its outputs are what crosses out of it (one tensor, or a
+list). The forward pass runs each stage under its device, and the backward
+pass goes back stage by stage, each under its own device, with its own
+`tf.GradientTape`:
 
-    grads_k, grad_in_k = tape_k.gradient(out_k, vars_k + [in_k],
+    grads_k, grad_in_k = tape_k.gradient(out_k, vars_k + in_k,
                                          output_gradients=grad_in_{k+1})
 
-(one tape around everything would put every gradient op on the caller's
-device). Optimizer slots are created next to their variables and the
-optimizer's per-variable update runs on the variable's device (the
-`tfmgpu.parallel.placed` base class does that).
+over the floating-point tensors of `in_k` and `out_k` (integer ones, such as
+token ids or a mask, get no gradient). One tape around everything would put
+every gradient op on the caller's device. Optimizer slots are created next
+to their variables and the optimizer's per-variable update runs on the
+variable's device (the `tfmgpu.parallel.placed` base class does that).
 
 From the outside it is a Keras model: `compile`/`fit`/`evaluate`/`predict`,
 `save_weights`/`load_weights`. Weights move to and from the unsplit model with
@@ -77,23 +84,53 @@ def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         "constructor arguments.") from e
 
 
+def _stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):
+  """`(structure of new keras.Inputs, {id(old tensor): new input})`.
+
+  Stage 0 takes the model's inputs as the model does (one tensor, a list or
+  a dict); a later stage takes the tensors crossing into it: one tensor, or
+  a list of them in `ModelGraph.crossing` order.
+  """
+  new_input = lambda t, name: keras.Input(shape=tuple(t.shape)[1:],
+                                          dtype=t.dtype, name=name)
+  if start == 0:
+    old = graph.input_structure
+    names = iter(t.name for t in tf.nest.flatten(old))
+    new = tf.nest.map_structure(lambda t: new_input(t, next(names)), old)
+  else:
+    old = graph.crossing(start)
+    new = [new_input(t, f"stage_{k}_input" if len(old) == 1 else
+                     f"stage_{k}_input_{i}") for i, t in enumerate(old)]
+    old, new = (old[0], new[0]) if len(old) == 1 else (old, new)
+  mapping = {id(o): n for o, n in zip(tf.nest.flatten(old),
+                                      tf.nest.flatten(new))}
+  return new, mapping
+
+
 def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
-                 name: str, input_name: str) -> keras.Model:
+                 k: int, name: str) -> keras.Model:
   """Replays nodes `start:end` of `graph` with fresh layers, as a model.
 
+  Its inputs are the tensors crossing into the stage (`_stage_inputs`); its
+  outputs the tensors crossing out of it (one, or a list in
+  `ModelGraph.crossing` order; tensors that skip the stage pass through),
+  and for the last stage the model's outputs as the model returns them.
   Called under the stage's device scope, so the new variables are created
   there. The original model is not touched (no new nodes on its layers).
   """
-  t_in, t_out = graph.boundary(start), graph.boundary(end)
-  new_in = keras.Input(shape=tuple(t_in.shape)[1:], dtype=t_in.dtype,
-                       name=input_name)
-  tensors = {id(t_in): new_in}
+  inputs, tensors = _stage_inputs(graph, start, k)
   for node in graph.nodes[start:end]:
     args, kwargs = node.arguments.fill_in(tensors)
     outputs = _clone_layer(node.operation)(*args, **kwargs)
     for old, new in zip(node.output_tensors, tf.nest.flatten(outputs)):
       tensors[id(old)] = new
-  return keras.Model(new_in, tensors[id(t_out)], name=name)
+  if end == len(graph.nodes):
+    out = tf.nest.map_structure(lambda t: tensors[id(t)],
+                                graph.output_structure)
+  else:
+    out = [tensors[id(t)] for t in graph.crossing(end)]
+    out = out[0] if len(out) == 1 else out
+  return keras.Model(inputs, out, name=name)
 
 
 def resolve_plan(model: keras.Model, plan: plan_lib.StagePlan | None,
@@ -156,21 +193,16 @@ class StagedModel(placed.PerDeviceGradientModel):
     stages = []
     for k, stage in enumerate(plan.stages):
       start = graph.position(stage.layers[0])
-      end = start + len(stage.layers)
-      for pos in (start, end):
-        if 0 < pos < len(graph.nodes) and len(graph.crossing(pos)) != 1:
-          raise ValueError(
-              f"plan cuts model {model.name!r} before layer "
-              f"{graph.names[pos]!r}, where {len(graph.crossing(pos))} "
-              "tensors cross; make the plan with plan_stages.")
       with tf.device(devices[k]):
-        stages.append(_build_stage(graph, start, end,
-                                   f"{model.name}_stage_{k}",
-                                   f"stage_{k}_input"))
+        stages.append(_build_stage(graph, start, start + len(stage.layers), k,
+                                   f"{model.name}_stage_{k}"))
     self.plan = plan
     self.stage_devices = tuple(devices)
     self.stages = stages
     self._unsplit_spec = _ModelSpec(type(model), model.get_config())
+    # The unsplit model's output names key per-output losses and metrics.
+    self.unsplit_output_names = tuple(
+        model.output_names if len(tf.nest.flatten(model.outputs)) > 1 else ())
     self.load_from(model)
     self.built = True
 
@@ -210,8 +242,9 @@ class StagedModel(placed.PerDeviceGradientModel):
     `train_step` (what `fit` runs) uses it too.
 
     Args:
-      x: a batch of inputs.
-      y: its targets.
+      x: a batch of inputs, as the unsplit model takes them (a tensor, or a
+        list or dict of them).
+      y: its targets (any structure).
       loss_fn: `loss_fn(y_true, y_pred)` returns the scalar loss to
         differentiate, already averaged and scaled by the caller. It runs on
         the last stage's device.
@@ -235,9 +268,9 @@ class StagedModel(placed.PerDeviceGradientModel):
     """Runs each stage under its device and tape; the last adds the loss.
 
     Returns:
-      Per stage `(tape, input, output, objective, sources)`; `objective` is
-      the stage's scaled regularisation (plus the loss on the last stage),
-      or `None`.
+      Per stage `(tape, input, output, objective, sources)`; `input` and
+      `output` are structures; `objective` is the stage's scaled
+      regularisation (plus the loss on the last stage), or `None`.
     """
     last = len(self.stages) - 1
     records = []
@@ -248,7 +281,7 @@ class StagedModel(placed.PerDeviceGradientModel):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
           tape.watch(sources)
           if k > 0:
-            tape.watch(h)
+            tape.watch(placed.differentiable(h))
           out = stage(h, training=True)
           objective = placed.regularization_loss(stage, scale)
           if k == last:
@@ -263,27 +296,27 @@ class StagedModel(placed.PerDeviceGradientModel):
                          ) -> tuple[Any, dict[int, Any]]:
     """Differentiates the stages last to first, each on its own device.
 
+    Each stage gets the gradients of the floating-point tensors it sent
+    (`placed.differentiable` order) and sends back those of its inputs.
+
     Returns:
       `(total objective, {id(variable): gradient})`.
     """
     grads: dict[int, Any] = {}
-    upstream = None
+    upstream: list[Any] = []
     total = None
     for k in reversed(range(len(records))):
       tape, inp, out, objective, sources = records[k]
-      wrt = sources + ([inp] if k > 0 else [])
+      ins = placed.differentiable(inp) if k > 0 else []
       result = placed.backward_on_device(
           tape, self.stage_devices[k], f"stage_{k}_backward",
-          outputs=[out] if upstream is not None else [],
-          output_gradients=[upstream] if upstream is not None else [],
-          objective=objective, sources=wrt)
-      if k > 0:
-        upstream = result[-1]
-        if upstream is None:  # The stage ignores its input.
-          with tf.device(self.stage_devices[k]):
-            upstream = tf.zeros_like(inp)
-        result = result[:-1]
-      for v, g in zip(self.stages[k].trainable_variables, result):
+          outputs=placed.differentiable(out) if upstream else [],
+          output_gradients=upstream, objective=objective,
+          sources=sources + ins)
+      upstream = placed.input_gradients(result[len(sources):], ins,
+                                        self.stage_devices[k])
+      for v, g in zip(self.stages[k].trainable_variables,
+                      result[:len(sources)]):
         grads[id(v)] = g
       if objective is not None:
         total = objective if total is None else total + objective

@@ -78,4 +78,5 @@ class BranchParallelPlacement(registry.Distribution):
     if len(models) < 2:
       raise ValueError("branch_parallel serves 2+ models side by side (one "
                        f"model path per branch); got {len(models)}.")
+    model_parallel.keras_models_only(self.name, models)
     return branches.BranchParallel(list(models), combine="mean"), None

@@ -62,10 +62,30 @@ def plan_for(model: Any, options: StageOptions):
 
 
 def one_model(name: str, models: Sequence[Any]) -> Any:
-  """The single model a stage placement serves."""
+  """The single Keras model a stage placement serves.
+
+  Raises:
+    ValueError: several models, or one that is not a Keras model (a
+      SavedModel, whose layers cannot be split into stages).
+  """
   if len(models) != 1:
     raise ValueError(f"{name} serves one model; got {len(models)}.")
+  keras_models_only(name, models)
   return models[0]
+
+
+def keras_models_only(name: str, models: Sequence[Any]) -> None:
+  """Placements split or clone Keras models: refuse anything else, named."""
+  import keras  # pylint: disable=g-import-not-at-top
+  for model in models:
+    if not isinstance(model, keras.Model):
+      what = getattr(model, "path", None) or repr(model)
+      raise ValueError(
+          f"strategy={name!r} places the layers of a Keras model on devices, "
+          f"but {what} is a SavedModel, whose layers are not Keras layers. "
+          "Give its .keras file (training saves MODEL_DIR/model.keras), or "
+          "serve the SavedModel with a data-parallel strategy (e.g. "
+          "--strategy=mirrored), which runs it on every replica.")
 
 
 @registry.register
