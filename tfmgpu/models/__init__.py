@@ -1,8 +1,9 @@
 """Models by name: the registry, the classic digit models, the demo models.
 
 * `registry`: `register_model`, `available_models`, `build_model` (under a
-  mixed-precision dtype policy) and `logits_layer`, the float32 output layer
-  every builder ends with;
+  mixed-precision dtype policy), `model_builder` (the one lookup: a name,
+  or the user's `"module:function"`) and `logits_layer`, the float32 output
+  layer every builder ends with;
 * `classic`: `convnet` (the 28x28 digit net) and `mlp`;
 * `demo`: `deep_mlp` and `small_resnet`, deep enough to split into 2-8
   stages (model and pipeline parallelism).
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 from tfmgpu.models.registry import available_models
 from tfmgpu.models.registry import build_model
+from tfmgpu.models.registry import check_model
 from tfmgpu.models.registry import dtype_policy
 from tfmgpu.models.registry import logits_layer
 from tfmgpu.models.registry import MIXED_PRECISION_POLICIES
+from tfmgpu.models.registry import model_builder
 from tfmgpu.models.registry import ModelEntry
 from tfmgpu.models.registry import ModelFn
 from tfmgpu.models.registry import register_model
@@ -33,10 +36,12 @@ __all__ = [
     "ModelFn",
     "available_models",
     "build_model",
+    "check_model",
     "classic",
     "demo",
     "dtype_policy",
     "logits_layer",
+    "model_builder",
     "register_model",
     "unregister_model",
 ]

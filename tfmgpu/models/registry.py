@@ -3,7 +3,13 @@
 A builder has the signature `fn(input_shape, num_classes, **options) ->
 keras.Model` and returns *logits* (no softmax); its output layer
 (`logits_layer`) computes in float32 so that mixed precision never changes
-the loss's dtype. Users bring their own `model_fn` or `register_model` it.
+the loss's dtype. Users bring their own `model_fn`, `register_model` it, or
+name it as `"package.module:function"` / `"path/to/file.py:function"`
+(`--model=...`; see `tfmgpu.user_code`): it is called as
+`function(input_shape, num_classes)`, where `input_shape` is the shape of
+one example (for several inputs, the same dict/list nesting as the data's
+`x`, e.g. `{"image": (28, 28, 1), "tabular": (56,)}`) and `num_classes` the
+dataset's class count (`None` when its targets are not class indices).
 
 Importing this module does not import TensorFlow or Keras.
 """
@@ -14,11 +20,16 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Iterator
 
+from tfmgpu import user_code
 from tfmgpu._lazy import LazyModule
 
 keras = LazyModule("keras")
 
 ModelFn = Callable[..., "keras.Model"]
+
+# How a user's builder named by reference is called (checked before use).
+USER_BUILDER_CALL = user_code.Call(
+    args=((28, 28, 1), 10), shown="build(input_shape, num_classes)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +61,59 @@ def unregister_model(name: str) -> None:
 def available_models() -> dict[str, str]:
   """Returns `{name: one-line description}` for every registered model."""
   return {n: e.description for n, e in _REGISTRY.items()}
+
+
+def check_model(name: str) -> None:
+  """Checks a model setting without importing user code or TensorFlow.
+
+  Args:
+    name: a registered name, or a reference to a builder (`module:function`
+      or `file.py:function`), whose module or file must exist and define it.
+
+  Raises:
+    ValueError: an unknown name (listing the registered ones) or a
+      reference that cannot be used (`tfmgpu.user_code.UserCodeError`).
+  """
+  if user_code.is_reference(name):
+    user_code.check_reference("model", name, USER_BUILDER_CALL)
+  elif name not in _REGISTRY:
+    raise ValueError(f"model={name!r} is unknown. Choose one of "
+                     f"{', '.join(_REGISTRY)}, or name your own builder as "
+                     f"{user_code.FORMS}.")
+
+
+def model_builder(name_or_fn: str | ModelFn) -> ModelFn:
+  """The builder a model setting names: the one lookup of names.
+
+  Args:
+    name_or_fn: a callable (returned as is), a registered name, or a
+      reference to the user's `build(input_shape, num_classes)` (imported
+      and its signature checked).
+
+  Raises:
+    ValueError: unknown name, listing the available ones; a reference that
+      cannot be imported or called so (`tfmgpu.user_code.UserCodeError`).
+  """
+  if callable(name_or_fn):
+    return name_or_fn
+  if user_code.is_reference(name_or_fn):
+    return user_code.load_function("model", name_or_fn, USER_BUILDER_CALL)
+  if name_or_fn in _REGISTRY:
+    return _REGISTRY[name_or_fn].builder
+  raise ValueError(f"Unknown model name={name_or_fn!r}. Available names: "
+                   f"{', '.join(sorted(_REGISTRY))}; or your own builder as "
+                   f"{user_code.FORMS}.")
+
+
+def _as_shape(shape: Any) -> Any:
+  """One example's shape as a tuple; nested shapes (several inputs) keep
+  their dict/list nesting, each leaf a tuple."""
+  if isinstance(shape, dict):
+    return {k: _as_shape(v) for k, v in shape.items()}
+  if isinstance(shape, (list, tuple)) and shape and not all(
+      isinstance(d, int) or d is None for d in shape):
+    return [_as_shape(s) for s in shape]
+  return tuple(shape)
 
 
 MIXED_PRECISION_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -85,28 +149,26 @@ def build_model(name_or_fn: str | ModelFn, *, input_shape: tuple[int, ...],
   are created where they belong.
 
   Args:
-    name_or_fn: a registered name (see `available_models()`) or a callable
-      `fn(input_shape, num_classes, **options)`.
-    input_shape: shape of one example.
-    num_classes: number of output logits.
+    name_or_fn: a registered name (see `available_models()`), a callable
+      `fn(input_shape, num_classes, **options)`, or a reference to one
+      (`"package.module:function"`, `"path/to/file.py:function"`).
+    input_shape: shape of one example; for several inputs, a dict or list
+      of shapes (as the data's `x`).
+    num_classes: number of output logits (`None` for targets that are not
+      class indices).
     mixed_precision: Keras dtype policy name for the layers, or `None`.
     seed: seeds Keras' initialisers so that two builds give the same weights.
     **options: passed to the builder.
 
   Raises:
-    ValueError: unknown name, listing the available ones.
+    ValueError: unknown name, listing the available ones; a reference that
+      cannot be used (see `model_builder`).
   """
-  if callable(name_or_fn):
-    builder = name_or_fn
-  elif name_or_fn in _REGISTRY:
-    builder = _REGISTRY[name_or_fn].builder
-  else:
-    raise ValueError(f"Unknown model name={name_or_fn!r}. Available names: "
-                     f"{', '.join(sorted(_REGISTRY))}.")
+  builder = model_builder(name_or_fn)
   if seed is not None:
     keras.utils.set_random_seed(seed)
   with dtype_policy(mixed_precision):
-    return builder(tuple(input_shape), num_classes, **options)
+    return builder(_as_shape(input_shape), num_classes, **options)
 
 
 def logits_layer(num_classes: int, name: str = "logits"

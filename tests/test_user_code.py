@@ -1,0 +1,285 @@
+"""The user's own code by reference: `--model=module:function` and the like.
+
+Errors of form, module, file, name and signature come from `TrainConfig`
+(and the flags) before TensorFlow loads; import-time errors from the
+registries' lookups; a regression run through references reports the
+user's loss and metrics, equal to Keras' `evaluate`; the README's command
+trains the example module.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tfmgpu import data
+from tfmgpu import models
+from tfmgpu import user_code
+from tfmgpu.config import TrainConfig
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+EXAMPLE = "scripts/examples/two_input.py"
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+
+USER_MODULE = '''
+import keras
+import numpy as np
+
+
+def load(seed=0):
+  rng = np.random.default_rng(seed)
+  def split(n):
+    x = {"a": rng.normal(size=(n, 3)).astype(np.float32),
+         "b": rng.normal(size=(n, 2)).astype(np.float32)}
+    y = (x["a"] @ [1.0, -2.0, 0.5] + x["b"] @ [0.3, 0.1]).astype(np.float32)
+    return x, y[:, None]
+  return split(256), split(64)
+
+
+def build(input_shape, num_classes):
+  assert num_classes is None  # Float targets: no classes.
+  a = keras.Input(input_shape["a"], name="a")
+  b = keras.Input(input_shape["b"], name="b")
+  h = keras.layers.Concatenate()([a, b])
+  return keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(h))
+
+
+def squared_error(y_true, y_pred):
+  return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+
+def abs_error(y_true, y_pred):
+  return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)
+
+
+def needs_more(input_shape, num_classes, depth):
+  return None
+
+
+def load_needs_size(size):
+  return None
+
+
+not_a_function = 3
+
+
+def _decorate(fn):
+  def wrapper(*args, **kwargs):
+    return fn(*args, **kwargs)
+  return wrapper
+
+
+@_decorate
+def decorated(x):
+  return x
+'''
+
+
+@pytest.fixture(scope="module")
+def module_file(tmp_path_factory):
+  """The user's module as a file: `path/to/regression_user.py`."""
+  path = tmp_path_factory.mktemp("user") / "regression_user.py"
+  path.write_text(textwrap.dedent(USER_MODULE))
+  return str(path)
+
+
+# ---------------------------------------------- before TensorFlow: TrainConfig
+
+@pytest.mark.parametrize("value", ["mod:", ":build", "a b:build",
+                                   "mod:1build", "my-pkg.mod:build"])
+def test_a_malformed_reference_shows_both_forms(value):
+  with pytest.raises(ValueError, match=re.escape(
+      f"model={value!r} is not a reference to your code: use "
+      "'package.module:function' or 'path/to/file.py:function'")):
+    TrainConfig(model=value)
+
+
+def test_a_module_not_on_the_path_says_how_to_put_it_there():
+  with pytest.raises(user_code.UserCodeError, match=re.escape(
+      "model='no_such_pkg.nets:build': module 'no_such_pkg.nets' cannot be "
+      "found (ModuleNotFoundError: No module named 'no_such_pkg'). Run from "
+      "the directory that holds it, add its directory to PYTHONPATH")):
+    TrainConfig(model="no_such_pkg.nets:build")
+  with pytest.raises(ValueError, match=re.escape(
+      "dataset='no_such_module:load': no module named 'no_such_module' on "
+      "the Python path.") + ".*'path/to/no_such_module.py:load'"):
+    TrainConfig(dataset="no_such_module:load")
+
+
+def test_a_missing_file_is_named(tmp_path):
+  missing = str(tmp_path / "nope.py")
+  with pytest.raises(ValueError, match=re.escape(
+      f"dataset='{missing}:load': the file {missing!r} does not exist")):
+    TrainConfig(dataset=f"{missing}:load")
+
+
+def test_a_name_the_file_does_not_define_lists_its_functions(module_file):
+  with pytest.raises(ValueError, match=re.escape(
+      f"model='{module_file}:buld': {module_file} defines no 'buld'. Its "
+      "functions: abs_error, build, decorated, load, load_needs_size, "
+      "needs_more, squared_error.")):
+    TrainConfig(model=f"{module_file}:buld")
+  with pytest.raises(ValueError, match=r"metrics='.*:mea': .* defines no "
+                     r"'mea'"):
+    TrainConfig(metrics=("mae", f"{module_file}:mea"))
+
+
+def test_a_def_that_does_not_fit_the_call_is_refused(module_file):
+  with pytest.raises(ValueError, match=re.escape(
+      f"model='{module_file}:needs_more': needs_more(input_shape, "
+      "num_classes, depth) cannot be called as build(input_shape, "
+      "num_classes) (missing a required argument: 'depth'). Define it as "
+      "`def build(input_shape, num_classes):`")):
+    TrainConfig(model=f"{module_file}:needs_more")
+  with pytest.raises(ValueError, match=re.escape(
+      "load_needs_size(size) cannot be called as load() (missing a required "
+      "argument: 'size')")):
+    TrainConfig(dataset=f"{module_file}:load_needs_size")
+  with pytest.raises(ValueError, match=re.escape(
+      "load(seed=...) cannot be called as fn(y_true, y_pred) (too many "
+      "positional arguments)")):
+    TrainConfig(loss=f"{module_file}:load")
+
+
+def test_unknown_names_mention_your_own_code():
+  with pytest.raises(ValueError, match=(
+      r"model='resnet9000' is unknown. Choose one of convnet, .*, or name "
+      r"your own builder as 'package.module:function' or "
+      r"'path/to/file.py:function'")):
+    TrainConfig(model="resnet9000")
+
+
+def test_good_references_are_checked_without_importing(module_file):
+  config = TrainConfig(model=f"{module_file}:build",
+                       dataset=f"{module_file}:load",
+                       loss=f"{module_file}:squared_error",
+                       metrics=f"mae,{module_file}:abs_error")
+  assert config.metrics == ("mae", f"{module_file}:abs_error")
+  assert "regression_user" not in sys.modules  # Read, not run.
+
+
+def test_cli_errors_answer_before_tensorflow_loads(tmp_path):
+  """Each bad reference exits 1 naming the flag, TensorFlow never imported."""
+  user = tmp_path / "mine.py"
+  user.write_text("import keras\n\ndef build(input_shape):\n  pass\n")
+  for flag, expected in (
+      (f"--model={user}:build", r"flag --model=.*mine.py:build: model=.*: "
+       r"build\(input_shape\) cannot be called as build\(input_shape, "
+       r"num_classes\)"),
+      (f"--dataset={user}:load", r"flag --dataset=.*: .*mine.py defines no "
+       r"'load'. Its functions: build.")):
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tfmgpu.train", flag],
+        capture_output=True, text=True, timeout=60, check=False, env=ENV)
+    assert run.returncode == 1
+    assert re.search(expected, run.stderr), run.stderr[-2000:]
+    assert not re.search(r"\|\s*(tensorflow|keras)$", run.stderr, re.M)
+
+
+# ------------------------------------------ on import: the registries' lookup
+
+def test_import_time_errors_name_the_setting(module_file, tmp_path):
+  with pytest.raises(user_code.UserCodeError, match=re.escape(
+      f"model='{module_file}:not_a_function' names an object of type int, "
+      "not a function. Name a function: build(input_shape, num_classes).")):
+    models.model_builder(f"{module_file}:not_a_function")
+  # A decorated def is checked on import, by the signature it then has.
+  assert callable(models.model_builder(f"{module_file}:decorated"))
+  broken = tmp_path / "broken.py"
+  broken.write_text("import no_such_dependency\n\ndef load():\n  pass\n")
+  with pytest.raises(user_code.UserCodeError, match=re.escape(
+      f"dataset='{broken}:load': importing {str(broken)!r} failed: "
+      "ModuleNotFoundError: No module named 'no_such_dependency'")):
+    data.dataset_entry(f"{broken}:load")
+  with pytest.raises(user_code.UserCodeError, match=r"importing .* failed"):
+    TrainConfig(dataset=f"{broken}:load").check_user_code()
+
+
+def test_a_file_is_imported_once_and_its_options_are_read(module_file):
+  first = models.model_builder(f"{module_file}:build")
+  assert models.model_builder(f"{module_file}:build") is first
+  entry = data.dataset_entry(f"{module_file}:load")
+  assert entry.options == ("seed",)  # It takes seed=, not path=.
+  config = TrainConfig(dataset=f"{module_file}:load", seed=3)
+  assert config.dataset_options() == {"seed": 3}
+
+
+def test_a_loader_returns_keras_splits_or_arrays(module_file):
+  arrays = data.load_dataset(f"{module_file}:load")
+  assert arrays.input_shape == {"a": (3,), "b": (2,)}
+  assert arrays.num_classes is None and arrays.name.endswith(":load")
+  x = np.zeros((4, 2), np.float32)
+  labelled = data.user_arrays("mine", ((x, np.array([0, 2, 1, 2])),
+                                       (x[:2], np.array([3, 0]))))
+  assert labelled.num_classes == 4 and labelled.input_shape == (2,)
+  with pytest.raises(ValueError, match=re.escape(
+      "dataset='mine' returned a dict; a loader returns ((x_train, y_train), "
+      "(x_test, y_test)) as keras.datasets do")):
+    data.user_arrays("mine", {"x_train": x})
+  with pytest.raises(ValueError, match=re.escape(
+      "dataset='mine': the train arrays have different row counts [3, 4]")):
+    data.user_arrays("mine", (({"a": x, "b": x[:3]}, x[:, 0]), (x, x[:, 0])))
+
+
+# --------------------------------------------------------------- a real run
+
+def test_a_regression_run_reports_the_users_loss_and_metrics(module_file,
+                                                             tmp_path):
+  from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
+  config = TrainConfig(
+      strategy="mirrored", num_replicas=2, model=f"{module_file}:build",
+      dataset=f"{module_file}:load", loss=f"{module_file}:squared_error",
+      metrics=("mae", f"{module_file}:abs_error"), optimizer="sgd",
+      learning_rate=0.05, epochs=2, global_batch_size=32, verbose=0,
+      model_dir=str(tmp_path / "run"))
+  summary = runs.run_training(config)
+  text = str(summary)
+  assert re.search(rf"model\s+{re.escape(module_file)}:build", text), text
+  assert re.search(r"test loss / mae / abs_error\s+[\d.]+ / [\d.]+ / [\d.]+",
+                   text), text
+  assert "accuracy" not in text and np.isnan(summary.test_accuracy)
+  # The reported figures are Keras' own on the same weights and test rows.
+  import keras  # pylint: disable=g-import-not-at-top
+  (_, _), (x_test, y_test) = sys.modules["regression_user"].load(seed=0)
+  saved = keras.models.load_model(summary.saved_model)  # One device.
+  saved.compile(loss="mse", metrics=["mae"])
+  loss, mae = saved.evaluate(x_test, y_test, verbose=0)
+  assert summary.test_loss == pytest.approx(loss, rel=1e-5)
+  assert summary.test_metrics["mae"] == pytest.approx(mae, rel=1e-5)
+  assert summary.test_metrics["abs_error"] == pytest.approx(mae, rel=1e-5)
+  assert summary.train_metrics["mae"] < 2.0  # It learnt (targets' sd ~2.3).
+
+
+@pytest.mark.slow
+def test_the_readme_command_trains_the_example_module(tmp_path, parsed_flags,
+                                                      capsys, monkeypatch):
+  """Acceptance: the README's command, from the checkout's root; then
+  `python -m tfmgpu.predict` (in-process) serves the model it saved on the
+  same dict-fed test rows, to the same accuracy."""
+  out = subprocess.run(
+      [sys.executable, "-m", "tfmgpu.train", f"--model={EXAMPLE}:build",
+       f"--dataset={EXAMPLE}:load", "--strategy=mirrored",
+       "--virtual_devices=2", f"--model_dir={tmp_path}", "--verbose=0"],
+      capture_output=True, text=True, timeout=300, env=ENV, check=False,
+      cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert re.search(rf"model\s+{EXAMPLE}:build\ndataset\s+{EXAMPLE}:load",
+                   out.stdout), out.stdout
+  assert "2 on /device:CPU:0, /device:CPU:1" in out.stdout
+  accuracy = float(re.search(r"test loss / accuracy\s+[\d.]+ / ([\d.]+)",
+                             out.stdout).group(1))
+  assert accuracy >= 0.93, out.stdout
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import predict  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(ROOT)
+  with flagsaver.flagsaver(model_path=[str(tmp_path / "model.keras")],
+                           dataset=f"{EXAMPLE}:load", strategy="mirrored",
+                           num_replicas=2):
+    assert predict.main(["predict"]) == 0
+  served = capsys.readouterr().out
+  assert re.search(rf"predicted\s+1000 rows.*\naccuracy\s+{accuracy:.4f}",
+                   served, re.S), served
