@@ -1,17 +1,21 @@
-"""Benchmark primitives: counted FLOPs, bytes, the projection formula, the CLI.
+"""Benchmark primitives: counted FLOPs, bytes, the projection formula, the
+report (spreads, the CPU, the CSV), `--compare`, the CLI.
 
 Speed itself is never asserted here (figures live in the suite's output).
 """
 
 import csv
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from tfmgpu import models
-from tfmgpu.benchmarks import ceiling, projection
+from tfmgpu.benchmarks import ceiling, compare, projection
 from tfmgpu.benchmarks import report as report_lib
+from tfmgpu.training import autotune
 
 
 def test_training_flops_are_counted_from_the_layers():
@@ -47,17 +51,162 @@ def test_report_csv(tmp_path):
   assert rows[0]["path"] == "tfmgpu" and float(rows[0]["ms_per_step"]) == 1.5
 
 
+def test_ratios_carry_their_spread_and_headers_name_the_cpu():
+  lines = []
+  report = report_lib.Report(out=lines.append, cpu="Test CPU 9000")
+  report.header("Training throughput")
+  assert lines[-1] == "\n== Training throughput [Test CPU 9000] =="
+  # Per-round ratios 2.4/2.0 = 1.2 and 2.6/2.0 = 1.3; best rounds 2.4/2.0.
+  spread = report_lib.round_ratios([2.4, 2.6], [2.0, 2.0])
+  assert spread == pytest.approx((1.2, 1.3))
+  report.figure("tfmgpu/keras_fit mlp x2", 1.2, "(target >= 1.2)", spread)
+  assert "1.200 (1.20-1.30)" in lines[-1]
+  assert report_lib.round_ratios([2.0], [1.0]) is None  # One round: none.
+  assert report_lib.with_spread(1.234, None) == "1.23"
+  assert report_lib.Report(out=lines.append).cpu == autotune.cpu_model()
+
+
+def _run_csv(path, cpu, fit_ms, tfmgpu_ms):
+  report = report_lib.Report(out=lambda s: None, cpu=cpu,
+                             machine=f"{cpu}; 2 cores")
+  report.add(report_lib.Row("training", "mlp", 2, "tfmgpu", tfmgpu_ms[0],
+                            64e3 / tfmgpu_ms[0], "", tfmgpu_ms))
+  report.add(report_lib.Row("training", "mlp", 2, "keras_fit", fit_ms[0],
+                            64e3 / fit_ms[0], "", fit_ms))
+  report.figure("tfmgpu/keras_fit mlp x2", fit_ms[0] / tfmgpu_ms[0], "",
+                report_lib.round_ratios(fit_ms, tfmgpu_ms))
+  return report.write_csv(str(path))
+
+
+def test_the_csv_names_the_cpu_and_compare_prints_two_runs(tmp_path):
+  a = _run_csv(tmp_path / "a.csv", "Intel(R) Xeon(R)", [2.0, 2.2], [1.0, 1.0])
+  b = _run_csv(tmp_path / "b.csv", "AMD EPYC", [2.0, 2.1], [2.0, 1.5])
+  rows = list(csv.DictReader(open(a)))
+  assert {r["cpu"] for r in rows} == {"Intel(R) Xeon(R)"}
+  assert rows[0]["rounds_ms"] == "1.0000;1.0000"
+  assert rows[-1]["section"] == "figure" and float(rows[-1]["value"]) == 2.0
+  lines = []
+  compare.compare_runs(compare.read_run(a), compare.read_run(b),
+                       out=lines.append)
+  text = "\n".join(lines)
+  assert ("== Headline figures: A [Intel(R) Xeon(R)] | B [AMD EPYC] =="
+          in text)
+  figure, = [l for l in lines if l.startswith("  tfmgpu/keras_fit mlp x2")]
+  assert figure.split()[-4:] == ["2.000", "(2.00-2.20)", "1.000",
+                                 "(1.00-1.40)"]
+  timing, = [l for l in lines if "keras_fit" in l and "training" in l]
+  assert timing.split()[-3:] == ["2.000", "2.000", "1.00"]
+
+
+def test_compare_reads_a_csv_written_before_figures(tmp_path):
+  old = tmp_path / "old.csv"
+  old.write_text("section,model,replicas,path,ms_per_step,examples_per_sec,"
+                 "note\ntraining,mlp,2,tfmgpu,1.25,51200,\n"
+                 "training,mlp,2,keras_fit,2.5,25600,\n")
+  run = compare.read_run(str(old))
+  assert run.cpu == "unknown CPU"
+  assert run.figures == {"tfmgpu/keras_fit mlp x2": (2.0, None, None)}
+
+
+def test_compare_names_a_missing_or_foreign_file(tmp_path):
+  with pytest.raises(FileNotFoundError,
+                     match=r"--compare file '.*nope.csv' does not exist"):
+    compare.read_run(str(tmp_path / "nope.csv"))
+  other = tmp_path / "other.csv"
+  other.write_text("a,b\n1,2\n")
+  with pytest.raises(ValueError, match=r"is not a bench results.csv: it "
+                     r"lacks the columns \['section'"):
+    compare.read_run(str(other))
+
+
+def test_bench_compare_prints_without_loading_tensorflow(tmp_path):
+  a = _run_csv(tmp_path / "a.csv", "CPU A", [2.0, 2.2], [1.0, 1.0])
+  b = _run_csv(tmp_path / "b.csv", "CPU B", [2.0, 2.1], [2.0, 1.5])
+  code = ("import sys\nfrom absl import flags\nfrom tfmgpu import bench\n"
+          "rest = flags.FLAGS(sys.argv)\nrc = bench.main(rest)\n"
+          "print('tensorflow loaded:', 'tensorflow' in sys.modules, rc)")
+  out = subprocess.run([sys.executable, "-c", code, "--compare", a, b],
+                       capture_output=True, text=True, timeout=120,
+                       check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "A [CPU A] | B [CPU B]" in out.stdout
+  assert "tensorflow loaded: False 0" in out.stdout
+  missing = subprocess.run(
+      [sys.executable, "-m", "tfmgpu.bench", f"--compare={a},{tmp_path}/x.csv"],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert missing.returncode == 1
+  assert "error: --compare file" in missing.stderr
+
+
 @pytest.mark.slow
 def test_bench_cli_runs_a_section(tmp_path):
+  env = dict(os.environ, TFMGPU_CACHE_DIR=str(tmp_path / "cache"))
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)
   out = subprocess.run(
       [sys.executable, "-m", "tfmgpu.bench", "--quick", "--models=mlp",
        "--replicas=1,2", "--sections=training,projection",
        f"--output_dir={tmp_path}"], capture_output=True, text=True,
-      timeout=600, check=False)
+      timeout=900, check=False, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "tfmgpu/keras_fit mlp x2" in out.stdout
   assert "keras_fit_fused" in out.stdout
   assert "thread(s) per op" in out.stdout
   assert "Projection (not a measurement)" in out.stdout
-  assert (tmp_path / "results.csv").exists()
+  cpu = autotune.cpu_model()
+  headers = [l for l in out.stdout.splitlines() if l.startswith("== ")]
+  assert len(headers) == 3 and all(f"[{cpu}] ==" in h for h in headers)
+  assert re.search(r"^  mlp +2 measured  ", out.stdout, re.M)
+  assert re.search(r"tfmgpu/keras_fit mlp x2 +\d\.\d{3} \(\d\.\d\d-\d\.\d\d\)",
+                   out.stdout)
+  assert out.stderr == "", out.stderr[-3000:]  # Tables only: no log line.
+  rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+  assert {r["cpu"] for r in rows} == {cpu}
+  assert (tmp_path / "cache" / autotune.CACHE_FILE).exists()
   assert (tmp_path / "throughput.png").exists()
+
+
+def test_predictors_built_in_a_row_trace_once_each_without_a_warning(caplog):
+  """The bench's predict-options table builds one Predictor per option:
+  each traces its function once, and TF does not report retracing (it did
+  from the fifth, every Predictor's function sharing one code object)."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfmgpu import inference, strategies  # pylint: disable=g-import-not-at-top
+  strategy = strategies.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = models.build_model("mlp", input_shape=(8,), num_classes=3,
+                               width=8, seed=0)
+  x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+  predictors = []
+  with caplog.at_level(logging.WARNING, logger="tensorflow"):
+    for batch_size in (16, 32, 16, 32, 16, 32):
+      predictor = inference.Predictor(model, strategy=strategy,
+                                      batch_size=batch_size)
+      for _ in range(2):
+        predictor.predict(x)
+      predictors.append(predictor)
+  assert "retracing" not in caplog.text
+  assert [p._fn.experimental_get_tracing_count()  # pylint: disable=protected-access
+          for p in predictors] == [1] * 6
+
+
+def test_the_tf_data_section_times_tfmgpu_fit_and_orbit_on_one_dataset():
+  from tfmgpu import data
+  from tfmgpu.benchmarks import orbit as orbit_lib
+  arrays = data.load_dataset("digits8x8")
+  calls = []
+  runners = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b"),
+             "missing": None}
+  rates = orbit_lib.best_rates(runners, examples=100, rounds=2)
+  assert calls == ["a", "b"] + ["a", "b"] * 2  # A warm call, then interleaved.
+  assert rates["missing"] is None and rates["a"] > 0
+  row = orbit_lib.compare("mlp", arrays, replicas=2, global_batch_size=32,
+                          steps=4, steps_per_execution=2, rounds=1)
+  assert row.tfmgpu > 0 and row.keras_fit > 0
+  try:
+    import orbit  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    assert row.orbit is None
+    assert "not installed" in orbit_lib.table([row])
+  else:
+    assert row.orbit > 0 and row.vs_orbit > 0

@@ -2,23 +2,38 @@ r"""Benchmark suite: `python -m tfmgpu.bench [--quick]`.
 
 Trains and serves the same models, data and strategies through tfmgpu,
 Keras `fit`/`predict`, TF's tutorial loop and a bare single-device loop, in
-one process, and prints ratios, a compute-ceiling check, optimisations
-on/off, and a labelled projection for multi-GPU hosts. Writes
-`<output_dir>/results.csv` and `throughput.png`.
+one process, and prints ratios (each with its spread over the interleaved
+rounds), a compute-ceiling check, optimisations on/off, and a labelled
+projection for multi-GPU hosts. tfmgpu's options are autotuned first
+(cached; `--noautotune`: its defaults). The output is the tables alone;
+`--logs` shows TensorFlow's and tfmgpu's log lines and warnings too. Writes
+`<output_dir>/results.csv` (with the CPU model on every line) and plots.
+
+  python -m tfmgpu.bench --compare A/results.csv B/results.csv
+
+prints two saved runs (two machines, say) side by side; with one file, it
+is compared with `<output_dir>/results.csv`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging as py_logging
+import os
+import sys
+import warnings
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from tfmgpu import flags as flags_lib
+from tfmgpu.flags import autotune as autotune_flags
 from tfmgpu.flags import batch
 from tfmgpu.flags import devices as device_flags
 from tfmgpu.flags import execution
 
-for _group in (device_flags, batch, execution):
+for _group in (device_flags, batch, execution, autotune_flags):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
 _QUICK = flags.DEFINE_bool(
@@ -40,13 +55,63 @@ _INTRA_OP_THREADS = flags.DEFINE_integer(
     lower_bound=0)
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "bench_results",
                                   "Where results.csv and plots go.")
+_LOGS = flags.DEFINE_bool(
+    "logs", False, "Also show TensorFlow's and tfmgpu's log lines and Python "
+    "warnings (hidden by default: the output is the tables).")
+_COMPARE = flags.DEFINE_list(
+    "compare", [], "Measure nothing: print two saved runs side by side, "
+    "`--compare A.csv B.csv` (or A.csv,B.csv); one file is compared with "
+    "<output_dir>/results.csv.")
+
+
+@contextlib.contextmanager
+def _quiet_logs(show: bool):
+  """Tables only: log lines and warnings hidden unless `show` (`--logs`);
+  the process's logging and warning settings are restored afterwards (for
+  a caller that runs `main` in its own process, e.g. a test or notebook)."""
+  flags_lib.quiet_tensorflow(tensorflow_logs=show)
+  verbosity = logging.get_verbosity()
+  tf_logger = py_logging.getLogger("tensorflow")
+  level = tf_logger.level
+  with warnings.catch_warnings():
+    if not show:
+      logging.set_verbosity(logging.ERROR)  # tfmgpu's own INFO and warnings.
+      tf_logger.setLevel(py_logging.ERROR)
+      warnings.simplefilter("ignore")
+    try:
+      yield
+    finally:
+      logging.set_verbosity(verbosity)
+      tf_logger.setLevel(level)
+
+
+def _compare(files: list[str]) -> int:
+  """`--compare`: prints two runs' CSVs side by side (TensorFlow unloaded)."""
+  from tfmgpu.benchmarks import compare  # pylint: disable=g-import-not-at-top
+  if len(files) == 1:
+    files.append(os.path.join(_OUTPUT_DIR.value, "results.csv"))
+  if len(files) != 2:
+    raise app.UsageError(f"--compare takes one or two files; got {files}.")
+  try:
+    runs = [compare.read_run(f) for f in files]
+  except (FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  compare.compare_runs(*runs, out=lambda s: print(s, flush=True))
+  return 0
 
 
 def main(argv: list[str]) -> int:
+  if _COMPARE.value:
+    return _compare(list(_COMPARE.value) + argv[1:])
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  replicas = tuple(int(r) for r in _REPLICAS.value)
-  flags_lib.quiet_tensorflow()
+  with _quiet_logs(_LOGS.value):
+    return _run_suite(tuple(int(r) for r in _REPLICAS.value))
+
+
+def _run_suite(replicas: tuple[int, ...]) -> int:
+  """Configures the devices and runs the chosen sections."""
   from tfmgpu.benchmarks import suite as bench_suite  # pylint: disable=g-import-not-at-top
   from tfmgpu import devices  # pylint: disable=g-import-not-at-top
   devices.configure_virtual_devices(device_flags.VIRTUAL_DEVICES.value or max(replicas),
@@ -58,7 +123,8 @@ def main(argv: list[str]) -> int:
       if quick else max(_STEPS.value, 8 * execution.STEPS_PER_EXECUTION.value),
       global_batch_size=batch.GLOBAL_BATCH_SIZE.value,
       steps_per_execution=execution.STEPS_PER_EXECUTION.value,
-      rounds=2 if quick else 3, output_dir=_OUTPUT_DIR.value, quick=quick)
+      rounds=2 if quick else 3, output_dir=_OUTPUT_DIR.value, quick=quick,
+      autotune=autotune_flags.enabled(True))
   bench_suite.run_suite(options, sections=_SECTIONS.value,
                         out=lambda s: print(s, flush=True))
   return 0

@@ -35,7 +35,8 @@ def compare_predict(strategy, model_name: str, x: np.ndarray, *,
 
   Both models are built in `strategy`'s scope with the same weights; each
   path is warmed up once (tracing) and its best of `rounds` full passes over
-  `x` is kept, interleaved.
+  `x` is kept, interleaved (every pass's time in `rounds_ms`, per pass of
+  all of `x`).
   """
   model = _build(strategy, model_name, x, seed)
   predictor = inference.Predictor(model, strategy=strategy,
@@ -47,11 +48,12 @@ def compare_predict(strategy, model_name: str, x: np.ndarray, *,
   }
   for run in paths.values():
     run()
-  best = {path: float("inf") for path in paths}
+  seconds: dict[str, list[float]] = {path: [] for path in paths}
   for _ in range(rounds):
     for path, run in paths.items():
-      best[path] = min(best[path], _seconds(run))
-  return {k: training.Timing(k, v * 1e3, len(x)) for k, v in best.items()}
+      seconds[path].append(_seconds(run))
+  return {k: training.best_round([training.Timing(k, s * 1e3, len(x))
+                                  for s in v]) for k, v in seconds.items()}
 
 
 def time_predictor(strategy, model_name: str, x: np.ndarray, *,

@@ -18,6 +18,9 @@ class SuiteOptions:
     rounds: interleaved repetitions per path (best kept).
     output_dir: CSV and PNG go here.
     quick: fewer steps and sections, for a run under 5 minutes.
+    autotune: before the training table, measure tfmgpu's options for each
+      model and replica count (`tfmgpu.training.autotune`, cached) and train
+      the `tfmgpu` path with the choice; `False`: tfmgpu's defaults.
   """
   models: tuple[str, ...] = ("convnet", "mlp")
   replicas: tuple[int, ...] = (1, 2, 4)
@@ -27,3 +30,4 @@ class SuiteOptions:
   rounds: int = 2
   output_dir: str = "bench_results"
   quick: bool = False
+  autotune: bool = True

@@ -1,8 +1,13 @@
 """What a suite run records: one `Row` per timing, headline figures, CSV.
 
 `Report` prints each line as the suite produces it (so a long run shows its
-progress) and keeps the rows for `results.csv` and the plots;
-`machine_description` is the line that says what machine measured them.
+progress) and keeps the rows and figures for `results.csv` and the plots.
+Every table header names the CPU that measured it; every row of the CSV
+does too (`cpu`, and `machine`: `machine_description`). A ratio measured
+over interleaved rounds is printed with its spread: `1.23 (1.18-1.30)` is
+the ratio of the two paths' best rounds, then the lowest and highest ratio
+of one round's pair (the best-rounds ratio always lies between them).
+`tfmgpu.benchmarks.compare` reads two such CSVs back.
 """
 
 from __future__ import annotations
@@ -11,14 +16,17 @@ import csv
 import dataclasses
 import os
 import platform
-from typing import Any
-
-from tfmgpu import devices as devices_lib
+from typing import Any, Sequence
 
 
 @dataclasses.dataclass
 class Row:
-  """One timed path: a line of `results.csv`."""
+  """One timed path: a line of `results.csv`.
+
+  Attributes:
+    rounds_ms: each interleaved round's ms per step, in round order
+      (`ms_per_step` is the best of them).
+  """
   section: str
   model: str
   replicas: int
@@ -26,14 +34,65 @@ class Row:
   ms_per_step: float
   examples_per_sec: float
   note: str = ""
+  rounds_ms: Sequence[float] = ()
+
+
+@dataclasses.dataclass
+class Figure:
+  """A headline figure: a ratio or fraction, with its spread over rounds."""
+  name: str
+  value: float
+  rule: str = ""
+  low: float | None = None
+  high: float | None = None
+
+
+# `results.csv`: a row's fields, then a figure's, then the machine's. A
+# figure is a line with section "figure", its name as `path`.
+CSV_COLUMNS = ("section", "model", "replicas", "path", "ms_per_step",
+               "examples_per_sec", "note", "rounds_ms", "value", "low",
+               "high", "cpu", "machine")
+
+
+def round_ratios(numerator_ms: Sequence[float],
+                 denominator_ms: Sequence[float]) -> tuple[float, float] | None:
+  """The lowest and highest `numerator / denominator` of one round's pair.
+
+  Returns:
+    `(low, high)`, or `None` with fewer than two paired rounds.
+  """
+  pairs = [n / d for n, d in zip(numerator_ms, denominator_ms) if d]
+  return (min(pairs), max(pairs)) if len(pairs) > 1 else None
+
+
+def with_spread(value: float, spread: tuple[float, float] | None,
+                digits: int = 2) -> str:
+  """`"1.23 (1.18-1.30)"`, or `"1.23"` without a spread."""
+  if spread is None:
+    return f"{value:.{digits}f}"
+  return f"{value:.{digits}f} ({spread[0]:.2f}-{spread[1]:.2f})"
 
 
 class Report:
-  """Collects rows, prints sections as they finish, writes CSV."""
+  """Collects rows and figures, prints tables as they come, writes the CSV.
 
-  def __init__(self, out: Any = print):
+  Args:
+    out: prints one line.
+    cpu: the CPU model named in every table header and CSV row. Defaults
+      to `tfmgpu.training.autotune.cpu_model()`.
+    machine: the whole machine line (`machine_description()`) for the CSV.
+  """
+
+  def __init__(self, out: Any = print, *, cpu: str | None = None,
+               machine: str = ""):
+    if cpu is None:
+      from tfmgpu.training import autotune  # pylint: disable=g-import-not-at-top
+      cpu = autotune.cpu_model()
     self.rows: list[Row] = []
     self.figures: dict[str, float] = {}
+    self.figure_details: list[Figure] = []
+    self.cpu = cpu
+    self.machine = machine
     self._out = out
 
   def add(self, row: Row) -> None:
@@ -42,37 +101,53 @@ class Report:
   def say(self, text: str = "") -> None:
     self._out(text)
 
-  def figure(self, name: str, value: float, rule: str = "") -> None:
-    """Records a headline figure (a ratio or fraction) and prints it."""
+  def header(self, title: str) -> None:
+    """Prints a table's header line, naming the CPU that measures it."""
+    self.say(f"\n== {title} [{self.cpu}] ==")
+
+  def figure(self, name: str, value: float, rule: str = "",
+             spread: tuple[float, float] | None = None) -> None:
+    """Records a headline figure (a ratio or fraction) and prints it.
+
+    Args:
+      name, value, rule: what it is, its value, and its target or meaning.
+      spread: `(low, high)` over the interleaved rounds (`round_ratios`).
+    """
     self.figures[name] = value
-    self.say(f"  {name:<52} {value:8.3f}  {rule}")
+    low, high = spread if spread is not None else (None, None)
+    self.figure_details.append(Figure(name, value, rule, low, high))
+    cell = with_spread(value, spread, digits=3)
+    self.say(f"  {name:<52} {cell:<20} {rule}".rstrip())
 
   def write_csv(self, path: str) -> str:
+    """Writes every row, then every figure, to `path` (`CSV_COLUMNS`)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    machine = {"cpu": self.cpu, "machine": self.machine}
     with open(path, "w", newline="") as f:
-      writer = csv.writer(f)
-      writer.writerow([f.name for f in dataclasses.fields(Row)])
+      writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, restval="")
+      writer.writeheader()
       for r in self.rows:
-        writer.writerow([getattr(r, f.name) for f in dataclasses.fields(Row)])
+        line = dataclasses.asdict(r)
+        line["rounds_ms"] = ";".join(f"{ms:.4f}" for ms in r.rounds_ms)
+        writer.writerow({**line, **machine})
+      for fig in self.figure_details:
+        writer.writerow({"section": "figure", "path": fig.name,
+                         "value": fig.value, "note": fig.rule,
+                         "low": "" if fig.low is None else fig.low,
+                         "high": "" if fig.high is None else fig.high,
+                         **machine})
     return path
 
 
-def machine_description() -> str:
+def machine_description(cpu: str | None = None) -> str:
   """One line: CPU, cores, Python, TF and Keras versions, logical devices and
   threads per op."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
+  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import autotune  # pylint: disable=g-import-not-at-top
   threads = tf.config.threading.get_intra_op_parallelism_threads()
-  return (f"{cpu}; {os.cpu_count()} cores; Python {platform.python_version()}; "
-          f"TensorFlow {tf.__version__}; Keras {keras.__version__}; "
-          f"{len(devices_lib.accelerator_devices())} logical devices, "
-          f"{threads or 'all'} thread(s) per op")
+  return (f"{cpu or autotune.cpu_model()}; {os.cpu_count()} cores; Python "
+          f"{platform.python_version()}; TensorFlow {tf.__version__}; Keras "
+          f"{keras.__version__}; {len(devices_lib.accelerator_devices())} "
+          f"logical devices, {threads or 'all'} thread(s) per op")

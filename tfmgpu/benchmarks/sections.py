@@ -2,12 +2,18 @@
 
 Each section is `section(report, opts, arrays)`: it times paths with the
 primitives of `training`, `inference`, `ceiling` and `projection`, prints
-its table as it goes and adds a `report.Row` per timing. `SECTIONS` maps the
+its table (headed by the CPU's name) as it goes and adds a `report.Row` per
+timing; ratios carry their spread over the interleaved rounds. The training
+section first runs the autotune (`tfmgpu.training.autotune`, unless
+`SuiteOptions.autotune` is off) and trains the `tfmgpu` path with its
+choice, every path at the chosen steps per call. `SECTIONS` maps the
 names `python -m tfmgpu.bench --sections` accepts to them, in running order.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Any, Callable
 
 from tfmgpu import devices as devices_lib
@@ -15,70 +21,157 @@ from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.benchmarks import ceiling as ceiling_lib
 from tfmgpu.benchmarks import inference as inference_lib
+from tfmgpu.benchmarks import orbit as orbit_lib
 from tfmgpu.benchmarks import projection as projection_lib
 from tfmgpu.benchmarks import report as report_lib
 from tfmgpu.benchmarks.options import SuiteOptions
 from tfmgpu.benchmarks import training as training_lib
+from tfmgpu.training import autotune
 
 
 def _mirrored(replicas: int):
   return strategies_lib.get_strategy("mirrored", num_replicas=replicas)
 
 
-def _floors(opts: SuiteOptions, model: str, arrays
-            ) -> dict[str, training_lib.Timing]:
+def _floors(opts: SuiteOptions, model: str, arrays, *, steps: int,
+            steps_per_execution: int) -> dict[str, training_lib.Timing]:
   """The bare loop's best round, as users write it and with tfmgpu's kernels."""
   best = {}
   for same_kernels in (False, True):
-    floor = min(
-        (training_lib.time_floor(
+    floor = training_lib.best_round([
+        training_lib.time_floor(
             model, arrays, global_batch_size=opts.global_batch_size,
-            steps=opts.steps, same_kernels=same_kernels,
-            steps_per_execution=opts.steps_per_execution)
-         for _ in range(opts.rounds)), key=lambda t: t.ms_per_step)
+            steps=steps, same_kernels=same_kernels,
+            steps_per_execution=steps_per_execution)
+        for _ in range(opts.rounds)])
     best[floor.path] = floor
   return best
 
 
-def _training(report: report_lib.Report, opts: SuiteOptions,
-              arrays) -> None:
-  report.say(
-      "\n== Training throughput: same model, data, strategy and batch ==")
-  report.say(f"{'model':<8} {'replicas':>8} {'path':<18} {'ms/step':>9} "
-             f"{'examples/s':>11} {'vs fit':>7}")
+def _build(model: str, arrays) -> Any:
+  return models_lib.build_model(model, input_shape=arrays.input_shape,
+                                num_classes=arrays.num_classes, seed=0)
+
+
+def _defaults(opts: SuiteOptions) -> autotune.Settings:
+  """tfmgpu's settings in the suite without an autotune."""
+  return autotune.Settings(steps_per_execution=opts.steps_per_execution)
+
+
+def _autotune(report: report_lib.Report, opts: SuiteOptions,
+              arrays) -> dict[tuple[str, int], autotune.Settings]:
+  """The autotune table: tfmgpu's options for each model and replica count."""
+  report.header("Autotune: tfmgpu's options for each model and replica count")
+  defaults = _defaults(opts)
+  if not opts.autotune:
+    report.say("  off (--noautotune): tfmgpu's defaults, "
+               f"{autotune.changes_label(defaults.as_dict())}")
+    return {}
+  report.say("  (each option alone against the defaults, then the winners "
+             f"together; best of {opts.rounds} interleaved rounds; a change "
+             "must be 5% faster;\n   measured once per machine and model, "
+             f"then read from {autotune.cache_path()})")
+  report.say(f"  {'model':<8} {'replicas':>8} {'source':<8}  picked: speed-up "
+             "of each candidate over the defaults")
+  chosen = {}
   for model in opts.models:
     for replicas in opts.replicas:
+      start = time.perf_counter()
+      choice = autotune.tune_training(
+          functools.partial(_build, model, arrays), _mirrored(replicas),
+          arrays.x_train, arrays.y_train,
+          global_batch_size=opts.global_batch_size, current=defaults,
+          rounds=opts.rounds)
+      chosen[(model, replicas)] = choice.settings
+      _report_choice(report, model, replicas, choice,
+                     time.perf_counter() - start, opts.global_batch_size)
+  return chosen
+
+
+def _report_choice(report: report_lib.Report, model: str, replicas: int,
+                   choice: autotune.Choice, seconds: float,
+                   global_batch_size: int) -> None:
+  picked = autotune.changes_label(choice.picked)
+  base = choice.times_ms.get("current")
+  cells = [f"{label} {base / ms:.2f}x" for label, ms in choice.times_ms.items()
+           if label != "current" and base]
+  report.say(f"  {model:<8} {replicas:>8} {choice.source:<8}  "
+             f"{'defaults' if picked == 'current' else picked} ({seconds:.0f} "
+             f"s): {', '.join(cells) or choice.reason}")
+  for label, ms in choice.times_ms.items():
+    report.add(report_lib.Row(
+        "autotune", model, replicas, label, ms, global_batch_size / ms * 1e3,
+        "picked" if label == picked else ""))
+
+
+def _tfmgpu_options(settings: autotune.Settings) -> dict[str, Any]:
+  """The tfmgpu path's own options (steps per call are every path's)."""
+  options = settings.as_dict()
+  del options["steps_per_execution"]
+  return options
+
+
+def _training(report: report_lib.Report, opts: SuiteOptions,
+              arrays) -> None:
+  tuned = _autotune(report, opts, arrays)
+  report.header("Training throughput: same model, data, strategy and batch")
+  report.say("  (vs fit: the best rounds' ratio, then the lowest and highest "
+             "ratio of one round)")
+  report.say(f"{'model':<8} {'replicas':>8} {'path':<18} {'ms/step':>9} "
+             f"{'examples/s':>11}  vs fit")
+  for model in opts.models:
+    for replicas in opts.replicas:
+      settings = tuned.get((model, replicas), _defaults(opts))
+      spe = settings.steps_per_execution
+      steps = max(opts.steps, 8 * spe)
       best = training_lib.compare(
           _mirrored(replicas), model, arrays,
-          global_batch_size=opts.global_batch_size, steps=opts.steps,
-          steps_per_execution=opts.steps_per_execution, rounds=opts.rounds,
-          paths=list(training_lib.PATHS))
+          global_batch_size=opts.global_batch_size, steps=steps,
+          steps_per_execution=spe, rounds=opts.rounds,
+          paths=list(training_lib.PATHS),
+          tfmgpu_options=_tfmgpu_options(settings))
       if replicas == 1:
-        best.update(_floors(opts, model, arrays))
-      fit = best["keras_fit"].examples_per_sec
-      for path, t in best.items():
-        report.add(report_lib.Row("training", model, replicas, path,
-                                  t.ms_per_step, t.examples_per_sec))
-        report.say(f"{model:<8} {replicas:>8} {path:<18} "
-                   f"{t.ms_per_step:>9.2f} {t.examples_per_sec:>11,.0f} "
-                   f"{t.examples_per_sec / fit:>7.2f}")
-      report.figure(f"tfmgpu/keras_fit {model} x{replicas}",
-                    best["tfmgpu"].examples_per_sec / fit,
-                    "(target >= 1.0)" if replicas == 1 else "(target >= 1.2)")
-      if "floor" in best:
-        report.figure(f"tfmgpu cost / floor {model} x1",
-                      best["tfmgpu"].ms_per_step / best["floor"].ms_per_step,
-                      "(target <= 1.10)")
-        report.figure(f"tfmgpu cost / floor with its kernels {model} x1",
-                      best["tfmgpu"].ms_per_step
-                      / best["floor_same_kernels"].ms_per_step,
-                      "(the loop's own cost)")
+        best.update(_floors(opts, model, arrays, steps=steps,
+                            steps_per_execution=spe))
+      note = autotune.changes_label(_defaults(opts).changes(settings))
+      _training_rows(report, model, replicas, best,
+                     "" if note == "current" else note)
+
+
+def _training_rows(report: report_lib.Report, model: str, replicas: int,
+                   best: dict[str, training_lib.Timing], note: str) -> None:
+  """One configuration's lines of the training table, and its figures."""
+  fit = best["keras_fit"]
+  for path, t in best.items():
+    report.add(report_lib.Row("training", model, replicas, path,
+                              t.ms_per_step, t.examples_per_sec,
+                              note if path == "tfmgpu" else "", t.rounds_ms))
+    ratio = report_lib.with_spread(
+        fit.ms_per_step / t.ms_per_step,
+        None if path == "keras_fit" else report_lib.round_ratios(
+            fit.rounds_ms, t.rounds_ms))
+    report.say(f"{model:<8} {replicas:>8} {path:<18} {t.ms_per_step:>9.2f} "
+               f"{t.examples_per_sec:>11,.0f}  {ratio}")
+  tfmgpu = best["tfmgpu"]
+  report.figure(f"tfmgpu/keras_fit {model} x{replicas}",
+                fit.ms_per_step / tfmgpu.ms_per_step,
+                "(target >= 1.0)" if replicas == 1 else "(target >= 1.2)",
+                report_lib.round_ratios(fit.rounds_ms, tfmgpu.rounds_ms))
+  for floor, what, rule in (
+      ("floor", "tfmgpu cost / floor", "(target <= 1.10)"),
+      ("floor_same_kernels", "tfmgpu cost / floor with its kernels",
+       "(the loop's own cost)")):
+    if floor in best:
+      report.figure(f"{what} {model} x1",
+                    tfmgpu.ms_per_step / best[floor].ms_per_step, rule,
+                    report_lib.round_ratios(tfmgpu.rounds_ms,
+                                            best[floor].rounds_ms))
 
 
 def _ceiling(report: report_lib.Report, opts: SuiteOptions,
              arrays) -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  report.say("\n== Compute ceiling: achieved FLOP/s vs float32 matmul ==")
+  report.header("Compute ceiling: achieved FLOP/s vs float32 matmul")
   kwargs = dict(models=list(opts.models),
                 global_batch_size=opts.global_batch_size, steps=opts.steps,
                 steps_per_execution=opts.steps_per_execution)
@@ -141,44 +234,50 @@ def _optimisation_runs(spe: int, replicas: int
 
 def _optimisations(report: report_lib.Report, opts: SuiteOptions,
                    arrays) -> None:
-  report.say("\n== Optimisations, each on/off (mlp, tfmgpu loop; best of "
-             f"{opts.rounds} interleaved rounds) ==")
+  report.header("Optimisations, each on/off (mlp, tfmgpu loop; best of "
+                f"{opts.rounds} interleaved rounds)")
   report.say("  (baseline: tfmgpu's defaults, fused optimizer and device-"
-             "resident data on; 'off:' rows turn one off)")
+             "resident data on; 'off:' rows turn one off; speed-up: best "
+             "rounds' ratio (lowest-highest of one round))")
   replicas = max(r for r in opts.replicas if r <= 2)
   spe = opts.steps_per_execution
   strategies, runs = _optimisation_runs(spe, replicas)
-  best: dict[str, training_lib.Timing] = {}
+  timings: dict[str, list[training_lib.Timing]] = {n: [] for n, _, _ in runs}
   for _ in range(opts.rounds):
     for name, strategy, kwargs in runs:
       kwargs = {"steps_per_execution": spe, **kwargs}
-      t = training_lib.time_tfmgpu(strategies[strategy], "mlp", arrays,
-                                   global_batch_size=opts.global_batch_size,
-                                   steps=opts.steps, **kwargs)
-      if name not in best or t.ms_per_step < best[name].ms_per_step:
-        best[name] = t
+      timings[name].append(training_lib.time_tfmgpu(
+          strategies[strategy], "mlp", arrays,
+          global_batch_size=opts.global_batch_size, steps=opts.steps,
+          **kwargs))
+  best = {name: training_lib.best_round(t) for name, t in timings.items()}
   base = best[f"baseline (steps_per_execution={spe})"]
   for name, strategy, _ in runs:
     t = best[name]
     n = replicas if strategy == _REPLICATED else 1
     report.add(report_lib.Row("optimisation", "mlp", n, name, t.ms_per_step,
-                              t.examples_per_sec))
+                              t.examples_per_sec, "", t.rounds_ms))
     ref = base if strategy == _REPLICATED else best[
         "one replica: default strategy"]
+    speedup = report_lib.with_spread(
+        ref.ms_per_step / t.ms_per_step,
+        None if t is ref else report_lib.round_ratios(ref.rounds_ms,
+                                                      t.rounds_ms))
     report.say(f"  x{n} {name:<34} {t.ms_per_step:8.2f} ms/step "
-               f"{t.examples_per_sec:>10,.0f} ex/s  speed-up "
-               f"{ref.ms_per_step / t.ms_per_step:5.2f}")
+               f"{t.examples_per_sec:>10,.0f} ex/s  speed-up {speedup}")
+  mirrored, default = (best["one replica: mirrored x1"],
+                       best["one replica: default strategy"])
   report.figure("one replica: mirrored cost / default strategy cost",
-                best["one replica: mirrored x1"].ms_per_step
-                / best["one replica: default strategy"].ms_per_step,
-                "(> 1 is MirroredStrategy overhead)")
+                mirrored.ms_per_step / default.ms_per_step,
+                "(> 1 is MirroredStrategy overhead)",
+                report_lib.round_ratios(mirrored.rounds_ms, default.rounds_ms))
 
 
 def _compression_accuracy(report: report_lib.Report,
                           opts: SuiteOptions, arrays) -> None:
   from tfmgpu.training import allreduce  # pylint: disable=g-import-not-at-top
   from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
-  report.say("\n== Gradient compression: bytes and accuracy (convnet, x2) ==")
+  report.header("Gradient compression: bytes and accuracy (convnet, x2)")
   epochs = 3 if opts.quick else 5
   accuracy, sent = {}, {}
   for compression in ("none", "float16"):
@@ -207,20 +306,21 @@ def _compression_accuracy(report: report_lib.Report,
 
 def _inference(report: report_lib.Report, opts: SuiteOptions,
                arrays) -> None:
-  report.say("\n== Inference: tfmgpu.predict vs Keras predict (convnet) ==")
+  report.header("Inference: tfmgpu.predict vs Keras predict (convnet)")
   x = arrays.x_train
   for replicas in opts.replicas:
     best = inference_lib.compare_predict(_mirrored(replicas), "convnet", x,
                                          rounds=2 if opts.quick else 3)
     for path, t in best.items():
       report.add(report_lib.Row("inference", "convnet", replicas, path,
-                                t.ms_per_step, t.examples_per_sec))
-    report.say(f"  x{replicas}: tfmgpu {best['tfmgpu'].examples_per_sec:>9,.0f}"
-               f" ex/s, keras {best['keras_predict'].examples_per_sec:>9,.0f}"
-               " ex/s")
+                                t.ms_per_step, t.examples_per_sec, "",
+                                t.rounds_ms))
+    tfmgpu, keras = best["tfmgpu"], best["keras_predict"]
+    report.say(f"  x{replicas}: tfmgpu {tfmgpu.examples_per_sec:>9,.0f}"
+               f" ex/s, keras {keras.examples_per_sec:>9,.0f} ex/s")
     report.figure(f"tfmgpu.predict/keras predict x{replicas}",
-                  best["tfmgpu"].examples_per_sec
-                  / best["keras_predict"].examples_per_sec, "(target >= 1.0)")
+                  keras.ms_per_step / tfmgpu.ms_per_step, "(target >= 1.0)",
+                  report_lib.round_ratios(keras.rounds_ms, tfmgpu.rounds_ms))
   replicas = max(r for r in opts.replicas if r <= 2)
   strategy = _mirrored(replicas)
   report.say(f"  inference options, x{replicas} (each on/off):")
@@ -238,7 +338,7 @@ def _inference(report: report_lib.Report, opts: SuiteOptions,
 
 def _projection(report: report_lib.Report, opts: SuiteOptions,
                 arrays) -> None:
-  report.say("\n== Projection (not a measurement): data parallel on N GPUs ==")
+  report.header("Projection (not a measurement): data parallel on N GPUs")
   report.say("  ring all-reduce 2(N-1)/N x bytes / link bandwidth, no overlap,"
              " compute = this machine's 1-replica step")
   floors = {r.model: r.ms_per_step for r in report.rows
@@ -257,6 +357,33 @@ def _projection(report: report_lib.Report, opts: SuiteOptions,
                  f"{link:<12} " + "  ".join(cells))
 
 
+def _tf_data(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
+  report.header("Shuffled tf.data input: tfmgpu vs fit vs TF Orbit "
+                "StandardTrainer (examples/s, best round)")
+  for model_name in opts.models:
+    for replicas in opts.replicas:
+      row = orbit_lib.compare(
+          model_name, arrays, replicas=replicas,
+          global_batch_size=max(opts.global_batch_size, 64),
+          steps=opts.steps // 2 if opts.quick else opts.steps,
+          steps_per_execution=opts.steps_per_execution,
+          rounds=opts.rounds)
+      for path in ("tfmgpu", "keras_fit", "orbit"):
+        rate = getattr(row, path)
+        if rate:
+          report.add(report_lib.Row("tf_data", model_name, replicas, path,
+                                    0.0, rate))
+      orbit_cell = (f"{row.orbit:>9,.0f}" if row.orbit
+                    else orbit_lib.ORBIT_MISSING)
+      report.say(f"  {model_name:<8} x{replicas}: tfmgpu {row.tfmgpu:>9,.0f}  "
+                 f"fit {row.keras_fit:>9,.0f}  orbit {orbit_cell}")
+      report.figure(f"tf.data tfmgpu/fit {model_name} x{replicas}",
+                    row.vs_fit, "(target >= 1.0)")
+      if row.vs_orbit:
+        report.figure(f"tf.data tfmgpu/orbit {model_name} x{replicas}",
+                      row.vs_orbit, "(target >= 1.0)")
+
+
 Section = Callable[[report_lib.Report, "SuiteOptions", Any], None]
 
 SECTIONS: dict[str, Section] = {
@@ -265,5 +392,6 @@ SECTIONS: dict[str, Section] = {
     "optimisations": _optimisations,
     "compression": _compression_accuracy,
     "inference": _inference,
+    "tf_data": _tf_data,
     "projection": _projection,
 }

@@ -36,8 +36,9 @@ def run_suite(opts: SuiteOptions, *,
     raise ValueError(f"replicas={list(opts.replicas)} needs {need} devices but "
                      f"{have} exist. Use --virtual_devices={need}.")
   start = time.perf_counter()
-  report = report_lib.Report(out)
-  report.say(f"Machine: {report_lib.machine_description()}")
+  machine = report_lib.machine_description()
+  report = report_lib.Report(out, machine=machine)
+  report.say(f"Machine: {machine}")
   arrays = data_lib.load_dataset("digits")
   for name in sections:
     logging.info("bench section %s", name)

@@ -16,7 +16,8 @@ Paths:
   * `floor`: a single-device `tf.function` step with no strategy at all
     (`floor_same_kernels`: the same with tfmgpu's kernels).
 
-`compare` runs the strategy paths interleaved and keeps each one's best round.
+`compare` runs the strategy paths interleaved and keeps each one's best round
+(with every round's time, for the spread of a ratio).
 """
 
 from __future__ import annotations
@@ -34,16 +35,22 @@ import tensorflow as tf
 from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
 from tfmgpu.training import fused as fused_lib
-from tfmgpu.training import step as step_lib
+from tfmgpu.training import objectives
 from tfmgpu.training.loop import Trainer
 
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-  """Median time per optimizer step of one path."""
+  """Median time per optimizer step of one path.
+
+  Attributes:
+    rounds_ms: when the path was timed in several interleaved rounds, each
+      round's time in round order (`ms_per_step` is their minimum).
+  """
   path: str
   ms_per_step: float
   global_batch_size: int
+  rounds_ms: tuple[float, ...] = ()
 
   @property
   def examples_per_sec(self) -> float:
@@ -180,7 +187,7 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
   if same_kernels:
     optimizer = fused_lib.fuse(optimizer)
   optimizer.build(model.trainable_variables)
-  per_example = step_lib.per_example_loss_fn(None)
+  per_example = objectives.default_loss
   if same_kernels:  # Held in memory, as tfmgpu's device-resident data.
     x_all, y_all = tf.constant(arrays.x_train), tf.constant(arrays.y_train)
     rows = tf.constant(np.resize(
@@ -224,21 +231,33 @@ PATHS: dict[str, Callable[..., Timing]] = {
 }
 
 
+def best_round(timings: list[Timing]) -> Timing:
+  """The fastest of `timings` (one path's rounds), carrying every round."""
+  best = min(timings, key=lambda t: t.ms_per_step)
+  return dataclasses.replace(
+      best, rounds_ms=tuple(t.ms_per_step for t in timings))
+
+
 def compare(strategy, model_name: str, arrays: data_lib.Arrays, *,
             global_batch_size: int, steps: int, steps_per_execution: int = 1,
-            rounds: int = 2, paths=("tfmgpu", "keras_fit")
-            ) -> dict[str, Timing]:
+            rounds: int = 2, paths=("tfmgpu", "keras_fit"),
+            tfmgpu_options: dict | None = None) -> dict[str, Timing]:
   """Times each path `rounds` times, interleaved; keeps each path's best round.
 
   Interleaving spreads any drift of the machine over all paths equally.
+  Each returned `Timing` holds every round's time (`rounds_ms`).
+
+  Args:
+    tfmgpu_options: `Trainer` options of the `tfmgpu` path only (e.g. an
+      autotune's `jit_compile`); `steps_per_execution` is every path's.
   """
-  best: dict[str, Timing] = {}
+  runs: dict[str, list[Timing]] = {path: [] for path in paths}
   for _ in range(rounds):
     for path in paths:
       kwargs = dict(global_batch_size=global_batch_size, steps=steps)
       if path != "tutorial":
         kwargs["steps_per_execution"] = steps_per_execution
-      t = PATHS[path](strategy, model_name, arrays, **kwargs)
-      if path not in best or t.ms_per_step < best[path].ms_per_step:
-        best[path] = t
-  return best
+      if path == "tfmgpu":
+        kwargs.update(tfmgpu_options or {})
+      runs[path].append(PATHS[path](strategy, model_name, arrays, **kwargs))
+  return {path: best_round(timings) for path, timings in runs.items()}

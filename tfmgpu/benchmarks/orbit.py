@@ -1,0 +1,181 @@
+"""tfmgpu's loop on a shuffled `tf.data` input against `fit` and TF Orbit.
+
+TF Model Garden's Orbit (`orbit.StandardTrainer`) is the reference custom
+training loop of TensorFlow: a `strategy.run` step inside a `tf.while_loop`
+over `num_steps`. This section trains the same model (same initial weights)
+on the same shuffled, repeated `tf.data` pipeline of global batches with
+each of the three, at each replica count, and times a second `train` call
+of each (the first traces). Orbit is a bench-only extra:
+`pip install --no-deps tf-models-official tf-keras`; without it the Orbit
+column says so.
+
+What each path runs (Adam 1e-3, sparse cross-entropy from logits):
+  * `tfmgpu`: `Trainer.fit(dataset, steps_per_epoch=...)`, its defaults
+    (fused Adam, `steps_per_execution` steps per call).
+  * `keras_fit`: `model.compile(steps_per_execution=...)` + `model.fit`.
+  * `orbit`: `StandardTrainer` with `use_tf_while_loop=True`, one
+    `strategy.run` step per loop iteration, Keras' Adam.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import keras
+import tensorflow as tf
+
+from tfmgpu import data as data_lib
+from tfmgpu import models as models_lib
+from tfmgpu import strategies as strategies_lib
+from tfmgpu.training import objectives
+from tfmgpu.training.loop import Trainer
+
+ORBIT_MISSING = ("not installed (pip install --no-deps tf-models-official "
+                 "tf-keras)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """Examples/s of each path at one replica count (`None`: not measured)."""
+  model: str
+  replicas: int
+  tfmgpu: float
+  keras_fit: float
+  orbit: float | None
+
+  @property
+  def vs_fit(self) -> float:
+    return self.tfmgpu / self.keras_fit
+
+  @property
+  def vs_orbit(self) -> float | None:
+    return self.tfmgpu / self.orbit if self.orbit else None
+
+
+def shuffled_dataset(arrays: data_lib.Arrays, global_batch_size: int,
+                     seed: int = 0) -> tf.data.Dataset:
+  """The input every path reads: shuffled each pass, repeated, batched."""
+  n = len(arrays.x_train)
+  return (tf.data.Dataset.from_tensor_slices((arrays.x_train, arrays.y_train))
+          .shuffle(n, seed=seed, reshuffle_each_iteration=True).repeat()
+          .batch(global_batch_size, drop_remainder=True)
+          .prefetch(tf.data.AUTOTUNE))
+
+
+def _build(strategy, model_name: str, arrays: data_lib.Arrays, seed: int):
+  with strategy.scope():
+    return models_lib.build_model(model_name, input_shape=arrays.input_shape,
+                                  num_classes=arrays.num_classes, seed=seed)
+
+
+Runner = Callable[[], Any]  # Runs the timed steps once.
+
+
+def tfmgpu_runner(strategy, model_name, arrays, dataset, *, steps: int,
+                  steps_per_execution: int, seed: int = 0) -> Runner:
+  model = _build(strategy, model_name, arrays, seed)
+  trainer = Trainer(model, strategy=strategy, verbose=0,
+                    steps_per_execution=steps_per_execution)
+  return lambda: trainer.fit(dataset, steps_per_epoch=steps)
+
+
+def keras_fit_runner(strategy, model_name, arrays, dataset, *, steps: int,
+                     steps_per_execution: int, seed: int = 0) -> Runner:
+  model = _build(strategy, model_name, arrays, seed)
+  with strategy.scope():
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  steps_per_execution=steps_per_execution)
+  return lambda: model.fit(dataset, steps_per_epoch=steps, epochs=1,
+                           shuffle=False, verbose=0)  # tf.data shuffles.
+
+
+def orbit_runner(strategy, model_name, arrays, dataset, *, steps: int,
+                 seed: int = 0) -> Runner | None:
+  """Orbit's `StandardTrainer`; `None` when Orbit is not installed."""
+  try:
+    import orbit  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  model = _build(strategy, model_name, arrays, seed)
+  with strategy.scope():
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(model.trainable_variables)
+  batch = _batch(dataset)
+
+  def replica_step(x, y):
+    with tf.GradientTape() as tape:
+      per_example = objectives.default_loss(y, model(x, training=True))
+      loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+  class _Trainer(orbit.StandardTrainer):
+
+    def train_loop_begin(self):
+      pass
+
+    def train_step(self, iterator):
+      strategy.run(replica_step, args=next(iterator))
+
+    def train_loop_end(self):
+      return {}
+
+  with strategy.scope():
+    trainer = _Trainer(
+        strategy.experimental_distribute_dataset(dataset),
+        options=orbit.StandardTrainerOptions(use_tf_while_loop=True))
+  return lambda: trainer.train(tf.constant(steps))
+
+
+def best_rates(runners: dict[str, Runner | None], examples: int,
+               rounds: int) -> dict[str, float | None]:
+  """Examples/s of each runner's best round; rounds interleave the runners,
+  after one untimed (tracing) call each."""
+  live = {k: r for k, r in runners.items() if r is not None}
+  for run in live.values():
+    run()
+  best = {k: float("inf") for k in live}
+  for _ in range(rounds):
+    for name, run in live.items():
+      start = time.perf_counter()
+      run()
+      best[name] = min(best[name], time.perf_counter() - start)
+  return {k: (examples / best[k] if k in best else None) for k in runners}
+
+
+def _batch(dataset: tf.data.Dataset) -> int:
+  return int(dataset.element_spec[0].shape[0])
+
+
+def compare(model_name: str, arrays: data_lib.Arrays, *, replicas: int,
+            global_batch_size: int, steps: int,
+            steps_per_execution: int = 10, rounds: int = 3) -> Row:
+  """One row: the three paths at `replicas` mirrored replicas."""
+  strategy = strategies_lib.get_strategy("mirrored", num_replicas=replicas)
+  dataset = shuffled_dataset(arrays, global_batch_size)
+  common = (strategy, model_name, arrays, dataset)
+  rates = best_rates({
+      "tfmgpu": tfmgpu_runner(*common, steps=steps,
+                              steps_per_execution=steps_per_execution),
+      "keras_fit": keras_fit_runner(*common, steps=steps,
+                                    steps_per_execution=steps_per_execution),
+      "orbit": orbit_runner(*common, steps=steps),
+  }, steps * global_batch_size, rounds)
+  return Row(model=model_name, replicas=replicas, **rates)
+
+
+def table(rows: list[Row]) -> str:
+  """A Markdown table of examples/s and the two ratios."""
+  lines = ["| model | replicas | tfmgpu ex/s | fit ex/s | Orbit ex/s | "
+           "tfmgpu / fit | tfmgpu / Orbit |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    orbit_rate = f"{r.orbit:,.0f}" if r.orbit else ORBIT_MISSING
+    vs_orbit = f"{r.vs_orbit:.2f}" if r.vs_orbit else "-"
+    lines.append(f"| {r.model} | {r.replicas} | {r.tfmgpu:,.0f} | "
+                 f"{r.keras_fit:,.0f} | {orbit_rate} | {r.vs_fit:.2f} | "
+                 f"{vs_orbit} |")
+  return "\n".join(lines)
