@@ -29,11 +29,15 @@ LAYERS = {
     "tfmgpu/_lazy": 0,
     "tfmgpu/checks": 0,
     "tfmgpu/devices": 0,
+    "tfmgpu/files": 0,
     "tfmgpu/ports": 0,
+    "tfmgpu/rundir": 0,
+    "tfmgpu/user_code": 0,
     # 1 registries
     "tfmgpu/data": 1,
     "tfmgpu/models": 1,
     "tfmgpu/strategies": 1,
+    "tfmgpu/tfrecord": 1,
     # 2 engines
     "tfmgpu/parallel": 2,
     "tfmgpu/training": 2,

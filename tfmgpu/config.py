@@ -15,11 +15,16 @@ from tfmgpu import checks
 from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
+from tfmgpu import user_code
 from tfmgpu.placements import model_parallel
 from tfmgpu.placements import pipeline
 from tfmgpu.training.choices import COMPRESSION_CHOICES
 from tfmgpu.training.choices import INPUT_MODE_CHOICES
 from tfmgpu.training.optimizers import OPTIMIZER_CHOICES
+
+# How a loss or metric function named by reference is called.
+_OBJECTIVE_CALL = user_code.Call(args=(0, 0), shown="fn(y_true, y_pred)")
+
 
 class ConfigRuleError(ValueError):
   """Settings that are each valid but break a rule together (e.g. a global
@@ -59,9 +64,19 @@ class TrainConfig:
       parameter servers.
     parameter_device: `central_storage`: where the variables live.
     tpu: `tpu`: the TPU's name or address (`""`: this VM's).
-    model: a registered model name.
-    dataset: a registered dataset name; `data_path` for `npz` or a local
-      copy of a downloadable one.
+    model: a registered model name, or your builder as
+      `"package.module:function"` / `"path/to/file.py:function"`, called as
+      `function(input_shape, num_classes) -> keras.Model` (see
+      `tfmgpu.models.registry`).
+    dataset: a registered dataset name (`data_path` for `npz`, a glob of
+      TFRecord shards for `tfrecord`, or a local copy of a downloadable
+      one), or your loader as a reference like `model`, returning
+      `((x_train, y_train), (x_test, y_test))` (see `data.user_arrays`).
+    loss: a Keras loss name (e.g. `"mse"`) or your `fn(y_true, y_pred)` as
+      a reference; `None`: sparse categorical cross-entropy from logits.
+    metrics: Keras metric names (e.g. `("mae",)`) or references to
+      `fn(y_true, y_pred)`; `None`: `accuracy` with the default loss, none
+      with another.
     global_batch_size: examples per step over all replicas.
     epochs, steps_per_epoch: how long (`None`: one pass per epoch).
     optimizer, learning_rate, clip_norm: the update (the clip applies to
@@ -75,8 +90,15 @@ class TrainConfig:
       AdamW, SGD/momentum; same math as Keras).
     input_mode: `auto`, `device` (training arrays held on each replica's
       device, batches gathered there) or `tf_data`.
+    autotune: before training, time short runs of `input_mode`,
+      `steps_per_execution`, `jit_compile` and `gradient_compression` and
+      train with the fastest (`tfmgpu.training.autotune`; cached per
+      machine, model and replica count; one-host data-parallel runs only).
     model_dir: checkpoints, summaries and the saved model; an existing one
       is resumed. `None`: a new directory under `runs/`.
+    checkpoint_every_steps, checkpoint_every_s: also save a checkpoint
+      every N global steps / every N seconds, not only per epoch (`None`:
+      per epoch only).
     seed: weights and data order.
     num_stages, partition, split_points: model/pipeline parallelism.
     micro_batches, schedule, recompute: pipeline parallelism.
@@ -98,6 +120,8 @@ class TrainConfig:
   model: str = "convnet"
   dataset: str = "digits"
   data_path: str | None = None
+  loss: str | None = None
+  metrics: tuple[str, ...] | None = None
   global_batch_size: int = 64
   epochs: int = 5
   steps_per_epoch: int | None = None
@@ -111,7 +135,10 @@ class TrainConfig:
   jit_compile: bool = False
   fused_optimizer: bool = True
   input_mode: str = "auto"
+  autotune: bool = False
   model_dir: str | None = None
+  checkpoint_every_steps: int | None = None
+  checkpoint_every_s: float | None = None
   seed: int = 0
   num_stages: int = 2
   partition: str = "balanced"
@@ -122,14 +149,17 @@ class TrainConfig:
   verbose: int = 1
 
   def __post_init__(self):
-    for name in ("devices", "split_points"):
+    if isinstance(self.metrics, str):  # "mae,mse", as the flag takes it.
+      object.__setattr__(self, "metrics", tuple(
+          m.strip() for m in self.metrics.split(",") if m.strip()))
+    for name in ("devices", "split_points", "metrics"):
       if getattr(self, name) is not None:  # Lists from notebooks are fine.
         object.__setattr__(self, name, tuple(getattr(self, name)))
     distribution = strategies_lib.lookup(self.strategy)
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
-    checks.check_choice("model", self.model, models_lib.available_models())
-    checks.check_choice("dataset", self.dataset,
-                        data_lib.available_datasets())
+    models_lib.check_model(self.model)  # The user's code: found, not run.
+    data_lib.check_dataset(self.dataset)
+    self._check_objective()
     checks.check_choice("optimizer", self.optimizer, OPTIMIZER_CHOICES)
     checks.check_choice("mixed_precision", self.mixed_precision,
                         models_lib.MIXED_PRECISION_POLICIES)
@@ -147,6 +177,50 @@ class TrainConfig:
       raise ConfigRuleError(str(e)) from None
     if self.dataset == "npz" and not self.data_path:
       raise ValueError("dataset='npz' needs data_path='file.npz'.")
+    if self.dataset == "tfrecord" and not self.data_path:
+      raise ValueError("dataset='tfrecord' needs data_path='DIR/*.tfrecord' "
+                       "(shards written by scripts/write_tfrecords.py).")
+
+  def _check_objective(self) -> None:
+    """`loss` and `metrics`: names are Keras' to check (when the Trainer is
+    made); references to the user's functions are checked here."""
+    for what, values in (("loss", (self.loss,)),
+                         ("metrics", self.metrics or ())):
+      for value in values:
+        if value is not None and (not isinstance(value, str)
+                                  or not value.strip()):
+          raise ValueError(f"{what}={value!r} must be a Keras name or "
+                           f"{user_code.FORMS}.")
+        if user_code.is_reference(value):
+          user_code.check_reference(what, value, _OBJECTIVE_CALL)
+
+  def check_user_code(self) -> None:
+    """Imports the functions this config names as `module:function`
+    (model, dataset, loss, metrics) and checks their signatures; names of
+    registered models and datasets are only looked up. Importing the
+    user's modules may import TensorFlow.
+
+    Raises:
+      tfmgpu.user_code.UserCodeError: a reference that cannot be used.
+    """
+    models_lib.model_builder(self.model)
+    data_lib.dataset_entry(self.dataset)
+    self.loss_and_metrics()
+
+  def loss_and_metrics(self) -> tuple[Any, list[Any] | None]:
+    """`loss` and `metrics` for the Trainer: names as given, references
+    imported (`fn(y_true, y_pred)`, signature checked).
+
+    Raises:
+      tfmgpu.user_code.UserCodeError: a reference that cannot be used.
+    """
+    def resolve(what: str, value: Any) -> Any:
+      if user_code.is_reference(value):
+        return user_code.load_function(what, value, _OBJECTIVE_CALL)
+      return value
+    metrics = (None if self.metrics is None
+               else [resolve("metrics", m) for m in self.metrics])
+    return resolve("loss", self.loss), metrics
 
   def _check_numbers(self) -> None:
     if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -155,8 +229,12 @@ class TrainConfig:
                  "steps_per_execution", "num_stages", "micro_batches"):
       checks.check_positive(name, getattr(self, name))
     for name in ("virtual_devices", "num_gpus", "num_replicas",
-                 "steps_per_epoch", "variable_shards"):
+                 "steps_per_epoch", "variable_shards",
+                 "checkpoint_every_steps"):
       checks.check_positive(name, getattr(self, name), allow_none=True)
+    if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
+      raise ValueError(f"checkpoint_every_s={self.checkpoint_every_s} must be "
+                       "> 0 seconds (or None: save per epoch only).")
     if not self.learning_rate > 0:
       raise ValueError(f"learning_rate={self.learning_rate} must be > 0.")
     if self.clip_norm is not None and not self.clip_norm > 0:

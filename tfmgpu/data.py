@@ -18,12 +18,15 @@ import importlib.metadata
 import importlib.util
 import os
 import tempfile
-from typing import Callable
+from typing import Any, Callable, Protocol
+import zipfile
+import zlib
 
 from absl import logging
 import numpy as np
 
 from tfmgpu import checks
+from tfmgpu import user_code
 from tfmgpu._lazy import LazyModule
 
 tf = LazyModule("tensorflow")
@@ -38,26 +41,41 @@ class Arrays:
   """A dataset in memory, split into train and test.
 
   Attributes:
-    name: registry name it was loaded from.
+    name: registry name (or the user's loader reference) it was loaded from.
     x_train, y_train, x_test, y_test: features (float32, NHWC images or flat
-      vectors) and integer labels.
-    num_classes: number of label values.
+      vectors) and integer labels; a user's loader may give a dict, list or
+      tuple of arrays for a model with several inputs (or outputs).
+    num_classes: number of label values (`None`: targets that are not one
+      array of class indices, e.g. regression).
   """
   name: str
-  x_train: np.ndarray
-  y_train: np.ndarray
-  x_test: np.ndarray
-  y_test: np.ndarray
-  num_classes: int
+  x_train: Any
+  y_train: Any
+  x_test: Any
+  y_test: Any
+  num_classes: int | None
 
   @property
-  def input_shape(self) -> tuple[int, ...]:
-    """Shape of one example, e.g. `(28, 28, 1)`."""
-    return tuple(self.x_train.shape[1:])
+  def input_shape(self) -> Any:
+    """Shape of one example, e.g. `(28, 28, 1)`; for several inputs, the
+    same nesting of shapes, e.g. `{"image": (28, 28, 1), "tabular": (56,)}`."""
+    return _map_leaves(lambda a: tuple(a.shape[1:]), self.x_train)
 
   def __repr__(self) -> str:
-    return (f"Arrays({self.name!r}: train {self.x_train.shape}, test "
-            f"{self.x_test.shape}, {self.num_classes} classes)")
+    classes = ("" if self.num_classes is None
+               else f", {self.num_classes} classes")
+    train, test = (_map_leaves(lambda a: a.shape, x)
+                   for x in (self.x_train, self.x_test))
+    return f"Arrays({self.name!r}: train {train}, test {test}{classes})"
+
+
+def _map_leaves(fn: Callable[[Any], Any], x: Any) -> Any:
+  """`fn` of each array of a dict/list/tuple nesting, the nesting kept."""
+  if isinstance(x, dict):
+    return {k: _map_leaves(fn, v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return type(x)(_map_leaves(fn, v) for v in x)
+  return fn(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,19 +89,48 @@ class DatasetEntry:
     offline: it needs no download.
     options: the run settings the loader takes from a `TrainConfig`
       (`seed`, `path`): declared, not guessed from its signature.
+    streamed: the loader returns a `StreamedDataset` (read from files while
+      training) instead of `Arrays`.
   """
   name: str
   description: str
-  loader: Callable[..., Arrays]
+  loader: Callable[..., Any]
   offline: bool
   options: tuple[str, ...] = ()
+  streamed: bool = False
+
+
+class StreamedDataset(Protocol):
+  """A dataset read from files while training, not loaded into memory.
+
+  What a `streamed=True` registry entry's loader returns (see
+  `tfmgpu.tfrecord.TFRecordSource`): the example shape and class count for
+  the model, and dataset functions for `Trainer.fit` / `evaluate`.
+  """
+  name: str
+  input_shape: tuple[int, ...]
+  num_classes: int
+
+  def steps_per_epoch(self, global_batch_size: int) -> int:
+    """Global batches in one pass over the training examples."""
+
+  def train_dataset_fn(self, global_batch_size: int, *,
+                       independent_workers: bool = False) -> Callable:
+    """An endless `fn(input_context) -> tf.data.Dataset` of per-replica
+    batches, with `fn.from_step(step)` to resume at a global step."""
+
+  def test_dataset_fn(self, global_batch_size: int) -> Callable:
+    """A finite `fn(input_context)`: each test example once."""
+
+  def to_arrays(self) -> Arrays:
+    """Both splits read into memory."""
 
 
 _REGISTRY: dict[str, DatasetEntry] = {}
 
 
 def register_dataset(name: str, description: str, *, offline: bool = True,
-                     options: tuple[str, ...] = ()):
+                     options: tuple[str, ...] = (), streamed: bool = False):
   """Decorator registering `loader(**options) -> Arrays` under `name`.
 
   Args:
@@ -91,12 +138,13 @@ def register_dataset(name: str, description: str, *, offline: bool = True,
     description: one line for help text.
     offline: the loader needs no download.
     options: which run settings (`"seed"`, `"path"`) a run passes it.
+    streamed: the loader returns a `StreamedDataset` instead of `Arrays`.
   """
   def decorate(loader):
     if name in _REGISTRY:
       raise ValueError(f"dataset name {name!r} is already registered.")
     _REGISTRY[name] = DatasetEntry(name, description, loader, offline,
-                                   tuple(options))
+                                   tuple(options), streamed)
     return loader
   return decorate
 
@@ -112,11 +160,111 @@ def available_datasets() -> dict[str, str]:
 
 
 def dataset_entry(name: str) -> DatasetEntry:
-  """Looks up a registered dataset; unknown names list the available ones."""
+  """Looks up a dataset: the one lookup of dataset names.
+
+  Args:
+    name: a registered name, or a reference to the user's loader
+      (`"package.module:function"`, `"path/to/file.py:function"`; see
+      `USER_LOADER_CALL`), which is imported and its signature checked.
+
+  Raises:
+    ValueError: unknown names list the available ones; a reference that
+      cannot be used raises `tfmgpu.user_code.UserCodeError`.
+  """
+  if user_code.is_reference(name):
+    return _user_entry(name)
   if name not in _REGISTRY:
     raise ValueError(f"Unknown dataset name={name!r}. Available names: "
-                     f"{', '.join(sorted(_REGISTRY))}.")
+                     f"{', '.join(sorted(_REGISTRY))}; or your own loader as "
+                     f"{user_code.FORMS}.")
   return _REGISTRY[name]
+
+
+# ------------------------------------------------------- the user's loader
+
+# A user's loader is called with `seed=` and `path=` (`--seed`,
+# `--data_path`) only if it names them (or takes **kwargs): `load()`,
+# `load(seed=0)`, `load(path=None, seed=0)` all work.
+USER_LOADER_CALL = user_code.Call(options=("seed", "path"), shown="load()")
+
+
+def check_dataset(name: str) -> None:
+  """Checks a dataset setting without importing user code or TensorFlow.
+
+  Raises:
+    ValueError: an unknown name (listing the registered ones) or a
+      reference that cannot be used (`tfmgpu.user_code.UserCodeError`).
+  """
+  if user_code.is_reference(name):
+    user_code.check_reference("dataset", name, USER_LOADER_CALL)
+  elif name not in _REGISTRY:
+    raise ValueError(f"dataset={name!r} is unknown. Choose one of "
+                     f"{', '.join(_REGISTRY)}, or name your own loader as "
+                     f"{user_code.FORMS}.")
+
+
+def _user_entry(name: str) -> DatasetEntry:
+  """An entry for the user's loader `name` (imported and checked)."""
+  loader = user_code.load_function("dataset", name, USER_LOADER_CALL)
+
+  def load(**options) -> Arrays:
+    return user_arrays(name, loader(**options))
+
+  return DatasetEntry(
+      name, f"your loader {name}", load, offline=True,
+      options=user_code.keyword_options(loader, USER_LOADER_CALL.options))
+
+
+def user_arrays(name: str, loaded: Any) -> Arrays:
+  """A user loader's result as `Arrays`.
+
+  Args:
+    name: the loader, for messages and `Arrays.name`.
+    loaded: `Arrays`, or `((x_train, y_train), (x_test, y_test))` as
+      `keras.datasets` return them, where each `x` (and `y`) is an array or
+      a dict/list/tuple of arrays (one per model input or output), with one
+      row per example. `num_classes` is `max(y) + 1` when `y` is one array
+      of non-negative integers, else `None`.
+
+  Raises:
+    ValueError: anything else, or parts with different row counts.
+  """
+  if isinstance(loaded, Arrays):
+    return loaded
+  try:
+    (x_train, y_train), (x_test, y_test) = loaded
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"dataset={name!r} returned a {type(loaded).__name__}; a loader "
+        "returns ((x_train, y_train), (x_test, y_test)) as keras.datasets "
+        "do (each x and y an array, or a dict/list of arrays for several "
+        "inputs), or tfmgpu.data.Arrays.") from None
+  parts = [_map_leaves(np.asarray, p) for p in (x_train, y_train, x_test,
+                                                y_test)]
+  for split, (x, y) in (("train", parts[:2]), ("test", parts[2:])):
+    rows = {len(a) for a in _leaf_list(x) + _leaf_list(y)}
+    if len(rows) != 1:
+      raise ValueError(f"dataset={name!r}: the {split} arrays have different "
+                       f"row counts {sorted(rows)}; give one row per example "
+                       "in every x and y array.")
+  return Arrays(name, *parts, num_classes=_class_count(parts[1], parts[3]))
+
+
+def _leaf_list(x: Any) -> list[np.ndarray]:
+  leaves: list[np.ndarray] = []
+  _map_leaves(leaves.append, x)
+  return leaves
+
+
+def _class_count(y_train: Any, y_test: Any) -> int | None:
+  """`max + 1` of integer class labels; `None` for other targets."""
+  ys = (y_train, y_test)
+  if not all(isinstance(y, np.ndarray) and y.dtype.kind in "iu" and (
+      y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)) for y in ys):
+    return None
+  if any(y.size and y.min() < 0 for y in ys):
+    return None
+  return int(max(y.max(initial=0) for y in ys)) + 1
 
 
 def load_dataset(name: str = "digits", **options) -> Arrays:
@@ -128,11 +276,25 @@ def load_dataset(name: str = "digits", **options) -> Arrays:
     **options: loader options, e.g. `test_fraction`, `seed`, `path`.
 
   Returns:
-    `Arrays` with float32 features scaled to [0, 1] and int32 labels.
+    `Arrays` with float32 features scaled to [0, 1] and int32 labels (a
+    streamed dataset is read into memory whole; see `open_dataset`).
 
   Raises:
     ValueError: unknown name (lists the available ones) or bad option.
     DatasetUnavailableError: a download is needed and failed.
+  """
+  entry = dataset_entry(name)
+  loaded = entry.loader(**options)
+  return loaded.to_arrays() if entry.streamed else loaded
+
+
+def open_dataset(name: str = "digits", **options) -> "Arrays | StreamedDataset":
+  """What a run trains on: `Arrays`, or a `StreamedDataset` for a streamed
+  entry (e.g. `open_dataset("tfrecord", path="DIR/*.tfrecord")`), which
+  reads its files while training.
+
+  Raises:
+    As `load_dataset`; a streamed loader's own errors (e.g. no files).
   """
   return dataset_entry(name).loader(**options)
 
@@ -279,18 +441,77 @@ def _npz(path: str | None = None) -> Arrays:
                      "holding x_train, y_train, x_test, y_test.")
   if not os.path.exists(path):
     raise FileNotFoundError(f"dataset 'npz': path={path!r} does not exist.")
-  with np.load(path) as f:
+  x_train, y_train, x_test, y_test = _read_npz(path)
+  for name, y in (("y_train", y_train), ("y_test", y_test)):
+    if y.dtype.kind == "f" and not np.all(np.isfinite(y) & (y == np.round(y))):
+      raise ValueError(f"dataset 'npz': {name} in {path!r} holds non-integer "
+                       "labels; labels must be integer class indices "
+                       "0..num_classes-1.")
+  x_train, x_test = (_as_features(a) for a in (x_train, x_test))
+  y_train, y_test = y_train.astype(np.int32), y_test.astype(np.int32)
+  arrays = Arrays("npz", x_train, y_train, x_test, y_test,
+                  int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1)
+  check_labels(arrays, source=repr(path))
+  return arrays
+
+
+def _read_npz(path: str) -> tuple[np.ndarray, ...]:
+  """x_train, y_train, x_test, y_test of an .npz file; a damaged, empty or
+  non-.npz file is named with its size."""
+  def invalid(why: str) -> ValueError:
+    return ValueError(
+        f"dataset 'npz': path={path!r} is not a valid .npz file "
+        f"({os.path.getsize(path)} bytes: {why}). Write it with "
+        "numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...).")
+  try:
+    loaded = np.load(path, allow_pickle=False)
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    why = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else ""
+    raise invalid(why or type(e).__name__) from e
+  if not hasattr(loaded, "files"):
+    raise invalid("one array (a .npy file), not an archive of named arrays")
+  with loaded as f:
     missing = [k for k in ("x_train", "y_train", "x_test", "y_test")
                if k not in f.files]
     if missing:
       raise ValueError(f"dataset 'npz': {path!r} lacks arrays {missing}; it has "
                        f"{f.files}.")
-    x_train, y_train, x_test, y_test = (
-        f["x_train"], f["y_train"], f["x_test"], f["y_test"])
-  x_train, x_test = (_as_features(a) for a in (x_train, x_test))
-  y_train, y_test = y_train.astype(np.int32), y_test.astype(np.int32)
-  return Arrays("npz", x_train, y_train, x_test, y_test,
-                int(max(y_train.max(), y_test.max())) + 1)
+    try:
+      return tuple(f[k] for k in ("x_train", "y_train", "x_test", "y_test"))
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile,
+            zlib.error) as e:
+      raise invalid(str(e).strip().splitlines()[0] if str(e).strip()
+                    else type(e).__name__) from e
+
+
+def check_labels(arrays: Arrays, *, source: str | None = None) -> None:
+  """Checks that every label is a class index in `0..num_classes - 1`.
+
+  Run before training: a label out of range would otherwise fail the first
+  step with a kernel error.
+
+  Args:
+    arrays: the dataset.
+    source: where the labels come from, for the message (default: the
+      dataset's name).
+
+  Raises:
+    ValueError: a label out of range (the first one is named).
+  """
+  if arrays.num_classes is None:
+    return  # Targets that are not class indices: nothing to check.
+  for split, y in (("y_train", arrays.y_train), ("y_test", arrays.y_test)):
+    y = np.asarray(y)
+    if not y.size:
+      continue
+    bad = np.flatnonzero((y < 0) | (y >= arrays.num_classes))
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+          f"dataset {source or repr(arrays.name)}: {split}[{i}]={y.flat[i]} "
+          f"is outside the class range 0..{arrays.num_classes - 1} "
+          f"({bad.size} label(s) out of range). Labels must be integer class "
+          "indices from 0 to num_classes - 1: fix the labels.")
 
 
 def _as_features(x: np.ndarray) -> np.ndarray:
@@ -323,6 +544,14 @@ def _keras_dataset(name: str) -> Callable[..., Arrays]:
     y_test = y_test.reshape(-1).astype(np.int32)
     return Arrays(name, x_train, y_train, x_test, y_test, int(y_train.max()) + 1)
   return load
+
+
+@register_dataset("tfrecord", "TFRecord shards written by scripts/"
+                  "write_tfrecords.py, streamed (pass path='DIR/*.tfrecord').",
+                  options=("path", "seed"), streamed=True)
+def _tfrecord(path: str | None = None, seed: int = 0) -> StreamedDataset:
+  from tfmgpu import tfrecord  # pylint: disable=g-import-not-at-top
+  return tfrecord.open_source(path, seed=seed)
 
 
 for _name, _desc in (("mnist", "70,000 28x28 digits (keras.datasets download)."),
@@ -408,22 +637,6 @@ def input_fn(x: np.ndarray, y: np.ndarray, *, global_batch_size: int,
     return ds.prefetch(tf.data.AUTOTUNE)
 
   return dataset_fn
-
-
-def pad_to_multiple(x: np.ndarray, y: np.ndarray, multiple: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Pads rows to a multiple of `multiple`; returns `(x, y, mask)`.
-
-  Evaluation and prediction pad the last partial batch (and trim or mask it
-  afterwards) instead of dropping rows or handing replicas empty batches.
-  """
-  n = len(x)
-  pad = (-n) % multiple
-  mask = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
-  if pad:
-    x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
-    y = np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)])
-  return x, y, mask
 
 
 def distribute(strategy: "tf.distribute.Strategy", x: np.ndarray, y: np.ndarray,

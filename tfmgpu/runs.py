@@ -9,7 +9,6 @@ it twice.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import os
 import time
@@ -22,6 +21,7 @@ import numpy as np
 from tfmgpu import data as data_lib
 from tfmgpu import devices as devices_lib
 from tfmgpu import models as models_lib
+from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.config import TrainConfig
 from tfmgpu.placements import model_parallel
@@ -33,7 +33,13 @@ from tfmgpu.training.loop import TrainResult
 
 @dataclasses.dataclass
 class RunSummary:
-  """The outcome of `run_training`, printed by the CLI at the end."""
+  """The outcome of `run_training`, printed by the CLI at the end.
+
+  `final_accuracy` / `test_accuracy` are NaN for a run without an
+  `accuracy` metric; `train_metrics` / `test_metrics` hold every metric the
+  run reported (by the names the user gave), and the printed rows list
+  them: `test loss / mae  0.0123 / 0.0871`.
+  """
   strategy: str
   replicas: int
   devices: list[str]
@@ -51,27 +57,42 @@ class RunSummary:
   plan: Any = dataclasses.field(repr=False, default=None)
   weights_digest: str = ""
   layout: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  model_name: str = ""
+  dataset_name: str = ""
+  train_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  test_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
   def _training_rows(self) -> list[tuple[str, str]]:
     if not self.result.epochs_run:
       done = self.result.initial_epoch
-      return [("train loss / accuracy",
+      return [(_label("train", self.test_metrics),
                f"not trained: {self.model_dir} already held {done} epoch(s)")]
-    return [("train loss / accuracy",
-             f"{self.final_loss:.4f} / {self.final_accuracy:.4f}"),
+    return [(_label("train", self.train_metrics),
+             _values(self.final_loss, self.train_metrics)),
             ("throughput", f"{self.examples_per_sec:,.0f} examples/s")]
 
   def __str__(self) -> str:
-    rows = [("strategy", self.strategy), *self.layout,
+    named = [(k, v) for k, v in (("model", self.model_name),
+                                 ("dataset", self.dataset_name)) if v]
+    rows = [("strategy", self.strategy), *named, *self.layout,
             *self._training_rows(),
-            ("test loss / accuracy",
-             f"{self.test_loss:.4f} / {self.test_accuracy:.4f}"),
+            (_label("test", self.test_metrics),
+             _values(self.test_loss, self.test_metrics)),
             ("wall time", f"{self.seconds:.1f} s"),
             ("checkpoints", self.checkpoint or "none"),
             ("saved model", self.saved_model or "none"),
             ("weights sha256", self.weights_digest or "n/a")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _label(split: str, metrics: dict[str, float]) -> str:
+  """`"test loss / accuracy"`: the loss, then each metric's name."""
+  return " / ".join([f"{split} loss", *metrics])
+
+
+def _values(loss: float, metrics: dict[str, float]) -> str:
+  return " / ".join(f"{v:.4f}" for v in (loss, *metrics.values()))
 
 
 def weights_digest(model: keras.Model) -> str:
@@ -85,8 +106,7 @@ def weights_digest(model: keras.Model) -> str:
 
 def default_model_dir(strategy: str) -> str:
   """A fresh run directory, `runs/<time>-<strategy>` (never resumes by accident)."""
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-  return os.path.join("runs", f"{stamp}-{strategy}")
+  return rundir.default_model_dir(strategy)
 
 
 def _mib(n: int) -> str:
@@ -99,8 +119,8 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
   devices_lib.configure_virtual_devices(
       config.virtual_devices,
       intra_op_threads=config.distribution.intra_op_threads)
-  if arrays is None:
-    arrays = data_lib.load_dataset(config.dataset, **config.dataset_options())
+  if arrays is None:  # A streamed dataset gives its shapes without reading.
+    arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
   model = model_parallel.build_unsplit(lambda: models_lib.build_model(
       config.model, input_shape=arrays.input_shape,
       num_classes=arrays.num_classes, seed=config.seed))
@@ -150,7 +170,10 @@ def make_trainer(config: TrainConfig, placement: strategies_lib.Placement, *,
       steps_per_execution=config.steps_per_execution,
       jit_compile=config.jit_compile,
       fused_optimizer=config.fused_optimizer, input_mode=config.input_mode,
-      model_dir=model_dir, callbacks=callbacks, verbose=config.verbose)
+      model_dir=model_dir, callbacks=callbacks, verbose=config.verbose,
+      checkpoint_every_steps=config.checkpoint_every_steps,
+      checkpoint_every_s=config.checkpoint_every_s,
+      **dict(zip(("loss", "metrics"), config.loss_and_metrics())))
 
 
 def _model_builder(config: TrainConfig, arrays: data_lib.Arrays,
@@ -166,16 +189,39 @@ def _model_builder(config: TrainConfig, arrays: data_lib.Arrays,
   return build
 
 
+def _autotuned(config: TrainConfig, placement: strategies_lib.Placement,
+               arrays: Any, build: Callable[[], keras.Model]) -> TrainConfig:
+  """`config` with the options `autotune` measured fastest here (logged)."""
+  from tfmgpu.training import autotune  # pylint: disable=g-import-not-at-top
+  if config.is_placement or not isinstance(arrays, data_lib.Arrays) or (
+      not isinstance(arrays.x_train, np.ndarray)):
+    logging.info("autotune: not tuned: it times data-parallel training on "
+                 "in-memory arrays (this run: %s, %s).", config.strategy,
+                 type(arrays).__name__)
+    return config
+  choice = autotune.tune_training(
+      build, placement.strategy, arrays.x_train, arrays.y_train,
+      global_batch_size=config.global_batch_size,
+      current=autotune.Settings(**{n: getattr(config, n)
+                                   for n in autotune.TUNED}),
+      optimizer=config.optimizer, learning_rate=config.learning_rate,
+      clip_norm=config.clip_norm, bytes_per_pack=config.bytes_per_pack,
+      fused_optimizer=config.fused_optimizer)
+  return config.replace(**choice.settings.as_dict())
+
+
 def run_training(config: TrainConfig, *,
                  model_fn: models_lib.ModelFn | None = None,
-                 arrays: data_lib.Arrays | None = None,
+                 arrays: "data_lib.Arrays | data_lib.StreamedDataset | None"
+                 = None,
                  callbacks=()) -> RunSummary:
   """Runs one training job end to end.
 
   Args:
     config: the run.
     model_fn: build this instead of `config.model`.
-    arrays: train on these instead of loading `config.dataset`.
+    arrays: train on these instead of loading `config.dataset`: `Arrays`,
+      or a `data.StreamedDataset` (e.g. `tfrecord.open_source(...)`).
     callbacks: Keras callbacks for the loop.
 
   Returns:
@@ -190,8 +236,10 @@ def run_training(config: TrainConfig, *,
   options = distribution.options_from(config)
   strategy = start_devices(config, distribution, options)
   if arrays is None:
-    arrays = data_lib.load_dataset(config.dataset, **config.dataset_options())
+    arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
   logging.info("Data: %r", arrays)
+  if isinstance(arrays, data_lib.Arrays):
+    data_lib.check_labels(arrays)  # Before a first step fails on one.
   placement = distribution.place(
       options, _model_builder(config, arrays, model_fn), strategy=strategy,
       seed=config.seed)
@@ -199,16 +247,14 @@ def run_training(config: TrainConfig, *,
   placement.options = placement.options or options
   if placement.plan is not None:
     print(placement.plan, flush=True)
+  if config.autotune:
+    config = _autotuned(config, placement, arrays,
+                        _model_builder(config, arrays, model_fn))
   model_dir = config.model_dir or default_model_dir(config.strategy)
   trainer = make_trainer(config, placement, model_dir=model_dir,
                          callbacks=callbacks)
   try:
-    result = trainer.fit(
-        arrays.x_train, arrays.y_train, epochs=config.epochs,
-        global_batch_size=config.global_batch_size,
-        steps_per_epoch=config.steps_per_epoch, seed=config.seed)
-    test = trainer.evaluate(arrays.x_test, arrays.y_test,
-                            global_batch_size=config.global_batch_size)
+    result, test = _fit_and_test(trainer, config, arrays, placement.strategy)
     saved = None
     if ckpt_lib.is_chief(placement.strategy):
       saved = save_model(placement.model, os.path.join(model_dir, "model.keras"))
@@ -218,21 +264,52 @@ def run_training(config: TrainConfig, *,
                   checkpoint=result.checkpoint or (
                       trainer.checkpointer.latest if trainer.checkpointer
                       else None),
-                  saved=saved, seconds=time.perf_counter() - start)
+                  saved=saved, seconds=time.perf_counter() - start,
+                  names=(getattr(model_fn, "__name__", None) or config.model,
+                         getattr(arrays, "name", None) or config.dataset))
+
+
+def _fit_and_test(trainer: Trainer, config: TrainConfig,
+                  data: "data_lib.Arrays | data_lib.StreamedDataset",
+                  strategy) -> tuple[TrainResult, dict[str, float]]:
+  """Trains, then evaluates on the test split: in-memory arrays, or a
+  streamed dataset's dataset functions (read from its files as they train)."""
+  batch = config.global_batch_size
+  if isinstance(data, data_lib.Arrays):
+    result = trainer.fit(
+        data.x_train, data.y_train, epochs=config.epochs,
+        global_batch_size=batch, steps_per_epoch=config.steps_per_epoch,
+        seed=config.seed)
+    return result, trainer.evaluate(data.x_test, data.y_test,
+                                    global_batch_size=batch)
+  stream = data.train_dataset_fn(
+      batch, independent_workers=ps_lib.is_parameter_server(strategy))
+  test = data.test_dataset_fn(batch)  # Before training: it checks the files.
+  result = trainer.fit(stream, epochs=config.epochs, steps_per_epoch=(
+      config.steps_per_epoch or data.steps_per_epoch(batch)))
+  return result, trainer.evaluate(test)
 
 
 def _summary(config: TrainConfig, placement: strategies_lib.Placement,
              result: TrainResult, test: dict[str, float], *, model_dir: str,
              checkpoint: str | None, saved: str | None,
-             seconds: float) -> RunSummary:
+             seconds: float, names: tuple[str, str]) -> RunSummary:
+  """The summary; `names`: the model's and the dataset's, as the user
+  named them (a registry name or a `module:function` reference)."""
   history = result.history
+  nan = float("nan")
+  test_metrics = {k: v for k, v in test.items() if k not in ("loss", "count")}
+  train_metrics = {k: history[k][-1] if history.get(k) else nan
+                   for k in test_metrics}
   return RunSummary(
       strategy=config.strategy,
       replicas=placement.strategy.num_replicas_in_sync,
       devices=placement.devices,
-      final_loss=history["loss"][-1] if history else float("nan"),
-      final_accuracy=history["accuracy"][-1] if history else float("nan"),
-      test_loss=test["loss"], test_accuracy=test["accuracy"],
+      final_loss=history["loss"][-1] if history else nan,
+      final_accuracy=train_metrics.get("accuracy", nan),
+      test_loss=test["loss"], test_accuracy=test_metrics.get("accuracy", nan),
+      train_metrics=train_metrics, test_metrics=test_metrics,
+      model_name=names[0], dataset_name=names[1],
       examples_per_sec=result.examples_per_sec, seconds=seconds,
       model_dir=model_dir, checkpoint=checkpoint, saved_model=saved,
       result=result, model=placement.model, plan=placement.plan,
@@ -253,6 +330,10 @@ def _save_aside(model: keras.Model, path: str) -> None:
     with open(aside, "rb") as f:
       os.fsync(f.fileno())
     os.replace(aside, path)
+  except OSError as e:
+    if e.filename is None:  # Keras' zip writer names no file: name it.
+      raise OSError(e.errno, e.strerror or str(e), path) from e
+    raise
   finally:
     if os.path.exists(aside):
       os.remove(aside)

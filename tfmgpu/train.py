@@ -9,6 +9,8 @@ Examples:
   python -m tfmgpu.train --strategy=mirrored --num_gpus=4 \
       --global_batch_size=256 --mixed_precision=mixed_bfloat16
   python -m tfmgpu.train --flagfile=run.flags
+  python -m tfmgpu.train --model=scripts/examples/two_input.py:build \
+      --dataset=scripts/examples/two_input.py:load --virtual_devices=2
   python -m tfmgpu.launch --num_workers=2 -- \
       python -m tfmgpu.train --strategy=multi_worker_mirrored --model_dir=run
 
@@ -30,9 +32,13 @@ from absl import flags
 
 from tfmgpu import cluster
 from tfmgpu import config as config_lib
+from tfmgpu import files
 from tfmgpu import flags as flags_lib
 from tfmgpu import models as models_lib
+from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
+from tfmgpu import user_code
+from tfmgpu.flags import autotune
 from tfmgpu.flags import batch
 from tfmgpu.flags import data
 from tfmgpu.flags import devices
@@ -45,11 +51,24 @@ from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
 from tfmgpu.training.choices import INPUT_MODE_CHOICES
 from tfmgpu.training.optimizers import OPTIMIZER_CHOICES
 
-for _group in (strategy, devices, data, batch, execution, stages):
+for _group in (strategy, devices, data, batch, execution, stages, autotune):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
-_MODEL = flags.DEFINE_enum(
-    "model", "convnet", list(models_lib.available_models()), "Model to train.")
+_MODEL = flags.DEFINE_string(
+    "model", "convnet",
+    f"<{' | '.join(models_lib.available_models())}>, or your own builder as "
+    f"{user_code.FORMS}, called as build(input_shape, num_classes) -> "
+    "keras.Model (input_shape nested like the data's x for several inputs).")
+_LOSS = flags.DEFINE_string(
+    "loss", None, "A Keras loss name (e.g. mse, binary_crossentropy) or your "
+    f"fn(y_true, y_pred) as {user_code.FORMS}. Default: sparse categorical "
+    "cross-entropy from logits, which the built-in models output (by name, "
+    "sparse_categorical_crossentropy expects probabilities).")
+_METRICS = flags.DEFINE_list(
+    "metrics", None, "Keras metric names (e.g. accuracy,mae) or your "
+    "fn(y_true, y_pred) as references, comma-separated; reported per epoch "
+    "and in the summary. Default: accuracy with the default loss, none with "
+    "--loss.")
 _EPOCHS = flags.DEFINE_integer("epochs", 5, "Epochs to train.", lower_bound=1)
 _STEPS_PER_EPOCH = flags.DEFINE_integer(
     "steps_per_epoch", None, "Steps per epoch (default: one pass).",
@@ -101,6 +120,12 @@ _TPU = flags.DEFINE_string(
 _MODEL_DIR = flags.DEFINE_string(
     "model_dir", None, "Checkpoints, summaries and model.keras go here; an "
     "existing directory is resumed. Default: a new runs/<time>-<strategy>.")
+_CHECKPOINT_EVERY_STEPS = flags.DEFINE_integer(
+    "checkpoint_every_steps", None, "Also save a checkpoint every N global "
+    "steps, not only per epoch (a kill then loses < N steps).", lower_bound=1)
+_CHECKPOINT_EVERY_S = flags.DEFINE_float(
+    "checkpoint_every_s", None, "Also save a checkpoint every N seconds of "
+    "training, not only per epoch.", lower_bound=0.001)
 _VERBOSE = flags.DEFINE_integer(
     "verbose", 1, "0: one log line per epoch; 1: a progress bar; 2: a progress "
     "bar and TensorFlow's own log messages (hidden otherwise, unless "
@@ -125,6 +150,17 @@ def _batch_divides(values) -> bool:
   return True
 
 
+@flags.validator("model")
+def _known_model(value: str) -> bool:
+  """A registered name, or a reference whose module defines the builder
+  (read, not imported: before TensorFlow loads)."""
+  try:
+    models_lib.check_model(value)
+  except ValueError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
+
+
 def config_from_flags() -> config_lib.TrainConfig:
   """Turns the parsed flags into one validated `TrainConfig`."""
   return config_lib.TrainConfig(
@@ -135,7 +171,8 @@ def config_from_flags() -> config_lib.TrainConfig:
       variable_shards=_VARIABLE_SHARDS.value,
       parameter_device=_PARAMETER_DEVICE.value, tpu=_TPU.value,
       model=_MODEL.value, dataset=data.DATASET.value,
-      data_path=data.DATA_PATH.value,
+      data_path=data.DATA_PATH.value, loss=_LOSS.value,
+      metrics=_METRICS.value,
       global_batch_size=batch.GLOBAL_BATCH_SIZE.value, epochs=_EPOCHS.value,
       steps_per_epoch=_STEPS_PER_EPOCH.value, optimizer=_OPTIMIZER.value,
       learning_rate=_LEARNING_RATE.value, clip_norm=_CLIP_NORM.value,
@@ -144,7 +181,10 @@ def config_from_flags() -> config_lib.TrainConfig:
       mixed_precision=_MIXED_PRECISION.value,
       steps_per_execution=execution.STEPS_PER_EXECUTION.value,
       jit_compile=_JIT_COMPILE.value, fused_optimizer=_FUSED_OPTIMIZER.value,
-      input_mode=_INPUT_MODE.value, model_dir=_MODEL_DIR.value,
+      input_mode=_INPUT_MODE.value, autotune=autotune.enabled(False),
+      model_dir=_MODEL_DIR.value,
+      checkpoint_every_steps=_CHECKPOINT_EVERY_STEPS.value,
+      checkpoint_every_s=_CHECKPOINT_EVERY_S.value,
       seed=_SEED.value, schedule=_SCHEDULE.value, recompute=_RECOMPUTE.value,
       verbose=_VERBOSE.value)
 
@@ -166,11 +206,44 @@ def main(argv: list[str]) -> int:
     return 1
   flags_lib.quiet_tensorflow(tensorflow_logs=_VERBOSE.value >= 2)
   cluster.run_server_if_needed(role)  # Parameter-server ps/worker: serves.
-  from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
-  from tfmgpu.training import checkpoints  # pylint: disable=g-import-not-at-top
+  try:  # The user's `module:function` code, imported before any run dir.
+    config.check_user_code()
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   if _PLAN_ONLY.value:
+    from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
     print(runs.describe_plan(config))
     return 0
+  try:  # The run directory, before TF loads: usable, unlocked, same run.
+    config, lock = open_run_dir(config, role)
+  except rundir.RunDirError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except OSError as e:  # Writing run.json on a full disk, ...
+    print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
+    return 1
+  try:
+    return _train(config)
+  finally:
+    lock.release()
+
+
+def open_run_dir(config: config_lib.TrainConfig, role: cluster.TaskRole
+                 ) -> tuple[config_lib.TrainConfig, rundir.RunLock]:
+  """Creates, locks (the chief) and checks the run directory against its
+  record (`tfmgpu.rundir`); returns the config naming it and the lock."""
+  model_dir = config.model_dir or rundir.default_model_dir(config.strategy)
+  config = config.replace(model_dir=model_dir)
+  lock = rundir.open_run(model_dir, rundir.record_of(config),
+                         chief=cluster.writes_outputs(role, config))
+  return config, lock
+
+
+def _train(config: config_lib.TrainConfig) -> int:
+  """Runs the training; the exit code (42 after a preemption save)."""
+  from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
+  from tfmgpu.training import checkpoints  # pylint: disable=g-import-not-at-top
   from tfmgpu.training import preemption  # pylint: disable=g-import-not-at-top
   # A SIGTERM resent after the preemption save keeps exit 42: the watcher
   # leaves SIGTERM ignored until this process exits (only for this call).
@@ -182,6 +255,9 @@ def main(argv: list[str]) -> int:
     return checkpoints.EXIT_PREEMPTED
   except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
+    return 1
+  except OSError as e:  # A full disk while saving, ...: say so, name it.
+    print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
     return 1
   finally:
     preemption.hold_sigterm_after_preemption(False)

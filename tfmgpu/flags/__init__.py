@@ -11,6 +11,7 @@ process. Library code never imports this package.
 * `stages`: how a model is cut into stages (train, predict).
 * `execution`: `--steps_per_execution` (train, predict, bench).
 * `batch`: `--global_batch_size` (train, bench).
+* `autotune`: `--autotune` (train: off by default; bench: on).
 """
 
 from __future__ import annotations

@@ -3,10 +3,26 @@
 from absl import flags
 
 from tfmgpu import data as data_lib
+from tfmgpu import user_code
 
-DATASET = flags.DEFINE_enum(
-    "dataset", "digits", list(data_lib.available_datasets()),
-    "Dataset; 'digits' ships offline.")
+DATASET = flags.DEFINE_string(
+    "dataset", "digits",
+    f"<{' | '.join(data_lib.available_datasets())}>, or your own loader as "
+    f"{user_code.FORMS}, called as load() (with seed=/path= if it takes "
+    "them) and returning ((x_train, y_train), (x_test, y_test)) like "
+    "keras.datasets (x may be a dict of arrays). 'digits' ships offline.")
 DATA_PATH = flags.DEFINE_string(
     "data_path", None, ".npz file (x_train, y_train, x_test, y_test) for "
-    "--dataset=npz, or a local copy of a downloadable dataset.")
+    "--dataset=npz, a glob of TFRecord shards for --dataset=tfrecord "
+    "(quoted: 'DIR/*.tfrecord'), or a local copy of a downloadable dataset.")
+
+
+@flags.validator("dataset")
+def _known_dataset(value: str) -> bool:
+  """A registered name, or a reference whose module defines the loader
+  (read, not imported: before TensorFlow loads)."""
+  try:
+    data_lib.check_dataset(value)
+  except ValueError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
