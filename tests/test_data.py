@@ -103,7 +103,10 @@ def test_sharded_pipelines_cover_each_global_batch():
   """Two workers' first batches together are the single-process first batch."""
   x = np.arange(40, dtype=np.float32)[:, None]
   y = np.arange(40, dtype=np.int32)
-  fn = data.input_fn(x, y, global_batch_size=8, seed=3, epoch=1)
+  from tfmgpu.training import inputs  # pylint: disable=g-import-not-at-top
+  fn = inputs.array_dataset_fn((x, y), global_batch_size=8,
+                               order=data.epoch_order(40, 3, 1),
+                               drop_remainder=True)
   single = next(iter(fn(None)))[1].numpy()
   shards = [next(iter(fn(_Ctx(2, i, 2))))[1].numpy() for i in range(2)]
   assert sorted(np.concatenate(shards)) == sorted(single)
@@ -114,5 +117,6 @@ def test_distribute_rejects_indivisible_batch():
   import tfmgpu
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=4)
   with pytest.raises(ValueError, match=r"global_batch_size=6 is not divisible"):
-    data.distribute(strategy, np.zeros((10, 2)), np.zeros(10),
-                    global_batch_size=6)
+    from tfmgpu.training import inputs  # pylint: disable=g-import-not-at-top
+    inputs.distribute_arrays(strategy, (np.zeros((10, 2)), np.zeros(10)),
+                             global_batch_size=6)

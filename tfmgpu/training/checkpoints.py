@@ -150,14 +150,6 @@ def _files_of(prefix: str) -> list[str]:
   return glob.glob(glob.escape(prefix) + ".*")
 
 
-def _fsync(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def _write_state(directory: str, kept: list[str]) -> None:
   """Writes the state file naming `kept` (newest last): aside, fsync, rename."""
   names = [os.path.basename(p) for p in kept]
@@ -170,7 +162,7 @@ def _write_state(directory: str, kept: list[str]) -> None:
     f.flush()
     os.fsync(f.fileno())
   os.replace(aside, final)
-  _fsync(directory)
+  files.fsync_path(directory)
 
 
 def _delete(prefix: str) -> None:
@@ -361,8 +353,8 @@ class Checkpointer:
   def _commit(self, path: str) -> None:
     """fsync, name in the state file, then delete the oldest beyond max."""
     for f in _files_of(path):
-      _fsync(f)
-    _fsync(self.directory)
+      files.fsync_path(f)
+    files.fsync_path(self.directory)
     complete = _complete(self.directory)  # `path` is the newest.
     kept = complete[-self.max_to_keep:]
     _write_state(self.directory, kept)

@@ -266,7 +266,7 @@ def with_mask(dataset: tf.data.Dataset) -> tf.data.Dataset:
 def array_dataset_fn(data: tuple, *, global_batch_size: int,
                      order: np.ndarray | None, drop_remainder: bool,
                      repeat: bool = False):
-  """`fn(input_context)` over in-memory arrays (`data_lib.input_fn`'s order:
+  """`fn(input_context)` over in-memory arrays (the order of `data.epoch_order`:
   pipeline `i` takes every n-th row, batched per replica)."""
   if order is not None:
     data = tf.nest.map_structure(lambda a: a[order], data)

@@ -5,7 +5,7 @@ replica's device once and hands each `tf.function` call only the epoch's
 index table; each replica then gathers its batch with two `tf.gather` ops.
 This takes the `tf.data` iterator, its per-step host work and (on GPUs) the
 host-to-device copy out of the step. The examples each replica sees at each
-step are exactly those of the `tf.data` path (`tfmgpu.data.input_fn`), so
+step are exactly those of the `tf.data` path (`tfmgpu.training.inputs.array_dataset_fn`), so
 runs, resumes and parity tests do not depend on the choice.
 
 Supported on one host (`MirroredStrategy`, `OneDeviceStrategy`, the default
@@ -142,7 +142,7 @@ class DeviceData:
 
   def epoch(self, *, global_batch_size: int, steps: int, seed: int,
             epoch: int, shuffle: bool) -> EpochBatches:
-    """The index table of one epoch: the order of `data.input_fn`.
+    """The index table of one epoch: the order of `inputs.array_dataset_fn`.
 
     Global step `k` takes rows `order[k*G:(k+1)*G]` (`G` the global batch)
     and replica `r` the `r`-th consecutive slice of them, as the `tf.data`

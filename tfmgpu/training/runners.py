@@ -34,7 +34,7 @@ class SyncRunner:
   """Synchronous steps under `strategy.run`, `steps_per_execution` per call.
 
   In-memory arrays: each replica sees exactly the examples of
-  `tfmgpu.data.input_fn`'s order (seeded by `seed` and the epoch), from
+  `tfmgpu.training.inputs.array_dataset_fn`'s order (seeded by `seed` and the epoch), from
   `tf.data` or from device-resident copies, so a resumed run skips exactly
   the steps already done. A user's dataset (or dataset function) is iterated
   afresh each epoch, skipping the steps a resumed epoch already did; an
@@ -94,7 +94,7 @@ class SyncRunner:
 
   def _array_epoch(self, epoch: int, first_step: int):
     """The epoch's distributed dataset, from step `first_step` on (resume)."""
-    # With `input_fn`'s interleaved sharding each global batch is a
+    # With `array_dataset_fn`'s interleaved sharding each global batch is a
     # contiguous slice of the epoch's order: the rest of it is the rest.
     order = data_lib.epoch_indices(self.source.num_examples, seed=self.seed,
                                    epoch=epoch, shuffle=self.shuffle)
