@@ -195,11 +195,17 @@ def test_the_tf_data_section_times_tfmgpu_fit_and_orbit_on_one_dataset():
   from tfmgpu.benchmarks import orbit as orbit_lib
   arrays = data.load_dataset("digits8x8")
   calls = []
-  runners = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b"),
-             "missing": None}
-  rates = orbit_lib.best_rates(runners, examples=100, rounds=2)
-  assert calls == ["a", "b"] + ["a", "b"] * 2  # A warm call, then interleaved.
-  assert rates["missing"] is None and rates["a"] > 0
+
+  def runner(name, gap):
+    def run():
+      calls.append(name)
+      return [0.0, gap, 2 * gap, 3 * gap]  # Call end times: steady gaps.
+    return run
+
+  runners = {"a": runner("a", 0.5), "b": runner("b", 0.25), "missing": None}
+  rates = orbit_lib.best_rates(runners, examples_per_call=100, rounds=2)
+  assert calls == ["a", "b"] + ["a", "b"] * 2  # A warm run, then interleaved.
+  assert rates == {"a": 200.0, "b": 400.0, "missing": None}
   row = orbit_lib.compare("mlp", arrays, replicas=2, global_batch_size=32,
                           steps=4, steps_per_execution=2, rounds=1)
   assert row.tfmgpu > 0 and row.keras_fit > 0

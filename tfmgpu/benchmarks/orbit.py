@@ -4,8 +4,10 @@ TF Model Garden's Orbit (`orbit.StandardTrainer`) is the reference custom
 training loop of TensorFlow: a `strategy.run` step inside a `tf.while_loop`
 over `num_steps`. This section trains the same model (same initial weights)
 on the same shuffled, repeated `tf.data` pipeline of global batches with
-each of the three, at each replica count, and times a second `train` call
-of each (the first traces). Orbit is a bench-only extra:
+each of the three, at each replica count, and times each path's calls of
+`steps_per_execution` steps in the steady state: the median time between
+calls, best of interleaved rounds (tracing and iterator creation left
+out). Orbit is a bench-only extra:
 `pip install --no-deps tf-models-official tf-keras`; without it the Orbit
 column says so.
 
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
@@ -70,15 +73,32 @@ def _build(strategy, model_name: str, arrays: data_lib.Arrays, seed: int):
                                   num_classes=arrays.num_classes, seed=seed)
 
 
-Runner = Callable[[], Any]  # Runs the timed steps once.
+Runner = Callable[[], list[float]]  # One run: the end time of each call.
+
+
+class _Stamps(keras.callbacks.Callback):
+  """The wall time of each `on_train_batch_end` (one per call of steps)."""
+
+  def __init__(self):
+    super().__init__()
+    self.times: list[float] = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.times.append(time.perf_counter())
 
 
 def tfmgpu_runner(strategy, model_name, arrays, dataset, *, steps: int,
                   steps_per_execution: int, seed: int = 0) -> Runner:
   model = _build(strategy, model_name, arrays, seed)
-  trainer = Trainer(model, strategy=strategy, verbose=0,
+  stamps = _Stamps()
+  trainer = Trainer(model, strategy=strategy, verbose=0, callbacks=[stamps],
                     steps_per_execution=steps_per_execution)
-  return lambda: trainer.fit(dataset, steps_per_epoch=steps)
+
+  def run():
+    stamps.times = []
+    trainer.fit(dataset, steps_per_epoch=steps)
+    return stamps.times
+  return run
 
 
 def keras_fit_runner(strategy, model_name, arrays, dataset, *, steps: int,
@@ -89,13 +109,20 @@ def keras_fit_runner(strategy, model_name, arrays, dataset, *, steps: int,
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
                   steps_per_execution=steps_per_execution)
-  return lambda: model.fit(dataset, steps_per_epoch=steps, epochs=1,
-                           shuffle=False, verbose=0)  # tf.data shuffles.
+  stamps = _Stamps()
+
+  def run():
+    stamps.times = []
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, shuffle=False,
+              verbose=0, callbacks=[stamps])  # tf.data shuffles.
+    return stamps.times
+  return run
 
 
 def orbit_runner(strategy, model_name, arrays, dataset, *, steps: int,
-                 seed: int = 0) -> Runner | None:
-  """Orbit's `StandardTrainer`; `None` when Orbit is not installed."""
+                 steps_per_execution: int, seed: int = 0) -> Runner | None:
+  """Orbit's `StandardTrainer`, `steps_per_execution` steps per `train`
+  call (one `tf.while_loop`); `None` when Orbit is not installed."""
   try:
     import orbit  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -128,23 +155,33 @@ def orbit_runner(strategy, model_name, arrays, dataset, *, steps: int,
     trainer = _Trainer(
         strategy.experimental_distribute_dataset(dataset),
         options=orbit.StandardTrainerOptions(use_tf_while_loop=True))
-  return lambda: trainer.train(tf.constant(steps))
+  calls = max(steps // steps_per_execution, 2)
+
+  def run():
+    times = []
+    for _ in range(calls):
+      trainer.train(tf.constant(steps_per_execution))
+      times.append(time.perf_counter())
+    return times
+  return run
 
 
-def best_rates(runners: dict[str, Runner | None], examples: int,
+def best_rates(runners: dict[str, Runner | None], examples_per_call: int,
                rounds: int) -> dict[str, float | None]:
-  """Examples/s of each runner's best round; rounds interleave the runners,
-  after one untimed (tracing) call each."""
+  """Examples/s of each runner: the median time between its calls (the
+  first call of a run, which builds the iterator, left out), best round.
+  Rounds interleave the runners, after one untimed (tracing) run each."""
   live = {k: r for k, r in runners.items() if r is not None}
   for run in live.values():
     run()
   best = {k: float("inf") for k in live}
   for _ in range(rounds):
     for name, run in live.items():
-      start = time.perf_counter()
-      run()
-      best[name] = min(best[name], time.perf_counter() - start)
-  return {k: (examples / best[k] if k in best else None) for k in runners}
+      gaps = np.diff(run())
+      if len(gaps):
+        best[name] = min(best[name], float(np.median(gaps)))
+  return {k: (examples_per_call / best[k] if k in best else None)
+          for k in runners}
 
 
 def _batch(dataset: tf.data.Dataset) -> int:
@@ -158,13 +195,12 @@ def compare(model_name: str, arrays: data_lib.Arrays, *, replicas: int,
   strategy = strategies_lib.get_strategy("mirrored", num_replicas=replicas)
   dataset = shuffled_dataset(arrays, global_batch_size)
   common = (strategy, model_name, arrays, dataset)
+  kwargs = dict(steps=steps, steps_per_execution=steps_per_execution)
   rates = best_rates({
-      "tfmgpu": tfmgpu_runner(*common, steps=steps,
-                              steps_per_execution=steps_per_execution),
-      "keras_fit": keras_fit_runner(*common, steps=steps,
-                                    steps_per_execution=steps_per_execution),
-      "orbit": orbit_runner(*common, steps=steps),
-  }, steps * global_batch_size, rounds)
+      "tfmgpu": tfmgpu_runner(*common, **kwargs),
+      "keras_fit": keras_fit_runner(*common, **kwargs),
+      "orbit": orbit_runner(*common, **kwargs),
+  }, steps_per_execution * global_batch_size, rounds)
   return Row(model=model_name, replicas=replicas, **rates)
 
 
