@@ -13,6 +13,7 @@ names `python -m tfmgpu.bench --sections` accepts to them, in running order.
 from __future__ import annotations
 
 import functools
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -357,6 +358,33 @@ def _projection(report: report_lib.Report, opts: SuiteOptions,
                  f"{link:<12} " + "  ".join(cells))
 
 
+def _checkpoint_cost(report: report_lib.Report, opts: SuiteOptions,
+                     arrays) -> None:
+  """What saving a checkpoint every call costs (`checkpoint_every_steps`)."""
+  replicas = max(r for r in opts.replicas if r <= 2)
+  spe = opts.steps_per_execution
+  report.header(f"Checkpoint cost: a save every {spe} steps (mlp, "
+                f"{replicas} replicas, tfmgpu loop)")
+  strategy = _mirrored(replicas)
+  common = dict(global_batch_size=opts.global_batch_size, steps=opts.steps,
+                steps_per_execution=spe)
+  base = training_lib.time_tfmgpu(strategy, "mlp", arrays, **common)
+  with tempfile.TemporaryDirectory() as model_dir:
+    saving = training_lib.time_tfmgpu(strategy, "mlp", arrays,
+                                      model_dir=model_dir,
+                                      checkpoint_every_steps=spe, **common)
+  per_save = (saving.ms_per_step - base.ms_per_step) * spe
+  report.say(f"  {base.ms_per_step:.2f} ms/step without saving, "
+             f"{saving.ms_per_step:.2f} ms/step with: {per_save:.1f} ms per "
+             "save (fsynced files, state file written aside)")
+  report.add(report_lib.Row("checkpoints", "mlp", replicas, "no_saves",
+                            base.ms_per_step, base.examples_per_sec))
+  report.add(report_lib.Row("checkpoints", "mlp", replicas,
+                            f"save_every_{spe}_steps", saving.ms_per_step,
+                            saving.examples_per_sec))
+  report.figure("checkpoint save, ms per save", per_save, "(measured)")
+
+
 def _tf_data(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
   report.header("Shuffled tf.data input: tfmgpu vs fit vs TF Orbit "
                 "StandardTrainer (examples/s, best round)")
@@ -393,5 +421,6 @@ SECTIONS: dict[str, Section] = {
     "compression": _compression_accuracy,
     "inference": _inference,
     "tf_data": _tf_data,
+    "checkpoints": _checkpoint_cost,
     "projection": _projection,
 }
