@@ -77,3 +77,26 @@ def parsed_flags():
   """Marks absl's FLAGS parsed, so CLI `main`s can run in-process."""
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
+
+
+@pytest.fixture(autouse=True)
+def _absl_logs_reach_caplog():
+  """Each test starts with absl's INFO records flowing to `caplog`.
+
+  Something earlier in a session (an in-process CLI run, a Jupyter client's
+  `logging.config`, which disables existing loggers) can leave the `absl`
+  logger quieter, disabled or not propagating; tests that read the log
+  would then see nothing. Restored after the test.
+  """
+  import logging  # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  logger = logging.getLogger("absl")
+  saved = (absl_logging.get_verbosity(), logger.disabled, logger.propagate,
+           logging.root.manager.disable)
+  absl_logging.set_verbosity(absl_logging.INFO)
+  logger.disabled, logger.propagate = False, True
+  logging.disable(logging.NOTSET)
+  yield
+  absl_logging.set_verbosity(saved[0])
+  logger.disabled, logger.propagate = saved[1], saved[2]
+  logging.disable(saved[3])

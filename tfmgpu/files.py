@@ -82,13 +82,6 @@ def _open_aside(directory: str) -> tuple[int, str | None]:
   return os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), name
 
 
-def _umask_mode(fd: int) -> None:
-  """Gives an `O_TMPFILE` file the mode `open()` would (0666 & ~umask)."""
-  mask = os.umask(0o022)
-  os.umask(mask)
-  os.fchmod(fd, 0o666 & ~mask)
-
-
 def _link_anonymous(fd: int, name: str) -> None:
   """Gives the `O_TMPFILE` file `fd` the path `name`.
 
@@ -122,8 +115,7 @@ def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> str:
       write(f)
       f.flush()
       os.fsync(fd)
-    if name is None:
-      _umask_mode(fd)
+    if name is None:  # O_TMPFILE's mode 0666 took the umask, as open() does.
       name = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
       _link_anonymous(fd, name)  # Named only when complete.
     os.replace(name, path)

@@ -305,7 +305,7 @@ _PREDICTORS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary(
 
 def predict(model: Any, x: Any, *, strategy: Any = None,
             batch_size: int = 1024, steps_per_execution: int = 4,
-            precision: str = "float32") -> np.ndarray:
+            precision: str = "float32") -> Any:
   """Predictions for every row of `x`, in input order, on any placement.
 
   A final partial batch is padded and trimmed, so no row is dropped or

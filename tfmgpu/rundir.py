@@ -18,7 +18,7 @@ tfmgpu, TensorFlow and Keras. It is written (atomically) when a directory
 is first used. A resume compares: a change of what the checkpoints depend
 on (`FIXED`) is refused with one line per field, `old -> new`
 (`RunRecordMismatchError`); a change of what may change (`CHANGEABLE`:
-learning rate, epochs, steps per epoch) is applied and logged, and the
+learning rate, epochs, steps per epoch, loss, metrics) is applied and logged, and the
 record updated. A directory without checkpoints holds no run yet: its
 record is simply rewritten.
 

@@ -1,7 +1,7 @@
 """multi_worker_mirrored through `python -m tfmgpu.train` on a 2-worker cluster.
 
 Parity: 2 workers x 1 replica must train the model that one process with 2
-replicas trains on the same global batches (`data.input_fn` shards each
+replicas trains on the same global batches (`training.inputs.array_dataset_fn` shards each
 epoch's order so that one step's per-replica batches make up the same global
 batch), and only the chief keeps outputs.
 """

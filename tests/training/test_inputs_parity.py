@@ -251,3 +251,26 @@ def test_a_split_two_output_model_takes_per_output_losses(initial, cpu_devices):
                              rtol=1e-5)
   for g, w in zip(split.to_unsplit().get_weights(), unsplit.get_weights()):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_1f1b_pipeline_from_a_dataset_trains_like_from_arrays(initial,
+                                                                cpu_devices):
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  x, label, _ = _data(6)
+  weights = _class_weights(initial)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def train(**source):
+    model = pipeline.PipelinedModel.from_model(
+        _built(tf.distribute.get_strategy(), weights), num_stages=2,
+        micro_batches=4, schedule="1f1b", devices=cpu_devices[:2])
+    result = Trainer(model, optimizer="sgd", learning_rate=LR, loss=loss,
+                     verbose=0).fit(epochs=1, **source)
+    return result.history["loss"], model.to_unsplit().get_weights()
+
+  want_loss, want = train(x=x, y=label, global_batch_size=BATCH, shuffle=False)
+  got_loss, got = train(x=tf.data.Dataset.from_tensor_slices(
+      (x, label)).batch(BATCH))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

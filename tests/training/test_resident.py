@@ -50,7 +50,7 @@ def test_device_data_trains_like_tf_data(digits, strategy):
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
 
 
-def test_epoch_table_matches_input_fn_batches(digits):
+def test_epoch_table_matches_the_tf_data_batches(digits):
   """Replica r of step k holds the rows the tf.data pipeline hands it."""
   x, y = digits
   strategy = _strategy("mirrored x2")

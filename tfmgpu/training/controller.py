@@ -34,7 +34,8 @@ class TrainResult:
   """What a `Trainer.fit` call produced.
 
   Attributes:
-    history: per-epoch lists: `loss`, `accuracy`, `val_loss`, `val_accuracy`,
+    history: per-epoch lists: `loss`, each metric by name (`accuracy` with
+      the default loss), their `val_` twins with validation data, and
       `examples_per_sec`.
     epochs_run: epochs trained in this call (after any resume).
     initial_epoch: epochs already done when this call started (resumed).

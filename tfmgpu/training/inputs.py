@@ -104,10 +104,6 @@ class ArrayData:
   def x(self) -> Any:
     return self.data[0]
 
-  def rows(self, index: np.ndarray) -> tuple:
-    """The same structure, rows `index` only."""
-    return tf.nest.map_structure(lambda a: a[index], self.data)
-
   def padded(self, multiple: int) -> tuple:
     """`(x, y, mask[, sample_weight])`, rows padded to a multiple of
     `multiple` (mask 0 on the padding)."""
@@ -152,7 +148,12 @@ class DatasetFnData:
         num_input_pipelines=pipelines,
         input_pipeline_id=_pipeline_id(strategy, pipelines),
         num_replicas_in_sync=replicas)
-    n = int(self.fn(ctx).cardinality())
+    dataset = self.fn(ctx)
+    if not isinstance(dataset, tf.data.Dataset):
+      raise TypeError(f"x is a function returning {type(dataset).__name__}; "
+                      "a dataset function returns a tf.data.Dataset.")
+    _check_element(dataset, "x (the dataset function's dataset)")
+    n = int(dataset.cardinality())
     if n == int(tf.data.INFINITE_CARDINALITY):
       return INFINITE
     return None if n < 0 else n // local

@@ -183,7 +183,6 @@ class Trainer:
     self.model = model
     self.strategy = strategy or tf.distribute.get_strategy()
     self.objective = objectives.Objective(model, loss, metrics, loss_weights)
-    self.loss = self.objective
     self.steps_per_execution = steps_per_execution
     resident.check_input_mode(input_mode, self.strategy)
     self.input_mode = input_mode
@@ -231,7 +230,7 @@ class Trainer:
     if key not in self._train_fns:
       step = step_lib.make_train_step(
           self.model, self.optimizer, global_batch_size=global_batch_size,
-          loss=self.loss, jit_compile=self.jit_compile,
+          loss=self.objective, jit_compile=self.jit_compile,
           allreduce=self.allreduce)
       self._train_fns[key] = self._make_train_function(step, device_data)
     return self._train_fns[key]
@@ -309,6 +308,11 @@ class Trainer:
 
   def _evaluate(self, source: inputs.InputData,
                 global_batch_size: int) -> dict[str, float]:
+    if (isinstance(source, inputs.DatasetData)
+        and source.cardinality == inputs.INFINITE):
+      raise ValueError("The dataset to evaluate is infinite (it repeats): "
+                       "evaluation reads every batch once. Give it without "
+                       ".repeat() (validation_data likewise).")
     if self._eval_fn is None:
       self._eval_fn = self._make_eval_fn()
     with warnings.catch_warnings():  # TF's own, from tracing the loop.

@@ -96,6 +96,19 @@ def _loss_kind(loss: Any) -> str:
   return "other"
 
 
+def accuracy_by_shape(y_true: Any, y_pred: Any) -> tf.Tensor:
+  """Keras' reading of "accuracy" from the shapes: one output unit is
+  binary, targets shaped like the predictions are one-hot, and other
+  targets are class indices."""
+  y_true, y_pred = tf.convert_to_tensor(y_true), tf.convert_to_tensor(y_pred)
+  if y_pred.shape[-1] == 1:
+    return keras.metrics.binary_accuracy(y_true, y_pred)
+  if (y_true.shape.rank == y_pred.shape.rank
+      and y_true.shape[-1] == y_pred.shape[-1]):
+    return keras.metrics.categorical_accuracy(y_true, y_pred)
+  return keras.metrics.sparse_categorical_accuracy(y_true, y_pred)
+
+
 def _metric_object(metric: Any, loss: Any, what: str) -> keras.metrics.Metric:
   """A fresh Keras metric for `metric` (a name or a `Metric`)."""
   if isinstance(metric, keras.metrics.Metric):
@@ -104,8 +117,9 @@ def _metric_object(metric: Any, loss: Any, what: str) -> keras.metrics.Metric:
     kind = _loss_kind(loss)
     cls = {"sparse": keras.metrics.SparseCategoricalAccuracy,
            "categorical": keras.metrics.CategoricalAccuracy,
-           "binary": keras.metrics.BinaryAccuracy}.get(kind,
-                                                       keras.metrics.Accuracy)
+           "binary": keras.metrics.BinaryAccuracy}.get(kind)
+    if cls is None:  # Decided from the shapes, as Keras does.
+      return keras.metrics.MeanMetricWrapper(accuracy_by_shape, name=metric)
     return cls(name=metric)
   if isinstance(metric, str) or callable(metric):
     try:
@@ -163,6 +177,12 @@ def output_names(model: keras.Model) -> list[str]:
   unsplit = getattr(model, "unsplit_output_names", None)
   if unsplit:
     return list(unsplit)
+  try:
+    output = model.output
+  except (AttributeError, ValueError):  # Subclassed: no symbolic output.
+    output = None
+  if isinstance(output, Mapping) and len(output) > 1:
+    return list(output)  # Dict outputs: keyed like y_pred.
   outputs = getattr(model, "outputs", None)
   names = list(getattr(model, "output_names", None) or [])
   if outputs is not None and len(tf.nest.flatten(outputs)) > 1 and names:
@@ -208,12 +228,15 @@ class Objective:
                    m) for label, m in objs]
       self.outputs.append(_Output(
           name=name, index=i,
-          loss_fn=(None if isinstance(loss, Mapping) and losses[i] is None
+          loss_fn=(None if isinstance(loss, (Mapping, list, tuple))
+                   and losses[i] is None
                    else loss_function(losses[i], what="loss")),
           weight=float(weights[i] if weights[i] is not None else 1.0),
           metrics=labelled))
     self._check_unique_names()
+    self._build_lazy_metrics(model)
     self._initial = {key: np.asarray(v) for key, v in self._variables()}
+    self._check_scalar_results()
 
   def _check_unique_names(self) -> None:
     seen: set[str] = {"loss"}
@@ -223,6 +246,35 @@ class Objective:
           raise ValueError(f"metrics: two metrics are named {label!r}; give "
                            "each metric object its own name=.")
         seen.add(label)
+
+  def _build_lazy_metrics(self, model: keras.Model) -> None:
+    """Metrics that make their state on first use (`F1Score`) get it now,
+    from one update on zeros shaped like the output, then a reset."""
+    outputs = tf.nest.flatten(getattr(model, "outputs", None) or [])
+    for out in self.outputs:
+      for label, metric in out.metrics:
+        if metric.variables:
+          continue
+        if out.index >= len(outputs):
+          raise ValueError(f"metrics: {label!r} makes its state on first use "
+                           "and the model's output shape is unknown; use a "
+                           "metric with fixed state or a functional model.")
+        shape = [1 if d is None else d for d in outputs[out.index].shape]
+        zeros = np.zeros(shape, np.float32)
+        metric.update_state(zeros, zeros)
+        metric.reset_state()
+
+  def _check_scalar_results(self) -> None:
+    """Each metric must give one number (a history entry, a log line)."""
+    for value, (label, metric) in zip(
+        self.results(self.zero_states(), scalars=False).values(),
+        [m for o in self.outputs for m in o.metrics]):
+      if np.size(value) != 1:
+        raise ValueError(
+            f"metrics: {label!r} ({type(metric).__name__}) gives "
+            f"{np.shape(value)} values, not one; configure it to give one "
+            "number (e.g. F1Score(average='macro'), Precision with one "
+            "threshold).")
 
   def _variables(self):
     for out in self.outputs:
@@ -258,7 +310,15 @@ class Objective:
     for out, yt, yp in self._pairs(y_true, y_pred):
       if out.loss_fn is None:
         continue
+      yp = tf.convert_to_tensor(yp)
+      if yp.dtype.is_floating:  # Losses in float32, as Keras' Loss does.
+        yp = tf.cast(yp, tf.float32)
       values = tf.cast(out.loss_fn(yt, yp), tf.float32)
+      if values.shape.rank == 0:
+        raise ValueError(
+            f"loss for output {out.name!r} returned a scalar; it must return "
+            "one loss per example (shape [batch] or [batch, ...]): reduce "
+            "over the non-batch axes only.")
       sw = _pick_weight(sample_weight, out, len(self.outputs))
       if sw is not None:
         values = values * _broadcast_weight(tf.cast(sw, tf.float32), values)
@@ -272,11 +332,19 @@ class Objective:
     return total
 
   def metric_updates(self, y_true: Any, y_pred: Any,
-                     sample_weight: Any = None) -> dict[str, tf.Tensor]:
-    """One batch's change of every metric state (keys of `state_shapes`)."""
+                     sample_weight: Any = None,
+                     mask: tf.Tensor | None = None) -> dict[str, tf.Tensor]:
+    """One batch's change of every metric state (keys of `state_shapes`).
+
+    `mask` (1 for real rows, 0 for padding) multiplies every output's
+    weights, the user's or none.
+    """
     deltas: dict[str, tf.Tensor] = {}
     for out, yt, yp in self._pairs(y_true, y_pred):
       sw = _pick_weight(sample_weight, out, len(self.outputs))
+      if mask is not None:
+        sw = mask if sw is None else tf.cast(sw, tf.float32) * as_row_weight(
+            mask, sw)
       for label, metric in out.metrics:
         keys = [f"metric/{label}/{j}" for j in range(len(metric.variables))]
         start = [tf.constant(self._initial[k]) for k in keys]
@@ -291,15 +359,18 @@ class Objective:
     """Summed changes of nothing: the start of an epoch's accumulation."""
     return {k: np.zeros(v.shape, np.float32) for k, v in self._initial.items()}
 
-  def results(self, deltas: Mapping[str, Any]) -> dict[str, float]:
-    """Each metric's value from its summed state changes."""
+  def results(self, deltas: Mapping[str, Any],
+              scalars: bool = True) -> dict[str, Any]:
+    """Each metric's value from its summed state changes (floats, unless
+    `scalars=False`: as the metric computes them)."""
     out: dict[str, float] = {}
     for o in self.outputs:
       for label, metric in o.metrics:
         keys = [f"metric/{label}/{j}" for j in range(len(metric.variables))]
         state = [self._initial[k] + np.asarray(deltas.get(k, 0.0))
                  for k in keys]
-        out[label] = float(np.asarray(metric.stateless_result(state)))
+        value = np.asarray(metric.stateless_result(state))
+        out[label] = float(value) if scalars else value
     return out
 
 
@@ -336,7 +407,10 @@ def _pick_weight(sample_weight: Any, out: _Output, num_outputs: int) -> Any:
 
 
 def _broadcast_weight(weight: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
-  """Per-example weights `[batch]` against element losses `[batch, ...]`."""
+  """Per-example weights `[batch]` (or `[batch, 1]`) against element losses
+  `[batch, ...]`: trailing size-1 weight dims dropped, then expanded."""
+  while len(weight.shape) > max(len(values.shape), 1) and weight.shape[-1] == 1:
+    weight = tf.squeeze(weight, -1)
   extra = len(values.shape) - len(weight.shape)
   for _ in range(max(extra, 0)):
     weight = tf.expand_dims(weight, -1)

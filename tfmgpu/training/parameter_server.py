@@ -153,6 +153,10 @@ class ParameterServerTrainer(Trainer):
                        global_batch_size: int | None,
                        steps_per_epoch: int | None) -> int:
     """Workers stream endlessly: any `steps_per_epoch` can be served."""
+    if epochs < 1:
+      raise ValueError(f"epochs={epochs} must be >= 1.")
+    if steps_per_epoch is not None and steps_per_epoch < 1:
+      raise ValueError(f"steps_per_epoch={steps_per_epoch} must be >= 1.")
     if isinstance(source, inputs.DatasetData):
       raise ValueError(
           "Under parameter servers each worker builds its own input: give x "

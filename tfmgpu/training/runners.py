@@ -130,7 +130,9 @@ class SyncRunner:
         card = self.source.cardinality
       else:
         card = self.source.cardinality(self.strategy)
-      # Only a dataset TF knows to be infinite runs on across epochs; one of
+      # A dataset TF knows to be infinite, or a stream that can seek
+      # (`from_step`, e.g. `tfmgpu.tfrecord`), runs on across epochs; one of
       # unknown length is read afresh each epoch (it may end).
-      self._endless_known = card == inputs.INFINITE
+      seekable = hasattr(getattr(self.source, "fn", None), "from_step")
+      self._endless_known = card == inputs.INFINITE or seekable
     return self._endless_known

@@ -20,9 +20,6 @@ import tensorflow as tf
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import objectives
 
-LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
-
-
 def as_objective(model: keras.Model, loss: Any = None
                  ) -> objectives.Objective:
   """`loss` as an `Objective` (an `Objective` is returned as it is)."""
@@ -55,15 +52,20 @@ def make_gradients_fn(model: keras.Model,
   """
   scaling = _uses_loss_scaling(optimizer)
 
-  def scaled_loss(target, y_pred):
+  def scaled_loss(target, y_pred, batch=None):
     y_true, sample_weight = target
     return tf.nn.compute_average_loss(
         objective.per_example_loss(y_true, y_pred, sample_weight),
-        global_batch_size=global_batch_size)
+        global_batch_size=global_batch_size if batch is None else batch)
 
   def placed_grads(x, y, sw=None):  # Each part's backward on its device.
+    # Micro-batches share the whole batch's denominator (a dataset's batch
+    # is known only here, before the model splits it).
+    batch = (_global_batch_of(x) if global_batch_size is None
+             else global_batch_size)
+
     def loss_fn(target, y_pred):
-      value = scaled_loss(target, y_pred)
+      value = scaled_loss(target, y_pred, batch)
       return optimizer.scale_loss(value) if scaling else value
     total, y_pred, grads = model.compute_loss_and_gradients(
         x, (y, sw), loss_fn,
@@ -91,6 +93,12 @@ def make_gradients_fn(model: keras.Model,
           "Use jit_compile=False.")
     return placed_grads
   return tf.function(tape_grads, jit_compile=True) if jit_compile else tape_grads
+
+
+def _global_batch_of(x: Any) -> tf.Tensor:
+  """This replica's rows times the replica count (call in replica context)."""
+  replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+  return tf.shape(tf.nest.flatten(x)[0])[0] * replicas
 
 
 def batch_count(y_pred: Any) -> tf.Tensor:
@@ -166,13 +174,14 @@ def make_eval_step(model: keras.Model, *, loss: Any = None
 
   def step(x, y, mask, sample_weight=None):
     y_pred = model(x, training=False)
-    weight = mask if sample_weight is None else tf.nest.map_structure(
-        lambda w: tf.cast(w, tf.float32) * objectives.as_row_weight(mask, w),
-        sample_weight)
-    out = {"loss_sum": tf.reduce_sum(
-        objective.per_example_loss(y, y_pred, sample_weight) * mask),
-           "count": tf.reduce_sum(mask)}
-    out.update(objective.metric_updates(y, y_pred, weight))
+    count = tf.reduce_sum(mask)
+    loss_sum = tf.reduce_sum(
+        objective.per_example_loss(y, y_pred, sample_weight) * mask)
+    if model.losses:  # Regularisation, per example, as in training.
+      loss_sum += count * tf.add_n(
+          [tf.cast(l, tf.float32) for l in model.losses])
+    out = {"loss_sum": loss_sum, "count": count}
+    out.update(objective.metric_updates(y, y_pred, sample_weight, mask=mask))
     return out
 
   return step

@@ -1,0 +1,104 @@
+"""Losses and metrics as Keras takes them (`tfmgpu.training.objectives`)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmgpu.training import objectives
+from tfmgpu.training import step as step_lib
+
+
+def _two_outputs(as_dict):
+  i = keras.Input((3,))
+  a, b = keras.layers.Dense(2, name="a")(i), keras.layers.Dense(1, name="b")(i)
+  return keras.Model(i, {"score": a, "value": b} if as_dict else [a, b])
+
+
+def test_weights_shaped_batch_by_one_weigh_each_example_like_keras():
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  objective = objectives.Objective(model, "mse")
+  y = np.array([[1.0], [2.0], [3.0], [4.0]], np.float32)
+  pred = np.zeros((4, 1), np.float32)
+  sw = np.array([[1.0], [0.0], [0.0], [0.0]], np.float32)
+  got = objective.per_example_loss(y, pred, sw).numpy()
+  np.testing.assert_allclose(got, [1.0, 0.0, 0.0, 0.0])
+  want = keras.losses.MeanSquaredError()(y, pred, sample_weight=sw)
+  assert float(np.mean(got)) == pytest.approx(float(want))
+
+
+def test_dict_outputs_are_keyed_by_their_dict_keys_and_none_means_no_loss():
+  model = _two_outputs(as_dict=True)
+  objective = objectives.Objective(
+      model, {"score": keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True), "value": "mse"}, metrics={"value": ["mae"]})
+  assert objective.metric_names == ["value_mae"]
+  listed = objectives.Objective(_two_outputs(as_dict=False), ["mse", None])
+  assert listed.outputs[1].loss_fn is None
+
+
+def test_a_loss_returning_a_scalar_is_refused_by_name():
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  objective = objectives.Objective(model, lambda y, p: tf.reduce_mean(p - y))
+  with pytest.raises(ValueError, match="returned a scalar; it must return one "
+                     "loss per example"):
+    objective.per_example_loss(np.zeros((3, 1), np.float32),
+                               np.zeros((3, 1), np.float32))
+
+
+def test_evaluation_loss_includes_regularisation_like_keras():
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+      2, kernel_regularizer=keras.regularizers.L2(0.1))])
+  x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+  y = np.array([0, 1, 1, 0, 1])
+  out = step_lib.make_eval_step(model)(x, y, np.ones(5, np.float32))
+  model.compile(loss=keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True))
+  want = model.evaluate(x, y, batch_size=5, verbose=0)
+  assert float(out["loss_sum"]) / 5 == pytest.approx(want, rel=1e-5)
+
+
+def test_padding_rows_stay_out_of_metrics_of_outputs_without_weights():
+  model = _two_outputs(as_dict=False)
+  objective = objectives.Objective(model, ["mse", "mse"], metrics=["mae"])
+  y = [np.ones((2, 2), np.float32), np.ones((2, 1), np.float32)]
+  pred = [np.zeros((2, 2), np.float32), np.zeros((2, 1), np.float32)]
+  mask = tf.constant([1.0, 0.0])
+  deltas = objective.metric_updates(y, pred, [np.ones(2, np.float32), None],
+                                    mask=mask)
+  counts = {k: float(v) for k, v in deltas.items() if k.endswith("/1")}
+  assert counts == {"metric/a_mae/1": 1.0, "metric/b_mae/1": 1.0}
+
+
+@pytest.mark.parametrize("y_true, y_pred, want", [
+    ([[1.0], [0.0]], [[0.9], [0.8]], 0.5),            # One unit: binary.
+    ([[0, 1], [1, 0]], [[0.2, 0.8], [0.3, 0.7]], 0.5),  # One-hot targets.
+    ([1, 1], [[0.2, 0.8], [0.3, 0.7]], 1.0),            # Class indices.
+])
+def test_accuracy_with_a_custom_loss_is_read_from_the_shapes(y_true, y_pred,
+                                                              want):
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+  objective = objectives.Objective(model, lambda y, p: tf.reduce_mean(
+      tf.square(tf.cast(y, tf.float32) - p), axis=-1), metrics=["accuracy"])
+  deltas = objective.metric_updates(np.array(y_true, np.float32),
+                                    np.array(y_pred, np.float32))
+  assert objective.results(deltas)["accuracy"] == pytest.approx(want)
+
+
+def test_a_metric_giving_several_numbers_is_refused_when_built():
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+  with pytest.raises(ValueError, match=r"'f1_score' \(F1Score\) gives \(3,\) "
+                     r"values, not one.*average='macro'"):
+    objectives.Objective(model, "categorical_crossentropy",
+                         metrics=[keras.metrics.F1Score()])
+
+
+def test_a_metric_that_builds_its_state_on_first_use_is_built_up_front():
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+  objective = objectives.Objective(
+      model, "categorical_crossentropy",
+      metrics=[keras.metrics.F1Score(average="macro", threshold=0.5)])
+  y = np.eye(3, dtype=np.float32)
+  deltas = objective.metric_updates(y, y)  # Perfect predictions.
+  assert objective.results(deltas)["f1_score"] == pytest.approx(1.0)
