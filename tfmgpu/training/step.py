@@ -77,10 +77,7 @@ def make_gradients_fn(model: keras.Model,
   def tape_grads(x, y, sw=None):
     with tf.GradientTape() as tape:
       y_pred = model(x, training=True)
-      loss_value = scaled_loss((y, sw), y_pred)
-      if model.losses:
-        loss_value += tf.nn.scale_regularization_loss(
-            tf.add_n([tf.cast(l, tf.float32) for l in model.losses]))
+      loss_value = scaled_loss((y, sw), y_pred) + _regularization(model)
       target = optimizer.scale_loss(loss_value) if scaling else loss_value
     return loss_value, y_pred, tape.gradient(target,
                                              model.trainable_variables)
@@ -93,6 +90,14 @@ def make_gradients_fn(model: keras.Model,
           "Use jit_compile=False.")
     return placed_grads
   return tf.function(tape_grads, jit_compile=True) if jit_compile else tape_grads
+
+
+def _regularization(model: keras.Model) -> tf.Tensor | float:
+  """The model's regularization losses, scaled for the replica count."""
+  if not model.losses:
+    return 0.0
+  return tf.nn.scale_regularization_loss(
+      tf.add_n([tf.cast(l, tf.float32) for l in model.losses]))
 
 
 def _global_batch_of(x: Any) -> tf.Tensor:
