@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tfmgpu import models
@@ -216,3 +217,15 @@ def test_the_tf_data_section_times_tfmgpu_fit_and_orbit_on_one_dataset():
     assert "not installed" in orbit_lib.table([row])
   else:
     assert row.orbit > 0 and row.vs_orbit > 0
+
+
+def test_latency_times_each_request_of_fresh_rows():
+  from tfmgpu.benchmarks import inference as bench_inference  # pylint: disable=g-import-not-at-top
+  x = np.arange(100)[:, None].astype(np.float32)
+  seen = []
+  lat = bench_inference.latency("fake", lambda b: seen.append(b[:, 0].copy()),
+                                x, rows=8, calls=20)
+  assert (lat.path, lat.rows, lat.calls) == ("fake", 8, 20)
+  assert len(seen) == 21 and all(len(b) == 8 for b in seen)  # + warm-up.
+  assert len({tuple(b) for b in seen[1:]}) > 1  # Not one cached request.
+  assert 0 <= lat.p50_ms <= lat.p99_ms

@@ -52,6 +52,34 @@ def test_data_parallel_equals_single_device(model, rows, reference, strategy,
   np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", [
+    "default",
+    pytest.param(lambda: tfmgpu.get_strategy("mirrored", num_replicas=2),
+                 id="mirrored2"),
+    pytest.param(lambda: tfmgpu.get_strategy("mirrored", num_replicas=4),
+                 id="mirrored4"),
+])
+def test_requests_smaller_than_a_batch_are_served_in_one_call(
+    model, rows, reference, strategy):
+  # Online serving: 1, 3 and 7 rows (not multiples of the replica count)
+  # are split over the replicas without an input pipeline.
+  strategy = strategy() if callable(strategy) else strategy
+  predictor = inference.Predictor(model, strategy=strategy, batch_size=64)
+  for n in (1, 3, 7):
+    got = predictor.predict(rows[:n])
+    assert got.shape == (n, 10)
+    np.testing.assert_allclose(got, reference[:n], rtol=1e-5, atol=1e-5)
+  assert predictor._fn.experimental_get_tracing_count() == 0  # pylint: disable=protected-access
+
+
+def test_prefetch_off_gives_the_same_predictions(model, rows, reference):
+  predictor = inference.Predictor(
+      model, strategy=tfmgpu.get_strategy("mirrored", num_replicas=2),
+      batch_size=64, prefetch=False)
+  np.testing.assert_allclose(predictor.predict(rows), reference, rtol=1e-5,
+                             atol=1e-5)
+
+
 def test_model_built_in_strategy_scope_is_used_in_place(rows, reference, model):
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=4)
   with strategy.scope():
@@ -94,6 +122,8 @@ def test_pipeline_streams_micro_batches_to_the_same_predictions(
                                   micro_batches=micro_batches)
   got = inference.predict(piped, rows, batch_size=64)
   np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+  few = inference.predict(piped, rows[:5], batch_size=64)  # One call.
+  np.testing.assert_allclose(few, reference[:5], rtol=1e-5, atol=1e-5)
 
 
 def test_branch_parallel_equals_members_one_after_the_other(rows, model):

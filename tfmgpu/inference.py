@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import files
+from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import inputs as inputs_lib
 
@@ -145,14 +146,21 @@ class Predictor:
     steps_per_execution: batches per `tf.function` call. Defaults to `4`.
     precision: `float32`, `bfloat16` or `float16` compute; outputs are
       always float32.
+    prefetch: read the next batches (to each device, where the platform
+      supports it) while the current one computes. Defaults to `True`.
+
+  Inputs of at most `batch_size` rows (online serving) skip the input
+  pipeline: they are split over the replicas and run in one call, so a
+  request's latency is one step's.
   """
 
   def __init__(self, model: Any, *, strategy: Any = None,
                batch_size: int = 1024, steps_per_execution: int = 4,
-               precision: str = "float32"):
+               precision: str = "float32", prefetch: bool = True):
     if batch_size < 1 or steps_per_execution < 1:
       raise ValueError(f"batch_size={batch_size} and steps_per_execution="
                        f"{steps_per_execution} must be >= 1.")
+    self.prefetch = bool(prefetch)
     self.model = model
     self.runner, self.strategy = _prepare_model(
         model, _resolve_strategy(model, strategy), precision)
@@ -193,14 +201,41 @@ class Predictor:
     replicas = self.strategy.num_replicas_in_sync
     # No bigger than needed, so small inputs are not padded to a huge batch.
     batch = min(self.batch_size, -(-n // replicas) * replicas)
+    if n <= batch and _splits_locally(self.strategy):
+      return self._predict_one_batch(x, n, batch)
     steps = -(-n // batch)
-    dataset = _streamed_batches(x, batch).prefetch(2)
-    iterator = iter(self.strategy.experimental_distribute_dataset(dataset))
+    dataset = _streamed_batches(x, batch)
+    options = None
+    if self.prefetch:
+      dataset = dataset.prefetch(2)
+    else:
+      options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
+    iterator = iter(self.strategy.experimental_distribute_dataset(
+        dataset, options=options))
     out, done = _Rows(n), 0
     while done < steps:
       k = min(self.steps_per_execution, steps - done)
       out.add(self._fn(iterator, tf.constant(k)))
       done += k
+    return out.result()
+
+  def _predict_one_batch(self, x: Any, n: int, batch: int) -> Any:
+    """One call on `x` padded to `batch` rows, split over the replicas."""
+    padded = tf.nest.map_structure(lambda a: _pad_rows(a, batch), x)
+    replicas = self.strategy.num_replicas_in_sync
+    if replicas == 1:
+      inputs = tf.nest.map_structure(tf.convert_to_tensor, padded)
+    else:
+      rows = batch // replicas
+
+      def shard(context: tf.distribute.experimental.ValueContext) -> Any:
+        start = context.replica_id_in_sync_group * rows
+        return tf.nest.map_structure(
+            lambda a: tf.convert_to_tensor(a[start:start + rows]), padded)
+      inputs = self.strategy.experimental_distribute_values_from_function(
+          shard)
+    out = _Rows(n)
+    out.add(self._fn_one(inputs))
     return out.result()
 
   def _predict_dataset(self, dataset: tf.data.Dataset) -> Any:
@@ -214,21 +249,32 @@ class Predictor:
     return out.result()
 
 
+def _splits_locally(strategy: tf.distribute.Strategy) -> bool:
+  """Every replica is in this process (one device, mirrored, a placement's
+  default strategy), so a small input can be split here in one call."""
+  return isinstance(strategy, (tf.distribute.MirroredStrategy,
+                               tf.distribute.OneDeviceStrategy)) or (
+                                   not tf.distribute.has_strategy()
+                                   and strategy is tf.distribute.get_strategy())
+
+
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+  """`a` with zero rows appended up to `rows` rows."""
+  if len(a) == rows:
+    return a
+  return np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])
+
+
 def _streamed_batches(x: Any, batch: int) -> tf.data.Dataset:
   """`x`'s rows as batches of exactly `batch` rows (the last one padded with
   zero rows), sliced from the arrays as they are needed: no copy of the
   whole input is made (`from_tensor_slices` would hold one)."""
   n = len(tf.nest.flatten(x)[0])
 
-  def pad(a: np.ndarray) -> np.ndarray:
-    if len(a) == batch:
-      return a
-    return np.concatenate([a, np.zeros((batch - len(a), *a.shape[1:]),
-                                       a.dtype)])
-
   def batches():
     for start in range(0, n, batch):
-      yield tf.nest.map_structure(lambda a: pad(a[start:start + batch]), x)
+      yield tf.nest.map_structure(
+          lambda a: _pad_rows(a[start:start + batch], batch), x)
 
   spec = tf.nest.map_structure(
       lambda a: tf.TensorSpec((batch, *a.shape[1:]), tf.as_dtype(a.dtype)), x)
@@ -416,7 +462,8 @@ def _load_keras_file(path: str) -> keras.Model:
         "a zip archive). It may be truncated or damaged: save the model "
         "again, or restore it from the run's checkpoints.")
   try:
-    return keras.saving.load_model(path, compile=False)
+    return keras.saving.load_model(
+        path, compile=False, custom_objects=models_lib.custom_objects())
   except (OSError, KeyError, EOFError, zipfile.BadZipFile,
           json.JSONDecodeError) as e:  # A damaged member of the zip.
     why = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)

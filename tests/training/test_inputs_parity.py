@@ -220,7 +220,8 @@ def test_predict_on_dicts_and_datasets_returns_every_row_in_order(
   from_arrays = tfmgpu.predict(model, x, strategy=strategy, batch_size=16)
   dataset = tf.data.Dataset.from_tensor_slices((x, label[:61])).batch(12)
   from_dataset = tfmgpu.predict(model, dataset, strategy=strategy)
-  for got in (from_arrays, from_dataset):
+  in_one_call = tfmgpu.predict(model, x, strategy=strategy)  # 61 < 1024 rows.
+  for got in (from_arrays, from_dataset, in_one_call):
     assert isinstance(got, list) and len(got) == 2
     for g, w in zip(got, want):
       assert g.shape == w.shape == (61, w.shape[1])

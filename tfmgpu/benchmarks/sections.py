@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable
 
 from tfmgpu import devices as devices_lib
+from tfmgpu import inference as serving_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.benchmarks import ceiling as ceiling_lib
@@ -330,11 +331,64 @@ def _inference(report: report_lib.Report, opts: SuiteOptions,
       "steps_per_execution=1": dict(steps_per_execution=1),
       "batch 128": dict(batch_size=128),
       "precision=bfloat16": dict(precision="bfloat16"),
+      "prefetch=False (no read-ahead to the devices)": dict(prefetch=False),
   }.items():
     t = inference_lib.time_predictor(strategy, "convnet", x, **options)
     report.add(report_lib.Row("inference_option", "convnet", replicas, name,
                               t.ms_per_step, t.examples_per_sec))
     report.say(f"    {name:<46} {t.examples_per_sec:>9,.0f} ex/s")
+
+
+def _serving_placements(opts: SuiteOptions, arrays) -> dict[str, tuple]:
+  """`{placement: (model to serve, Keras reference)}`: data-parallel models
+  built in their strategy's scope, placements split from a one-device model.
+
+  The Keras reference serves a request as a Keras user would: the same
+  model's `predict_on_batch` under the same strategy (one device for the
+  placements: their unsplit model).
+  """
+  one = _build("convnet", arrays)
+  served = {"one_device": (one, one)}
+  for replicas in opts.replicas:
+    if replicas > 1:
+      with _mirrored(replicas).scope():
+        replicated = _build("convnet", arrays)
+      served[f"mirrored x{replicas}"] = (replicated, replicated)
+  if max(opts.replicas) >= 2:
+    for name in ("model_parallel", "pipeline"):
+      placed, _ = serving_lib.place_for_serving([one], name, num_stages=2)
+      served[f"{name} x2"] = (placed, one)
+  return served
+
+
+def _latency(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
+  report.header("Serving latency: one request of a few rows, per placement "
+                "(convnet)")
+  report.say("  p50 / p99 ms per request; Keras = predict_on_batch of the "
+             "same model and strategy; ex/s = full passes at batch 1024")
+  x = arrays.x_train
+  calls = 30 if opts.quick else 200
+  for name, (model, keras_model) in _serving_placements(opts, arrays).items():
+    predictor = serving_lib.Predictor(model)
+    throughput = inference_lib.time_predictor_of(predictor, x)
+    for rows in (1, 32):
+      ours = inference_lib.latency("tfmgpu", predictor.predict, x, rows=rows,
+                                   calls=calls)
+      try:
+        keras = inference_lib.latency("keras", keras_model.predict_on_batch,
+                                      x, rows=rows, calls=calls)
+        keras_text = f"{keras.p50_ms:6.2f} / {keras.p99_ms:6.2f}"
+      except Exception as e:  # pylint: disable=broad-except
+        keras, keras_text = None, f"fails ({type(e).__name__})"
+      for lat in (ours, keras):
+        if lat is not None:
+          report.add(report_lib.Row("latency", "convnet", rows,
+                                    f"{name} {lat.path}", lat.p50_ms,
+                                    rows * 1e3 / lat.p50_ms,
+                                    f"p99 {lat.p99_ms:.3f} ms"))
+      report.say(f"  {name:<18} {rows:>3} rows  tfmgpu {ours.p50_ms:6.2f} / "
+                 f"{ours.p99_ms:6.2f}   keras {keras_text}   "
+                 f"{throughput.examples_per_sec:>9,.0f} ex/s")
 
 
 def _projection(report: report_lib.Report, opts: SuiteOptions,
@@ -420,6 +474,7 @@ SECTIONS: dict[str, Section] = {
     "optimisations": _optimisations,
     "compression": _compression_accuracy,
     "inference": _inference,
+    "latency": _latency,
     "tf_data": _tf_data,
     "checkpoints": _checkpoint_cost,
     "projection": _projection,
