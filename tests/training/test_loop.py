@@ -108,6 +108,26 @@ def test_evaluate_counts_every_row_on_4_replicas(digits):
   assert got["loss"] == pytest.approx(ref_loss, rel=1e-4)
 
 
+def test_evaluation_of_arrays_runs_on_data_held_on_the_devices(digits):
+  x, y = digits[0][:101], digits[1][:101]
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  held = make_trainer(strategy)
+  streamed = Trainer(held.model, strategy=strategy, verbose=0,
+                     input_mode="tf_data")
+  got = held.evaluate(x, y, global_batch_size=8)
+  want = streamed.evaluate(x, y, global_batch_size=8)
+  assert held._resident_eval_fn is not None and held._eval_fn is None  # pylint: disable=protected-access
+  assert streamed._resident_eval_fn is None  # pylint: disable=protected-access
+  assert got["count"] == want["count"] == 101
+  for k in ("loss", "accuracy"):
+    assert got[k] == pytest.approx(want[k], rel=1e-6)
+  # Validation data is copied once per fit and dropped after it.
+  held.fit(x, y, epochs=2, global_batch_size=8, steps_per_epoch=2,
+           validation_data=(x, y))
+  assert held._eval_held is None  # pylint: disable=protected-access
+  assert held._resident_eval_fn.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+
+
 def test_float16_gets_loss_scaling_and_trains(digits):
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
   with strategy.scope():

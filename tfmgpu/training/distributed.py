@@ -193,3 +193,32 @@ def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
     return totals
 
   return evaluate
+
+
+def make_resident_eval_function(strategy: tf.distribute.Strategy, step: StepFn,
+                                *, metric_shapes: Shapes | None = None
+                                ) -> Callable[..., dict[str, tf.Tensor]]:
+  """Returns `evaluate(batches, num_steps) -> summed results`, for data held
+  on the devices (`resident.EpochBatches.from_step(0)`): each replica
+  gathers its rows on its own device, sums in replica-local variables, and
+  the sums are reduced once at the end, as in training.
+
+  Args:
+    strategy: a strategy for which `resident.supports` holds.
+    step: per-replica `step(x, y, mask[, sample_weight]) -> dict`.
+    metric_shapes: as for `make_train_function`.
+  """
+  sums = _ReplicaSums(strategy, sum_shapes(EVAL_KEYS, metric_shapes))
+
+  def replica_step(data, index, i):
+    sums.add(step(*resident.gather_batch(data, index, i)))
+
+  @tf.function(reduce_retracing=True)  # Each input size is a new shape.
+  def evaluate(batches, num_steps):
+    data, index, first_step = batches
+    strategy.run(sums.reset)
+    for i in tf.range(num_steps):
+      strategy.run(replica_step, args=(data, index, first_step + i))
+    return sums.read()
+
+  return evaluate

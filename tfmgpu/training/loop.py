@@ -206,6 +206,8 @@ class Trainer:
     self.callbacks = list(callbacks)
     self._train_fns: dict[tuple[int, bool], Any] = {}
     self._eval_fn = None
+    self._resident_eval_fn = None
+    self._eval_held: tuple | None = None
     self._checkpointer: ckpt_lib.Checkpointer | None = None
     self._writer = None
 
@@ -260,7 +262,7 @@ class Trainer:
       val_source = inputs.from_validation_data(validation_data)
 
       def validate_once() -> dict[str, float]:
-        val = self._evaluate(val_source, global_batch_size or 256)
+        val = self._evaluate(val_source, global_batch_size or 256, keep=True)
         return {f"val_{k}": v for k, v in val.items() if k != "count"}
 
       validate = validate_once
@@ -306,24 +308,62 @@ class Trainer:
     return self._evaluate(inputs.from_user(x, y, sample_weight),
                           global_batch_size)
 
-  def _evaluate(self, source: inputs.InputData,
-                global_batch_size: int) -> dict[str, float]:
+  def _evaluate(self, source: inputs.InputData, global_batch_size: int,
+                keep: bool = False) -> dict[str, float]:
+    """`evaluate` of an `InputData`; `keep` holds arrays on the devices for
+    the next call (validation data during `fit`)."""
     if (isinstance(source, inputs.DatasetData)
         and source.cardinality == inputs.INFINITE):
       raise ValueError("The dataset to evaluate is infinite (it repeats): "
                        "evaluation reads every batch once. Give it without "
                        ".repeat() (validation_data likewise).")
-    if self._eval_fn is None:
-      self._eval_fn = self._make_eval_fn()
-    with warnings.catch_warnings():  # TF's own, from tracing the loop.
-      warnings.filterwarnings("ignore", message=_TF_DATA_OPTIONS_WARNING)
-      out = self._eval_fn(self._eval_dataset(source, global_batch_size))
+    held = self._held_for_evaluation(source, global_batch_size, keep)
+    if held is not None:
+      out = self._resident_eval_fn(*held)
+    else:
+      if self._eval_fn is None:
+        self._eval_fn = self._make_eval_fn()
+      with warnings.catch_warnings():  # TF's own, from tracing the loop.
+        warnings.filterwarnings("ignore", message=_TF_DATA_OPTIONS_WARNING)
+        out = self._eval_fn(self._eval_dataset(source, global_batch_size))
     sums = {k: v.numpy() for k, v in out.items()}
     n = max(float(sums["count"]), 1.0)
     result = {"loss": float(sums["loss_sum"]) / n}
     result.update(self.objective.results(sums))
     result["count"] = float(sums["count"])
     return result
+
+  def _held_for_evaluation(self, source: inputs.InputData,
+                           global_batch_size: int, keep: bool
+                           ) -> tuple | None:
+    """`(batches, num_steps)` of arrays held on the devices, or `None` to
+    read through `tf.data` (`input_mode` decides, as in training). With
+    `keep`, the copy is kept for the next call with the same arrays."""
+    if (not isinstance(source, inputs.ArrayData)
+        or not resident.supports(self.strategy)):
+      return None
+    key = (tuple(id(a) for a in tf.nest.flatten(source.data)),
+           global_batch_size)
+    if self._eval_held is None or self._eval_held[0] != key:
+      data_lib.check_global_batch(global_batch_size, self.num_replicas)
+      padded = source.padded(global_batch_size)
+      if not resident.use_device_data(self.input_mode, self.strategy, padded):
+        return None
+      held = resident.DeviceData(self.strategy, padded)
+      steps = held.num_examples // global_batch_size
+      batches = held.epoch(global_batch_size=global_batch_size, steps=steps,
+                           seed=0, epoch=0, shuffle=False).from_step(0)
+      if self._resident_eval_fn is None:
+        self._resident_eval_fn = distributed.make_resident_eval_function(
+            self.strategy,
+            step_lib.make_eval_step(self.model, loss=self.objective),
+            metric_shapes=self.objective.state_shapes())
+      if not keep:
+        return batches, tf.constant(steps)
+      # The source is kept so that the ids in the key stay its arrays'.
+      self._eval_held = (key, source, batches, steps)
+    _, _, batches, steps = self._eval_held
+    return batches, tf.constant(steps)
 
   def _make_eval_fn(self):
     return distributed.make_eval_function(
@@ -395,9 +435,13 @@ class Trainer:
     with self._hold_run_dir():  # Before the summary writer opens its file.
       controller = Controller(runner, self._loop_options(global_batch_size,
                                                          validation_data))
-      with self._watch_preemption() as watcher:
-        return controller.run(epochs=epochs, steps_per_epoch=steps_per_epoch,
-                              watcher=watcher)
+      try:
+        with self._watch_preemption() as watcher:
+          return controller.run(epochs=epochs,
+                                steps_per_epoch=steps_per_epoch,
+                                watcher=watcher)
+      finally:
+        self._eval_held = None  # Validation data held for this fit only.
 
   def _global_batch(self, source: inputs.InputData,
                     global_batch_size: int | None) -> int | None:
