@@ -8,8 +8,8 @@ from tfmgpu import data
 
 def test_registry_holds_exactly_todays_names():
   assert set(data.available_datasets()) == {
-      "digits", "digits8x8", "synthetic", "npz", "tfrecord", "mnist",
-      "fashion_mnist", "cifar10"}
+      "digits", "digits8x8", "synthetic", "npz", "tfrecord", "stdlib_text",
+      "mnist", "fashion_mnist", "cifar10"}
 
 
 def test_default_digits_are_real_and_shuffled():

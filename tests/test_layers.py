@@ -37,6 +37,7 @@ LAYERS = {
     "tfmgpu/data": 1,
     "tfmgpu/models": 1,
     "tfmgpu/strategies": 1,
+    "tfmgpu/text": 1,
     "tfmgpu/tfrecord": 1,
     # 2 engines
     "tfmgpu/parallel": 2,

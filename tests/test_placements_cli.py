@@ -44,7 +44,10 @@ def test_plan_only_prints_the_plan_and_memory(capsys):
   out = capsys.readouterr().out
   assert "StagePlan for 'deep_mlp': 4 stage(s), criterion=balanced" in out
   assert len(re.findall(r"^\d\s+/device:CPU:\d", out, re.M)) == 4
-  assert out.count("MiB total = weights") == 4
+  assert re.search(r"^device\s+weights\s+grads\s+slots\s+activations\s+in "
+                   r"flight\s+total$", out, re.M)
+  assert len(re.findall(r"^/device:CPU:\d\s+[\d.]+ KiB", out, re.M)) == 4
+  assert re.search(r"^max\s+[\d.]+ MiB$", out, re.M)
 
 
 def test_cli_trains_model_parallel(tmp_path, capsys):

@@ -152,8 +152,9 @@ def _with_checkpoint(model_dir):
 def test_the_record_holds_the_run(tmp_path):
   record = _record()
   assert {k: record[k] for k in rundir.FIXED} == {
-      "model": "mlp", "optimizer": "adam", "global_batch_size": 64,
-      "seed": 0, "dataset": "digits", "placement": "data_parallel"}
+      "model": "mlp", "model_size": None, "optimizer": "adam",
+      "global_batch_size": 64, "seed": 0, "dataset": "digits",
+      "placement": "data_parallel"}
   assert (record["learning_rate"], record["epochs"]) == (2e-3, 2)
   assert set(record["versions"]) == {"tfmgpu", "tensorflow", "keras"}
   assert rundir.record_of(TrainConfig(strategy="pipeline", num_stages=3))[

@@ -68,15 +68,19 @@ class TrainConfig:
       `"package.module:function"` / `"path/to/file.py:function"`, called as
       `function(input_shape, num_classes) -> keras.Model` (see
       `tfmgpu.models.registry`).
+    model_size: a named size of a model that has them (`gpt`: `tiny` ..
+      `gpt2_xl`), passed to its builder as `size=`; `None`: its default.
     dataset: a registered dataset name (`data_path` for `npz`, a glob of
       TFRecord shards for `tfrecord`, or a local copy of a downloadable
       one), or your loader as a reference like `model`, returning
       `((x_train, y_train), (x_test, y_test))` (see `data.user_arrays`).
     loss: a Keras loss name (e.g. `"mse"`) or your `fn(y_true, y_pred)` as
       a reference; `None`: sparse categorical cross-entropy from logits.
-    metrics: Keras metric names (e.g. `("mae",)`) or references to
-      `fn(y_true, y_pred)`; `None`: `accuracy` with the default loss, none
-      with another.
+    metrics: Keras metric names (e.g. `("mae",)`), `bits_per_byte`,
+      `perplexity`, or references to `fn(y_true, y_pred)`; `None`: the
+      dataset's default metrics with the default loss (`accuracy`;
+      `stdlib_text`: `bits_per_byte`, `perplexity`, `accuracy`), none with
+      another loss.
     global_batch_size: examples per step over all replicas.
     epochs, steps_per_epoch: how long (`None`: one pass per epoch).
     optimizer, learning_rate, clip_norm: the update (the clip applies to
@@ -118,6 +122,7 @@ class TrainConfig:
   parameter_device: str | None = None
   tpu: str = ""
   model: str = "convnet"
+  model_size: str | None = None
   dataset: str = "digits"
   data_path: str | None = None
   loss: str | None = None
@@ -158,6 +163,7 @@ class TrainConfig:
     distribution = strategies_lib.lookup(self.strategy)
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     models_lib.check_model(self.model)  # The user's code: found, not run.
+    models_lib.check_model_size(self.model, self.model_size)
     data_lib.check_dataset(self.dataset)
     self._check_objective()
     checks.check_choice("optimizer", self.optimizer, OPTIMIZER_CHOICES)
@@ -218,8 +224,11 @@ class TrainConfig:
       if user_code.is_reference(value):
         return user_code.load_function(what, value, _OBJECTIVE_CALL)
       return value
-    metrics = (None if self.metrics is None
-               else [resolve("metrics", m) for m in self.metrics])
+    metrics = self.metrics
+    if metrics is None and self.loss is None:
+      metrics = data_lib.default_metrics(self.dataset)
+    metrics = (None if metrics is None
+               else [resolve("metrics", m) for m in metrics])
     return resolve("loss", self.loss), metrics
 
   def _check_numbers(self) -> None:
@@ -258,6 +267,11 @@ class TrainConfig:
   def options(self) -> Any:
     """The distribution's typed options (its `Options` dataclass)."""
     return self.distribution.options_from(self)
+
+  def model_options(self) -> dict[str, Any]:
+    """The options of `models.build_model(self.model, ...)` this config sets
+    (`size=` for `model_size`)."""
+    return {} if self.model_size is None else {"size": self.model_size}
 
   def dataset_options(self) -> dict[str, Any]:
     """The options of `data.load_dataset(self.dataset, ...)` this config sets."""

@@ -37,6 +37,22 @@ class DatasetUnavailableError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Baseline:
+  """A simple model's value of a metric on a dataset's test split, which a
+  run's summary prints next to the trained model's (e.g. the byte-unigram
+  bits per byte of `stdlib_text`).
+
+  Attributes:
+    name: what the baseline is, e.g. `"byte-unigram"`.
+    metric: the metric name it is a value of, e.g. `"bits_per_byte"`.
+    value: its value on the test split.
+  """
+  name: str
+  metric: str
+  value: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Arrays:
   """A dataset in memory, split into train and test.
 
@@ -47,6 +63,8 @@ class Arrays:
       tuple of arrays for a model with several inputs (or outputs).
     num_classes: number of label values (`None`: targets that are not one
       array of class indices, e.g. regression).
+    baselines: values of simple models on the test split (`Baseline`), for
+      the run summary; lower is better for every one.
   """
   name: str
   x_train: Any
@@ -54,6 +72,7 @@ class Arrays:
   x_test: Any
   y_test: Any
   num_classes: int | None
+  baselines: tuple[Baseline, ...] = ()
 
   @property
   def input_shape(self) -> Any:
@@ -91,6 +110,8 @@ class DatasetEntry:
       (`seed`, `path`): declared, not guessed from its signature.
     streamed: the loader returns a `StreamedDataset` (read from files while
       training) instead of `Arrays`.
+    metrics: the metrics a run reports when none are given (`None`:
+      `accuracy`, the default loss's).
   """
   name: str
   description: str
@@ -98,6 +119,7 @@ class DatasetEntry:
   offline: bool
   options: tuple[str, ...] = ()
   streamed: bool = False
+  metrics: tuple[str, ...] | None = None
 
 
 class StreamedDataset(Protocol):
@@ -130,7 +152,8 @@ _REGISTRY: dict[str, DatasetEntry] = {}
 
 
 def register_dataset(name: str, description: str, *, offline: bool = True,
-                     options: tuple[str, ...] = (), streamed: bool = False):
+                     options: tuple[str, ...] = (), streamed: bool = False,
+                     metrics: tuple[str, ...] | None = None):
   """Decorator registering `loader(**options) -> Arrays` under `name`.
 
   Args:
@@ -139,12 +162,15 @@ def register_dataset(name: str, description: str, *, offline: bool = True,
     offline: the loader needs no download.
     options: which run settings (`"seed"`, `"path"`) a run passes it.
     streamed: the loader returns a `StreamedDataset` instead of `Arrays`.
+    metrics: metric names a run reports when it is given none and uses the
+      default loss (`None`: `accuracy`).
   """
   def decorate(loader):
     if name in _REGISTRY:
       raise ValueError(f"dataset name {name!r} is already registered.")
-    _REGISTRY[name] = DatasetEntry(name, description, loader, offline,
-                                   tuple(options), streamed)
+    _REGISTRY[name] = DatasetEntry(
+        name, description, loader, offline, tuple(options), streamed,
+        None if metrics is None else tuple(metrics))
     return loader
   return decorate
 
@@ -178,6 +204,13 @@ def dataset_entry(name: str) -> DatasetEntry:
                      f"{', '.join(sorted(_REGISTRY))}; or your own loader as "
                      f"{user_code.FORMS}.")
   return _REGISTRY[name]
+
+
+def default_metrics(name: str) -> tuple[str, ...] | None:
+  """The metrics registered dataset `name` reports by default (`None`: the
+  default loss's `accuracy`; also for a user's loader, never imported here)."""
+  entry = _REGISTRY.get(name)
+  return None if entry is None else entry.metrics
 
 
 # ------------------------------------------------------- the user's loader
@@ -547,6 +580,18 @@ def _keras_dataset(name: str) -> Callable[..., Arrays]:
 def _tfrecord(path: str | None = None, seed: int = 0) -> StreamedDataset:
   from tfmgpu import tfrecord  # pylint: disable=g-import-not-at-top
   return tfrecord.open_source(path, seed=seed)
+
+
+@register_dataset("stdlib_text", "Byte-level language modelling on ~500 KB of "
+                  "the Python standard library's own source (offline; "
+                  "next-byte targets, a fixed validation split).",
+                  options=("seed",),
+                  metrics=("bits_per_byte", "perplexity", "accuracy"))
+def _stdlib_text(seq_len: int | None = None, padding_mask: str = "none",
+                 seed: int = 0) -> Arrays:
+  from tfmgpu import text  # pylint: disable=g-import-not-at-top
+  return text.load(seq_len=seq_len or text.DEFAULT_SEQ_LEN,
+                   padding_mask=padding_mask, seed=seed)
 
 
 for _name, _desc in (("mnist", "70,000 28x28 digits (keras.datasets download)."),

@@ -46,8 +46,8 @@ from tfmgpu import files
 LOCK_NAME = "run.lock"
 RECORD_NAME = "run.json"
 # What checkpoints depend on: never changed by a resume.
-FIXED = ("model", "optimizer", "global_batch_size", "seed", "dataset",
-         "placement")
+FIXED = ("model", "model_size", "optimizer", "global_batch_size", "seed",
+         "dataset", "placement")
 # What a resume may change: applied from then on, and logged.
 CHANGEABLE = ("learning_rate", "epochs", "steps_per_epoch", "loss", "metrics")
 _FLAG_OF = {"placement": "strategy"}  # The flag that sets a record field.
@@ -296,7 +296,9 @@ def _placement(config: Any) -> str:
 def record_of(config: Any) -> dict[str, Any]:
   """The record of a `TrainConfig`: what `run.json` holds."""
   return {
-      "model": config.model, "optimizer": config.optimizer,
+      "model": config.model,
+      "model_size": getattr(config, "model_size", None),
+      "optimizer": config.optimizer,
       "global_batch_size": config.global_batch_size, "seed": config.seed,
       "dataset": config.dataset, "placement": _placement(config),
       "learning_rate": config.learning_rate, "epochs": config.epochs,

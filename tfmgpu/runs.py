@@ -38,7 +38,9 @@ class RunSummary:
   `final_accuracy` / `test_accuracy` are NaN for a run without an
   `accuracy` metric; `train_metrics` / `test_metrics` hold every metric the
   run reported (by the names the user gave), and the printed rows list
-  them: `test loss / mae  0.0123 / 0.0871`.
+  them: `test loss / mae  0.0123 / 0.0871`. A dataset's baselines
+  (`data.Baseline`, e.g. `stdlib_text`'s byte-unigram bits per byte) are
+  printed next to the run's value of the same metric.
   """
   strategy: str
   replicas: int
@@ -61,6 +63,24 @@ class RunSummary:
   dataset_name: str = ""
   train_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
   test_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  baselines: tuple[data_lib.Baseline, ...] = ()
+
+  def _baseline_rows(self) -> list[tuple[str, str]]:
+    """`test bits_per_byte  2.4000 (byte-unigram baseline 4.3700; 1.9700
+    below)`, or the baseline alone when the run did not report its metric."""
+    rows = []
+    for b in self.baselines:
+      value = self.test_metrics.get(b.metric)
+      if value is None:
+        rows.append((f"{b.name} baseline",
+                     f"test {b.metric} {b.value:.4f} (give --metrics="
+                     f"{b.metric} to compare)"))
+        continue
+      gap = b.value - value
+      rows.append((f"test {b.metric}",
+                   f"{value:.4f} ({b.name} baseline {b.value:.4f}; "
+                   f"{abs(gap):.4f} {'below' if gap >= 0 else 'above'})"))
+    return rows
 
   def _training_rows(self) -> list[tuple[str, str]]:
     if not self.result.epochs_run:
@@ -78,6 +98,7 @@ class RunSummary:
             *self._training_rows(),
             (_label("test", self.test_metrics),
              _values(self.test_loss, self.test_metrics)),
+            *self._baseline_rows(),
             ("wall time", f"{self.seconds:.1f} s"),
             ("checkpoints", self.checkpoint or "none"),
             ("saved model", self.saved_model or "none"),
@@ -109,33 +130,34 @@ def default_model_dir(strategy: str) -> str:
   return rundir.default_model_dir(strategy)
 
 
-def _mib(n: int) -> str:
-  return f"{n / 2**20:.2f} MiB"
-
-
 def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
                   ) -> str:
-  """The stage plan and per-device memory estimate, without training."""
+  """The stage plan and its per-device memory table (a pipeline's
+  micro-batches, schedule and recomputation included), without training."""
   devices_lib.configure_virtual_devices(
       config.virtual_devices,
       intra_op_threads=config.distribution.intra_op_threads)
   if arrays is None:  # A streamed dataset gives its shapes without reading.
     arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
-  model = model_parallel.build_unsplit(lambda: models_lib.build_model(
+  model = model_parallel.build_for_plan(lambda: models_lib.build_model(
       config.model, input_shape=arrays.input_shape,
-      num_classes=arrays.num_classes, seed=config.seed))
-  plan = model_parallel.plan_for(model, model_parallel.StageOptions(
+      num_classes=arrays.num_classes, seed=config.seed,
+      **config.model_options()))
+  stage_options = model_parallel.StageOptions(
       num_stages=config.num_stages, partition=config.partition,
-      split_points=config.split_points))
-  lines = [str(plan), "",
-           f"Estimated memory per device (batch {config.global_batch_size}, "
-           f"{config.optimizer} slots):"]
-  for device, est in plan.memory_estimate(
-      config.global_batch_size, optimizer=config.optimizer).items():
-    lines.append(
-        f"  {device}: {_mib(est.total)} total = weights {_mib(est.weights)} "
-        f"+ gradients {_mib(est.gradients)} + optimizer slots "
-        f"{_mib(est.optimizer_slots)} + activations {_mib(est.activations)}")
+      split_points=config.split_points)
+  planned = model_parallel.planned_devices(stage_options.stages)
+  plan = model_parallel.plan_for(model, stage_options, devices=planned)
+  options = config.options  # Pipelines: micro-batches, schedule, recompute.
+  table = plan.memory_table(
+      config.global_batch_size, optimizer=config.optimizer,
+      micro_batches=getattr(options, "micro_batches", 1),
+      schedule=getattr(options, "schedule", "gpipe"),
+      recompute=getattr(options, "recompute", False))
+  lines = [str(plan), "", table]
+  if planned:
+    lines.append(f"(A plan for {len(planned)} devices; this machine has "
+                 f"{len(devices_lib.accelerator_devices())}.)")
   return "\n".join(lines)
 
 
@@ -185,7 +207,7 @@ def _model_builder(config: TrainConfig, arrays: data_lib.Arrays,
         num_classes=arrays.num_classes,
         mixed_precision=(None if config.mixed_precision == "float32"
                          else config.mixed_precision),
-        seed=config.seed)
+        seed=config.seed, **config.model_options())
   return build
 
 
@@ -266,7 +288,8 @@ def run_training(config: TrainConfig, *,
                       else None),
                   saved=saved, seconds=time.perf_counter() - start,
                   names=(getattr(model_fn, "__name__", None) or config.model,
-                         getattr(arrays, "name", None) or config.dataset))
+                         getattr(arrays, "name", None) or config.dataset),
+                  baselines=getattr(arrays, "baselines", ()))
 
 
 def _fit_and_test(trainer: Trainer, config: TrainConfig,
@@ -293,9 +316,11 @@ def _fit_and_test(trainer: Trainer, config: TrainConfig,
 def _summary(config: TrainConfig, placement: strategies_lib.Placement,
              result: TrainResult, test: dict[str, float], *, model_dir: str,
              checkpoint: str | None, saved: str | None,
-             seconds: float, names: tuple[str, str]) -> RunSummary:
+             seconds: float, names: tuple[str, str],
+             baselines: tuple[data_lib.Baseline, ...] = ()) -> RunSummary:
   """The summary; `names`: the model's and the dataset's, as the user
-  named them (a registry name or a `module:function` reference)."""
+  named them (a registry name or a `module:function` reference);
+  `baselines`: the dataset's, printed next to the run's values."""
   history = result.history
   nan = float("nan")
   test_metrics = {k: v for k, v in test.items() if k not in ("loss", "count")}
@@ -309,7 +334,7 @@ def _summary(config: TrainConfig, placement: strategies_lib.Placement,
       final_accuracy=train_metrics.get("accuracy", nan),
       test_loss=test["loss"], test_accuracy=test_metrics.get("accuracy", nan),
       train_metrics=train_metrics, test_metrics=test_metrics,
-      model_name=names[0], dataset_name=names[1],
+      model_name=names[0], dataset_name=names[1], baselines=tuple(baselines),
       examples_per_sec=result.examples_per_sec, seconds=seconds,
       model_dir=model_dir, checkpoint=checkpoint, saved_model=saved,
       result=result, model=placement.model, plan=placement.plan,

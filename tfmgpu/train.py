@@ -59,6 +59,11 @@ _MODEL = flags.DEFINE_string(
     f"<{' | '.join(models_lib.available_models())}>, or your own builder as "
     f"{user_code.FORMS}, called as build(input_shape, num_classes) -> "
     "keras.Model (input_shape nested like the data's x for several inputs).")
+_MODEL_SIZE = flags.DEFINE_string(
+    "model_size", None, "A named size of --model, for models that have them: "
+    + "; ".join(f"{name}: <{' | '.join(sizes)}>"
+                for name, sizes in models_lib.model_sizes().items())
+    + ". Default: the model's own (gpt: tiny).")
 _LOSS = flags.DEFINE_string(
     "loss", None, "A Keras loss name (e.g. mse, binary_crossentropy) or your "
     f"fn(y_true, y_pred) as {user_code.FORMS}. Default: sparse categorical "
@@ -67,8 +72,10 @@ _LOSS = flags.DEFINE_string(
 _METRICS = flags.DEFINE_list(
     "metrics", None, "Keras metric names (e.g. accuracy,mae) or your "
     "fn(y_true, y_pred) as references, comma-separated; reported per epoch "
-    "and in the summary. Default: accuracy with the default loss, none with "
-    "--loss.")
+    "and in the summary; language models also take bits_per_byte and "
+    "perplexity (from logits). Default: the dataset's (accuracy; "
+    "stdlib_text: bits_per_byte,perplexity,accuracy) with the default loss, "
+    "none with --loss.")
 _EPOCHS = flags.DEFINE_integer("epochs", 5, "Epochs to train.", lower_bound=1)
 _STEPS_PER_EPOCH = flags.DEFINE_integer(
     "steps_per_epoch", None, "Steps per epoch (default: one pass).",
@@ -161,6 +168,16 @@ def _known_model(value: str) -> bool:
   return True
 
 
+@flags.multi_flags_validator(["model", "model_size"])
+def _known_model_size(values) -> bool:
+  """A size the model has (checked before TensorFlow loads)."""
+  try:
+    models_lib.check_model_size(values["model"], values["model_size"])
+  except ValueError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
+
+
 def config_from_flags() -> config_lib.TrainConfig:
   """Turns the parsed flags into one validated `TrainConfig`."""
   return config_lib.TrainConfig(
@@ -170,7 +187,8 @@ def config_from_flags() -> config_lib.TrainConfig:
       cluster_resolver=_CLUSTER_RESOLVER.value,
       variable_shards=_VARIABLE_SHARDS.value,
       parameter_device=_PARAMETER_DEVICE.value, tpu=_TPU.value,
-      model=_MODEL.value, dataset=data.DATASET.value,
+      model=_MODEL.value, model_size=_MODEL_SIZE.value,
+      dataset=data.DATASET.value,
       data_path=data.DATA_PATH.value, loss=_LOSS.value,
       metrics=_METRICS.value,
       global_batch_size=batch.GLOBAL_BATCH_SIZE.value, epochs=_EPOCHS.value,
@@ -213,7 +231,11 @@ def main(argv: list[str]) -> int:
     return 1
   if _PLAN_ONLY.value:
     from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
-    print(runs.describe_plan(config))
+    try:
+      print(runs.describe_plan(config))
+    except ValueError as e:  # A model that cannot be split so, ...: say why.
+      print(f"error: {e}", file=sys.stderr)
+      return 1
     return 0
   try:  # The run directory, before TF loads: usable, unlocked, same run.
     config, lock = open_run_dir(config, role)

@@ -63,3 +63,23 @@ def test_residual_blocks_are_cut_between_blocks_where_one_tensor_crosses():
   assert sum(s.sent_bytes for s in free.stages) > sum(
       s.sent_bytes for s in costly.stages)
   assert costly.layer_names == tuple(l.name for l in model.layers[1:])
+
+
+def test_attention_counts_its_projections_scores_and_what_it_keeps():
+  L = keras.layers
+  query = keras.Input((4, 6), name="query")  # Tq = 4, dq = 6.
+  value = keras.Input((5, 3), name="value")  # Tk = Tv = 5, dk = dv = 3.
+  attention = L.MultiHeadAttention(2, 3, value_dim=2, name="attention")
+  model = keras.Model([query, value], attention(query, value))
+  (block,) = cost.model_blocks(model)
+  # Projections, 2 * heads * (Tq dq kd + Tk dk kd + Tv dv vd + Tq vd dout):
+  #   4 * (4*6*3 + 5*3*3 + 5*3*2 + 4*2*6) = 4 * 195 = 780.
+  # Scores, softmax, weighted sum, heads * Tq * Tk * (2 kd + 5 + 2 vd):
+  #   2 * 4 * 5 * 15 = 600.
+  # Biases, heads * (Tq kd + Tk kd + Tv vd) + Tq dout: 2 * 37 + 24 = 98.
+  assert block.flops == 780 + 600 + 98
+  # Kept: the output (4 * 6 = 24), Q, K, V (2 * (12 + 15 + 10) = 74), the
+  # scores and their softmax (2 * 2 * 4 * 5 = 80), the weighted sum
+  # (2 * 4 * 2 = 16): 194 floats.
+  assert block.activation_bytes == 194 * 4
+  assert block.output_bytes == 24 * 4

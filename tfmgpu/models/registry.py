@@ -34,21 +34,31 @@ USER_BUILDER_CALL = user_code.Call(
 
 @dataclasses.dataclass(frozen=True)
 class ModelEntry:
-  """A registered builder and its one-line description."""
+  """A registered builder, its one-line description and its named sizes
+  (the values its `size=` option takes; empty: it has none)."""
   name: str
   description: str
   builder: ModelFn
+  sizes: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
 
 
-def register_model(name: str, description: str):
-  """Decorator registering `builder(input_shape, num_classes, **kw)` as `name`."""
+def register_model(name: str, description: str, *,
+                   sizes: tuple[str, ...] = ()):
+  """Decorator registering `builder(input_shape, num_classes, **kw)` as `name`.
+
+  Args:
+    name: the registry key.
+    description: one line for help text.
+    sizes: the named sizes the builder's `size=` option takes
+      (`--model_size`); empty for a builder without one.
+  """
   def decorate(builder: ModelFn) -> ModelFn:
     if name in _REGISTRY:
       raise ValueError(f"model name {name!r} is already registered.")
-    _REGISTRY[name] = ModelEntry(name, description, builder)
+    _REGISTRY[name] = ModelEntry(name, description, builder, tuple(sizes))
     return builder
   return decorate
 
@@ -75,6 +85,35 @@ def check_model(name: str) -> None:
       reference that cannot be used (`tfmgpu.user_code.UserCodeError`).
   """
   user_code.check_name("model", name, _REGISTRY, USER_BUILDER_CALL)
+
+
+def model_sizes() -> dict[str, tuple[str, ...]]:
+  """`{name: sizes}` of the registered models that have named sizes."""
+  return {n: e.sizes for n, e in _REGISTRY.items() if e.sizes}
+
+
+def check_model_size(name: str, size: str | None) -> None:
+  """Checks a `model_size` setting without importing TensorFlow.
+
+  Args:
+    name: the model setting: a registered name, or a reference to the
+      user's builder (which gets `size=` as is: its own check applies).
+    size: the named size, or `None` (the builder's default).
+
+  Raises:
+    ValueError: a size the registered model does not have (listing its
+      sizes), or a size for a registered model that has none.
+  """
+  if size is None or user_code.is_reference(name) or name not in _REGISTRY:
+    return
+  sizes = _REGISTRY[name].sizes
+  if not sizes:
+    raise ValueError(f"model_size={size!r} is given, but model {name!r} has "
+                     "no named sizes; drop model_size, or use a model that "
+                     f"has them ({', '.join(sorted(model_sizes()))}).")
+  if size not in sizes:
+    raise ValueError(f"model_size={size!r} is not a size of model {name!r}. "
+                     f"Choose one of {', '.join(sizes)}.")
 
 
 def model_builder(name_or_fn: str | ModelFn) -> ModelFn:

@@ -12,12 +12,19 @@ per block and per example:
   - `Conv1D/2D/3D`: `2 * prod(kernel) * in_channels / groups * filters` per
     output position (+ bias, + activation); transposed convs per *input*
     position; depthwise and separable convs as their two factors;
+  - `MultiHeadAttention`: its query, key, value and output projections
+    (`2 * in * out` per position each), the scores and the weighted sum
+    (`2 * T_query * T_key * heads * head_dim` each; a causal mask computes
+    them all) and the softmax (5 per score), + biases;
   - normalisation layers: 5 per element; pooling: pool size per output;
     merge layers (`Add`, ...): inputs - 1 per element; reshape-like layers
     (`Flatten`, `Reshape`, `Dropout`, `Concatenate`, `Embedding`, ...): 0;
   - a nested model: the sum over its own layers;
   - anything else: one FLOP per output element (a coarse estimate);
-* activation bytes: the outputs of every layer (kept for the backward pass);
+* activation bytes: the outputs of every layer (kept for the backward
+  pass), and inside `MultiHeadAttention` its query, key and value
+  projections, its scores and their softmax (`heads * T^2` each: what
+  dominates a transformer's memory at long contexts) and the weighted sum;
 * at each cut, the bytes of every tensor crossing it (`cut_bytes`): what one
   stage sends to the next, and receives back as gradients.
 
@@ -109,6 +116,55 @@ def _kernel_flops(layer, in_shape, out_shape, out_el: int) -> int | None:
   return flops + _activation_flops(layer, out_el)
 
 
+def _attention_dims(node) -> dict[str, int]:
+  """Heads, head sizes, lengths and widths of a `MultiHeadAttention` call."""
+  layer, args = node.operation, node.arguments
+  query = args.args[0]
+  value = args.args[1] if len(args.args) > 1 else args.kwargs["value"]
+  key = args.args[2] if len(args.args) > 2 else args.kwargs.get("key")
+  key = value if key is None else key
+  tq, tk, tv = (_spatial(t.shape) for t in (query, key, value))
+  dq, dk, dv = (int(t.shape[-1]) for t in (query, key, value))
+  return dict(h=layer.num_heads, kd=layer.key_dim,
+              vd=layer.value_dim or layer.key_dim, tq=tq, tk=tk, tv=tv,
+              dq=dq, dk=dk, dv=dv,
+              dout=int(node.output_tensors[0].shape[-1]))
+
+
+def _attention_flops(node) -> int:
+  """FLOPs of one `MultiHeadAttention` call (see the module docstring)."""
+  d = _attention_dims(node)
+  h, kd, vd, tq, tk, tv = (d[k] for k in ("h", "kd", "vd", "tq", "tk", "tv"))
+  projections = 2 * h * (tq * d["dq"] * kd + tk * d["dk"] * kd +
+                         tv * d["dv"] * vd + tq * vd * d["dout"])
+  scores = h * tq * tk * (2 * kd + 5 + 2 * vd)
+  bias = (h * (tq * kd + tk * kd + tv * vd) + tq * d["dout"]
+          if node.operation.use_bias else 0)
+  return projections + scores + bias
+
+
+def attention_internal_elements(node) -> int:
+  """Elements per example a `MultiHeadAttention` call keeps inside it for
+  its backward: the query, key and value projections, the scores and their
+  softmax (`heads * T_query * T_key` each) and the weighted sum before the
+  output projection."""
+  d = _attention_dims(node)
+  h = d["h"]
+  return (h * (d["tq"] * d["kd"] + d["tk"] * d["kd"] + d["tv"] * d["vd"]) +
+          2 * h * d["tq"] * d["tk"] + h * d["tq"] * d["vd"])
+
+
+def node_activation_bytes(node) -> int:
+  """Bytes per example a layer call keeps for the backward pass: its
+  outputs, and inside a `MultiHeadAttention` its projections and scores
+  (in the dtype of its output)."""
+  outs = sum(graph_lib.tensor_bytes(t) for t in node.output_tensors)
+  if not isinstance(node.operation, keras.layers.MultiHeadAttention):
+    return outs
+  size = graph_lib.dtype_size(node.output_tensors[0].dtype)
+  return outs + size * attention_internal_elements(node)
+
+
 def _elementwise_flops(layer, num_inputs: int, in_shape, out_el: int) -> int:
   """FLOPs of a normalisation, pooling, merge or reshape-like layer.
 
@@ -149,6 +205,8 @@ def node_flops(node) -> int:
       return sum(node_flops(n) for n in graph_lib.ModelGraph(layer).nodes)
     except (TypeError, ValueError):  # Subclassed or multi-input: estimate.
       return out_el
+  if isinstance(layer, keras.layers.MultiHeadAttention):
+    return _attention_flops(node)
   flops = _kernel_flops(layer, in_shape, tuple(outs[0].shape), out_el)
   if flops is not None:
     return flops
@@ -164,7 +222,9 @@ class Block:
     param_bytes: bytes of all weights.
     trainable_param_bytes: bytes of the trainable weights.
     flops: forward FLOPs per example.
-    activation_bytes: bytes per example of the layer's outputs.
+    activation_bytes: bytes per example the layer keeps for the backward
+      pass (`node_activation_bytes`: its outputs, and attention's
+      internals).
     output_bytes: bytes per example of its (first) output.
     output_shape: shape of that output (batch axis `None`).
   """
@@ -202,8 +262,7 @@ def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
         param_bytes=param_bytes(node.operation),
         trainable_param_bytes=param_bytes(node.operation, True),
         flops=node_flops(node),
-        activation_bytes=sum(graph_lib.tensor_bytes(t)
-                             for t in node.output_tensors),
+        activation_bytes=node_activation_bytes(node),
         output_bytes=graph_lib.tensor_bytes(out),
         output_shape=tuple(out.shape)))
   return blocks

@@ -6,14 +6,15 @@ every tensor made before the cut and read after it *crosses* it: the
 activation, skip (residual) tensors, and model inputs that later layers read
 (a padding mask, position ids, a tabular input joined late). `ModelGraph`
 lists a model's layer calls in topological order and, for any position, the
-tensors that cross a cut placed there and their bytes.
+tensors that cross a cut placed there and their bytes. `shapes_only` builds
+a model to plan (its layers and weight shapes, no weight values).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
@@ -32,6 +33,28 @@ def elements(shape: Sequence[int | None]) -> int:
 def tensor_bytes(tensor: keras.KerasTensor) -> int:
   """Bytes of one example of a symbolic tensor."""
   return elements(tensor.shape) * dtype_size(tensor.dtype)
+
+
+def shapes_only(build: Callable[[], keras.Model]) -> keras.Model:
+  """Calls `build()` so that its weights get shapes but no values.
+
+  A plan needs only the layer graph and the weight shapes: `gpt2_xl` builds
+  so in a second instead of allocating 6 GB. Its weights stay without values
+  for good (Keras would otherwise fill them in at the next model built in
+  this process), so the model is for planning only: `ModelGraph`,
+  `plan_stages`, the costs; never call or train it.
+  """
+  # Keras 3 defers a variable made in a stateless scope and records it in a
+  # global list, which the next top-level stateless scope initialises.
+  from keras.src.backend.common import global_state  # pylint: disable=g-import-not-at-top
+  key = "uninitialized_variables"
+  before = list(global_state.get_global_attribute(key, [],
+                                                  set_to_default=True))
+  try:
+    with keras.StatelessScope(initialize_variables=False):
+      return build()
+  finally:
+    global_state.set_global_attribute(key, before)
 
 
 def _producer(tensor: keras.KerasTensor):

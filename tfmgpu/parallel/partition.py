@@ -96,7 +96,8 @@ def _solve(n: int, num_parts: int, part_cost, score, combine, allowed):
   return best[num_parts][n], starts[::-1]
 
 
-def _choose_devices(num_stages: int, devices: Sequence[str] | None) -> list[str]:
+def _choose_devices(num_stages: int, devices: Sequence[str] | None,
+                    check: bool = True) -> list[str]:
   if devices is None:
     found = devices_lib.accelerator_devices()
     if num_stages > len(found):
@@ -112,6 +113,8 @@ def _choose_devices(num_stages: int, devices: Sequence[str] | None) -> list[str]
         f"devices={devices} names {len(devices)} device(s) for num_stages="
         f"{num_stages}; give exactly one device per stage (repeat a device to "
         "put several stages on it).")
+  if not check:  # A plan for another machine: names only.
+    return [devices_lib.canonical_device(d) for d in devices]
   return devices_lib.resolve_devices(devices)
 
 
@@ -188,8 +191,8 @@ def plan_stages(model: keras.Model, num_stages: int, *,
                 criterion: str = "balanced",
                 split_points: Sequence[str] | None = None,
                 devices: Sequence[str] | None = None,
-                transfer_weight: float = cost_lib.TRANSFER_WEIGHT
-                ) -> plan_lib.StagePlan:
+                transfer_weight: float = cost_lib.TRANSFER_WEIGHT,
+                check_devices: bool = True) -> plan_lib.StagePlan:
   """Splits a model into `num_stages` contiguous stages, one per device.
 
   A stage may start at any layer: every tensor made before it and read
@@ -213,6 +216,8 @@ def plan_stages(model: keras.Model, num_stages: int, *,
     transfer_weight: what a byte crossing a cut costs, relative to what
       the model's layers cost on average per byte of output
       (`tfmgpu.parallel.cost.cut_costs`); 0 balances the layers alone.
+    check_devices: `devices` must exist here; `False` plans for another
+      machine (`--plan_only` for 8 GPUs on a laptop).
 
   Returns:
     The `StagePlan`.
@@ -231,15 +236,14 @@ def plan_stages(model: keras.Model, num_stages: int, *,
         f"num_stages={num_stages} but model {model.name!r} has only "
         f"{len(blocks)} cuttable block(s) (one per layer call; a stage "
         f"needs at least one). Use num_stages<={len(blocks)}.")
-  chosen = _choose_devices(num_stages, devices)
+  chosen = _choose_devices(num_stages, devices, check_devices)
+  label = "split_points" if split_points is not None else crit.value
   if split_points is not None:
     starts = _split_starts(graph, blocks, split_points, num_stages)
-    label = "split_points"
   else:
     costs = cost_lib.block_costs(blocks, crit)
     cuts = cost_lib.cut_costs(blocks, costs, cost_lib.cut_bytes(graph),
                               transfer_weight)
     starts = min_max_partition(costs, num_stages, cuts)
-    label = crit.value
   stages = _stages(graph, blocks, starts, chosen)
   return plan_lib.StagePlan(stages, label, model.name)

@@ -3,8 +3,9 @@
 A `StagePlan` is data: its `Stage`s (layers, device, parameter bytes, FLOPs,
 activation bytes, and the tensors and bytes each sends to the next),
 validated when built, printable as a table (`str(plan)`), with a per-device
-training-memory estimate (`memory_estimate`).
-`tfmgpu.parallel.partition.plan_stages` makes one.
+training-memory estimate (`memory_estimate`, printable with `memory_table`)
+that counts activations per micro-batch in flight, with and without
+recomputation. `tfmgpu.parallel.partition.plan_stages` makes one.
 
 Pure Python: importing this module does not import TensorFlow.
 """
@@ -12,6 +13,8 @@ Pure Python: importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+
+from tfmgpu.parallel import choices
 
 # Slot variables per trainable weight kept by common optimizers.
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "rmsprop": 1, "adagrad": 1,
@@ -53,8 +56,9 @@ class Stage:
     param_bytes: bytes of all its weights.
     trainable_param_bytes: bytes of its trainable weights.
     flops: forward FLOPs per example.
-    activation_bytes: bytes of its layers' outputs per example (kept for
-      the backward pass).
+    activation_bytes: bytes per example its layers keep for the backward
+      pass (their outputs, and attention's projections and scores:
+      `tfmgpu.parallel.cost.node_activation_bytes`).
     input_bytes: bytes of the tensors it receives per example (the model
       inputs for stage 0).
     sent_bytes: bytes of every tensor it sends to the next stage per
@@ -76,16 +80,59 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-  """Estimated bytes one device holds while training (see `memory_estimate`)."""
+  """Estimated bytes one device holds while training (see `memory_estimate`).
+
+  Attributes:
+    device: the device.
+    weights: bytes of its stages' weights.
+    gradients: bytes of one gradient per trainable weight.
+    optimizer_slots: bytes of the optimizer's slot variables.
+    activations: bytes kept for the backward pass at the peak of a step.
+    in_flight: micro-batches whose activations each of its stages holds at
+      once, in stage order (empty when not given).
+  """
   device: str
   weights: int
   gradients: int
   optimizer_slots: int
   activations: int
+  in_flight: tuple[int, ...] = ()
 
   @property
   def total(self) -> int:
     return self.weights + self.gradients + self.optimizer_slots + self.activations
+
+
+def micro_batches_in_flight(schedule: str, num_stages: int, stage_index: int,
+                            micro_batches: int) -> int:
+  """Micro-batches whose activations stage `stage_index` holds at once.
+
+  GPipe runs every forward before any backward: all `micro_batches`. 1F1B
+  starts micro-batch `m + K - k` on stage `k` only after the backward of
+  `m`: at most `min(K - k, micro_batches)`.
+  """
+  if schedule not in choices.SCHEDULE_CHOICES:
+    raise ValueError(f"schedule={schedule!r} is unknown; choose one of "
+                     f"{', '.join(choices.SCHEDULE_CHOICES)}.")
+  if not 0 <= stage_index < num_stages:
+    raise ValueError(f"stage_index={stage_index} must be in 0..{num_stages - 1}.")
+  if schedule == "gpipe":
+    return micro_batches
+  return min(num_stages - stage_index, micro_batches)
+
+
+def _stage_activations(stage: Stage, micro_batch: int, in_flight: int,
+                       recompute: bool) -> int:
+  """Bytes a stage keeps for its backward at the peak of a step.
+
+  Without recomputation: its input and what its layers keep, for each
+  micro-batch in flight. With it: only its input per micro-batch in flight,
+  plus one micro-batch's layer outputs (the forward re-run in a backward).
+  """
+  if recompute:
+    return micro_batch * (in_flight * stage.input_bytes +
+                          stage.activation_bytes)
+  return in_flight * micro_batch * (stage.input_bytes + stage.activation_bytes)
 
 
 def _optimizer_slots(optimizer: str | int) -> int:
@@ -97,6 +144,27 @@ def _optimizer_slots(optimizer: str | int) -> int:
           f"{', '.join(OPTIMIZER_SLOTS)} or the number of slots per weight.")
     return OPTIMIZER_SLOTS[optimizer.lower()]
   return int(optimizer)
+
+
+def format_memory(estimates: dict[str, MemoryEstimate], title: str = "") -> str:
+  """Memory estimates as a table: per device its weights, gradients,
+  optimizer slots, activations (and micro-batches in flight per stage) and
+  total; a last row names the largest total."""
+  header = ("device", "weights", "grads", "slots", "activations",
+            "in flight", "total")
+  rows = [(e.device, _fmt_bytes(e.weights), _fmt_bytes(e.gradients),
+           _fmt_bytes(e.optimizer_slots), _fmt_bytes(e.activations),
+           "+".join(str(f) for f in e.in_flight) or "-", _fmt_bytes(e.total))
+          for e in estimates.values()]
+  if estimates:
+    peak = max(estimates.values(), key=lambda e: e.total)
+    rows.append(("max", "", "", "", "", "", _fmt_bytes(peak.total)))
+  widths = [max(len(r[i]) for r in [header] + rows)
+            for i in range(len(header))]
+  line = lambda r: "  ".join([r[0].ljust(widths[0])] + [
+      c.rjust(w) for c, w in zip(r[1:], widths[1:])]).rstrip()
+  lines = [title] if title else []
+  return "\n".join(lines + [line(header)] + [line(r) for r in rows])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,36 +217,75 @@ class StagePlan:
                      f"Layers: {', '.join(self.layer_names)}.")
 
   def memory_estimate(self, batch_size: int, *,
-                      optimizer: str | int = "adam") -> dict[str, MemoryEstimate]:
+                      optimizer: str | int = "adam", micro_batches: int = 1,
+                      schedule: str = "gpipe", recompute: bool = False
+                      ) -> dict[str, MemoryEstimate]:
     """Estimates the training memory of each device.
 
     Per stage: its weights; one gradient per trainable weight; the optimizer's
     slots (`optimizer` names one of `OPTIMIZER_SLOTS` or gives the number of
-    slots per weight); and `batch_size` times the activations kept for the
-    backward pass (its input and every layer output). Stages sharing a device
-    add up. Framework workspace and fragmentation are not counted.
+    slots per weight); and the activations kept for the backward pass, per
+    micro-batch of `batch_size / micro_batches` examples: GPipe keeps every
+    micro-batch in flight, 1F1B at most `K - k` on stage `k`
+    (`micro_batches_in_flight`). Without recomputation a micro-batch in
+    flight keeps the stage's input and what its layers keep
+    (`Stage.activation_bytes`); with it, only the stage's input, plus one
+    micro-batch's layer activations while its forward is re-run. Stages
+    sharing a device add up. Framework workspace, temporaries of one op and
+    fragmentation are not counted. The defaults (one micro-batch) describe
+    a `StagedModel`.
 
     Args:
       batch_size: examples per step on each stage.
       optimizer: optimizer name or slots per trainable weight. Defaults to
         `"adam"` (2 slots).
+      micro_batches: micro-batches per step; `batch_size` must divide.
+      schedule: `"gpipe"` or `"1f1b"`.
+      recompute: the backward re-runs each stage's forward.
 
     Returns:
       `{device: MemoryEstimate}` in stage order.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-      raise ValueError(f"batch_size={batch_size!r} must be a positive int.")
+    for name, value in (("batch_size", batch_size),
+                        ("micro_batches", micro_batches)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int.")
+    if batch_size % micro_batches:
+      raise ValueError(f"batch_size={batch_size} must divide into "
+                       f"micro_batches={micro_batches} equal micro-batches.")
     slots = _optimizer_slots(optimizer)
     out: dict[str, MemoryEstimate] = {}
     for s in self.stages:
+      flight = micro_batches_in_flight(schedule, self.num_stages, s.index,
+                                       micro_batches)
       prev = out.get(s.device, MemoryEstimate(s.device, 0, 0, 0, 0))
       out[s.device] = MemoryEstimate(
           s.device,
           prev.weights + s.param_bytes,
           prev.gradients + s.trainable_param_bytes,
           prev.optimizer_slots + slots * s.trainable_param_bytes,
-          prev.activations + batch_size * (s.input_bytes + s.activation_bytes))
+          prev.activations + _stage_activations(
+              s, batch_size // micro_batches, flight, recompute),
+          prev.in_flight + (flight,))
     return out
+
+  def memory_table(self, batch_size: int, *, optimizer: str | int = "adam",
+                   micro_batches: int = 1, schedule: str = "gpipe",
+                   recompute: bool = False) -> str:
+    """`memory_estimate` as a plain-text table: one row per device, then the
+    largest total (the device that must fit)."""
+    estimates = self.memory_estimate(
+        batch_size, optimizer=optimizer, micro_batches=micro_batches,
+        schedule=schedule, recompute=recompute)
+    if micro_batches == 1:
+      how = f"batch {batch_size}"
+    else:
+      how = (f"batch {batch_size} = {micro_batches} micro-batches of "
+             f"{batch_size // micro_batches}, {schedule}")
+    title = (f"Estimated training memory per device ({how}, "
+             f"{'recompute' if recompute else 'no recompute'}, "
+             f"{optimizer} optimizer slots):")
+    return format_memory(estimates, title)
 
   def table(self) -> str:
     """A plain-text table: one row per stage, then the totals."""

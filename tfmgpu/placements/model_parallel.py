@@ -52,13 +52,39 @@ def build_unsplit(build: Callable[[], Any]) -> Any:
     return build()
 
 
-def plan_for(model: Any, options: StageOptions):
-  """The `StagePlan` that `options` ask for."""
+def build_for_plan(build: Callable[[], Any]) -> Any:
+  """Builds a model for its plan only: its layers and weight shapes, no
+  weight values (`tfmgpu.parallel.graph.shapes_only`: a `gpt2_xl` plans in
+  seconds, without its 6 GB). A builder that fails so is built for real."""
+  from tfmgpu.parallel import graph  # pylint: disable=g-import-not-at-top
+  try:
+    return graph.shapes_only(lambda: build_unsplit(build))
+  except (ValueError, TypeError, RuntimeError, AttributeError):
+    pass  # It needs weight values (or its shapes are wrong: said below).
+  return build_unsplit(build)
+
+
+def planned_devices(num_stages: int) -> list[str] | None:
+  """Device names for a plan of `num_stages` when fewer accelerators exist
+  here (`/device:GPU:0`, ... or CPU), else `None` (the devices found)."""
+  from tfmgpu import devices  # pylint: disable=g-import-not-at-top
+  found = devices.accelerator_devices()
+  if len(found) >= num_stages:
+    return None
+  kind = "GPU" if any("GPU" in d for d in found) else "CPU"
+  return [f"/device:{kind}:{i}" for i in range(num_stages)]
+
+
+def plan_for(model: Any, options: StageOptions,
+             devices: Sequence[str] | None = None):
+  """The `StagePlan` that `options` ask for; on `devices` if given (names
+  only, not checked: a plan for another machine)."""
   from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
   split = list(options.split_points) if options.split_points else None
   return partition.plan_stages(model, options.stages,
                                criterion=options.partition,
-                               split_points=split)
+                               split_points=split, devices=devices,
+                               check_devices=False)
 
 
 def one_model(name: str, models: Sequence[Any]) -> Any:

@@ -43,8 +43,12 @@ from tfmgpu.training.optimizers import OPTIMIZER_CHOICES  # pylint: disable=unus
 def _check_built_in_scope(model: keras.Model,
                           strategy: tf.distribute.Strategy) -> None:
   if not model.trainable_variables:
-    raise ValueError(f"model {model.name!r} has no trainable variables: build "
-                     "it (give it an Input or call it once) before training.")
+    raise ValueError(
+        f"model {model.name!r} has no trainable variables: build it before "
+        "training. Give it a keras.Input, or call it once on a batch inside "
+        "the strategy's scope (`with strategy.scope(): model(x[:1])`; "
+        "`model.build(shape)` does not create the variables of a subclassed "
+        "model without a build() method).")
   if (strategy.num_replicas_in_sync == 1
       and not strategies_lib.in_multi_worker_mode(strategy)):
     return

@@ -20,7 +20,9 @@ or a dict per output) into the two things a distributed step needs:
   micro-batches, stages or workers.
 
 The default (`loss=None`) is sparse categorical cross-entropy *from
-logits*, the loss of tfmgpu's demo models, with `"accuracy"`. A loss given
+logits*, the loss of tfmgpu's demo models, with `"accuracy"`. Language
+models also take `"bits_per_byte"` and `"perplexity"` by name (from logits;
+`tfmgpu.training.text_metrics`). A loss given
 by name follows Keras: `"sparse_categorical_crossentropy"` expects
 probabilities (pass `keras.losses.SparseCategoricalCrossentropy(
 from_logits=True)` for logits).
@@ -34,6 +36,8 @@ from typing import Any, Callable, Mapping, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tfmgpu.training import text_metrics
 
 LossSpec = Any  # str | keras.losses.Loss | callable | dict | list | None
 MetricSpec = Any  # str | keras.metrics.Metric | list | dict | None
@@ -113,6 +117,8 @@ def _metric_object(metric: Any, loss: Any, what: str) -> keras.metrics.Metric:
   """A fresh Keras metric for `metric` (a name or a `Metric`)."""
   if isinstance(metric, keras.metrics.Metric):
     return metric
+  if isinstance(metric, str) and metric.lower() in text_metrics.METRICS:
+    return text_metrics.METRICS[metric.lower()](name=metric)
   if isinstance(metric, str) and metric.lower() in _ACCURACY_NAMES:
     kind = _loss_kind(loss)
     cls = {"sparse": keras.metrics.SparseCategoricalAccuracy,
