@@ -229,3 +229,15 @@ def test_latency_times_each_request_of_fresh_rows():
   assert len(seen) == 21 and all(len(b) == 8 for b in seen)  # + warm-up.
   assert len({tuple(b) for b in seen[1:]}) > 1  # Not one cached request.
   assert 0 <= lat.p50_ms <= lat.p99_ms
+
+
+def test_language_model_layouts_fit_the_devices_and_name_their_options():
+  from tfmgpu.benchmarks import language_model  # pylint: disable=g-import-not-at-top
+  two = language_model.layouts(2)
+  assert [l.label for l in two] == [
+      "one_device", "mirrored x2", "model_parallel x2",
+      "pipeline x2 M=4 gpipe", "pipeline x2 M=4 1f1b"]
+  four = {l.label: l for l in language_model.layouts(4)}
+  assert four["pipeline x4 M=8 gpipe"].options == {
+      "num_stages": 4, "micro_batches": 8, "schedule": "gpipe"}
+  assert all(l.devices <= 4 for l in four.values()) and "mirrored x4" in four

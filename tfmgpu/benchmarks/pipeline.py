@@ -119,7 +119,8 @@ class StageProbe:
     for fwd, fwd_bwd, inp in self.functions:
       for fn, out in ((fwd, forward), (fwd_bwd, both)):
         start = time.perf_counter()
-        _ = [t.numpy() for t in tf.nest.flatten(fn(inp)) if t is not None]
+        _ = [t.numpy() for t in tf.nest.flatten(fn(inp), expand_composites=True)
+             if t is not None]
         out.append(time.perf_counter() - start)
     return forward, both
 

@@ -23,6 +23,7 @@ from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.benchmarks import ceiling as ceiling_lib
 from tfmgpu.benchmarks import inference as inference_lib
+from tfmgpu.benchmarks import language_model as lm_lib
 from tfmgpu.benchmarks import orbit as orbit_lib
 from tfmgpu.benchmarks import projection as projection_lib
 from tfmgpu.benchmarks import report as report_lib
@@ -391,6 +392,61 @@ def _latency(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
                  f"{throughput.examples_per_sec:>9,.0f} ex/s")
 
 
+def _timed_rounds(opts: SuiteOptions, paths: dict[str, Callable[[], Any]]
+                  ) -> dict[str, training_lib.Timing]:
+  """Each path's best of `opts.rounds` interleaved rounds (all kept)."""
+  timings: dict[str, list] = {name: [] for name in paths}
+  for _ in range(opts.rounds):
+    for name, run in paths.items():
+      timings[name].append(run())
+  return {name: training_lib.best_round(t) for name, t in timings.items()}
+
+
+def _language_model(report: report_lib.Report, opts: SuiteOptions,
+                    arrays) -> None:
+  del arrays  # Trains on stdlib_text.
+  size, seq_len, batch = "mini", 64, opts.global_batch_size
+  text = lm_lib.text_arrays(seq_len)
+  report.header(f"Language model: gpt {size} (T={seq_len}, batch {batch}) "
+                "tokens/s per layout vs Keras fit unsplit")
+  steps = 4 if opts.quick else 12
+  common = dict(size=size, global_batch_size=batch, steps=steps,
+                steps_per_execution=2)
+  paths = {"keras_fit": functools.partial(lm_lib.time_keras_fit, text,
+                                          **common)}
+  for layout in lm_lib.layouts(max(opts.replicas)):
+    paths[layout.label] = functools.partial(lm_lib.time_layout, layout, text,
+                                            **common)
+  best = _timed_rounds(opts, paths)
+  keras_fit = best["keras_fit"]
+  for label, t in best.items():
+    report.add(report_lib.Row("language_model", f"gpt_{size}", 1, label,
+                              t.ms_per_step, lm_lib.tokens_per_sec(t, seq_len),
+                              "tokens/s", t.rounds_ms))
+    report.say(f"  {label:<24} {lm_lib.tokens_per_sec(t, seq_len):>10,.0f} "
+               f"tokens/s  {t.ms_per_step:8.1f} ms/step  "
+               f"x{keras_fit.ms_per_step / t.ms_per_step:.2f} of keras fit")
+  _pipeline_gain(report, opts, text, size, batch)
+
+
+def _pipeline_gain(report: report_lib.Report, opts: SuiteOptions, text,
+                   size: str, batch: int) -> None:
+  if max(opts.replicas) < 2:
+    return
+  report.say("  pipeline x2 micro-batching (one thread per op): step speed-up "
+             "over M=1, measured vs simulated")
+  for run in lm_lib.pipeline_gain(text, size=size, num_stages=2,
+                                  micro_batches=(4, 8), global_batch_size=batch,
+                                  steps=3 if opts.quick else 8):
+    one, many = run.results[1], run.results[run.micro_batches]
+    measured, predicted = one.step / many.step, one.predicted / many.predicted
+    report.add(report_lib.Row("pipeline_gain", f"gpt_{size}", 2,
+                              f"M={run.micro_batches}", many.step * 1e3,
+                              batch / many.step, f"predicted x{predicted:.2f}"))
+    report.figure(f"gpt pipeline x2 M={run.micro_batches} / M=1 speed-up",
+                  measured, f"(simulator predicts {predicted:.2f})")
+
+
 def _projection(report: report_lib.Report, opts: SuiteOptions,
                 arrays) -> None:
   report.header("Projection (not a measurement): data parallel on N GPUs")
@@ -475,6 +531,7 @@ SECTIONS: dict[str, Section] = {
     "compression": _compression_accuracy,
     "inference": _inference,
     "latency": _latency,
+    "language_model": _language_model,
     "tf_data": _tf_data,
     "checkpoints": _checkpoint_cost,
     "projection": _projection,

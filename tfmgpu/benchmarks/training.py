@@ -71,7 +71,7 @@ def _build(strategy, model_name, arrays, seed):
                                   num_classes=arrays.num_classes, seed=seed)
 
 
-class _BatchTimer(keras.callbacks.Callback):
+class BatchTimer(keras.callbacks.Callback):
   """Records the wall time between consecutive `on_train_batch_end` calls."""
 
   def __init__(self):
@@ -82,7 +82,7 @@ class _BatchTimer(keras.callbacks.Callback):
     self.times.append(time.perf_counter())
 
 
-def _median_step_ms(stamps: list[float], steps_per_call: int,
+def median_step_ms(stamps: list[float], steps_per_call: int,
                     skip: int) -> float:
   gaps = np.diff(stamps)[skip:]
   if not len(gaps):
@@ -99,7 +99,7 @@ def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
   `trainer_options` go to `Trainer` (e.g. `gradient_compression`).
   """
   model = _build(strategy, model_name, arrays, seed)
-  timer = _BatchTimer()
+  timer = BatchTimer()
   trainer = Trainer(model, strategy=strategy, steps_per_execution=
                     steps_per_execution, jit_compile=jit_compile, verbose=0,
                     callbacks=[timer], **trainer_options)
@@ -110,7 +110,7 @@ def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
               global_batch_size=global_batch_size, steps_per_epoch=per_epoch,
               seed=seed)
   return Timing("tfmgpu",
-                _median_step_ms(timer.times, steps_per_execution, warmup),
+                median_step_ms(timer.times, steps_per_execution, warmup),
                 global_batch_size)
 
 
@@ -130,11 +130,11 @@ def time_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
                   metrics=["accuracy"], steps_per_execution=steps_per_execution)
-  timer = _BatchTimer()
+  timer = BatchTimer()
   ds = _batches(arrays, global_batch_size, steps)
   model.fit(ds, epochs=1, verbose=0, callbacks=[timer], shuffle=False)
   return Timing("keras_fit_fused" if fused_optimizer else "keras_fit",
-                _median_step_ms(timer.times, steps_per_execution, warmup),
+                median_step_ms(timer.times, steps_per_execution, warmup),
                 global_batch_size)
 
 
@@ -167,7 +167,7 @@ def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
   for x, y in ds:
     float(distributed_step(x, y))  # Read the loss, as fit and tfmgpu do.
     stamps.append(time.perf_counter())
-  return Timing("tutorial", _median_step_ms(stamps, 1, warmup),
+  return Timing("tutorial", median_step_ms(stamps, 1, warmup),
                 global_batch_size)
 
 
@@ -219,7 +219,7 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
                 tf.constant(steps_per_execution)))
     stamps.append(time.perf_counter())
   return Timing("floor_same_kernels" if same_kernels else "floor",
-                _median_step_ms(stamps, steps_per_execution, warmup),
+                median_step_ms(stamps, steps_per_execution, warmup),
                 global_batch_size)
 
 

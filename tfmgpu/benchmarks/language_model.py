@@ -1,0 +1,141 @@
+"""Tokens per second of the `gpt` language model under each placement.
+
+Every layout trains the same `gpt` (same size, seed and initial weights) on
+the same `stdlib_text` windows with the same global batch, in one process,
+timed per step call after a warm-up (tracing excluded), next to Keras
+`fit` of the unsplit model on one device. `pipeline_gain` times one
+pipeline split with M = 1 and M micro-batches, interleaved, beside the
+simulator's prediction from the stages' measured times
+(`benchmarks.pipeline_overlap`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfmgpu import data as data_lib
+from tfmgpu import models as models_lib
+from tfmgpu import strategies as strategies_lib
+from tfmgpu.benchmarks import pipeline_overlap
+from tfmgpu.benchmarks import training as training_lib
+from tfmgpu.parallel import partition
+from tfmgpu.training.loop import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One way to train: a registered strategy or placement and its options."""
+  label: str
+  strategy: str
+  options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def devices(self) -> int:
+    """Devices it needs."""
+    return int(self.options.get("num_replicas",
+                                self.options.get("num_stages", 1)))
+
+
+def layouts(max_devices: int) -> list[Layout]:
+  """The layouts that fit on `max_devices` devices."""
+  candidates = [Layout("one_device", "one_device")]
+  for r in (2, 4):
+    candidates.append(Layout(f"mirrored x{r}", "mirrored",
+                             {"num_replicas": r}))
+  candidates.append(Layout("model_parallel x2", "model_parallel",
+                           {"num_stages": 2}))
+  for k, m, schedule in ((2, 4, "gpipe"), (2, 4, "1f1b"), (4, 8, "gpipe")):
+    candidates.append(Layout(
+        f"pipeline x{k} M={m} {schedule}", "pipeline",
+        {"num_stages": k, "micro_batches": m, "schedule": schedule}))
+  return [c for c in candidates if c.devices <= max_devices]
+
+
+def _build(arrays: data_lib.Arrays, size: str, seed: int) -> keras.Model:
+  return models_lib.build_model("gpt", input_shape=arrays.input_shape,
+                                num_classes=arrays.num_classes, seed=seed,
+                                size=size)
+
+
+def time_layout(layout: Layout, arrays: data_lib.Arrays, *, size: str,
+                global_batch_size: int, steps: int,
+                steps_per_execution: int, seed: int = 0
+                ) -> training_lib.Timing:
+  """Median ms per step of tfmgpu's `Trainer` under `layout`."""
+  distribution = strategies_lib.lookup(layout.strategy)
+  placement = distribution.place(distribution.options(**layout.options),
+                                 lambda: _build(arrays, size, seed), seed=seed)
+  timer = training_lib.BatchTimer()
+  trainer = Trainer(placement.model, strategy=placement.strategy,
+                    steps_per_execution=steps_per_execution, verbose=0,
+                    callbacks=[timer])
+  per_epoch = max(steps // steps_per_execution, 3) * steps_per_execution
+  trainer.fit(arrays.x_train, arrays.y_train, epochs=1,
+              global_batch_size=global_batch_size,
+              steps_per_epoch=per_epoch, seed=seed)
+  return training_lib.Timing(
+      layout.label, training_lib.median_step_ms(timer.times,
+                                                steps_per_execution, 1),
+      global_batch_size)
+
+
+def time_keras_fit(arrays: data_lib.Arrays, *, size: str,
+                   global_batch_size: int, steps: int,
+                   steps_per_execution: int, seed: int = 0
+                   ) -> training_lib.Timing:
+  """Median ms per step of Keras `fit` on the unsplit model, one device."""
+  model = _build(arrays, size, seed)
+  model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True),
+                steps_per_execution=steps_per_execution)
+  per_epoch = max(steps // steps_per_execution, 3) * steps_per_execution
+  dataset = tf.data.Dataset.from_tensor_slices(
+      (arrays.x_train, arrays.y_train)).repeat().batch(
+          global_batch_size, drop_remainder=True).take(per_epoch).prefetch(
+              tf.data.AUTOTUNE)
+  timer = training_lib.BatchTimer()
+  model.fit(dataset, epochs=1, verbose=0, callbacks=[timer], shuffle=False)
+  return training_lib.Timing(
+      "keras_fit", training_lib.median_step_ms(timer.times,
+                                               steps_per_execution, 1),
+      global_batch_size)
+
+
+def tokens_per_sec(timing: training_lib.Timing, seq_len: int) -> float:
+  """Tokens trained per second at `timing`'s step time."""
+  return timing.examples_per_sec * seq_len
+
+
+def pipeline_gain(arrays: data_lib.Arrays, *, size: str, num_stages: int,
+                  micro_batches: Sequence[int], global_batch_size: int,
+                  steps: int = 6, seed: int = 0
+                  ) -> list[pipeline_overlap.OverlapRun]:
+  """One `num_stages` split of `gpt` with M = 1 against each M of
+  `micro_batches` (interleaved, one run per M): measured step times beside
+  the simulator's from the stages' measured times."""
+  model = _build(arrays, size, seed)
+  plan = partition.plan_stages(
+      model, num_stages, devices=[f"/cpu:{i}" for i in range(num_stages)])
+  x = tf.constant(arrays.x_train[:global_batch_size])
+  y = tf.constant(arrays.y_train[:global_batch_size])
+
+  def loss_fn(y_true, y_pred):
+    per_example = tf.reduce_mean(
+        keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred, from_logits=True), axis=-1)
+    return tf.nn.compute_average_loss(per_example,
+                                      global_batch_size=global_batch_size)
+
+  return [pipeline_overlap.compare_micro_batches(
+      model, plan, x, y, loss_fn, micro_batches=m, steps=steps, warmup=2)
+          for m in micro_batches]
+
+
+def text_arrays(seq_len: int) -> data_lib.Arrays:
+  """The `stdlib_text` windows of `seq_len` bytes (tokens only)."""
+  return data_lib.load_dataset("stdlib_text", seq_len=seq_len)
