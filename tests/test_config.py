@@ -91,3 +91,15 @@ def test_clip_norm_and_bytes_per_pack():
   with pytest.raises(ValueError, match=r"bytes_per_pack=-1 must be >= 0."):
     TrainConfig(bytes_per_pack=-1)
   assert TrainConfig(clip_norm=1.0, bytes_per_pack=0).clip_norm == 1.0
+
+
+def test_a_model_reads_its_own_dataset_unless_one_is_named():
+  assert TrainConfig().dataset == "digits"
+  gpt = TrainConfig(model="gpt")
+  assert gpt.dataset == "stdlib_text"
+  assert gpt.dataset_options()["seq_len"] == 64  # tiny's context.
+  big = TrainConfig(model="gpt", model_size="gpt2_small")
+  assert big.dataset_options()["seq_len"] == 1024  # GPT-2's context.
+  named = TrainConfig(model="gpt", dataset="synthetic")
+  assert named.dataset == "synthetic" and "seq_len" not in (
+      named.dataset_options())

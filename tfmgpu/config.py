@@ -33,6 +33,8 @@ class ConfigRuleError(ValueError):
 
 # Options of distributions other than the run's are checked too, so a typo
 # never waits for the strategy that reads it.
+DEFAULT_DATASET = "digits"  # For models that name no dataset of their own.
+
 _STRATEGY_CHOICES = {
     "cross_device_ops": strategies_lib.CROSS_DEVICE_OPS_CHOICES,
     "single_replica": strategies_lib.SINGLE_REPLICA_CHOICES,
@@ -74,6 +76,8 @@ class TrainConfig:
       TFRecord shards for `tfrecord`, or a local copy of a downloadable
       one), or your loader as a reference like `model`, returning
       `((x_train, y_train), (x_test, y_test))` (see `data.user_arrays`).
+      `None`: the model's own dataset (`gpt`: `stdlib_text`, windows of
+      its size's context), else `digits`.
     loss: a Keras loss name (e.g. `"mse"`) or your `fn(y_true, y_pred)` as
       a reference; `None`: sparse categorical cross-entropy from logits.
     metrics: Keras metric names (e.g. `("mae",)`), `bits_per_byte`,
@@ -123,7 +127,7 @@ class TrainConfig:
   tpu: str = ""
   model: str = "convnet"
   model_size: str | None = None
-  dataset: str = "digits"
+  dataset: str | None = None
   data_path: str | None = None
   loss: str | None = None
   metrics: tuple[str, ...] | None = None
@@ -164,6 +168,9 @@ class TrainConfig:
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     models_lib.check_model(self.model)  # The user's code: found, not run.
     models_lib.check_model_size(self.model, self.model_size)
+    if self.dataset is None:  # The model's own (gpt: stdlib_text), or digits.
+      object.__setattr__(self, "dataset", models_lib.default_dataset(
+          self.model, DEFAULT_DATASET))
     data_lib.check_dataset(self.dataset)
     self._check_objective()
     checks.check_choice("optimizer", self.optimizer, OPTIMIZER_CHOICES)
@@ -277,8 +284,11 @@ class TrainConfig:
     """The options of `data.load_dataset(self.dataset, ...)` this config sets."""
     entry = data_lib.dataset_entry(self.dataset)
     values = {"path": self.data_path, "seed": self.seed}
-    return {k: v for k, v in values.items()
-            if k in entry.options and v is not None}
+    options = {k: v for k, v in values.items()
+               if k in entry.options and v is not None}
+    options.update(models_lib.dataset_options(self.model, self.model_size,
+                                              self.dataset))
+    return options
 
   def replace(self, **changes: Any) -> "TrainConfig":
     """A copy with `changes` applied (and validated)."""

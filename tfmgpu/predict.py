@@ -118,7 +118,7 @@ def _prepare():
       types.SimpleNamespace(**values, **stages.values()))
   model, strategy = distribution.serve(models, options)
   options = {"path": data.DATA_PATH.value} if data.DATA_PATH.value else {}
-  arrays = data_lib.load_dataset(data.DATASET.value, **options)
+  arrays = data_lib.load_dataset(data.DATASET.value or "digits", **options)
   x, y = ((arrays.x_test, arrays.y_test) if _SPLIT.value == "test"
           else (arrays.x_train, arrays.y_train))
   predictor = inference.Predictor(

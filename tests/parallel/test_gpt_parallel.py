@@ -222,3 +222,11 @@ def test_an_8_block_gpt_splits_within_10_percent_of_ideal():
       num_layers=8, d_model=256, num_heads=4))
   ratios = [_max_over_ideal(model, k) for k in (2, 4, 8)]
   assert all(1.0 <= r <= 1.10 for r in ratios), ratios
+
+
+def test_gpt2_small_at_its_context_splits_into_8_within_10_percent():
+  """The acceptance plan (`--model_size=gpt2_small --num_stages=8
+  --plan_only` reads 1,024-byte windows): measured 1.04-1.08."""
+  model = graph_lib.shapes_only(lambda: gpt.gpt(
+      (gpt.CONTEXTS["gpt2_small"],), 256, size="gpt2_small"))
+  assert 1.0 <= _max_over_ideal(model, 8) <= 1.10

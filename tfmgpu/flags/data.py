@@ -6,11 +6,12 @@ from tfmgpu import data as data_lib
 from tfmgpu import user_code
 
 DATASET = flags.DEFINE_string(
-    "dataset", "digits",
+    "dataset", None,
     f"<{' | '.join(data_lib.available_datasets())}>, or your own loader as "
     f"{user_code.FORMS}, called as load() (with seed=/path= if it takes "
     "them) and returning ((x_train, y_train), (x_test, y_test)) like "
-    "keras.datasets (x may be a dict of arrays). 'digits' ships offline.")
+    "keras.datasets (x may be a dict of arrays). Default: the model's own "
+    "(gpt: stdlib_text), else digits (real digits that ship offline).")
 DATA_PATH = flags.DEFINE_string(
     "data_path", None, ".npz file (x_train, y_train, x_test, y_test) for "
     "--dataset=npz, a glob of TFRecord shards for --dataset=tfrecord "
@@ -18,9 +19,11 @@ DATA_PATH = flags.DEFINE_string(
 
 
 @flags.validator("dataset")
-def _known_dataset(value: str) -> bool:
+def _known_dataset(value: str | None) -> bool:
   """A registered name, or a reference whose module defines the loader
-  (read, not imported: before TensorFlow loads)."""
+  (read, not imported: before TensorFlow loads); `None`: the default."""
+  if value is None:
+    return True
   try:
     data_lib.check_dataset(value)
   except ValueError as e:

@@ -22,6 +22,8 @@ from tfmgpu.models.registry import available_models
 from tfmgpu.models.registry import build_model
 from tfmgpu.models.registry import check_model
 from tfmgpu.models.registry import check_model_size
+from tfmgpu.models.registry import dataset_options
+from tfmgpu.models.registry import default_dataset
 from tfmgpu.models.registry import dtype_policy
 from tfmgpu.models.registry import logits_layer
 from tfmgpu.models.registry import MIXED_PRECISION_POLICIES
@@ -57,6 +59,8 @@ __all__ = [
     "check_model_size",
     "classic",
     "custom_objects",
+    "dataset_options",
+    "default_dataset",
     "demo",
     "dtype_policy",
     "gpt",

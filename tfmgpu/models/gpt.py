@@ -55,6 +55,17 @@ SIZES: dict[str, GPTSize] = {
 }
 DEFAULT_SIZE = "tiny"
 
+# The sequence length each size reads when a run names no dataset (the
+# `stdlib_text` windows): short for the CPU sizes, GPT-2's context for its.
+CONTEXTS: dict[str, int] = {"tiny": 64, "mini": 64, "gpt2_small": 1024,
+                            "gpt2_medium": 1024, "gpt2_large": 1024,
+                            "gpt2_xl": 1024}
+
+
+def text_options(size: str | None) -> dict[str, int]:
+  """`stdlib_text`'s options for a size: `{"seq_len": CONTEXTS[size]}`."""
+  return {"seq_len": CONTEXTS.get(size or DEFAULT_SIZE, CONTEXTS[DEFAULT_SIZE])}
+
 
 def resolve_size(size: str = DEFAULT_SIZE, **overrides: Any) -> GPTSize:
   """The shape `size` names, with `overrides` (any `GPTSize` field) applied.
@@ -195,8 +206,10 @@ def _inputs(input_shape: Any) -> tuple[Any, Any, Any, int]:
 
 
 @register_model("gpt", "A decoder-only transformer language model (causal "
-                "attention; sizes tiny .. gpt2_xl via --model_size).",
-                sizes=tuple(SIZES))
+                "attention; sizes tiny .. gpt2_xl via --model_size; reads "
+                "stdlib_text unless --dataset is given).",
+                sizes=tuple(SIZES), dataset="stdlib_text",
+                dataset_options=text_options)
 def gpt(input_shape: Any, num_classes: int, *, size: str = DEFAULT_SIZE,
         name: str = "gpt", **overrides: Any) -> "keras.Model":
   """A GPT: embeddings, `num_layers` causal transformer blocks, logits.

@@ -35,18 +35,26 @@ USER_BUILDER_CALL = user_code.Call(
 @dataclasses.dataclass(frozen=True)
 class ModelEntry:
   """A registered builder, its one-line description and its named sizes
-  (the values its `size=` option takes; empty: it has none)."""
+  (the values its `size=` option takes; empty: it has none).
+
+  `dataset` is the registered dataset it trains on when the run names none
+  (`None`: the run's default), and `dataset_options(size)` that dataset's
+  options for a size (e.g. `gpt`'s sequence length).
+  """
   name: str
   description: str
   builder: ModelFn
   sizes: tuple[str, ...] = ()
+  dataset: str | None = None
+  dataset_options: Callable[[str | None], dict] | None = None
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
 
 
 def register_model(name: str, description: str, *,
-                   sizes: tuple[str, ...] = ()):
+                   sizes: tuple[str, ...] = (), dataset: str | None = None,
+                   dataset_options: Callable[[str | None], dict] | None = None):
   """Decorator registering `builder(input_shape, num_classes, **kw)` as `name`.
 
   Args:
@@ -54,13 +62,34 @@ def register_model(name: str, description: str, *,
     description: one line for help text.
     sizes: the named sizes the builder's `size=` option takes
       (`--model_size`); empty for a builder without one.
+    dataset: the registered dataset a run of this model reads when it
+      names none (e.g. `gpt`: `stdlib_text`).
+    dataset_options: `fn(size) -> options` of that dataset for a size
+      (`None`: the size's default); pure Python, no TensorFlow.
   """
   def decorate(builder: ModelFn) -> ModelFn:
     if name in _REGISTRY:
       raise ValueError(f"model name {name!r} is already registered.")
-    _REGISTRY[name] = ModelEntry(name, description, builder, tuple(sizes))
+    _REGISTRY[name] = ModelEntry(name, description, builder, tuple(sizes),
+                                 dataset, dataset_options)
     return builder
   return decorate
+
+
+def default_dataset(model: str, fallback: str) -> str:
+  """The dataset a run of `model` reads when it names none: the model's
+  own (`register_model(dataset=...)`), else `fallback`."""
+  entry = _REGISTRY.get(model) if isinstance(model, str) else None
+  return entry.dataset if entry is not None and entry.dataset else fallback
+
+
+def dataset_options(model: str, size: str | None, dataset: str) -> dict:
+  """The options `model` at `size` sets for `dataset`: its
+  `dataset_options(size)` when `dataset` is the model's own, else none."""
+  entry = _REGISTRY.get(model) if isinstance(model, str) else None
+  if entry is None or entry.dataset != dataset or not entry.dataset_options:
+    return {}
+  return dict(entry.dataset_options(size))
 
 
 def unregister_model(name: str) -> None:
