@@ -103,3 +103,13 @@ def test_a_model_reads_its_own_dataset_unless_one_is_named():
   named = TrainConfig(model="gpt", dataset="synthetic")
   assert named.dataset == "synthetic" and "seq_len" not in (
       named.dataset_options())
+
+
+def test_defaults_follow_a_replaced_model_and_sizes_are_named():
+  gpt = TrainConfig().replace(model="gpt")
+  assert (gpt.dataset, gpt.model_size) == ("stdlib_text", "tiny")
+  assert gpt.replace(model="convnet").dataset == "digits"
+  assert gpt.replace(model="convnet").model_size is None
+  assert TrainConfig(model="gpt", model_size="tiny") == TrainConfig(model="gpt")
+  kept = TrainConfig(dataset="synthetic").replace(model="gpt")
+  assert kept.dataset == "synthetic"

@@ -160,6 +160,19 @@ def test_metrics_by_name_sum_exactly_over_parts():
   assert whole["bits_per_byte"] == pytest.approx(ce / math.log(2), 1e-6)
 
 
+def test_metrics_read_probabilities_when_the_loss_does():
+  y, logits = _batch()
+  probabilities = keras.ops.softmax(logits).numpy()
+  model = keras.Sequential([keras.Input((3, 5)), keras.layers.Identity()])
+  want = _hand_ce(y, logits).mean() / math.log(2)
+  for loss in ("sparse_categorical_crossentropy",
+               keras.losses.SparseCategoricalCrossentropy()):
+    objective = objectives.Objective(model, loss=loss,
+                                     metrics=["bits_per_byte"])
+    got = objective.results(objective.metric_updates(y, probabilities))
+    assert got["bits_per_byte"] == pytest.approx(want, rel=1e-5)
+
+
 def test_the_text_dataset_defaults_its_metrics():
   assert TrainConfig(dataset="stdlib_text").loss_and_metrics()[1] == [
       "bits_per_byte", "perplexity", "accuracy"]

@@ -48,11 +48,13 @@ _STEPS = flags.DEFINE_integer(
     "shared cores are noisy; more steps steady the medians.", lower_bound=10)
 _SECTIONS = flags.DEFINE_list(
     "sections", ["training", "ceiling", "optimisations", "compression",
-                 "inference", "latency", "tf_data", "checkpoints",
-                 "projection"],
+                 "inference", "latency", "tf_data", "language_model",
+                 "checkpoints", "projection"],
     "Which parts of the suite to run (latency: p50/p99 of small requests per "
     "placement; tf_data: tfmgpu vs fit vs TF Orbit on a shuffled tf.data "
-    "input; checkpoints: the cost of a save).")
+    "input; language_model: gpt tokens/s per layout vs Keras fit, and the "
+    "pipeline's micro-batching gain vs the simulator; checkpoints: the cost "
+    "of a save).")
 _INTRA_OP_THREADS = flags.DEFINE_integer(
     "intra_op_threads", None, "Threads per op. Default: cores // devices when "
     "the CPU is split; 0: TensorFlow's own setting (all cores per op).",

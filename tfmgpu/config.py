@@ -168,6 +168,9 @@ class TrainConfig:
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     models_lib.check_model(self.model)  # The user's code: found, not run.
     models_lib.check_model_size(self.model, self.model_size)
+    if self.model_size is None:  # Named, so a resume compares like with like.
+      object.__setattr__(self, "model_size",
+                         models_lib.default_size(self.model))
     if self.dataset is None:  # The model's own (gpt: stdlib_text), or digits.
       object.__setattr__(self, "dataset", models_lib.default_dataset(
           self.model, DEFAULT_DATASET))
@@ -291,5 +294,13 @@ class TrainConfig:
     return options
 
   def replace(self, **changes: Any) -> "TrainConfig":
-    """A copy with `changes` applied (and validated)."""
+    """A copy with `changes` applied (and validated). A new `model` brings
+    its own default dataset when this config's was the default one."""
+    if "model" in changes:
+      if "dataset" not in changes and self.dataset == (
+          models_lib.default_dataset(self.model, DEFAULT_DATASET)):
+        changes["dataset"] = None
+      if "model_size" not in changes and self.model_size == (
+          models_lib.default_size(self.model)):
+        changes["model_size"] = None
     return dataclasses.replace(self, **changes)

@@ -150,8 +150,10 @@ class Predictor:
       supports it) while the current one computes. Defaults to `True`.
 
   Inputs of at most `batch_size` rows (online serving) skip the input
-  pipeline: they are split over the replicas and run in one call, so a
-  request's latency is one step's.
+  pipeline on one host (one device, mirrored, placements): they are split
+  over the replicas and run in one call, so a request's latency is one
+  step's. Multi-worker, parameter-server, central-storage and TPU
+  strategies always read through `tf.data`.
   """
 
   def __init__(self, model: Any, *, strategy: Any = None,
@@ -160,7 +162,9 @@ class Predictor:
     if batch_size < 1 or steps_per_execution < 1:
       raise ValueError(f"batch_size={batch_size} and steps_per_execution="
                        f"{steps_per_execution} must be >= 1.")
-    self.prefetch = bool(prefetch)
+    if not isinstance(prefetch, bool):
+      raise ValueError(f"prefetch={prefetch!r} must be True or False.")
+    self.prefetch = prefetch
     self.model = model
     self.runner, self.strategy = _prepare_model(
         model, _resolve_strategy(model, strategy), precision)
@@ -221,17 +225,20 @@ class Predictor:
 
   def _predict_one_batch(self, x: Any, n: int, batch: int) -> Any:
     """One call on `x` padded to `batch` rows, split over the replicas."""
-    padded = tf.nest.map_structure(lambda a: _pad_rows(a, batch), x)
+    padded = tf.nest.map_structure(lambda a: inputs_lib.pad_rows(a, batch), x)
     replicas = self.strategy.num_replicas_in_sync
     if replicas == 1:
       inputs = tf.nest.map_structure(tf.convert_to_tensor, padded)
     else:
       rows = batch // replicas
+      devices = self.strategy.extended.worker_devices
 
       def shard(context: tf.distribute.experimental.ValueContext) -> Any:
-        start = context.replica_id_in_sync_group * rows
-        return tf.nest.map_structure(
-            lambda a: tf.convert_to_tensor(a[start:start + rows]), padded)
+        replica = context.replica_id_in_sync_group
+        with tf.device(devices[replica]):  # Copied once, to its replica.
+          return tf.nest.map_structure(
+              lambda a: tf.identity(a[replica * rows:(replica + 1) * rows]),
+              padded)
       inputs = self.strategy.experimental_distribute_values_from_function(
           shard)
     out = _Rows(n)
@@ -258,13 +265,6 @@ def _splits_locally(strategy: tf.distribute.Strategy) -> bool:
                                    and strategy is tf.distribute.get_strategy())
 
 
-def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
-  """`a` with zero rows appended up to `rows` rows."""
-  if len(a) == rows:
-    return a
-  return np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])
-
-
 def _streamed_batches(x: Any, batch: int) -> tf.data.Dataset:
   """`x`'s rows as batches of exactly `batch` rows (the last one padded with
   zero rows), sliced from the arrays as they are needed: no copy of the
@@ -274,7 +274,7 @@ def _streamed_batches(x: Any, batch: int) -> tf.data.Dataset:
   def batches():
     for start in range(0, n, batch):
       yield tf.nest.map_structure(
-          lambda a: _pad_rows(a[start:start + batch], batch), x)
+          lambda a: inputs_lib.pad_rows(a[start:start + batch], batch), x)
 
   spec = tf.nest.map_structure(
       lambda a: tf.TensorSpec((batch, *a.shape[1:]), tf.as_dtype(a.dtype)), x)
@@ -351,7 +351,7 @@ _PREDICTORS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary(
 
 def predict(model: Any, x: Any, *, strategy: Any = None,
             batch_size: int = 1024, steps_per_execution: int = 4,
-            precision: str = "float32") -> Any:
+            precision: str = "float32", prefetch: bool = True) -> Any:
   """Predictions for every row of `x`, in input order, on any placement.
 
   A final partial batch is padded and trimmed, so no row is dropped or
@@ -362,7 +362,8 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
     model: a Keras model, or a staged / pipelined / branch-parallel model.
     x: input rows: an array, a dict/list/tuple of arrays, or a
       `tf.data.Dataset` of batches (see `Predictor.predict`).
-    strategy, batch_size, steps_per_execution, precision: see `Predictor`.
+    strategy, batch_size, steps_per_execution, precision, prefetch: see
+      `Predictor`.
 
   Returns:
     A float32 numpy array with a row per input row (a list or dict of them
@@ -372,12 +373,12 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
     ValueError: rows that do not fit the model's input, or bad options.
   """
   key = (id(strategy) if not isinstance(strategy, str) else strategy,
-         batch_size, steps_per_execution, precision)
+         batch_size, steps_per_execution, precision, prefetch)
   cache = _PREDICTORS.setdefault(model, {})
   if key not in cache:
     cache[key] = Predictor(model, strategy=strategy, batch_size=batch_size,
                            steps_per_execution=steps_per_execution,
-                           precision=precision)
+                           precision=precision, prefetch=prefetch)
   return cache[key].predict(x)
 
 

@@ -101,6 +101,32 @@ def check_output(path: str) -> str | None:
   return None
 
 
+def _recorded_dataset(model_path: str) -> str:
+  """The dataset the run that saved `model_path` trained on (its
+  `run.json`, beside the model or in the run directory), else `digits`."""
+  from tfmgpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu import rundir  # pylint: disable=g-import-not-at-top
+  directory = (model_path if os.path.isdir(model_path)
+               else os.path.dirname(os.path.abspath(model_path)))
+  try:
+    record = rundir.read_record(directory) or {}
+  except rundir.RunDirError:
+    record = {}
+  dataset = record.get("dataset")
+  return dataset if isinstance(dataset, str) else config_lib.DEFAULT_DATASET
+
+
+def _options_for_model(dataset: str, model) -> dict:
+  """Options that make `dataset`'s rows fit `model`: `stdlib_text` windows
+  as long as the model's sequences."""
+  shape = getattr(model, "input_shape", None)
+  if isinstance(shape, dict):
+    shape = shape.get("tokens")
+  if dataset == "stdlib_text" and isinstance(shape, tuple) and len(shape) == 2:
+    return {"seq_len": int(shape[1])}
+  return {}
+
+
 def _prepare():
   """Devices, the models placed for serving, and the rows to predict."""
   from tfmgpu import data as data_lib  # pylint: disable=g-import-not-at-top
@@ -117,8 +143,10 @@ def _prepare():
   options = distribution.options_from(
       types.SimpleNamespace(**values, **stages.values()))
   model, strategy = distribution.serve(models, options)
+  name = data.DATASET.value or _recorded_dataset(_MODEL_PATH.value[0])
   options = {"path": data.DATA_PATH.value} if data.DATA_PATH.value else {}
-  arrays = data_lib.load_dataset(data.DATASET.value or "digits", **options)
+  options.update(_options_for_model(name, models[0]))
+  arrays = data_lib.load_dataset(name, **options)
   x, y = ((arrays.x_test, arrays.y_test) if _SPLIT.value == "test"
           else (arrays.x_train, arrays.y_train))
   predictor = inference.Predictor(

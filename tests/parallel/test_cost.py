@@ -83,3 +83,9 @@ def test_attention_counts_its_projections_scores_and_what_it_keeps():
   # (2 * 4 * 2 = 16): 194 floats.
   assert block.activation_bytes == 194 * 4
   assert block.output_bytes == 24 * 4
+  # Called by keyword, the same layer costs the same.
+  by_name = L.MultiHeadAttention(2, 3, value_dim=2, name="attention")
+  keyword = keras.Model([query, value], by_name(query=query, value=value))
+  (same,) = cost.model_blocks(keyword)
+  assert (same.flops, same.activation_bytes) == (block.flops,
+                                                 block.activation_bytes)

@@ -414,13 +414,15 @@ def _language_model(report: report_lib.Report, opts: SuiteOptions,
                 steps_per_execution=2)
   paths = {"keras_fit": functools.partial(lm_lib.time_keras_fit, text,
                                           **common)}
-  for layout in lm_lib.layouts(max(opts.replicas)):
-    paths[layout.label] = functools.partial(lm_lib.time_layout, layout, text,
-                                            **common)
+  layouts = {l.label: l for l in lm_lib.layouts(max(opts.replicas))}
+  for label, layout in layouts.items():
+    paths[label] = functools.partial(lm_lib.time_layout, layout, text,
+                                     **common)
   best = _timed_rounds(opts, paths)
   keras_fit = best["keras_fit"]
   for label, t in best.items():
-    report.add(report_lib.Row("language_model", f"gpt_{size}", 1, label,
+    devices = layouts[label].devices if label in layouts else 1
+    report.add(report_lib.Row("language_model", f"gpt_{size}", devices, label,
                               t.ms_per_step, lm_lib.tokens_per_sec(t, seq_len),
                               "tokens/s", t.rounds_ms))
     report.say(f"  {label:<24} {lm_lib.tokens_per_sec(t, seq_len):>10,.0f} "

@@ -24,6 +24,7 @@ from tfmgpu.models.registry import check_model
 from tfmgpu.models.registry import check_model_size
 from tfmgpu.models.registry import dataset_options
 from tfmgpu.models.registry import default_dataset
+from tfmgpu.models.registry import default_size
 from tfmgpu.models.registry import dtype_policy
 from tfmgpu.models.registry import logits_layer
 from tfmgpu.models.registry import MIXED_PRECISION_POLICIES
@@ -61,6 +62,7 @@ __all__ = [
     "custom_objects",
     "dataset_options",
     "default_dataset",
+    "default_size",
     "demo",
     "dtype_policy",
     "gpt",

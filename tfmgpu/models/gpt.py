@@ -196,7 +196,9 @@ def _inputs(input_shape: Any) -> tuple[Any, Any, Any, int]:
     token_shape = tuple(input_shape)
   if len(token_shape) != 1 or not token_shape[0] or token_shape[0] < 1:
     raise ValueError(f"input_shape={token_shape} must be (T,): one sequence "
-                     "of T token ids per example.")
+                     "of T token ids per example. Train gpt on a token "
+                     "dataset (leave --dataset out for stdlib_text, or give "
+                     "your own loader of (n, T) int arrays).")
   tokens = keras.Input(token_shape, dtype="int32", name="tokens")
   if not isinstance(input_shape, Mapping):
     return tokens, tokens, None, token_shape[0]

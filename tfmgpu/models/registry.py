@@ -61,7 +61,7 @@ def register_model(name: str, description: str, *,
     name: the registry key.
     description: one line for help text.
     sizes: the named sizes the builder's `size=` option takes
-      (`--model_size`); empty for a builder without one.
+      (`--model_size`), its default first; empty for a builder without one.
     dataset: the registered dataset a run of this model reads when it
       names none (e.g. `gpt`: `stdlib_text`).
     dataset_options: `fn(size) -> options` of that dataset for a size
@@ -119,6 +119,13 @@ def check_model(name: str) -> None:
 def model_sizes() -> dict[str, tuple[str, ...]]:
   """`{name: sizes}` of the registered models that have named sizes."""
   return {n: e.sizes for n, e in _REGISTRY.items() if e.sizes}
+
+
+def default_size(name: str) -> str | None:
+  """The size a registered model is built at when none is named (its
+  first), or `None` for a model without named sizes."""
+  entry = _REGISTRY.get(name) if isinstance(name, str) else None
+  return entry.sizes[0] if entry is not None and entry.sizes else None
 
 
 def check_model_size(name: str, size: str | None) -> None:

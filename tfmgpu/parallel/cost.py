@@ -119,9 +119,11 @@ def _kernel_flops(layer, in_shape, out_shape, out_el: int) -> int | None:
 def _attention_dims(node) -> dict[str, int]:
   """Heads, head sizes, lengths and widths of a `MultiHeadAttention` call."""
   layer, args = node.operation, node.arguments
-  query = args.args[0]
-  value = args.args[1] if len(args.args) > 1 else args.kwargs["value"]
-  key = args.args[2] if len(args.args) > 2 else args.kwargs.get("key")
+  # Called positionally or by keyword (`mha(query=q, value=v)`).
+  named = ("query", "value", "key")
+  query, value, key = (args.args[i] if len(args.args) > i
+                       else args.kwargs.get(name)
+                       for i, name in enumerate(named))
   key = value if key is None else key
   tq, tk, tv = (_spatial(t.shape) for t in (query, key, value))
   dq, dk, dv = (int(t.shape[-1]) for t in (query, key, value))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+from absl import logging
+
 from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
 from tfmgpu.parallel.choices import PARTITION_CHOICES
@@ -59,6 +61,9 @@ def build_for_plan(build: Callable[[], Any]) -> Any:
   from tfmgpu.parallel import graph  # pylint: disable=g-import-not-at-top
   try:
     return graph.shapes_only(lambda: build_unsplit(build))
+  except ImportError as e:  # Keras moved the private state it relies on.
+    logging.warning("Cannot build the model with weight shapes only (%s); "
+                    "building it with its weights for the plan.", e)
   except (ValueError, TypeError, RuntimeError, AttributeError):
     pass  # It needs weight values (or its shapes are wrong: said below).
   return build_unsplit(build)

@@ -108,12 +108,18 @@ class ArrayData:
     """`(x, y, mask[, sample_weight])`, rows padded to a multiple of
     `multiple` (mask 0 on the padding)."""
     n = self.num_examples
-    pad = (-n) % multiple
-    mask = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
-    grown = tf.nest.map_structure(
-        lambda a: np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
-        if pad else a, self.data)
+    rows = n + (-n) % multiple
+    mask = pad_rows(np.ones(n, np.float32), rows)
+    grown = tf.nest.map_structure(lambda a: pad_rows(a, rows), self.data)
     return (grown[0], grown[1], mask) + tuple(grown[2:])
+
+
+def pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+  """`a` with zero rows appended up to `rows` rows (`a` itself if it has
+  them)."""
+  if len(a) == rows:
+    return a
+  return np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])
 
 
 @dataclasses.dataclass

@@ -341,8 +341,10 @@ class Trainer:
                            global_batch_size: int, keep: bool
                            ) -> tuple | None:
     """`(batches, num_steps)` of arrays held on the devices, or `None` to
-    read through `tf.data` (`input_mode` decides, as in training). With
-    `keep`, the copy is kept for the next call with the same arrays."""
+    read through `tf.data` (`input_mode` decides, as in training; under
+    `auto` evaluation data gets half the byte budget, the other half being
+    the training copy's). With `keep`, the copy (or the decision not to
+    make one) is kept for the next call with the same arrays."""
     if (not isinstance(source, inputs.ArrayData)
         or not resident.supports(self.strategy)):
       return None
@@ -350,10 +352,14 @@ class Trainer:
            global_batch_size)
     if self._eval_held is None or self._eval_held[0] != key:
       data_lib.check_global_batch(global_batch_size, self.num_replicas)
-      padded = source.padded(global_batch_size)
-      if not resident.use_device_data(self.input_mode, self.strategy, padded):
+      if not resident.use_device_data(
+          self.input_mode, self.strategy, source.data,
+          max_bytes=resident.DEFAULT_MAX_BYTES // 2):
+        if keep:
+          self._eval_held = (key, source, None, None)
         return None
-      held = resident.DeviceData(self.strategy, padded)
+      held = resident.DeviceData(self.strategy,
+                                 source.padded(global_batch_size))
       steps = held.num_examples // global_batch_size
       batches = held.epoch(global_batch_size=global_batch_size, steps=steps,
                            seed=0, epoch=0, shuffle=False).from_step(0)
@@ -367,7 +373,7 @@ class Trainer:
       # The source is kept so that the ids in the key stay its arrays'.
       self._eval_held = (key, source, batches, steps)
     _, _, batches, steps = self._eval_held
-    return batches, tf.constant(steps)
+    return None if batches is None else (batches, tf.constant(steps))
 
   def _make_eval_fn(self):
     return distributed.make_eval_function(

@@ -100,6 +100,19 @@ def _loss_kind(loss: Any) -> str:
   return "other"
 
 
+def _from_logits(loss: Any) -> bool:
+  """Whether `loss` reads logits: the default loss does, a Keras loss
+  object says so (`from_logits`), and a Keras cross-entropy given by name
+  reads probabilities, as in Keras."""
+  if loss is None:
+    return True
+  if hasattr(loss, "from_logits"):
+    return bool(loss.from_logits)
+  if isinstance(loss, str) and "crossentropy" in loss.lower():
+    return False
+  return True
+
+
 def accuracy_by_shape(y_true: Any, y_pred: Any) -> tf.Tensor:
   """Keras' reading of "accuracy" from the shapes: one output unit is
   binary, targets shaped like the predictions are one-hot, and other
@@ -118,7 +131,8 @@ def _metric_object(metric: Any, loss: Any, what: str) -> keras.metrics.Metric:
   if isinstance(metric, keras.metrics.Metric):
     return metric
   if isinstance(metric, str) and metric.lower() in text_metrics.METRICS:
-    return text_metrics.METRICS[metric.lower()](name=metric)
+    return text_metrics.METRICS[metric.lower()](
+        name=metric, from_logits=_from_logits(loss))
   if isinstance(metric, str) and metric.lower() in _ACCURACY_NAMES:
     kind = _loss_kind(loss)
     cls = {"sparse": keras.metrics.SparseCategoricalAccuracy,

@@ -20,15 +20,18 @@ from keras import ops
 
 
 class MeanTokenCrossEntropy(keras.metrics.Metric):
-  """The mean sparse cross-entropy from logits over every token (nats).
+  """The mean sparse cross-entropy over every token (nats).
 
-  Sample weights of shape `(B,)` (one per example) or the targets' shape
-  (one per token) weigh each token; the mean is over the summed weights.
+  Predictions are logits unless `from_logits=False` (probabilities, as a
+  model ending in softmax gives). Sample weights of shape `(B,)` (one per
+  example) or the targets' shape (one per token) weigh each token; the mean
+  is over the summed weights.
   """
 
   def __init__(self, name: str = "mean_token_cross_entropy",
-               dtype: str | None = None):
+               dtype: str | None = None, from_logits: bool = True):
     super().__init__(name=name, dtype=dtype)
+    self.from_logits = bool(from_logits)
     self.total = self.add_variable(shape=(), initializer="zeros",
                                    dtype="float32", aggregation="sum",
                                    name="total")
@@ -39,7 +42,7 @@ class MeanTokenCrossEntropy(keras.metrics.Metric):
   def update_state(self, y_true, y_pred, sample_weight=None):
     """Adds the batch's summed token cross-entropy and token weight."""
     losses = keras.losses.sparse_categorical_crossentropy(
-        y_true, ops.cast(y_pred, "float32"), from_logits=True)
+        y_true, ops.cast(y_pred, "float32"), from_logits=self.from_logits)
     if sample_weight is None:
       weight = ops.ones_like(losses)
     else:
@@ -60,7 +63,7 @@ class MeanTokenCrossEntropy(keras.metrics.Metric):
     return self.mean()
 
   def get_config(self):
-    return {"name": self.name, "dtype": self.dtype}
+    return {**super().get_config(), "from_logits": self.from_logits}
 
 
 @keras.saving.register_keras_serializable(package="tfmgpu")
@@ -68,8 +71,9 @@ class BitsPerByte(MeanTokenCrossEntropy):
   """Mean token cross-entropy in bits (`nats / ln 2`): bits per byte for a
   byte-level model, bits per token otherwise."""
 
-  def __init__(self, name: str = "bits_per_byte", dtype: str | None = None):
-    super().__init__(name=name, dtype=dtype)
+  def __init__(self, name: str = "bits_per_byte", dtype: str | None = None,
+               from_logits: bool = True):
+    super().__init__(name=name, dtype=dtype, from_logits=from_logits)
 
   def result(self):
     return self.mean() / math.log(2.0)
@@ -79,8 +83,9 @@ class BitsPerByte(MeanTokenCrossEntropy):
 class Perplexity(MeanTokenCrossEntropy):
   """`exp` of the mean token cross-entropy."""
 
-  def __init__(self, name: str = "perplexity", dtype: str | None = None):
-    super().__init__(name=name, dtype=dtype)
+  def __init__(self, name: str = "perplexity", dtype: str | None = None,
+               from_logits: bool = True):
+    super().__init__(name=name, dtype=dtype, from_logits=from_logits)
 
   def result(self):
     return ops.exp(self.mean())
