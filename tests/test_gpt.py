@@ -137,7 +137,7 @@ def test_bad_shapes_are_named(kw, message):
 def test_model_size_reaches_the_builder_and_is_checked():
   config = TrainConfig(model="gpt", model_size="mini")
   assert config.model_options() == {"size": "mini"}
-  assert TrainConfig(model="gpt").model_options() == {}
+  assert TrainConfig(model="gpt").model_options() == {"size": "tiny"}
   with pytest.raises(ValueError, match=r"model_size='huge' is not a size of "
                      r"model 'gpt'. Choose one of tiny, mini, gpt2_small"):
     TrainConfig(model="gpt", model_size="huge")
