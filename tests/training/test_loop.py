@@ -170,3 +170,29 @@ def test_bad_arguments(digits):
     trainer.fit(*digits, global_batch_size=32, steps_per_epoch=99)
   with pytest.raises(ValueError, match=r"optimizer='adamax' is unknown"):
     make_trainer(tfmgpu.get_strategy("default"), optimizer="adamax")
+
+
+@pytest.mark.parametrize("as_function", [False, True])
+def test_a_dataset_longer_than_an_epoch_runs_on_like_keras(as_function):
+  # 6 batches, 2 steps per epoch: epoch k trains on batches 2k and 2k + 1
+  # (Keras' iterator runs on); restarting each epoch would see 0, 1 thrice.
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(48, 5)).astype("float32")
+  y = rng.normal(size=(48, 1)).astype("float32")
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+
+  def build():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  reference.fit(dataset, epochs=3, steps_per_epoch=2, verbose=0)
+  model = build()
+  trainer = Trainer(model, optimizer="sgd", learning_rate=0.1, loss="mse",
+                    verbose=0)
+  source = (lambda ctx: dataset) if as_function else dataset
+  trainer.fit(source, epochs=3, steps_per_epoch=2)
+  for got, want in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  trainer.fit(source, epochs=5, steps_per_epoch=2)  # A new pass: no error.

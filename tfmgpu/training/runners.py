@@ -10,6 +10,7 @@ trainer in `tfmgpu.training.parameter_server`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -108,31 +109,59 @@ class SyncRunner:
     epoch. An endless one is created once and runs on across epochs; a
     resumed run starts it at the global step reached (`epoch *
     steps_per_epoch + first_step`): a dataset function with a
-    `from_step(step)` method seeks there, others skip the batches."""
+    `from_step(step)` method seeks there, others skip the batches. A finite
+    dataset longer than an epoch also runs on, as Keras' iterator does
+    (each epoch takes the next batches), starting a new pass when one ends
+    instead of running out."""
     if self._endless is not None:
       return self._endless
     endless = self._is_endless()
     start = epoch * self.steps_per_epoch + first_step if endless else first_step
+    passes = self._pass_length()
+    if passes is not None:
+      start %= passes
     if isinstance(self.source, inputs.DatasetData):  # Global batches.
+      dataset = self.source.dataset
+      dataset = dataset.repeat() if passes is not None else dataset
       batches = self.strategy.experimental_distribute_dataset(
-          self.source.dataset.skip(start) if start else self.source.dataset)
+          dataset.skip(start) if start else dataset)
     else:
+      fn = self.source.fn
+      if passes is not None:
+        fn = functools.partial(_repeated, fn)
       batches = self.strategy.distribute_datasets_from_function(
-          inputs.dataset_fn_from_step(self.source.fn, start))
+          inputs.dataset_fn_from_step(fn, start))
     iterator = iter(batches)
     if endless:
       self._endless = iterator
     return iterator
 
+  def _cardinality(self) -> int | None:
+    if isinstance(self.source, inputs.DatasetData):
+      return self.source.cardinality
+    return self.source.cardinality(self.strategy)
+
+  def _pass_length(self) -> int | None:
+    """Steps in one pass of a finite dataset that runs on across epochs
+    (longer than an epoch, not seekable), else `None`."""
+    card = self._cardinality()
+    seekable = hasattr(getattr(self.source, "fn", None), "from_step")
+    if card in (None, inputs.INFINITE) or seekable:
+      return None
+    return card if card > self.steps_per_epoch else None
+
   def _is_endless(self) -> bool:
     if self._endless_known is None:
-      if isinstance(self.source, inputs.DatasetData):
-        card = self.source.cardinality
-      else:
-        card = self.source.cardinality(self.strategy)
-      # A dataset TF knows to be infinite, or a stream that can seek
-      # (`from_step`, e.g. `tfmgpu.tfrecord`), runs on across epochs; one of
-      # unknown length is read afresh each epoch (it may end).
+      # A dataset TF knows to be infinite, a stream that can seek
+      # (`from_step`, e.g. `tfmgpu.tfrecord`) and a finite dataset longer
+      # than an epoch run on across epochs; one of unknown length, or of
+      # exactly one epoch, is read afresh each epoch.
       seekable = hasattr(getattr(self.source, "fn", None), "from_step")
-      self._endless_known = card == inputs.INFINITE or seekable
+      self._endless_known = (self._cardinality() == inputs.INFINITE
+                             or seekable or self._pass_length() is not None)
     return self._endless_known
+
+
+def _repeated(fn: Callable[..., tf.data.Dataset], context) -> tf.data.Dataset:
+  """`fn(context)`, repeated: a finite per-worker dataset that runs on."""
+  return fn(context).repeat()
