@@ -60,6 +60,33 @@ def test_cli_trains_model_parallel(tmp_path, capsys):
   assert (tmp_path / "model.keras").exists()  # Saved unsplit, servable.
 
 
+def test_plan_only_auto_prints_the_candidates_and_the_choice(capsys):
+  with flagsaver.flagsaver(strategy="auto", model="gpt", plan_only=True):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"^strategy=auto: \d+ layouts weighed for 4 CPU "
+                   r"device\(s\), 16 GB .* link cpu 10 GB/s", out, re.M)
+  assert "predicted by the cost model, not measured" in out
+  assert re.search(r"^pipeline K=4 M=\d+ \w+ .* yes$", out, re.M)
+  assert re.search(r"^chosen: mirrored n=4\. Fastest predicted step", out,
+                   re.M)
+
+
+def test_cli_auto_trains_the_layout_that_fits(tmp_path, capsys):
+  # deep_mlp's replicas need ~10 MiB each at batch 64: 6 MB forces a split.
+  with flagsaver.flagsaver(strategy="auto", model="deep_mlp",
+                           device_memory_gb=0.006, epochs=1,
+                           steps_per_epoch=2, model_dir=str(tmp_path),
+                           verbose=0):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  chosen = re.search(r"^chosen: pipeline K=(\d) M=(\d+)", out, re.M)
+  assert chosen, out
+  assert re.search(r"^strategy\s+auto: pipeline$", out, re.M)
+  assert re.search(rf"^pipeline\s+{chosen.group(2)} micro-batches", out, re.M)
+  assert (tmp_path / "model.keras").exists()
+
+
 def test_cli_split_point_errors_are_clear(capsys):
   with flagsaver.flagsaver(strategy="model_parallel", model="convnet",
                            split_points=["nope"], verbose=0):

@@ -16,6 +16,7 @@ from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu import user_code
+from tfmgpu.parallel import links
 from tfmgpu.placements import model_parallel
 from tfmgpu.placements import pipeline
 from tfmgpu.training.choices import COMPRESSION_CHOICES
@@ -42,6 +43,7 @@ _STRATEGY_CHOICES = {
     "cluster_resolver": tuple(strategies_lib.CLUSTER_RESOLVERS),
     "partition": model_parallel.PARTITION_CHOICES,
     "schedule": pipeline.SCHEDULE_CHOICES,
+    "link": links.LINK_CHOICES,
 }
 
 
@@ -110,6 +112,10 @@ class TrainConfig:
     seed: weights and data order.
     num_stages, partition, split_points: model/pipeline parallelism.
     micro_batches, schedule, recompute: pipeline parallelism.
+    device_memory_gb, link: what `auto` plans for: the memory budget per
+      device in GB (`None`: 16) and the named link between devices
+      (`tfmgpu.parallel.links`; `auto`: pcie4 between GPUs, cpu between
+      logical CPUs).
     verbose: 1 for a progress bar, 0 for one log line per epoch.
   """
   strategy: str = "mirrored"
@@ -155,6 +161,8 @@ class TrainConfig:
   micro_batches: int = 4
   schedule: str = "gpipe"
   recompute: bool = False
+  device_memory_gb: float | None = None
+  link: str = "auto"
   verbose: int = 1
 
   def __post_init__(self):
@@ -256,6 +264,9 @@ class TrainConfig:
                        "> 0 seconds (or None: save per epoch only).")
     if not self.learning_rate > 0:
       raise ValueError(f"learning_rate={self.learning_rate} must be > 0.")
+    if self.device_memory_gb is not None and not self.device_memory_gb > 0:
+      raise ValueError(f"device_memory_gb={self.device_memory_gb} must be > 0 "
+                       "GB (or None: 16).")
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ValueError(f"clip_norm={self.clip_norm} must be > 0 (or None).")
     chosen = [n for n in ("devices", "num_gpus", "num_replicas")

@@ -24,6 +24,7 @@ from tfmgpu import models as models_lib
 from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.config import TrainConfig
+from tfmgpu.placements import auto as auto_placement
 from tfmgpu.placements import model_parallel
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import parameter_server as ps_lib
@@ -133,7 +134,8 @@ def default_model_dir(strategy: str) -> str:
 def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
                   ) -> str:
   """The stage plan and its per-device memory table (a pipeline's
-  micro-batches, schedule and recomputation included), without training."""
+  micro-batches, schedule and recomputation included), without training;
+  for `auto`, the layouts it weighs and the one it chooses."""
   devices_lib.configure_virtual_devices(
       config.virtual_devices,
       intra_op_threads=config.distribution.intra_op_threads)
@@ -143,6 +145,8 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
       config.model, input_shape=arrays.input_shape,
       num_classes=arrays.num_classes, seed=config.seed,
       **config.model_options()))
+  if config.strategy == "auto":  # The layouts weighed and the one chosen.
+    return auto_placement.choose(model, config.options).table()
   stage_options = model_parallel.StageOptions(
       num_stages=config.num_stages, partition=config.partition,
       split_points=config.split_points)
@@ -326,8 +330,10 @@ def _summary(config: TrainConfig, placement: strategies_lib.Placement,
   test_metrics = {k: v for k, v in test.items() if k not in ("loss", "count")}
   train_metrics = {k: history[k][-1] if history.get(k) else nan
                    for k in test_metrics}
+  chosen = placement.distribution.name  # `auto` names what it chose.
   return RunSummary(
-      strategy=config.strategy,
+      strategy=(config.strategy if chosen == config.strategy
+                else f"{config.strategy}: {chosen}"),
       replicas=placement.strategy.num_replicas_in_sync,
       devices=placement.devices,
       final_loss=history["loss"][-1] if history else nan,

@@ -43,6 +43,7 @@ from tfmgpu.flags import batch
 from tfmgpu.flags import data
 from tfmgpu.flags import devices
 from tfmgpu.flags import execution
+from tfmgpu.flags import planner
 from tfmgpu.flags import stages
 from tfmgpu.flags import strategy
 from tfmgpu.placements import pipeline
@@ -51,7 +52,8 @@ from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
 from tfmgpu.training.choices import INPUT_MODE_CHOICES
 from tfmgpu.training.optimizers import OPTIMIZER_CHOICES
 
-for _group in (strategy, devices, data, batch, execution, stages, autotune):
+for _group in (strategy, devices, data, batch, execution, stages, planner,
+               autotune):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
 _MODEL = flags.DEFINE_string(
@@ -181,7 +183,7 @@ def _known_model_size(values) -> bool:
 def config_from_flags() -> config_lib.TrainConfig:
   """Turns the parsed flags into one validated `TrainConfig`."""
   return config_lib.TrainConfig(
-      **strategy.values(), **stages.values(),
+      **strategy.values(), **stages.values(), **planner.values(),
       virtual_devices=devices.VIRTUAL_DEVICES.value,
       communication=_COMMUNICATION.value,
       cluster_resolver=_CLUSTER_RESOLVER.value,

@@ -14,6 +14,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmgpu.parallel import links
+
 
 def gradient_bytes(model: keras.Model, dtype: str = "float32") -> int:
   """Bytes each replica all-reduces per step (one gradient per weight)."""
@@ -22,14 +24,8 @@ def gradient_bytes(model: keras.Model, dtype: str = "float32") -> int:
 
 
 # Unidirectional per-GPU link bandwidth in GB/s (nominal; real all-reduce
-# bus bandwidth is typically 70-90% of these).
-LINK_PRESETS = {
-    "pcie3": 12.0,
-    "pcie4": 24.0,
-    "nvlink_v100": 150.0,
-    "nvlink_a100": 300.0,
-    "nvlink_h100": 450.0,
-}
+# bus bandwidth is typically 70-90% of these): `tfmgpu.parallel.links`.
+LINK_PRESETS = links.GPU_LINKS
 
 
 @dataclasses.dataclass(frozen=True)

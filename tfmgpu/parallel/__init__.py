@@ -19,7 +19,9 @@
 * `pipeline_step`: the ops of one pipelined training step, in schedule order;
 * `pipeline`: `PipelinedModel`, micro-batches streamed through the stages;
 * `branches`: `BranchParallel`, parallel sub-models on one input;
-* `choices`: the partition criteria and schedule names (no TensorFlow).
+* `choices`: the partition criteria and schedule names (no TensorFlow);
+* `links`: named link bandwidths, device speeds, the default memory budget;
+* `auto`: `plan_layout`, the fastest predicted layout that fits in memory.
 
 Its placement names ("model_parallel", "branch_parallel", "pipeline") are
 registered in `tfmgpu.strategies`, the one list of names. Importing this
@@ -42,8 +44,8 @@ _EXPORTS = {
     "simulate": "tfmgpu.parallel.timeline",
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
-_SUBMODULES = ("branches", "choices", "cost", "graph", "inspection",
-               "microbatch", "partition", "pipeline", "pipeline_step",
+_SUBMODULES = ("auto", "branches", "choices", "cost", "graph", "inspection",
+               "links", "microbatch", "partition", "pipeline", "pipeline_step",
                "placed", "plan", "schedule", "staged", "timeline")
 
 __all__ = sorted(_EXPORTS)

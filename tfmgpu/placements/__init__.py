@@ -7,6 +7,8 @@ training, serving and the run summary:
 * `model_parallel`: consecutive stages on separate devices (`StagedModel`).
 * `pipeline`: those stages fed micro-batches (`PipelinedModel`).
 * `branch_parallel`: whole sub-models side by side (`BranchParallel`).
+* `auto`: one of `mirrored`, `model_parallel`, `pipeline`, chosen by the
+  cost model (`tfmgpu.parallel.auto`).
 
 Importing this package registers them without importing TensorFlow: the
 engines load when a placement builds or serves.
@@ -15,3 +17,4 @@ engines load when a placement builds or serves.
 from tfmgpu.placements import branch_parallel  # pylint: disable=unused-import
 from tfmgpu.placements import model_parallel  # pylint: disable=unused-import
 from tfmgpu.placements import pipeline  # pylint: disable=unused-import
+from tfmgpu.placements import auto  # pylint: disable=unused-import,g-bad-import-order

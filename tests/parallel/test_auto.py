@@ -1,0 +1,148 @@
+"""`plan_layout` (`--strategy=auto`): fake devices, budgets and links.
+
+No training: the planner reads the cost model of small models built once.
+"""
+
+import re
+
+import pytest
+
+from tfmgpu import models
+from tfmgpu.parallel import auto
+from tfmgpu.parallel import links
+from tfmgpu.placements import auto as auto_placement
+
+MB = 10**6
+
+
+@pytest.fixture(scope="module")
+def mlp():
+  return models.build_model("deep_mlp", input_shape=(28, 28, 1),
+                            num_classes=10, seed=0, depth=6, width=256)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+  return models.build_model("gpt", input_shape=(64,), num_classes=256,
+                            seed=0, size="tiny", num_layers=4)
+
+
+def hardware(memory_bytes=10**9, link_bytes_per_s=10e9, devices=4):
+  return auto.Hardware(devices, "CPU", int(memory_bytes), 50e9,
+                       link_bytes_per_s, "test", task_overhead_s=100e-6)
+
+
+def by_label(plan, label):
+  return next(c for c in plan.candidates if c.label == label)
+
+
+def test_a_model_that_fits_one_device_trains_data_parallel(mlp):
+  plan = auto.plan_layout(mlp, hardware(), global_batch_size=64)
+  assert plan.chosen.label == "mirrored n=4"
+  assert plan.chosen.options() == {"num_replicas": 4}
+  assert by_label(plan, "mirrored n=1").fits  # Fits one device.
+  assert all(c.fits for c in plan.candidates)
+  assert plan.chosen.step_s == min(c.step_s for c in plan.candidates)
+  # What it weighed: every layout tfmgpu builds on these devices.
+  kinds = {c.strategy for c in plan.candidates}
+  assert kinds == {"mirrored", "model_parallel", "pipeline"}
+  assert {c.devices for c in plan.candidates
+          if c.strategy == "pipeline"} == {2, 4}
+
+
+def test_a_model_too_big_for_one_device_is_split(mlp):
+  roomy = auto.plan_layout(mlp, hardware(), global_batch_size=64)
+  data_parallel = min(c.memory_bytes for c in roomy.candidates
+                      if c.strategy == "mirrored")
+  smallest = min(c.memory_bytes for c in roomy.candidates)
+  budget = (data_parallel + smallest) // 2
+  plan = auto.plan_layout(mlp, hardware(budget), global_batch_size=64)
+  assert plan.chosen.strategy in ("pipeline", "model_parallel")
+  assert plan.chosen.devices > 1
+  assert plan.chosen.memory_bytes <= budget
+  assert not any(c.fits for c in plan.candidates if c.strategy == "mirrored")
+  assert "mirrored n=4 would need" in plan.reason
+  assert "over the budget" in plan.reason
+
+
+def test_the_transformer_too_big_for_one_device_is_split(gpt):
+  roomy = auto.plan_layout(gpt, hardware(), global_batch_size=16)
+  assert roomy.chosen.label == "mirrored n=4"
+  budget = by_label(roomy, "mirrored n=4").memory_bytes - 1
+  plan = auto.plan_layout(gpt, hardware(budget), global_batch_size=16)
+  assert plan.chosen.strategy == "pipeline"
+  assert plan.chosen.memory_bytes <= budget
+
+
+@pytest.mark.parametrize("budget_mb", [3.5, 4, 6, 9])
+def test_never_a_layout_over_the_budget(mlp, budget_mb):
+  plan = auto.plan_layout(mlp, hardware(budget_mb * MB),
+                          global_batch_size=64)
+  assert plan.chosen.fits
+  assert plan.chosen.memory_bytes <= budget_mb * MB
+  faster = [c for c in plan.candidates if c.step_s < plan.chosen.step_s]
+  assert all(c.memory_bytes > budget_mb * MB for c in faster)
+
+
+def test_slow_links_prefer_fewer_all_reduces(mlp):
+  plan = auto.plan_layout(mlp, hardware(link_bytes_per_s=1e8),
+                          global_batch_size=64)
+  data_parallel = by_label(plan, "mirrored n=4")
+  assert data_parallel.fits  # It fits: the link, not memory, rules it out.
+  assert plan.chosen.strategy == "pipeline"
+  assert data_parallel.comm_s > 10 * data_parallel.compute_s
+  assert plan.chosen.step_s < by_label(plan, "mirrored n=1").step_s
+  assert "of which" in plan.reason and "all-reduce" in plan.reason
+
+
+def test_the_all_reduce_is_a_ring_over_the_link(mlp):
+  plan = auto.plan_layout(mlp, hardware(link_bytes_per_s=1e9),
+                          global_batch_size=64)
+  grads = sum(w.numpy().nbytes for w in mlp.trainable_weights)
+  for n in (1, 2, 4):
+    assert by_label(plan, f"mirrored n={n}").comm_s == pytest.approx(
+        2 * (n - 1) / n * grads / 1e9)
+
+
+def test_nothing_fits_names_the_smallest_estimate(mlp):
+  with pytest.raises(ValueError, match=re.compile(
+      r"No layout fits the memory budget of 0\.001 GB .* per device on 4 "
+      r"CPU device\(s\): the smallest estimate is pipeline K=4 M=\d+ "
+      r"\w+ recompute at [\d.]+ MiB per device\. Use more devices",
+      re.S)):
+    auto.plan_layout(mlp, hardware(MB), global_batch_size=64)
+
+
+def test_the_table_says_predicted_and_why(mlp):
+  text = auto.plan_layout(mlp, hardware(), global_batch_size=64).table()
+  assert "predicted by the cost model, not measured" in text
+  assert re.search(r"^layout\s+step \(predicted\)\s+compute\s+comm\s+"
+                   r"memory/device\s+fits$", text, re.M)
+  assert re.search(r"^mirrored n=4\s+[\d.]+ ms .* yes$", text, re.M)
+  assert re.search(r"^chosen: mirrored n=4\. Fastest predicted step",
+                   text, re.M)
+
+
+def test_the_options_resolve_to_a_registered_distribution(mlp):
+  options = auto_placement.AutoOptions(device_memory_gb=0.005,
+                                       global_batch_size=64)
+  plan = auto_placement.choose(mlp, options,
+                               devices=[f"/device:CPU:{i}" for i in range(4)])
+  assert plan.hardware.link == "cpu"
+  assert plan.hardware.memory_bytes == 5 * MB
+  distribution, chosen = auto_placement.resolve(plan, options)
+  assert distribution.name == plan.chosen.strategy == "pipeline"
+  assert chosen.num_stages == plan.chosen.devices
+  assert chosen.micro_batches == plan.chosen.micro_batches
+
+
+def test_unknown_link_is_named():
+  with pytest.raises(ValueError, match="link='nvlink9' is unknown"):
+    links.link_bandwidth("nvlink9")
+  assert links.link_bandwidth("auto", "GPU") == ("pcie4", 24e9)
+
+
+def test_one_device_weighs_only_itself(mlp):
+  plan = auto.plan_layout(mlp, hardware(devices=1), global_batch_size=30)
+  assert [c.label for c in plan.candidates] == ["mirrored n=1"]
+  assert plan.chosen.comm_s == 0

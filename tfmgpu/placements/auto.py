@@ -1,0 +1,125 @@
+"""`auto`: the layout the cost model predicts fastest, among those that fit.
+
+At run time the model is built with weight shapes only, every layout tfmgpu
+builds is weighed for the devices found (`tfmgpu.parallel.auto`:
+data parallelism over n devices, model parallelism and pipelines over K
+stages, micro-batches, schedule, recomputation), the table and the reason
+are logged, and the chosen distribution (`mirrored`, `model_parallel` or
+`pipeline`) places, serves and describes the model. The choice is a
+prediction of the cost model, not a measurement; a layout whose memory
+estimate exceeds `device_memory_gb` is never chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from absl import logging
+
+from tfmgpu import checks
+from tfmgpu.parallel import links
+from tfmgpu.parallel.choices import PARTITION_CHOICES
+from tfmgpu.placements import model_parallel
+from tfmgpu.strategies import registry
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoOptions:
+  """What `auto` plans for.
+
+  Attributes:
+    device_memory_gb: memory budget per device in GB (10^9 bytes); `None`:
+      `links.DEFAULT_DEVICE_MEMORY_GB` (16).
+    link: a named link between devices (`links.LINK_CHOICES`); `auto`:
+      `pcie4` between GPUs, `cpu` between logical CPUs.
+    global_batch_size: examples per step.
+    optimizer: the optimizer whose slots the memory estimate counts.
+    partition: what stage splits balance.
+  """
+  device_memory_gb: float | None = None
+  link: str = "auto"
+  global_batch_size: int = 64
+  optimizer: str = "adam"
+  partition: str = "balanced"
+
+  def __post_init__(self):
+    if self.device_memory_gb is not None and not self.device_memory_gb > 0:
+      raise ValueError(f"device_memory_gb={self.device_memory_gb!r} must be "
+                       "> 0 (or None for the default of "
+                       f"{links.DEFAULT_DEVICE_MEMORY_GB:g}).")
+    checks.check_choice("link", self.link, links.LINK_CHOICES)
+    checks.check_positive("global_batch_size", self.global_batch_size)
+    checks.check_choice("partition", self.partition, PARTITION_CHOICES)
+
+
+def hardware_for(options: AutoOptions, devices: Sequence[str]) -> Any:
+  """The `tfmgpu.parallel.auto.Hardware` of `devices` under `options`."""
+  from tfmgpu.parallel import auto  # pylint: disable=g-import-not-at-top
+  kind = "GPU" if any("GPU" in d.upper() for d in devices) else "CPU"
+  link, bandwidth = links.link_bandwidth(options.link, kind)
+  memory = (options.device_memory_gb if options.device_memory_gb is not None
+            else links.DEFAULT_DEVICE_MEMORY_GB)
+  return auto.Hardware(len(devices), kind, int(memory * 1e9),
+                       links.DEVICE_FLOPS[kind], bandwidth, link,
+                       links.TASK_OVERHEAD_S[kind])
+
+
+def choose(model: Any, options: AutoOptions,
+           devices: Sequence[str] | None = None) -> Any:
+  """The `tfmgpu.parallel.auto.AutoPlan` for `model` on `devices` (default:
+  the accelerator devices found).
+
+  Raises:
+    ValueError: no layout fits the memory budget (the message says the
+      smallest estimate).
+  """
+  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import auto  # pylint: disable=g-import-not-at-top
+  found = list(devices) if devices else devices_lib.accelerator_devices()
+  return auto.plan_layout(model, hardware_for(options, found),
+                          global_batch_size=options.global_batch_size,
+                          optimizer=options.optimizer,
+                          partition=options.partition)
+
+
+def resolve(plan: Any, options: AutoOptions
+            ) -> tuple[registry.Distribution, Any]:
+  """The chosen distribution and its options."""
+  chosen = registry.lookup(plan.chosen.strategy)
+  values = plan.chosen.options()
+  if chosen.name != "mirrored":
+    values["partition"] = options.partition
+  else:
+    values["single_replica"] = "default"
+  return chosen, chosen.options(**values)
+
+
+@registry.register
+class Auto(registry.Distribution):
+  """The fastest predicted layout that fits, chosen at run time."""
+  name = "auto"
+  description = ("Chooses data parallelism, model parallelism or a pipeline "
+                 "(stages, micro-batches, schedule, recomputation) by the "
+                 "cost model's predicted step time among the layouts whose "
+                 "memory estimate fits --device_memory_gb; logs the "
+                 "candidates and why.")
+  kind = registry.Kind.PLACEMENT
+  needs = ("a chain-like Sequential/functional model (to weigh splits); "
+           "the devices found")
+  Options = AutoOptions
+  layout = "replicas or stages"
+
+  def place(self, options: AutoOptions, build: Callable[[], Any], *,
+            strategy: Any = None, seed: int = 0) -> registry.Placement:
+    plan = choose(model_parallel.build_for_plan(build), options)
+    print(plan.table(), flush=True)  # Next to the stage plan runs prints.
+    chosen, chosen_options = resolve(plan, options)
+    return chosen.place(chosen_options, build, strategy=strategy, seed=seed)
+
+  def serve(self, models: Sequence[Any], options: AutoOptions
+            ) -> tuple[Any, Any]:
+    plan = choose(model_parallel.one_model(self.name, models), options)
+    logging.info("%s", plan.table())
+    chosen, chosen_options = resolve(plan, options)
+    return chosen.serve(models, chosen_options)
