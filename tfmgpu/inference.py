@@ -32,6 +32,7 @@ from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import inputs as inputs_lib
+from tfmgpu.training import resident
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 
@@ -205,7 +206,7 @@ class Predictor:
     replicas = self.strategy.num_replicas_in_sync
     # No bigger than needed, so small inputs are not padded to a huge batch.
     batch = min(self.batch_size, -(-n // replicas) * replicas)
-    if n <= batch and _splits_locally(self.strategy):
+    if n <= batch and resident.supports(self.strategy):
       return self._predict_one_batch(x, n, batch)
     steps = -(-n // batch)
     dataset = _streamed_batches(x, batch)
@@ -226,21 +227,10 @@ class Predictor:
   def _predict_one_batch(self, x: Any, n: int, batch: int) -> Any:
     """One call on `x` padded to `batch` rows, split over the replicas."""
     padded = tf.nest.map_structure(lambda a: inputs_lib.pad_rows(a, batch), x)
-    replicas = self.strategy.num_replicas_in_sync
-    if replicas == 1:
-      inputs = tf.nest.map_structure(tf.convert_to_tensor, padded)
-    else:
-      rows = batch // replicas
-      devices = self.strategy.extended.worker_devices
-
-      def shard(context: tf.distribute.experimental.ValueContext) -> Any:
-        replica = context.replica_id_in_sync_group
-        with tf.device(devices[replica]):  # Copied once, to its replica.
-          return tf.nest.map_structure(
-              lambda a: tf.identity(a[replica * rows:(replica + 1) * rows]),
-              padded)
-      inputs = self.strategy.experimental_distribute_values_from_function(
-          shard)
+    rows = batch // self.strategy.num_replicas_in_sync
+    inputs = resident.on_each_device(  # Each slice copied once, to its replica.
+        self.strategy, lambda r: tf.nest.map_structure(
+            lambda a: a[r * rows:(r + 1) * rows], padded))
     out = _Rows(n)
     out.add(self._fn_one(inputs))
     return out.result()
@@ -254,15 +244,6 @@ class Predictor:
     for batch in self.strategy.experimental_distribute_dataset(dataset):
       out.add(self._fn_one(batch))
     return out.result()
-
-
-def _splits_locally(strategy: tf.distribute.Strategy) -> bool:
-  """Every replica is in this process (one device, mirrored, a placement's
-  default strategy), so a small input can be split here in one call."""
-  return isinstance(strategy, (tf.distribute.MirroredStrategy,
-                               tf.distribute.OneDeviceStrategy)) or (
-                                   not tf.distribute.has_strategy()
-                                   and strategy is tf.distribute.get_strategy())
 
 
 def _streamed_batches(x: Any, batch: int) -> tf.data.Dataset:

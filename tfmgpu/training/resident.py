@@ -16,6 +16,7 @@ strategy); multi-worker and parameter-server training read through
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 from absl import logging
 import numpy as np
@@ -126,19 +127,7 @@ class DeviceData:
     self.strategy = strategy
     self.num_examples = len(tf.nest.flatten(data)[0])
     self.data = tf.nest.map_structure(
-        lambda a: self._on_each_device(lambda _: a), data)
-
-  def _on_each_device(self, value_fn):
-    try:
-      devices = self.strategy.extended.worker_devices
-    except RuntimeError:  # The default strategy: one replica, no device set.
-      devices = (None,)
-
-    def place(ctx: tf.distribute.experimental.ValueContext):
-      with tf.device(devices[ctx.replica_id_in_sync_group]):
-        return tf.identity(value_fn(ctx.replica_id_in_sync_group))
-
-    return self.strategy.experimental_distribute_values_from_function(place)
+        lambda a: on_each_device(strategy, lambda _: a), data)
 
   def epoch(self, *, global_batch_size: int, steps: int, seed: int,
             epoch: int, shuffle: bool) -> EpochBatches:
@@ -160,8 +149,26 @@ class DeviceData:
                                    shuffle=shuffle)
     table = order[:steps * global_batch_size].astype(np.int32).reshape(
         steps, replicas, global_batch_size // replicas)
-    index = self._on_each_device(lambda r: table[:, r, :])
+    index = on_each_device(self.strategy, lambda r: table[:, r, :])
     return EpochBatches(self.data, index)
+
+
+def on_each_device(strategy: tf.distribute.Strategy,
+                   value_fn: Callable[[int], Any]) -> Any:
+  """`value_fn(replica_id)` (arrays in any nesting) copied once to each
+  replica's device, as a distributed value (a strategy for which
+  `supports` holds)."""
+  try:
+    devices = strategy.extended.worker_devices
+  except RuntimeError:  # The default strategy: one replica, no device set.
+    devices = (None,)
+
+  def place(ctx: tf.distribute.experimental.ValueContext):
+    with tf.device(devices[ctx.replica_id_in_sync_group]):
+      return tf.nest.map_structure(
+          tf.identity, value_fn(ctx.replica_id_in_sync_group))
+
+  return strategy.experimental_distribute_values_from_function(place)
 
 
 def gather_batch(data, index: tf.Tensor, step: tf.Tensor) -> tuple:
