@@ -21,6 +21,8 @@ import keras
 from keras.src.losses import loss as keras_loss  # unscale_loss_for_distribution
 import tensorflow as tf
 
+from tfmgpu.training import allreduce as allreduce_lib
+
 LossFn = Callable[[Any, Any], tf.Tensor]
 
 
@@ -180,6 +182,21 @@ class PerDeviceGradientModel(keras.Model):
     """Extra keyword arguments `train_step` passes to the hook (none here)."""
     return {}
 
+  def reduce_gradients(self, grads: Sequence[Any], options: Any = None
+                       ) -> list[Any]:
+    """Combines the hook's gradients before they are applied.
+
+    Here: tfmgpu's all-reduce over the strategy's replicas (one, for a model
+    that places itself), then clipping, as `options` (an
+    `tfmgpu.training.allreduce.AllReduceOptions`) say; the identity without
+    options. A model holding data-parallel copies of its parts
+    (`tfmgpu.parallel.replicated.ReplicatedModel`) sums each variable's
+    gradients over its copies instead.
+    """
+    if options is None:
+      return list(grads)
+    return allreduce_lib.all_reduce_gradients(grads, options)
+
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if self._compile_loss is None:  # pylint: disable=protected-access
@@ -209,5 +226,6 @@ class PerDeviceGradientModel(keras.Model):
     self._loss_tracker.update_state(  # pylint: disable=protected-access
         keras_loss.unscale_loss_for_distribution(unscaled),
         sample_weight=batch)
+    grads = self.reduce_gradients(grads)
     self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

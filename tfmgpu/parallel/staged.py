@@ -166,7 +166,8 @@ class StagedModel(placed.PerDeviceGradientModel):
   """
 
   def __init__(self, model: keras.Model, plan: plan_lib.StagePlan, *,
-               name: str | None = None, **kwargs):
+               name: str | None = None, unsplit: keras.Model | None = None,
+               **kwargs):
     """Builds the stages from `model`'s layers and copies its weights.
 
     Args:
@@ -174,6 +175,9 @@ class StagedModel(placed.PerDeviceGradientModel):
         untouched; stages get new variables on their devices.
       plan: a `StagePlan` for this model (from `plan_stages`).
       name: model name. Defaults to `"<model name>_staged"`.
+      unsplit: the model `to_unsplit` rebuilds, when `model` is already a
+        rewritten copy of it with the same layer names (e.g. its layers
+        split by `tfmgpu.parallel.tensor`). Defaults to `model`.
       **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -199,10 +203,12 @@ class StagedModel(placed.PerDeviceGradientModel):
     self.plan = plan
     self.stage_devices = tuple(devices)
     self.stages = stages
-    self._unsplit_spec = _ModelSpec(type(model), model.get_config())
+    source = model if unsplit is None else unsplit
+    self._unsplit_spec = _ModelSpec(type(source), source.get_config())
     # The unsplit model's output names key per-output losses and metrics.
     self.unsplit_output_names = tuple(
-        model.output_names if len(tf.nest.flatten(model.outputs)) > 1 else ())
+        source.output_names if len(tf.nest.flatten(source.outputs)) > 1
+        else ())
     self.load_from(model)
     self.built = True
 
@@ -323,6 +329,11 @@ class StagedModel(placed.PerDeviceGradientModel):
     return total, grads
 
   # ---------------------------------------------------------------- weights
+
+  def weighted_layers(self) -> dict[str, Any]:
+    """`{name: layer}` of the stages' layers with weights (layer names are
+    the unsplit model's; split layers give their weights in unsplit form)."""
+    return _weighted_layers(self.stages)
 
   def load_from(self, unsplit: keras.Model) -> None:
     """Copies the weights of the unsplit model into the stages."""

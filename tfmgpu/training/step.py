@@ -140,9 +140,14 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                                global_batch_size=global_batch_size,
                                objective=objective, jit_compile=jit_compile)
 
+  reduce_within = (model.reduce_gradients
+                   if hasattr(model, "reduce_gradients") else None)
+
   def step(x, y, sample_weight=None):
     loss_value, y_pred, grads = grads_fn(x, y, sample_weight)
-    if allreduce is not None:
+    if reduce_within is not None:  # A placed model combines its own.
+      grads = reduce_within(grads, allreduce)
+    elif allreduce is not None:
       grads = allreduce_lib.all_reduce_gradients(grads, allreduce)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     out = {"loss": loss_value, "count": batch_count(y_pred),

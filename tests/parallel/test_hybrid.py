@@ -1,0 +1,187 @@
+"""Hybrid layouts of `gpt` tiny: data x pipeline, data x tensor, pipeline x
+tensor and all three, each trained equal to the unsplit model, each part's
+ops on the devices the layout names, and weights that move between layouts.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmgpu.parallel import hybrid
+from tfmgpu.parallel import inspection
+from tfmgpu.parallel import replicated
+from tfmgpu.training import allreduce
+
+import test_gpt_parallel as gp  # pylint: disable=g-bad-import-order
+
+RESOURCE_OPS = {"Placeholder", "ReadVariableOp", "VarHandleOp", "NoOp",
+                "Identity"}
+
+
+@pytest.fixture(scope="module")
+def data():
+  return gp._data()  # pylint: disable=protected-access
+
+
+def _unsplit_train(x, y, make_optimizer, clip_norm=None):
+  """(losses, weights) of one tape on the unsplit model (clipping the
+  batch gradient to a global norm if asked)."""
+  model = gp._gpt()  # pylint: disable=protected-access
+  optimizer = make_optimizer()
+  optimizer.build(model.trainable_variables)
+  loss_obj = gp._loss()  # pylint: disable=protected-access
+
+  @tf.function
+  def step(xb, yb):
+    with tf.GradientTape() as tape:
+      loss = loss_obj(yb, model(xb, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    if clip_norm is not None:
+      grads, _ = tf.clip_by_global_norm(grads, clip_norm)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  losses = [float(step(xb, yb)) for xb, yb in gp._batches(x, y)]  # pylint: disable=protected-access
+  return losses, model.get_weights()
+
+
+def _train(placed, x, y, make_optimizer, options=None):
+  """The placed model's hook, its gradient reduction and the update.
+
+  The loss averages each slice's rows over the whole batch, as tfmgpu's
+  Trainer does, so the copies' losses and gradients add up.
+  """
+  optimizer = placed.build_optimizer(make_optimizer())
+  per_example = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=None)
+
+  def loss_fn(y_true, y_pred):
+    return tf.reduce_sum(tf.reduce_mean(per_example(y_true, y_pred), -1)) \
+        / gp.BATCH
+
+  @tf.function
+  def step(xb, yb):
+    loss, _, grads = placed.compute_loss_and_gradients(xb, yb, loss_fn)
+    grads = placed.reduce_gradients(grads, options)
+    optimizer.apply_gradients(zip(grads, placed.trainable_variables))
+    return loss
+
+  losses = [float(step(xb, yb)) for xb, yb in gp._batches(x, y)]  # pylint: disable=protected-access
+  return losses, step.get_concrete_function(*next(gp._batches(x, y)))  # pylint: disable=protected-access
+
+
+def _assert_same(got, want, tol):
+  (got_losses, got_weights), (want_losses, want_weights) = got, want
+  np.testing.assert_allclose(got_losses, want_losses, rtol=tol)
+  initial = gp._gpt().get_weights()  # pylint: disable=protected-access
+  moved = max(np.abs(w - w0).max() for w, w0 in zip(want_weights, initial))
+  assert moved > 10 * tol  # Training really moved the weights.
+  for i, (u, v) in enumerate(zip(got_weights, want_weights)):
+    np.testing.assert_allclose(u, v, rtol=tol, atol=tol, err_msg=f"weight {i}")
+
+
+_REPLICA = re.compile(r"^(?:gradient_tape/)?replica_(\d+)/")
+
+
+def _assert_replica_ops_on_their_devices(model, concrete):
+  """Every op traced under a replica's scope sits on one of its devices;
+  each replica has forward and backward matrix products on each of its
+  stage devices."""
+  mesh = [replicated.placed_devices(r) for r in model.replicas]
+  seen = {}
+  for p in inspection.op_placements(concrete):
+    m = _REPLICA.match(p.name)
+    if not m:
+      continue
+    r = int(m.group(1))
+    if p.device == "" and (p.type in RESOURCE_OPS or p.colocated):
+      continue
+    assert p.device in mesh[r], (p.name, p.device, mesh[r])
+    if p.type in ("MatMul", "BatchMatMulV2", "Einsum"):
+      kind = "backward" if "backward" in p.name or "grad" in p.name.lower() \
+          else "forward"
+      seen.setdefault((r, p.device), set()).add(kind)
+  for r, devices in enumerate(mesh):
+    for d in set(devices):
+      assert seen.get((r, d)) == {"forward", "backward"}, (r, d, seen)
+
+
+def _group_sums(concrete):
+  """{device: number of gradient sums} of the per-group all-reduce (an
+  embedding's sparse gradients are joined, not added)."""
+  out = {}
+  for p in inspection.op_placements(concrete):
+    if "group_all_reduce" in p.name and (
+        p.type in ("AddN", "AddV2") or
+        p.type == "ConcatV2" and p.name.endswith("/concat")):
+      out[p.device] = out.get(p.device, 0) + 1
+  return out
+
+
+# ------------------------------------------------------ data x pipeline
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_data_x_pipeline_trains_as_unsplit(data, cpu_devices, name):
+  make, tol = gp.OPTIMIZERS[name]
+  layout = hybrid.Layout(data=2, stages=2, micro_batches=gp.MICRO,
+                         schedule="1f1b" if name == "adam" else "gpipe")
+  model = hybrid.build_layout(gp._gpt(), layout, devices=cpu_devices)  # pylint: disable=protected-access
+  assert isinstance(model, replicated.ReplicatedModel)
+  assert model.devices == cpu_devices[:4]
+  assert [r.stage_devices for r in model.replicas] == [
+      tuple(cpu_devices[0:2]), tuple(cpu_devices[2:4])]
+  losses, step = _train(model, *data, make)
+  _assert_same((losses, model.to_unsplit().get_weights()),
+               _unsplit_train(*data, make), tol)
+  for r in model.replicas[1:]:  # The copies stay equal.
+    for u, v in zip(r.to_unsplit().get_weights(),
+                    model.replicas[0].to_unsplit().get_weights()):
+      np.testing.assert_array_equal(u, v)
+  _assert_replica_ops_on_their_devices(model, step)
+  # One sum per variable, spread over the devices of each stage group.
+  sums = _group_sums(step)
+  assert sum(sums.values()) == len(model.replicas[0].trainable_variables)
+  assert set(sums) == set(cpu_devices[:4])
+
+
+def test_data_x_pipeline_clips_the_summed_gradient(data, cpu_devices):
+  make = lambda: keras.optimizers.SGD(0.1)
+  model = hybrid.build_layout(
+      gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2),  # pylint: disable=protected-access
+      devices=cpu_devices)
+  got = _train(model, *data, make,
+               allreduce.AllReduceOptions(clip_norm=0.05))[0]
+  want = _unsplit_train(*data, make, clip_norm=0.05)
+  unclipped = _unsplit_train(*data, make)
+  np.testing.assert_allclose(got, want[0], rtol=1e-5)
+  assert not np.allclose(want[0], unclipped[0], rtol=1e-4)  # It did clip.
+  _assert_same((got, model.to_unsplit().get_weights()), want, 1e-5)
+
+
+def test_data_x_pipeline_compresses_what_travels(data, cpu_devices):
+  model = hybrid.build_layout(
+      gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2),  # pylint: disable=protected-access
+      devices=cpu_devices)
+  make = lambda: keras.optimizers.SGD(0.1)
+  losses, step = _train(model, *data, make,
+                        allreduce.AllReduceOptions(compression="float16"))
+  casts = [p for p in inspection.op_placements(step)
+           if "group_all_reduce" in p.name and p.type == "Cast"]
+  assert casts  # Each copy's gradient is cast on its own device.
+  want = _unsplit_train(*data, make)
+  np.testing.assert_allclose(losses, want[0], rtol=1e-3)
+
+
+def test_layout_errors(cpu_devices):
+  with pytest.raises(ValueError, match=r"needs 16 devices but 4 are given"):
+    hybrid.build_layout(gp._gpt(), hybrid.Layout(data=4, stages=2, tensor=2),  # pylint: disable=protected-access
+                        devices=cpu_devices)
+  with pytest.raises(ValueError, match="plain data parallelism"):
+    hybrid.build_layout(gp._gpt(), hybrid.Layout(data=2),  # pylint: disable=protected-access
+                        devices=cpu_devices)
+  with pytest.raises(ValueError, match=r"data=0 must be an int >= 1"):
+    hybrid.Layout(data=0)

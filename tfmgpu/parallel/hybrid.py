@@ -1,0 +1,161 @@
+"""Hybrid layouts: data x pipeline x tensor parallelism from the parts.
+
+A `Layout` names the three sizes: `R` data-parallel replicas, each a chain
+of `K` stages, each stage's split layers sharded over `T` devices, so
+`R * K * T` devices in all, ordered replica-major with the tensor shards
+innermost (the shards of one layer, which talk in every block, are
+neighbours: on a GPU host, the devices joined by the fastest links):
+
+    device index = r * (K * T) + k * T + t
+
+`build_layout(model, layout)` builds it from the engines that each do one
+thing: `tensor.tensor_parallel` shards the rule-matched layers of each
+stage over that stage's `T` devices, `StagedModel` / `PipelinedModel` cut
+the model into stages (the first shard device of each stage runs its
+unsplit layers), and `ReplicatedModel` makes `R` copies whose gradients
+are summed per group of devices holding the same part. Every piece keeps
+the unsplit model's layer names and presents split weights in their
+unsplit form, so weights move between any two layouts through the unsplit
+model (`copy_weights_to`, `load_from`, `to_unsplit`), and checkpoints do
+too (`tfmgpu.training.checkpoints.restore_weights`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import keras
+
+from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import partition
+from tfmgpu.parallel import pipeline
+from tfmgpu.parallel import plan as plan_lib
+from tfmgpu.parallel import replicated
+from tfmgpu.parallel import staged
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The sizes of a hybrid layout.
+
+  Attributes:
+    data: `R`, data-parallel replicas.
+    stages: `K`, pipeline (or model-parallel) stages per replica.
+    tensor: `T`, devices each split layer is sharded over.
+    micro_batches: micro-batches per step of each replica's pipeline;
+      `None` runs the stages one after another (model parallelism).
+    schedule: the pipeline's schedule, `gpipe` or `1f1b`.
+    recompute: recompute activations in the pipeline's backward.
+  """
+  data: int = 1
+  stages: int = 1
+  tensor: int = 1
+  micro_batches: int | None = None
+  schedule: str = "gpipe"
+  recompute: bool = False
+
+  def __post_init__(self):
+    for name in ("data", "stages", "tensor"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1.")
+
+  @property
+  def num_devices(self) -> int:
+    return self.data * self.stages * self.tensor
+
+  @property
+  def label(self) -> str:
+    """E.g. `data 2 x stages 2 x tensor 2`."""
+    return (f"data {self.data} x stages {self.stages} x tensor "
+            f"{self.tensor}")
+
+  def mesh(self, devices: Sequence[str]) -> list[list[list[str]]]:
+    """`mesh[r][k][t]`: the device of replica `r`, stage `k`, shard `t`."""
+    if len(devices) < self.num_devices:
+      raise ValueError(
+          f"The layout {self.label} needs {self.num_devices} devices but "
+          f"{len(devices)} are given ({list(devices)}). Use fewer replicas, "
+          "stages or shards, or more devices (--virtual_devices on CPU).")
+    k, t = self.stages, self.tensor
+    return [[[devices[r * k * t + s * t + i] for i in range(t)]
+             for s in range(k)] for r in range(self.data)]
+
+
+def _on_devices(plan: plan_lib.StagePlan, devices: Sequence[str]
+                ) -> plan_lib.StagePlan:
+  """The same cut, stage `k` on `devices[k]`."""
+  return dataclasses.replace(plan, stages=tuple(
+      dataclasses.replace(s, device=d) for s, d in zip(plan.stages, devices)))
+
+
+def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
+          grid: list[list[str]], rules: Any) -> keras.Model:
+  """One replica: `model` cut along `plan` and sharded over `grid[k]`."""
+  if layout.tensor > 1:
+    from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
+  homes = [shards[0] for shards in grid]
+  if layout.stages == 1:
+    if layout.tensor == 1:
+      raise ValueError(
+          f"The layout {layout.label} is plain data parallelism: use "
+          "--strategy=mirrored (MirroredStrategy), which runs it with TF's "
+          "own all-reduce.")
+    return tensor.TensorParallelModel(model, grid[0], rules=rules)
+  source = model
+  if layout.tensor > 1:
+    source = tensor.tensor_parallel(
+        model, rules=rules,
+        devices_for=lambda name: grid[plan.stage_of(name)])
+  mine = _on_devices(plan, homes)
+  if layout.micro_batches is None:
+    return staged.StagedModel(source, mine, unsplit=model)
+  return pipeline.PipelinedModel(
+      source, mine, micro_batches=layout.micro_batches,
+      schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
+
+
+def build_layout(model: keras.Model, layout: Layout, *,
+                 devices: Sequence[str] | None = None,
+                 plan: plan_lib.StagePlan | None = None,
+                 criterion: str = "balanced",
+                 split_points: Sequence[str] | None = None,
+                 rules: Any = None) -> keras.Model:
+  """`model` laid out as `layout` on `devices`, holding `model`'s weights.
+
+  Args:
+    model: the unsplit, built Keras model (left untouched).
+    layout: the sizes (`Layout`).
+    devices: at least `layout.num_devices` devices, in mesh order (see the
+      module docstring). Defaults to the accelerators found.
+    plan: how to cut the model into `layout.stages` stages (the devices it
+      names are replaced by each replica's); made by `plan_stages` with
+      `criterion` / `split_points` when `None`.
+    criterion, split_points: as for `tfmgpu.parallel.plan_stages`.
+    rules: which layers split over `T` devices and how
+      (`tfmgpu.parallel.tensor`; its GPT rules by default).
+
+  Returns:
+    A placed Keras model: a `ReplicatedModel` of the copies when
+    `layout.data > 1`, else the one copy (`StagedModel`, `PipelinedModel`
+    or `TensorParallelModel`).
+
+  Raises:
+    ValueError: too few devices, a plan for another number of stages, or
+      plain data parallelism (1 stage, 1 shard: use `MirroredStrategy`).
+  """
+  found = list(devices) if devices is not None else \
+      devices_lib.accelerator_devices()
+  mesh = layout.mesh(devices_lib.resolve_devices(found[:layout.num_devices]))
+  homes = [grid[0] for grid in mesh[0]]
+  if plan is None and layout.stages > 1:
+    plan = partition.plan_stages(model, layout.stages, criterion=criterion,
+                                 split_points=split_points, devices=homes)
+  elif plan is not None and plan.num_stages != layout.stages:
+    raise ValueError(f"plan has {plan.num_stages} stages but the layout "
+                     f"{layout.label} asks for {layout.stages}.")
+  copies = [_copy(model, layout, plan, grid, rules) for grid in mesh]
+  if layout.data == 1:
+    return copies[0]
+  return replicated.ReplicatedModel(copies)
