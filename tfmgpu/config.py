@@ -112,6 +112,9 @@ class TrainConfig:
     seed: weights and data order.
     num_stages, partition, split_points: model/pipeline parallelism.
     micro_batches, schedule, recompute: pipeline parallelism.
+    data_parallel, tensor_parallel, tensor_rules: hybrid layouts: data-
+      parallel copies of the stages, and the devices (and rules) each split
+      layer is sharded over (`tfmgpu.parallel.hybrid`).
     device_memory_gb, link: what `auto` plans for: the memory budget per
       device in GB (`None`: 16) and the named link between devices
       (`tfmgpu.parallel.links`; `auto`: pcie4 between GPUs, cpu between
@@ -161,6 +164,9 @@ class TrainConfig:
   micro_batches: int = 4
   schedule: str = "gpipe"
   recompute: bool = False
+  data_parallel: int = 1
+  tensor_parallel: int = 1
+  tensor_rules: str | None = None
   device_memory_gb: float | None = None
   link: str = "auto"
   verbose: int = 1
@@ -253,7 +259,8 @@ class TrainConfig:
     if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
       raise ValueError(f"bytes_per_pack={self.bytes_per_pack!r} must be >= 0.")
     for name in ("global_batch_size", "epochs", "num_packs",
-                 "steps_per_execution", "num_stages", "micro_batches"):
+                 "steps_per_execution", "num_stages", "micro_batches",
+                 "data_parallel", "tensor_parallel"):
       checks.check_positive(name, getattr(self, name))
     for name in ("virtual_devices", "num_gpus", "num_replicas",
                  "steps_per_epoch", "variable_shards",

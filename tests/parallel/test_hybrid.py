@@ -185,3 +185,52 @@ def test_layout_errors(cpu_devices):
                         devices=cpu_devices)
   with pytest.raises(ValueError, match=r"data=0 must be an int >= 1"):
     hybrid.Layout(data=0)
+
+
+# ------------------------------------------- the Trainer and checkpoints
+
+
+def _trainer(model, x, y, **kwargs):
+  from tfmgpu.training import loop  # pylint: disable=g-import-not-at-top
+  trainer = loop.Trainer(model, strategy=tf.distribute.get_strategy(),
+                         optimizer="sgd", learning_rate=0.1,
+                         loss=gp._loss(), verbose=0, **kwargs)  # pylint: disable=protected-access
+  result = trainer.fit(x, y, epochs=1, global_batch_size=gp.BATCH,
+                       shuffle=False)
+  assert result.steps == gp.STEPS
+  return result
+
+
+def test_trainer_data_x_pipeline_saves_a_checkpoint_any_layout_reads(
+    data, cpu_devices, tmp_path):
+  """The Trainer (clipping the summed gradient) trains R=2 x K=2 as the
+  unsplit model; its checkpoint restores unsplit and as a 4-stage
+  pipeline, with the same predictions."""
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import portable  # pylint: disable=g-import-not-at-top
+  x, y = data
+  model = hybrid.build_layout(
+      gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2),  # pylint: disable=protected-access
+      devices=cpu_devices)
+  result = _trainer(model, x, y, clip_norm=0.05, model_dir=str(tmp_path))
+  want = _unsplit_train(x, y, lambda: keras.optimizers.SGD(0.1),
+                        clip_norm=0.05)
+  np.testing.assert_allclose(result.history["loss"],
+                             [np.mean(want[0])], rtol=1e-5)
+  trained = model.to_unsplit()
+  for u, v in zip(trained.get_weights(), want[1]):
+    np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+  path = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+  assert portable.has_view(path)
+  expected = trained.predict(x, verbose=0)
+  unsplit = portable.restore_weights(gp._gpt(seed=7), path)  # pylint: disable=protected-access
+  np.testing.assert_allclose(unsplit.predict(x, verbose=0), expected,
+                             rtol=1e-5, atol=1e-5)
+  other = pipeline.PipelinedModel.from_model(gp._gpt(seed=7), num_stages=4,  # pylint: disable=protected-access
+                                             micro_batches=2)
+  portable.restore_weights(other, path)
+  np.testing.assert_allclose(other.predict(x, batch_size=gp.BATCH, verbose=0),
+                             expected, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="does not hold the weights of layers"):
+    portable.restore_weights(
+        gp.gpt.gpt(gp.SHAPE, gp.VOCAB, size="tiny", num_layers=3), path)

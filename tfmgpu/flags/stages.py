@@ -14,6 +14,19 @@ SPLIT_POINTS = flags.DEFINE_list(
     "split_points", None, "Explicit stage boundaries (layer names).")
 MICRO_BATCHES = flags.DEFINE_integer(
     "micro_batches", 4, "Micro-batches per step for 'pipeline'.", lower_bound=1)
+DATA_PARALLEL = flags.DEFINE_integer(
+    "data_parallel", 1, "Data-parallel copies of the staged model "
+    "(model_parallel, pipeline) or of the sharded one (tensor_parallel); the "
+    "layout uses data_parallel x stages x tensor_parallel devices.",
+    lower_bound=1)
+TENSOR_PARALLEL = flags.DEFINE_integer(
+    "tensor_parallel", 1, "Devices each split layer is sharded over "
+    "(Megatron-style: attention by heads, MLP by columns then rows), for "
+    "model_parallel, pipeline and tensor_parallel.", lower_bound=1)
+TENSOR_RULES = flags.DEFINE_string(
+    "tensor_rules", None, "Which layers --tensor_parallel splits, as "
+    "'regex=kind,...' on layer names (kinds: column, row, heads). Default: "
+    "the gpt rules (*_attention=heads, *_mlp_up=column, *_mlp_down=row).")
 
 
 def values() -> dict:
@@ -21,4 +34,7 @@ def values() -> dict:
   return {"num_stages": NUM_STAGES.value, "partition": PARTITION.value,
           "split_points": (tuple(SPLIT_POINTS.value) if SPLIT_POINTS.value
                            else None),
-          "micro_batches": MICRO_BATCHES.value}
+          "micro_batches": MICRO_BATCHES.value,
+          "data_parallel": DATA_PARALLEL.value,
+          "tensor_parallel": TENSOR_PARALLEL.value,
+          "tensor_rules": TENSOR_RULES.value}

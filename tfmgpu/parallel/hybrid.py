@@ -128,7 +128,8 @@ def build_layout(model: keras.Model, layout: Layout, *,
     model: the unsplit, built Keras model (left untouched).
     layout: the sizes (`Layout`).
     devices: at least `layout.num_devices` devices, in mesh order (see the
-      module docstring). Defaults to the accelerators found.
+      module docstring). Defaults to the plan's devices for stages alone,
+      else the accelerators found.
     plan: how to cut the model into `layout.stages` stages (the devices it
       names are replaced by each replica's); made by `plan_stages` with
       `criterion` / `split_points` when `None`.
@@ -145,6 +146,9 @@ def build_layout(model: keras.Model, layout: Layout, *,
     ValueError: too few devices, a plan for another number of stages, or
       plain data parallelism (1 stage, 1 shard: use `MirroredStrategy`).
   """
+  if devices is None and plan is not None and layout.num_devices == \
+      layout.stages:  # Stages alone: where the plan puts them.
+    devices = plan.devices
   found = list(devices) if devices is not None else \
       devices_lib.accelerator_devices()
   mesh = layout.mesh(devices_lib.resolve_devices(found[:layout.num_devices]))

@@ -7,6 +7,10 @@ training, serving and the run summary:
 * `model_parallel`: consecutive stages on separate devices (`StagedModel`).
 * `pipeline`: those stages fed micro-batches (`PipelinedModel`).
 * `branch_parallel`: whole sub-models side by side (`BranchParallel`).
+* `tensor_parallel`: rule-matched layers sharded over devices
+  (`TensorParallelModel`); with `data_parallel`, copies of it. The stage
+  placements take `data_parallel` and `tensor_parallel` too
+  (`tfmgpu.parallel.hybrid`).
 * `auto`: one of `mirrored`, `model_parallel`, `pipeline`, chosen by the
   cost model (`tfmgpu.parallel.auto`).
 
@@ -17,4 +21,5 @@ engines load when a placement builds or serves.
 from tfmgpu.placements import branch_parallel  # pylint: disable=unused-import
 from tfmgpu.placements import model_parallel  # pylint: disable=unused-import
 from tfmgpu.placements import pipeline  # pylint: disable=unused-import
+from tfmgpu.placements import tensor_parallel  # pylint: disable=unused-import
 from tfmgpu.placements import auto  # pylint: disable=unused-import,g-bad-import-order

@@ -30,13 +30,25 @@ class StageOptions:
       `flops`.
     split_points: explicit stage boundaries (layer names): each named layer
       starts a new stage.
+    data_parallel: `R` data-parallel copies of the staged model, each on its
+      own devices, gradients summed per stage group
+      (`tfmgpu.parallel.hybrid`).
+    tensor_parallel: `T` devices each stage's split layers are sharded over
+      (`tfmgpu.parallel.tensor`); the layout uses `R * stages * T` devices.
+    tensor_rules: which layers split and how, `"regex=kind,..."` with kinds
+      `column`, `row`, `heads` (`None`: the GPT rules).
   """
   num_stages: int = 2
   partition: str = "balanced"
   split_points: tuple[str, ...] | None = None
+  data_parallel: int = 1
+  tensor_parallel: int = 1
+  tensor_rules: str | None = None
 
   def __post_init__(self):
     checks.check_positive("num_stages", self.num_stages)
+    checks.check_positive("data_parallel", self.data_parallel)
+    checks.check_positive("tensor_parallel", self.tensor_parallel)
     checks.check_choice("partition", self.partition, PARTITION_CHOICES)
     if self.split_points is not None:
       object.__setattr__(self, "split_points", tuple(self.split_points))
@@ -45,6 +57,15 @@ class StageOptions:
   def stages(self) -> int:
     """The number of stages these options make."""
     return len(self.split_points) + 1 if self.split_points else self.num_stages
+
+  @property
+  def hybrid(self) -> bool:
+    """The stages are also copied (data) or sharded (tensor)."""
+    return self.data_parallel > 1 or self.tensor_parallel > 1
+
+  @property
+  def devices_needed(self) -> int:
+    return self.data_parallel * self.stages * self.tensor_parallel
 
 
 def build_unsplit(build: Callable[[], Any]) -> Any:
@@ -133,22 +154,113 @@ class ModelParallel(registry.Distribution):
   concurrent_devices = False  # Stages run one after another.
   layout = "stages"
 
+  micro_batches_of = staticmethod(lambda options: None)  # Stages in turn.
+
   def split(self, model: Any, plan: Any, options: Any) -> Any:
-    """The placed model for `plan`."""
-    del options
-    from tfmgpu.parallel import staged  # pylint: disable=g-import-not-at-top
-    return staged.StagedModel(model, plan)
+    """The placed model for `plan` (copied and sharded if the options ask)."""
+    from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+    return hybrid.build_layout(
+        model, layout_of(options, self.micro_batches_of(options)),
+        devices=layout_devices(options), plan=plan,
+        rules=tensor_rules(options))
 
   def place(self, options: Any, build: Callable[[], Any], *,
             strategy: Any = None, seed: int = 0) -> registry.Placement:
     del strategy, seed  # Stages run under the default strategy.
     model = build_unsplit(build)
-    plan = plan_for(model, options)
+    plan = plan_for(model, options, stage_homes(options))
+    placed = self.split(model, plan, options)
+    devices = getattr(placed, "devices", None) or list(plan.devices)
     return registry.Placement(
-        tf.distribute.get_strategy(), list(plan.devices),
-        self.split(model, plan, options), plan, distribution=self,
-        options=options)
+        tf.distribute.get_strategy(), list(devices), placed, plan,
+        distribution=self, options=options)
 
   def serve(self, models: Sequence[Any], options: Any) -> tuple[Any, Any]:
     model = one_model(self.name, models)
-    return self.split(model, plan_for(model, options), options), None
+    plan = plan_for(model, options, stage_homes(options))
+    return self.split(model, plan, options), None
+
+  def check_config(self, config: Any) -> None:
+    check_layout_config(config)
+
+  def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
+    o = placement.options
+    if not getattr(o, "hybrid", False):
+      return super().describe(placement)
+    homes = ", ".join(placement.plan.devices) if placement.plan else "?"
+    return [(self.layout, f"{o.stages} per replica; replica 0's on {homes}"),
+            ("layout", hybrid_label(o) + f" on {o.devices_needed} devices "
+             "(replica-major, tensor shards innermost): "
+             + ", ".join(placement.devices))]
+
+
+def check_layout_config(config: Any, stages: int | None = None) -> None:
+  """Rules of a layout's sizes against the rest of a run's settings.
+
+  Raises:
+    ValueError: the global batch does not divide over the data-parallel
+      copies, or `--virtual_devices` makes fewer devices than the layout
+      needs.
+  """
+  replicas = getattr(config, "data_parallel", None) or 1
+  shards = getattr(config, "tensor_parallel", None) or 1
+  if stages is None:
+    stages = (len(config.split_points) + 1 if config.split_points
+              else config.num_stages)
+  checks.check_divisible("global_batch_size", config.global_batch_size,
+                         replicas, f"data_parallel={replicas}")
+  needed = replicas * stages * shards
+  have = config.virtual_devices
+  if have is not None and have < needed:
+    raise ValueError(
+        f"virtual_devices={have} is fewer than the {needed} devices of "
+        f"data_parallel={replicas} x stages={stages} x tensor_parallel="
+        f"{shards}. Use --virtual_devices={needed}, or smaller sizes.")
+
+
+def layout_of(options: Any, micro_batches: int | None) -> Any:
+  """The `tfmgpu.parallel.hybrid.Layout` of stage (or tensor) options."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  return hybrid.Layout(
+      data=getattr(options, "data_parallel", 1),
+      stages=getattr(options, "stages", 1),
+      tensor=getattr(options, "tensor_parallel", 1),
+      micro_batches=micro_batches,
+      schedule=getattr(options, "schedule", "gpipe"),
+      recompute=getattr(options, "recompute", False))
+
+
+def hybrid_label(options: Any) -> str:
+  """`data 2 x stages 2 x tensor 2`, as the summary prints it."""
+  return (f"data {getattr(options, 'data_parallel', 1)} x stages "
+          f"{getattr(options, 'stages', 1)} x tensor "
+          f"{getattr(options, 'tensor_parallel', 1)}")
+
+
+def layout_devices(options: Any) -> list[str] | None:
+  """The devices of the layout: the first `R * K * T` found (`None` for a
+  plain stage placement, which takes the plan's)."""
+  if not getattr(options, "hybrid", False):
+    return None
+  from tfmgpu import devices  # pylint: disable=g-import-not-at-top
+  return devices.accelerator_devices()[:options.devices_needed]
+
+
+def stage_homes(options: Any) -> list[str] | None:
+  """The first replica's stage devices (each stage's first shard), where
+  the plan puts the stages; `None` for a plain stage placement."""
+  found = layout_devices(options)
+  if found is None:
+    return None
+  step = options.tensor_parallel
+  return [found[k * step] for k in range(options.stages)
+          if k * step < len(found)]
+
+
+def tensor_rules(options: Any) -> Any:
+  """The options' tensor rules, parsed (`None`: the default rules)."""
+  text = getattr(options, "tensor_rules", None)
+  if not text:
+    return None
+  from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
+  return tensor.parse_rules(text)

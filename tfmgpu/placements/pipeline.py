@@ -49,22 +49,20 @@ class Pipeline(model_parallel.ModelParallel):
   concurrent_devices = True
 
   def check_config(self, config: Any) -> None:
-    checks.check_divisible("global_batch_size", config.global_batch_size,
-                           config.micro_batches,
-                           f"micro_batches={config.micro_batches}")
+    replicas = config.data_parallel or 1
+    checks.check_divisible(
+        "global_batch_size", config.global_batch_size,
+        config.micro_batches * replicas,
+        f"micro_batches={config.micro_batches}" if replicas == 1 else
+        f"data_parallel={replicas} x micro_batches={config.micro_batches}")
+    super().check_config(config)
 
-  def split(self, model: Any, plan: Any, options: Any) -> Any:
-    from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
-    return pipeline.PipelinedModel(
-        model, plan, micro_batches=options.micro_batches,
-        schedule=getattr(options, "schedule", "gpipe"),
-        recompute=getattr(options, "recompute", False))
+  micro_batches_of = staticmethod(lambda options: options.micro_batches)
 
   def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
     from tfmgpu.parallel import schedule  # pylint: disable=g-import-not-at-top
     o = placement.options
-    bubble = schedule.theoretical_bubble(len(placement.devices),
-                                         o.micro_batches)
+    bubble = schedule.theoretical_bubble(o.stages, o.micro_batches)
     return super().describe(placement) + [
         ("pipeline", f"{o.micro_batches} micro-batches, {o.schedule} "
          f"schedule{', recompute' if o.recompute else ''}, bubble "

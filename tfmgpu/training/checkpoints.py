@@ -55,6 +55,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import files
+from tfmgpu.training import portable
 
 # Exit code of `python -m tfmgpu.train` when SIGTERM stopped training after a
 # checkpoint was saved: "preempted, restart me". (143 = 128 + SIGTERM means a
@@ -214,9 +215,13 @@ class Checkpointer:
     self.epoch_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                   name="epoch_step")
     self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    # A placed model's weights are also saved by layer name in unsplit form,
+    # so the checkpoint restores into any layout (`portable`).
+    view = ({portable.VIEW: portable.PortableView(model)}
+            if getattr(model, "places_itself", False) else {})
     self.checkpoint = tf.train.Checkpoint(
         model=model, optimizer=optimizer, epoch=self.epoch,
-        epoch_step=self.epoch_step, step=self.step)
+        epoch_step=self.epoch_step, step=self.step, **view)
     # Saves counted as `tf.train.CheckpointManager` did, so that checkpoints
     # of either kind restore with every object matched.
     self._saves = self.checkpoint.save_counter
