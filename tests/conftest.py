@@ -16,7 +16,9 @@ import pytest  # pylint: disable=g-import-not-at-top
 import tfmgpu  # pylint: disable=g-import-not-at-top
 from tfmgpu import data  # pylint: disable=g-import-not-at-top
 
-NUM_LOGICAL_DEVICES = 4
+# 4 logical CPUs; `tests/parallel/test_3d.py` runs in a process of its own
+# with 8 (TFMGPU_TEST_DEVICES=8, started by `test_hybrid.py`).
+NUM_LOGICAL_DEVICES = int(os.environ.get("TFMGPU_TEST_DEVICES", "4"))
 
 tfmgpu.configure_devices(logical_cpus=NUM_LOGICAL_DEVICES)
 

@@ -146,3 +146,78 @@ def test_one_device_weighs_only_itself(mlp):
   plan = auto.plan_layout(mlp, hardware(devices=1), global_batch_size=30)
   assert [c.label for c in plan.candidates] == ["mirrored n=1"]
   assert plan.chosen.comm_s == 0
+
+
+# ------------------------------------------ hybrids: data x pipeline x tensor
+
+
+@pytest.fixture(scope="module")
+def wide_gpt():
+  """One block with a wide MLP: its largest layer fills a device alone, so
+  only a tensor split shrinks it; 4 heads, so T = 2 and 4 divide."""
+  return models.build_model("gpt", input_shape=(32,), num_classes=256,
+                            seed=0, size="tiny", num_layers=1, d_model=64,
+                            num_heads=4, mlp_ratio=32)
+
+
+def test_hybrids_are_weighed_where_the_rules_split(gpt, wide_gpt, mlp):
+  plan = auto.plan_layout(wide_gpt, hardware(), global_batch_size=16)
+  labels = {c.label for c in plan.candidates}
+  assert {"tensor 4", "data 2 x tensor 2", "data 2 x pipeline K=2 M=4 gpipe",
+          "pipeline K=2 M=4 1f1b x tensor 2",
+          "data 2 x model_parallel K=2"} <= labels
+  assert {c.tensor for c in plan.candidates} == {1, 2, 4}
+  assert all(c.num_devices <= 4 for c in plan.candidates)
+  assert plan.chosen.label == "mirrored n=4"  # It fits one device.
+  # gpt tiny has 2 heads: T = 4 cannot split its attention.
+  two_heads = auto.plan_layout(gpt, hardware(devices=8), global_batch_size=16)
+  assert {c.tensor for c in two_heads.candidates} == {1, 2}
+  assert "data 2 x pipeline K=2 M=2 gpipe x tensor 2" in {
+      c.label for c in two_heads.candidates}
+  # No layer matches the rules: no tensor split at all.
+  assert {c.tensor for c in auto.plan_layout(
+      mlp, hardware(), global_batch_size=64).candidates} == {1}
+
+
+def test_a_layer_too_big_for_one_device_is_split_by_tensor(wide_gpt):
+  roomy = auto.plan_layout(wide_gpt, hardware(), global_batch_size=16)
+  unsplit = min(c.memory_bytes for c in roomy.candidates if c.tensor == 1)
+  plan = auto.plan_layout(wide_gpt, hardware(unsplit - 1),
+                          global_batch_size=16)
+  assert plan.chosen.tensor > 1
+  assert plan.chosen.fits and plan.chosen.memory_bytes < unsplit
+  assert not any(c.fits for c in plan.candidates if c.tensor == 1)
+  assert plan.chosen.account.peak.memory.total == plan.chosen.memory_bytes
+
+
+def test_a_slow_link_sends_fewer_bytes_than_data_parallel(gpt):
+  fast = auto.plan_layout(gpt, hardware(), global_batch_size=16)
+  assert fast.chosen.label == "mirrored n=4"
+  plan = auto.plan_layout(gpt, hardware(link_bytes_per_s=1e8),
+                          global_batch_size=16)
+  data_parallel = by_label(plan, "mirrored n=4")
+  assert plan.chosen.sent_bytes < data_parallel.sent_bytes
+  assert plan.chosen.step_s < data_parallel.step_s
+  # Tensor parallelism all-reduces in every block: slower still here.
+  assert all(c.step_s > plan.chosen.step_s for c in plan.candidates
+             if c.tensor > 1)
+
+
+def test_hybrid_options_resolve_to_registered_placements(wide_gpt):
+  plan = auto.plan_layout(wide_gpt, hardware(), global_batch_size=16)
+  options = auto_placement.AutoOptions(global_batch_size=16)
+  for label, name, values in (
+      ("data 2 x tensor 2", "tensor_parallel",
+       {"tensor_parallel": 2, "data_parallel": 2}),
+      ("data 2 x pipeline K=2 M=4 gpipe", "pipeline",
+       {"num_stages": 2, "micro_batches": 4, "schedule": "gpipe",
+        "recompute": False, "data_parallel": 2}),
+      ("model_parallel K=2 x tensor 2", "model_parallel",
+       {"num_stages": 2, "tensor_parallel": 2})):
+    candidate = by_label(plan, label)
+    assert candidate.options() == values
+    chosen_plan = auto.AutoPlan((candidate,), candidate, "", plan.hardware,
+                                16)
+    distribution, chosen = auto_placement.resolve(chosen_plan, options)
+    assert distribution.name == name
+    assert chosen.devices_needed == candidate.num_devices == 4

@@ -26,10 +26,10 @@ def data():
   return gp._data()  # pylint: disable=protected-access
 
 
-def _unsplit_train(x, y, make_optimizer, clip_norm=None):
+def _unsplit_train(x, y, make_optimizer, clip_norm=None, build=None):
   """(losses, weights) of one tape on the unsplit model (clipping the
   batch gradient to a global norm if asked)."""
-  model = gp._gpt()  # pylint: disable=protected-access
+  model = (build or gp._gpt)()  # pylint: disable=protected-access
   optimizer = make_optimizer()
   optimizer.build(model.trainable_variables)
   loss_obj = gp._loss()  # pylint: disable=protected-access
@@ -73,10 +73,10 @@ def _train(placed, x, y, make_optimizer, options=None):
   return losses, step.get_concrete_function(*next(gp._batches(x, y)))  # pylint: disable=protected-access
 
 
-def _assert_same(got, want, tol):
+def _assert_same(got, want, tol, build=None):
   (got_losses, got_weights), (want_losses, want_weights) = got, want
   np.testing.assert_allclose(got_losses, want_losses, rtol=tol)
-  initial = gp._gpt().get_weights()  # pylint: disable=protected-access
+  initial = (build or gp._gpt)().get_weights()  # pylint: disable=protected-access
   moved = max(np.abs(w - w0).max() for w, w0 in zip(want_weights, initial))
   assert moved > 10 * tol  # Training really moved the weights.
   for i, (u, v) in enumerate(zip(got_weights, want_weights)):
@@ -234,3 +234,94 @@ def test_trainer_data_x_pipeline_saves_a_checkpoint_any_layout_reads(
   with pytest.raises(ValueError, match="does not hold the weights of layers"):
     portable.restore_weights(
         gp.gpt.gpt(gp.SHAPE, gp.VOCAB, size="tiny", num_layers=3), path)
+
+
+# -------------------------------------------------------- with tensor
+
+
+_SHARD = re.compile(r"^(\w+?)_shard(\d+)(_backward)?(?:_\d+)?$")
+
+
+def _gpt4(seed=0):
+  """`gpt` tiny with 4 heads (so T=4 splits them)."""
+  keras.utils.set_random_seed(seed)
+  return gp.gpt.gpt(gp.SHAPE, gp.VOCAB, size="tiny", num_heads=4)
+
+
+def shard_ops(concrete):
+  """`{(replica, layer, shard, "forward" | "backward"): [OpPlacement]}` of
+  the split layers' shards, from the traced step's name scopes."""
+  out = {}
+  for p in inspection.op_placements(concrete):
+    m = _REPLICA.match(p.name)
+    replica = int(m.group(1)) if m else 0
+    parts = p.name.split("/")
+    for i, part in enumerate(parts):
+      s = _SHARD.match(part)
+      if s:
+        backward = bool(s.group(3)) or "gradient_tape" in parts[:i]
+        key = (replica, s.group(1), int(s.group(2)),
+               "backward" if backward else "forward")
+        out.setdefault(key, []).append(p)
+        break
+  return out
+
+
+def assert_shards_on_the_mesh(model, layout, devices, concrete):
+  """Each split layer's shard `t` of stage `k` in replica `r` runs its
+  forward and backward matrix products on `mesh[r][k][t]`, and nothing
+  else of it runs elsewhere."""
+  from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
+  mesh = layout.mesh(devices)
+  ops = shard_ops(concrete)
+  copies = getattr(model, "replicas", [model])
+  for r, copy in enumerate(copies):
+    parts = getattr(copy, "stages", None) or [copy.model]
+    for k, part in enumerate(parts):
+      split = [l for l in part.layers if isinstance(l, tensor._ShardedLayer)]  # pylint: disable=protected-access
+      assert split, (r, k)
+      for layer in split:
+        assert list(layer.devices) == mesh[r][k], (layer.name, r, k)
+        for t, device in enumerate(mesh[r][k]):
+          for kind in ("forward", "backward"):
+            found = ops[(r, layer.name, t, kind)]
+            assert any(p.type in ("MatMul", "BatchMatMulV2", "Einsum")
+                       for p in found), (r, layer.name, t, kind)
+            bad = [(p.name, p.device) for p in found
+                   if p.device != device and not (
+                       p.device == "" and (p.type in RESOURCE_OPS or
+                                           p.colocated))]
+            assert bad == [], (r, layer.name, t, kind)
+
+
+@pytest.mark.parametrize("layout,name", [
+    (hybrid.Layout(stages=2, tensor=2, micro_batches=2), "sgd"),
+    (hybrid.Layout(data=2, tensor=2), "adam")])
+def test_tensor_composes_with_pipeline_and_data(data, cpu_devices, layout,
+                                                name):
+  make, tol = gp.OPTIMIZERS[name]
+  model = hybrid.build_layout(_gpt4(), layout, devices=cpu_devices)
+  losses, step = _train(model, *data, make)
+  want = _unsplit_train(*data, make, build=_gpt4)
+  _assert_same((losses, model.to_unsplit().get_weights()), want, tol,
+               build=_gpt4)
+  assert len(model.to_unsplit().get_weights()) == len(_gpt4().weights)
+  assert_shards_on_the_mesh(model, layout, cpu_devices, step)
+
+
+def test_2x2x2_on_eight_devices():
+  """Runs `test_3d.py` in a process with 8 logical CPUs; every test in it
+  must pass (none skipped)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  here = os.path.dirname(__file__)
+  env = dict(os.environ, TFMGPU_TEST_DEVICES="8")
+  run = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+       os.path.join(here, "test_3d.py")], env=env, capture_output=True,
+      text=True, timeout=900, check=False)
+  tail = run.stdout[-3000:] + run.stderr[-2000:]
+  assert run.returncode == 0, tail
+  assert re.search(r"\b3 passed\b", run.stdout), tail
+  assert "skipped" not in run.stdout, tail

@@ -19,6 +19,8 @@
 * `pipeline_step`: the ops of one pipelined training step, in schedule order;
 * `pipeline`: `PipelinedModel`, micro-batches streamed through the stages;
 * `branches`: `BranchParallel`, parallel sub-models on one input;
+* `tensor`: tensor parallelism: layers split over devices (column, row,
+  attention heads), `tensor_parallel` and `TensorParallelModel`;
 * `choices`: the partition criteria and schedule names (no TensorFlow);
 * `links`: named link bandwidths, device speeds, the default memory budget;
 * `auto`: `plan_layout`, the fastest predicted layout that fits in memory.
@@ -39,14 +41,17 @@ _EXPORTS = {
     "PipelinedModel": "tfmgpu.parallel.pipeline",
     "StagePlan": "tfmgpu.parallel.plan",
     "StagedModel": "tfmgpu.parallel.staged",
+    "TensorParallelModel": "tfmgpu.parallel.tensor",
     "Timeline": "tfmgpu.parallel.timeline",
     "plan_stages": "tfmgpu.parallel.partition",
     "simulate": "tfmgpu.parallel.timeline",
+    "tensor_parallel": "tfmgpu.parallel.tensor",
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
 _SUBMODULES = ("auto", "branches", "choices", "cost", "graph", "inspection",
                "links", "microbatch", "partition", "pipeline", "pipeline_step",
-               "placed", "plan", "schedule", "staged", "timeline")
+               "placed", "plan", "schedule", "staged", "tensor",
+               "timeline")
 
 __all__ = sorted(_EXPORTS)
 

@@ -1,24 +1,31 @@
 """Picks a layout for a model and devices from the cost model: `plan_layout`.
 
-The layouts weighed are the ones tfmgpu builds: data parallelism
-(`mirrored` over n of the devices), model parallelism (`model_parallel`
-over K stages) and pipelines (`pipeline` over K stages, M micro-batches,
-GPipe or 1F1B, with or without recomputation). For each, from the model's
-costs (`tfmgpu.parallel.cost`, per stage as `plan_stages` cuts it):
+The layouts weighed are the ones tfmgpu builds, and their hybrids: data
+parallelism (`mirrored` over n of the devices), model parallelism
+(`model_parallel` over K stages), pipelines (`pipeline` over K stages, M
+micro-batches, GPipe or 1F1B, with or without recomputation), tensor
+parallelism (`tensor_parallel`: the layers the tensor rules name split over
+T in `TENSOR_SIZES`, only where their heads and widths divide and T devices
+fit in one host), and `R` data-parallel copies of stages, of shards or of
+both (`R * K * T` devices at most). Each is costed by
+`tfmgpu.parallel.accounting` from the model's costs
+(`tfmgpu.parallel.cost`, per stage as `plan_stages` cuts it):
 
-* memory per device: `StagePlan.memory_estimate` (data parallelism: the
-  whole model as one stage, on `batch / n` examples), the largest device's;
+* memory per device: `StagePlan.memory_estimate` of each device's share
+  (split layers divided by T; data parallelism: the whole model as one
+  stage, on `batch / n` examples), the largest device's;
 * predicted step time, assuming every device computes at `flops_per_s`
   (a backward costs `BACKWARD_FACTOR` forwards; recomputation adds one
   forward; each forward and backward a device runs adds a fixed
-  `task_overhead_s`) and each link moves `link_bytes_per_s`:
-  - data parallel: the compute of `batch / n` examples, then a ring
-    all-reduce of the gradients, `2 (n - 1) / n * gradient bytes / bandwidth`
-    (no overlap with the backward);
+  `task_overhead_s`) and each link moves `link_bytes_per_s` (the network's
+  bandwidth for a group spanning hosts):
   - stages: `tfmgpu.parallel.timeline.simulate` of the schedule with each
-    stage's forward and backward time per micro-batch, and the largest
-    cut's bytes per micro-batch / bandwidth as every transfer's delay
-    (model parallelism: one micro-batch).
+    stage's forward and backward time per micro-batch (plus its tensor
+    all-reduces), and the largest cut's bytes per micro-batch / bandwidth
+    as every transfer's delay (model parallelism: one micro-batch);
+  - data parallelism: then a ring all-reduce of each device's gradients
+    over the R copies, `2 (R - 1) / R * gradient bytes / bandwidth` (no
+    overlap with the backward).
 
 The fastest layout whose estimate fits `memory_bytes` wins (ties: less
 memory, then the simpler layout); none that does not fit is ever chosen.
@@ -32,52 +39,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from tfmgpu.parallel import accounting
 from tfmgpu.parallel import plan as plan_lib
 
 # Backward FLOPs per forward FLOP (gradients of inputs and of weights).
-BACKWARD_FACTOR = 2.0
+BACKWARD_FACTOR = accounting.BACKWARD_FACTOR
+# The devices planned for (defined with the accounting that reads them).
+Hardware = accounting.Hardware
+# Tensor-parallel sizes weighed (those the split layers' sizes divide).
+TENSOR_SIZES = (2, 4, 8)
 # Micro-batch counts weighed for a pipeline (those the batch divides).
 MICRO_BATCHES = (2, 4, 8, 16, 32)
 SCHEDULES = ("gpipe", "1f1b")
 # Simpler first: the tie-break between equally fast, equally large layouts.
-_SIMPLICITY = {"mirrored": 0, "model_parallel": 1, "pipeline": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-  """The devices a layout is planned for.
-
-  Attributes:
-    num_devices: how many devices.
-    device_kind: `"GPU"` or `"CPU"` (names the planned devices).
-    memory_bytes: the memory budget of each device.
-    flops_per_s: sustained training FLOP/s of each device.
-    link_bytes_per_s: bandwidth of each device's link.
-    link: the link's name, for the table.
-    task_overhead_s: fixed time of each forward or backward a device runs
-      (one per micro-batch and stage): launching its kernels, sending its
-      tensors. It keeps tiny micro-batches from looking free.
-  """
-  num_devices: int
-  device_kind: str
-  memory_bytes: int
-  flops_per_s: float
-  link_bytes_per_s: float
-  link: str = ""
-  task_overhead_s: float = 0.0
-
-  def __post_init__(self):
-    for name in ("num_devices", "memory_bytes", "flops_per_s",
-                 "link_bytes_per_s"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{name}={value!r} must be > 0.")
-    if not self.task_overhead_s >= 0:
-      raise ValueError(f"task_overhead_s={self.task_overhead_s!r} must be "
-                       ">= 0.")
-
-  def devices(self, count: int) -> list[str]:
-    return [f"/device:{self.device_kind}:{i}" for i in range(count)]
+_SIMPLICITY = {"mirrored": 0, "model_parallel": 1, "pipeline": 2,
+               "tensor_parallel": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,16 +61,24 @@ class Candidate:
   """One layout weighed, with its predicted step and memory.
 
   Attributes:
-    strategy: `"mirrored"`, `"model_parallel"` or `"pipeline"`.
-    devices: devices it uses (replicas or stages).
-    micro_batches: micro-batches per step (1 unless a pipeline).
+    strategy: `"mirrored"`, `"model_parallel"`, `"pipeline"` or
+      `"tensor_parallel"`.
+    devices: replicas (`mirrored`), stages (`model_parallel`, `pipeline`)
+      or shards (`tensor_parallel`).
+    micro_batches: micro-batches per step of each replica (1 unless a
+      pipeline).
     schedule: the pipeline's schedule.
     recompute: the pipeline recomputes activations in its backward.
     compute_s: predicted compute time of one step (with pipeline bubbles).
-    comm_s: predicted time of the step's all-reduce or stage transfers not
-      hidden by compute.
+    comm_s: predicted time the step's all-reduces and stage transfers add
+      to compute.
     memory_bytes: estimated memory of the largest device.
     fits: `memory_bytes` is within the budget.
+    data: `R`, data-parallel copies of the stages or shards (1 for
+      `mirrored`, whose replicas are `devices`).
+    tensor: `T`, devices each split layer is sharded over.
+    sent_bytes: bytes the busiest device sends per step (all kinds).
+    account: the `accounting.LayoutAccount` behind the numbers.
   """
   strategy: str
   devices: int
@@ -105,33 +89,63 @@ class Candidate:
   comm_s: float = 0.0
   memory_bytes: int = 0
   fits: bool = False
+  data: int = 1
+  tensor: int = 1
+  sent_bytes: int = 0
+  account: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
   def step_s(self) -> float:
     return self.compute_s + self.comm_s
 
   @property
+  def num_devices(self) -> int:
+    """All the devices the layout uses."""
+    if self.strategy in ("mirrored", "tensor_parallel"):
+      return self.data * self.devices
+    return self.data * self.devices * self.tensor
+
+  @property
   def label(self) -> str:
+    """E.g. `mirrored n=4`, `data 2 x pipeline K=2 M=4 gpipe x tensor 2`."""
     if self.strategy == "mirrored":
       return f"mirrored n={self.devices}"
+    parts = [f"data {self.data}"] if self.data > 1 else []
     if self.strategy == "model_parallel":
-      return f"model_parallel K={self.devices}"
-    return (f"pipeline K={self.devices} M={self.micro_batches} "
-            f"{self.schedule}{' recompute' if self.recompute else ''}")
+      parts.append(f"model_parallel K={self.devices}")
+    elif self.strategy == "pipeline":
+      parts.append(f"pipeline K={self.devices} M={self.micro_batches} "
+                   f"{self.schedule}{' recompute' if self.recompute else ''}")
+    if self.tensor > 1:
+      parts.append(f"tensor {self.tensor}")
+    return " x ".join(parts)
 
   def options(self) -> dict[str, Any]:
     """The chosen distribution's option values (`TrainConfig` names)."""
     if self.strategy == "mirrored":
       return {"num_replicas": self.devices}
-    values: dict[str, Any] = {"num_stages": self.devices}
+    if self.strategy == "tensor_parallel":
+      values: dict[str, Any] = {"tensor_parallel": self.tensor}
+    else:
+      values = {"num_stages": self.devices}
+      if self.tensor > 1:
+        values["tensor_parallel"] = self.tensor
     if self.strategy == "pipeline":
       values.update(micro_batches=self.micro_batches, schedule=self.schedule,
                     recompute=self.recompute)
+    if self.data > 1:
+      values["data_parallel"] = self.data
     return values
 
+  @property
+  def family(self) -> tuple[str, bool, bool]:
+    """The kind of layout: its strategy, with data copies, with shards."""
+    return (self.strategy, self.data > 1, self.tensor > 1)
+
   def _key(self) -> tuple:
-    return (self.step_s, self.memory_bytes, _SIMPLICITY[self.strategy],
-            self.devices, self.micro_batches)
+    return (self.step_s, self.memory_bytes,
+            _SIMPLICITY[self.strategy] + (self.data > 1) + (self.tensor > 1),
+            self.num_devices, self.micro_batches)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -181,7 +195,7 @@ class AutoPlan:
     best = {}
     for c in self.candidates:
       if c.fits:
-        best.setdefault(c.strategy, c)
+        best.setdefault(c.family, c)
     return [c for c in self.candidates
             if c.strategy == "mirrored" or c in best.values()
             or not _dominated(c, self.candidates)]
@@ -220,49 +234,27 @@ class AutoPlan:
     return self.table()
 
 
-def _peak(estimates: dict[str, plan_lib.MemoryEstimate]) -> int:
-  return max(e.total for e in estimates.values())
-
-
-def _data_parallel(whole: plan_lib.StagePlan, n: int, hw: Hardware,
-                   batch: int, optimizer: str | int) -> Candidate:
-  """Replicas on `n` devices: `batch / n` examples each, then a ring
-  all-reduce of one gradient per trainable weight."""
-  stage = whole.stages[0]
-  per_replica = batch // n
-  compute = ((1 + BACKWARD_FACTOR) * stage.flops * per_replica /
-             hw.flops_per_s + 2 * hw.task_overhead_s)
-  comm = (2 * (n - 1) / n * stage.trainable_param_bytes /
-          hw.link_bytes_per_s)
-  memory = _peak(whole.memory_estimate(per_replica, optimizer=optimizer))
-  return Candidate("mirrored", n, compute_s=compute, comm_s=comm,
-                   memory_bytes=memory, fits=memory <= hw.memory_bytes)
-
-
-def _staged(plan: plan_lib.StagePlan, hw: Hardware, batch: int,
-            optimizer: str | int, strategy: str, micro_batches: int = 1,
-            schedule: str = "gpipe", recompute: bool = False) -> Candidate:
-  """Stages of `plan` fed `micro_batches`: the simulated step, with and
-  without the transfers between stages."""
-  from tfmgpu.parallel import timeline  # pylint: disable=g-import-not-at-top
-  micro = batch // micro_batches
-  fwd = [s.flops * micro / hw.flops_per_s for s in plan.stages]
-  bwd = [f * (BACKWARD_FACTOR + (1 if recompute else 0)) +
-         hw.task_overhead_s for f in fwd]
-  fwd = [f + hw.task_overhead_s for f in fwd]
-  transfer = (max(s.sent_bytes for s in plan.stages) * micro /
-              hw.link_bytes_per_s)
-  run = lambda delay: timeline.simulate(
-      fwd, bwd, micro_batches, schedule=schedule,
-      transfer_time=delay).step_time
-  compute = run(0.0)
-  memory = _peak(plan.memory_estimate(
-      batch, optimizer=optimizer, micro_batches=micro_batches,
-      schedule=schedule, recompute=recompute))
-  return Candidate(strategy, plan.num_stages, micro_batches, schedule,
-                   recompute, compute_s=compute,
-                   comm_s=run(transfer) - compute, memory_bytes=memory,
-                   fits=memory <= hw.memory_bytes)
+def _weigh(plan: plan_lib.StagePlan, split: accounting.TensorSplit,
+           hw: Hardware, batch: int, optimizer: str | int, strategy: str, *,
+           data: int = 1, tensor: int = 1, micro_batches: int = 1,
+           schedule: str = "gpipe", recompute: bool = False) -> Candidate:
+  """The layout's `accounting.account_layout` and predicted step on `hw`,
+  as a candidate (`data` replicas of `plan`'s stages, each split over
+  `tensor` devices)."""
+  acc = accounting.account_layout(
+      plan, split, global_batch_size=batch, data=data, tensor=tensor,
+      micro_batches=micro_batches, schedule=schedule, recompute=recompute,
+      optimizer=optimizer, devices=hw.devices(plan.num_stages * tensor))
+  step = acc.step(hw)
+  memory = acc.peak.memory.total
+  devices = {"mirrored": data, "tensor_parallel": tensor}.get(
+      strategy, plan.num_stages)
+  return Candidate(strategy, devices, micro_batches, schedule, recompute,
+                   compute_s=step.compute_s, comm_s=step.comm_s,
+                   memory_bytes=memory, fits=memory <= hw.memory_bytes,
+                   data=1 if strategy == "mirrored" else data, tensor=tensor,
+                   sent_bytes=max(d.sent.total for d in acc.devices),
+                   account=acc)
 
 
 def _counts(limit: int) -> list[int]:
@@ -274,17 +266,47 @@ def _counts(limit: int) -> list[int]:
   return out + ([limit] if limit >= 2 and limit not in out else [])
 
 
-def _stage_candidates(plan: plan_lib.StagePlan, hw: Hardware, batch: int,
-                      optimizer: str | int) -> list[Candidate]:
-  """`model_parallel` over the plan's stages, and every pipeline of them."""
-  out = [_staged(plan, hw, batch, optimizer, "model_parallel")]
+def _stage_candidates(plan: plan_lib.StagePlan,
+                      split: accounting.TensorSplit, hw: Hardware,
+                      batch: int, optimizer: str | int, data: int,
+                      tensor: int) -> list[Candidate]:
+  """`model_parallel` over the plan's stages, and every pipeline of them
+  (`data` copies, split over `tensor` devices)."""
+  if batch % data:
+    return []
+  sizes = dict(data=data, tensor=tensor)
+  out = [_weigh(plan, split, hw, batch, optimizer, "model_parallel",
+                **sizes)]
   for m in MICRO_BATCHES:
-    if m > batch or batch % m:
+    if m * data > batch or batch % (m * data):
       continue
     for schedule in SCHEDULES:
       for recompute in (False, True):
-        out.append(_staged(plan, hw, batch, optimizer, "pipeline", m,
-                           schedule, recompute))
+        out.append(_weigh(plan, split, hw, batch, optimizer, "pipeline",
+                          micro_batches=m, schedule=schedule,
+                          recompute=recompute, **sizes))
+  return out
+
+
+def _tensor_sizes(split: accounting.TensorSplit, hw: Hardware) -> list[int]:
+  """1, and the `TENSOR_SIZES` the split layers allow inside one host."""
+  host = hw.devices_per_host or hw.num_devices
+  return [1] + [t for t in TENSOR_SIZES
+                if t <= min(host, hw.num_devices) and split.why_not(t) is None]
+
+
+def _unstaged_candidates(whole: plan_lib.StagePlan,
+                         split: accounting.TensorSplit, hw: Hardware,
+                         batch: int, optimizer: str | int) -> list[Candidate]:
+  """Data parallelism over n devices, and tensor parallelism over T (with
+  data-parallel copies): the model in one stage."""
+  out = []
+  for tensor in _tensor_sizes(split, hw):
+    for data in sorted({1, *_counts(hw.num_devices // tensor)}):
+      if batch % data == 0:
+        out.append(_weigh(whole, split, hw, batch, optimizer,
+                          "mirrored" if tensor == 1 else "tensor_parallel",
+                          data=data, tensor=tensor))
   return out
 
 
@@ -311,16 +333,21 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
   plan = lambda k: partition_lib.plan_stages(
       model, k, criterion=partition, devices=hardware.devices(k),
       check_devices=False)
-  whole = plan(1)
+  whole, split = plan(1), accounting.tensor_split(model)
   n_all = hardware.num_devices
-  out = [_data_parallel(whole, n, hardware, global_batch_size, optimizer)
-         for n in sorted({1, *_counts(n_all)}) if global_batch_size % n == 0]
+  out = _unstaged_candidates(whole, split, hardware, global_batch_size,
+                             optimizer)
   for k in _counts(min(n_all, len(whole.layer_names))):
     try:
-      out += _stage_candidates(plan(k), hardware, global_batch_size,
-                               optimizer)
+      staged = plan(k)
     except ValueError:  # This model cannot be cut into k stages.
       continue
+    for tensor in _tensor_sizes(split, hardware):
+      if k * tensor > n_all:
+        continue
+      for data in [1, *_counts(n_all // (k * tensor))]:
+        out += _stage_candidates(staged, split, hardware, global_batch_size,
+                                 optimizer, data, tensor)
   return sorted(out, key=lambda c: (not c.fits, c._key()))  # pylint: disable=protected-access
 
 
@@ -343,7 +370,7 @@ def _reason(chosen: Candidate, candidates: Sequence[Candidate],
     else:
       why.append(f"{dp.label} is predicted at {_fmt_time(dp.step_s)}, of "
                  f"which {_fmt_time(dp.comm_s)} is its gradient all-reduce.")
-  other = next((c for c in fitting if c.strategy != chosen.strategy
+  other = next((c for c in fitting if c.family != chosen.family
                 and c is not dp), None)
   if other is not None:
     why.append(f"Best other layout: {other.label} at "

@@ -286,8 +286,5 @@ def _inner_options(model: Any, loss_reduction: str) -> dict[str, Any]:
 
 def placed_devices(model: Any) -> list[str]:
   """The devices a placed model uses (stages', shards', copies')."""
-  for attr in ("devices", "stage_devices"):
-    found = getattr(model, attr, None)
-    if found:
-      return list(found)
-  return []
+  return list(getattr(model, "devices", None) or
+              getattr(model, "stage_devices", None) or [])

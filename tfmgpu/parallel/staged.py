@@ -330,6 +330,18 @@ class StagedModel(placed.PerDeviceGradientModel):
 
   # ---------------------------------------------------------------- weights
 
+  @property
+  def devices(self) -> list[str]:
+    """Every device the stages use: each stage's, then its split layers'
+    shards (`tfmgpu.parallel.tensor`), in stage order, each once."""
+    found = []
+    for stage, device in zip(self.stages, self.stage_devices):
+      found.append(device)
+      for layer in stage.layers:
+        found.extend(devices_lib.canonical_device(d)
+                     for d in getattr(layer, "devices", ()))
+    return list(dict.fromkeys(found))
+
   def weighted_layers(self) -> dict[str, Any]:
     """`{name: layer}` of the stages' layers with weights (layer names are
     the unsplit model's; split layers give their weights in unsplit form)."""

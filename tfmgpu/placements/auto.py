@@ -3,9 +3,11 @@
 At run time the model is built with weight shapes only, every layout tfmgpu
 builds is weighed for the devices found (`tfmgpu.parallel.auto`:
 data parallelism over n devices, model parallelism and pipelines over K
-stages, micro-batches, schedule, recomputation), the table and the reason
-are logged, and the chosen distribution (`mirrored`, `model_parallel` or
-`pipeline`) places, serves and describes the model. The choice is a
+stages, micro-batches, schedule, recomputation, tensor parallelism over T
+devices, and R data-parallel copies of these), the table and the reason
+are logged, and the chosen distribution (`mirrored`, `model_parallel`,
+`pipeline` or `tensor_parallel`, with its `data_parallel` and
+`tensor_parallel` options) places, serves and describes the model. The choice is a
 prediction of the cost model, not a measurement; a layout whose memory
 estimate exceeds `device_memory_gb` is never chosen.
 """
@@ -88,10 +90,10 @@ def resolve(plan: Any, options: AutoOptions
   """The chosen distribution and its options."""
   chosen = registry.lookup(plan.chosen.strategy)
   values = plan.chosen.options()
-  if chosen.name != "mirrored":
-    values["partition"] = options.partition
-  else:
+  if chosen.name == "mirrored":
     values["single_replica"] = "default"
+  elif chosen.name != "tensor_parallel":  # Stages: how to cut them.
+    values["partition"] = options.partition
   return chosen, chosen.options(**values)
 
 
@@ -99,8 +101,9 @@ def resolve(plan: Any, options: AutoOptions
 class Auto(registry.Distribution):
   """The fastest predicted layout that fits, chosen at run time."""
   name = "auto"
-  description = ("Chooses data parallelism, model parallelism or a pipeline "
-                 "(stages, micro-batches, schedule, recomputation) by the "
+  description = ("Chooses data parallelism, model parallelism, a pipeline "
+                 "(stages, micro-batches, schedule, recomputation), tensor "
+                 "parallelism or data-parallel copies of these by the "
                  "cost model's predicted step time among the layouts whose "
                  "memory estimate fits --device_memory_gb; logs the "
                  "candidates and why.")

@@ -1,0 +1,64 @@
+"""Data x pipeline x tensor, 2 x 2 x 2 on 8 logical CPUs: `gpt` tiny (4
+heads) trains equal to the unsplit model, every shard on the device the
+layout names; its checkpoint restores unsplit and as T=4 with the same
+predictions; `predict` equals the unsplit model's.
+
+The suite's process has 4 logical CPUs, so these tests skip there;
+`test_hybrid.test_2x2x2_on_eight_devices` runs this file in a process of
+its own with 8 (`TFMGPU_TEST_DEVICES=8`).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmgpu
+from tfmgpu.parallel import hybrid
+from tfmgpu.parallel import tensor
+from tfmgpu.training import portable
+
+import test_gpt_parallel as gp  # pylint: disable=g-bad-import-order
+import test_hybrid as th  # pylint: disable=g-bad-import-order
+
+pytestmark = pytest.mark.skipif(
+    len(tfmgpu.list_devices("CPU")) < 8,
+    reason="needs 8 logical CPUs: run by test_hybrid in a process of its own")
+
+LAYOUT = hybrid.Layout(data=2, stages=2, tensor=2, micro_batches=2)
+
+
+@pytest.fixture(scope="module")
+def data():
+  return gp._data()  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_2x2x2_trains_as_unsplit_on_the_mesh(data, cpu_devices, name):
+  make, tol = gp.OPTIMIZERS[name]
+  model = hybrid.build_layout(th._gpt4(), LAYOUT, devices=cpu_devices)  # pylint: disable=protected-access
+  assert sorted(model.devices) == sorted(cpu_devices[:8])
+  losses, step = th._train(model, *data, make)  # pylint: disable=protected-access
+  want = th._unsplit_train(*data, make, build=th._gpt4)  # pylint: disable=protected-access
+  th._assert_same((losses, model.to_unsplit().get_weights()), want, tol,  # pylint: disable=protected-access
+                  build=th._gpt4)  # pylint: disable=protected-access
+  th.assert_shards_on_the_mesh(model, LAYOUT, cpu_devices, step)
+
+
+def test_2x2x2_checkpoint_restores_unsplit_and_as_t4(data, cpu_devices,
+                                                     tmp_path):
+  x, y = data
+  model = hybrid.build_layout(th._gpt4(), LAYOUT, devices=cpu_devices)  # pylint: disable=protected-access
+  th._trainer(model, x, y, model_dir=str(tmp_path))  # pylint: disable=protected-access
+  trained = model.to_unsplit()
+  expected = trained.predict(x, verbose=0)
+  # predict through the layout itself equals the unsplit model's.
+  np.testing.assert_allclose(model.predict(x, batch_size=gp.BATCH, verbose=0),
+                             expected, rtol=1e-5, atol=1e-5)
+  path = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+  unsplit = portable.restore_weights(th._gpt4(seed=3), path)  # pylint: disable=protected-access
+  np.testing.assert_allclose(unsplit.predict(x, verbose=0), expected,
+                             rtol=1e-5, atol=1e-5)
+  t4 = tensor.TensorParallelModel(th._gpt4(seed=3), cpu_devices[4:8])  # pylint: disable=protected-access
+  portable.restore_weights(t4, path)
+  np.testing.assert_allclose(t4.predict(x, batch_size=gp.BATCH, verbose=0),
+                             expected, rtol=1e-5, atol=1e-5)
