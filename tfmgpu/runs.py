@@ -147,6 +147,8 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
       **config.model_options()))
   if config.strategy == "auto":  # The layouts weighed and the one chosen.
     return auto_placement.choose(model, config.options).table()
+  if getattr(config.options, "hybrid", False):
+    return _describe_layout(config, model)
   stage_options = model_parallel.StageOptions(
       num_stages=config.num_stages, partition=config.partition,
       split_points=config.split_points)
@@ -163,6 +165,27 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
     lines.append(f"(A plan for {len(planned)} devices; this machine has "
                  f"{len(devices_lib.accelerator_devices())}.)")
   return "\n".join(lines)
+
+
+def _describe_layout(config: TrainConfig, model: Any) -> str:
+  """A hybrid layout's stage plan, per-device memory and bytes sent per
+  step for each kind of parallelism, and its step projected on an 8-GPU
+  host (`tfmgpu.parallel.accounting`)."""
+  from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
+  options = config.options
+  micro = getattr(config.distribution, "micro_batches_of",
+                  lambda o: None)(options)
+  layout = model_parallel.layout_of(options, micro)
+  names = (model_parallel.planned_devices(layout.num_devices) or
+           devices_lib.accelerator_devices())[:layout.stages * layout.tensor]
+  plan = (model_parallel.plan_for(model, options, names[::layout.tensor])
+          if layout.stages > 1 else None)
+  account = accounting.account(
+      model, layout, global_batch_size=config.global_batch_size,
+      optimizer=config.optimizer, partition=config.partition,
+      rules=model_parallel.tensor_rules(options), devices=names, plan=plan)
+  table = accounting.format_layout_table(account, "dgx_a100")
+  return table if plan is None else f"{plan}\n\n{table}"
 
 
 def start_devices(config: TrainConfig,
