@@ -231,6 +231,13 @@ def test_trainer_data_x_pipeline_saves_a_checkpoint_any_layout_reads(
   portable.restore_weights(other, path)
   np.testing.assert_allclose(other.predict(x, batch_size=gp.BATCH, verbose=0),
                              expected, rtol=1e-5, atol=1e-5)
+  copies = hybrid.build_layout(  # Every copy takes the weights.
+      gp._gpt(seed=7), hybrid.Layout(data=2, stages=2),  # pylint: disable=protected-access
+      devices=cpu_devices)
+  portable.restore_weights(copies, path)
+  np.testing.assert_allclose(copies.predict(x, batch_size=gp.BATCH,
+                                            verbose=0),
+                             expected, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="does not hold the weights of layers"):
     portable.restore_weights(
         gp.gpt.gpt(gp.SHAPE, gp.VOCAB, size="tiny", num_layers=3), path)

@@ -22,7 +22,13 @@
 * `tensor`: tensor parallelism: layers split over devices (column, row,
   attention heads), `tensor_parallel` and `TensorParallelModel`;
 * `choices`: the partition criteria and schedule names (no TensorFlow);
-* `links`: named link bandwidths, device speeds, the default memory budget;
+* `replicated`: `ReplicatedModel`, data-parallel copies of a placed model,
+  gradients summed per group of devices holding the same part;
+* `hybrid`: `Layout` and `build_layout`, data x pipeline x tensor meshes;
+* `links`: named link bandwidths, device speeds, GPU hosts, the default
+  memory budget;
+* `accounting`: a layout's per-device memory, bytes sent per kind of
+  parallelism and projected step;
 * `auto`: `plan_layout`, the fastest predicted layout that fits in memory.
 
 Its placement names ("model_parallel", "branch_parallel", "pipeline") are
@@ -38,20 +44,23 @@ from typing import Any
 
 _EXPORTS = {
     "BranchParallel": "tfmgpu.parallel.branches",
+    "Layout": "tfmgpu.parallel.hybrid",
     "PipelinedModel": "tfmgpu.parallel.pipeline",
+    "ReplicatedModel": "tfmgpu.parallel.replicated",
     "StagePlan": "tfmgpu.parallel.plan",
     "StagedModel": "tfmgpu.parallel.staged",
     "TensorParallelModel": "tfmgpu.parallel.tensor",
     "Timeline": "tfmgpu.parallel.timeline",
+    "build_layout": "tfmgpu.parallel.hybrid",
     "plan_stages": "tfmgpu.parallel.partition",
     "simulate": "tfmgpu.parallel.timeline",
     "tensor_parallel": "tfmgpu.parallel.tensor",
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
-_SUBMODULES = ("auto", "branches", "choices", "cost", "graph", "inspection",
-               "links", "microbatch", "partition", "pipeline", "pipeline_step",
-               "placed", "plan", "schedule", "staged", "tensor",
-               "timeline")
+_SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
+               "hybrid", "inspection", "links", "microbatch", "partition",
+               "pipeline", "pipeline_step", "placed", "plan", "replicated",
+               "schedule", "staged", "tensor", "timeline")
 
 __all__ = sorted(_EXPORTS)
 

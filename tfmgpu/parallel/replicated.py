@@ -252,8 +252,27 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
     return self.replicas[0].to_unsplit(**kwargs)
 
   def weighted_layers(self) -> dict[str, Any]:
-    """`{name: layer}` of one copy, each layer's weights in unsplit form."""
-    return self.replicas[0].weighted_layers()
+    """`{name: layer}`, each layer's weights in unsplit form: read from the
+    first copy, written into every copy (the copies stay equal)."""
+    copies = [m.weighted_layers() for m in self.replicas]
+    return {name: _EveryCopy([c[name] for c in copies])
+            for name in copies[0]}
+
+
+class _EveryCopy:
+  """One layer of every copy: weights read from the first, set in all."""
+
+  def __init__(self, layers: Sequence[Any]):
+    self.layers = list(layers)
+    self.name = self.layers[0].name
+    self.weights = self.layers[0].weights
+
+  def get_weights(self) -> list[Any]:
+    return self.layers[0].get_weights()
+
+  def set_weights(self, weights: Sequence[Any]) -> None:
+    for layer in self.layers:
+      layer.set_weights(weights)
 
 
 def _sum(parts: Sequence[Any], sources: Sequence[str], device: str,
