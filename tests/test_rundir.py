@@ -159,6 +159,10 @@ def test_the_record_holds_the_run(tmp_path):
   assert set(record["versions"]) == {"tfmgpu", "tensorflow", "keras"}
   assert rundir.record_of(TrainConfig(strategy="pipeline", num_stages=3))[
       "placement"] == "pipeline (num_stages=3, partition=balanced)"
+  assert rundir.record_of(TrainConfig(  # Hybrid sizes shape checkpoints.
+      strategy="pipeline", num_stages=2, data_parallel=2, tensor_parallel=2))[
+          "placement"] == ("pipeline (num_stages=2, partition=balanced, "
+                           "data_parallel=2, tensor_parallel=2)")
   lock = rundir.open_run(str(tmp_path), record)
   lock.release()
   saved = json.loads((tmp_path / rundir.RECORD_NAME).read_text())

@@ -290,6 +290,10 @@ def _placement(config: Any) -> str:
   shape = [f"{name}={getattr(options, name)}"
            for name in ("num_stages", "partition", "split_points")
            if getattr(options, name, None) is not None]
+  # Hybrid sizes, named only when used (records of plain layouts unchanged).
+  shape += [f"{name}={getattr(options, name)}"
+            for name in ("data_parallel", "tensor_parallel", "tensor_rules")
+            if getattr(options, name, None) not in (None, 1)]
   return f"{config.strategy} ({', '.join(shape)})" if shape else config.strategy
 
 
