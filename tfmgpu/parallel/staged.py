@@ -147,7 +147,54 @@ def resolve_plan(model: keras.Model, plan: plan_lib.StagePlan | None,
   return plan
 
 
-class StagedModel(placed.PerDeviceGradientModel):
+class UnsplitWeights:
+  """Weights to and from the unsplit model, by layer name.
+
+  For a placed model whose layers keep the unsplit model's names and show
+  their weights in unsplit form: it provides `weighted_layers()` and
+  `_unsplit_spec` (a `_ModelSpec` of the unsplit model).
+  """
+
+  _unsplit_spec: _ModelSpec
+
+  def weighted_layers(self) -> dict[str, Any]:
+    raise NotImplementedError
+
+  def load_from(self, unsplit: keras.Model) -> None:
+    """Copies the weights of the unsplit model into this one."""
+    mine = self.weighted_layers()
+    _copy_weights(_weighted_layers([unsplit]), mine, list(mine), "unsplit")
+
+  def copy_weights_to(self, unsplit: keras.Model) -> None:
+    """Copies this model's weights into an unsplit model of the same
+    architecture."""
+    mine = self.weighted_layers()
+    _copy_weights(mine, _weighted_layers([unsplit]), list(mine), "unsplit")
+
+  def to_unsplit(self, *, device: str | None = None,
+                 custom_objects: dict[str, Any] | None = None) -> keras.Model:
+    """Rebuilds the unsplit model (on `device`) holding this one's weights.
+
+    Args:
+      device: where the new model's variables go. Defaults to the current
+        device scope.
+      custom_objects: custom layer classes, if the model uses any.
+
+    Returns:
+      A new, unsplit model.
+    """
+    spec = self._unsplit_spec
+    place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
+             else contextlib.nullcontext())
+    with place, keras.saving.custom_object_scope(custom_objects or {}):
+      # A copy: `Functional.from_config` consumes parts of the dict it gets,
+      # and this model must rebuild from the same config every call.
+      model = spec.cls.from_config(copy.deepcopy(spec.config))
+    self.copy_weights_to(model)
+    return model
+
+
+class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
   """A Keras model split into stages, each on its own device.
 
   Example:
@@ -346,35 +393,3 @@ class StagedModel(placed.PerDeviceGradientModel):
     """`{name: layer}` of the stages' layers with weights (layer names are
     the unsplit model's; split layers give their weights in unsplit form)."""
     return _weighted_layers(self.stages)
-
-  def load_from(self, unsplit: keras.Model) -> None:
-    """Copies the weights of the unsplit model into the stages."""
-    mine = _weighted_layers(self.stages)
-    _copy_weights(_weighted_layers([unsplit]), mine, list(mine), "unsplit")
-
-  def copy_weights_to(self, unsplit: keras.Model) -> None:
-    """Copies the stages' weights into an unsplit model of the same architecture."""
-    mine = _weighted_layers(self.stages)
-    _copy_weights(mine, _weighted_layers([unsplit]), list(mine), "unsplit")
-
-  def to_unsplit(self, *, device: str | None = None,
-                 custom_objects: dict[str, Any] | None = None) -> keras.Model:
-    """Rebuilds the unsplit model (on `device`) holding the stages' weights.
-
-    Args:
-      device: where the new model's variables go. Defaults to the current
-        device scope.
-      custom_objects: custom layer classes, if the model uses any.
-
-    Returns:
-      A new, unsplit model.
-    """
-    spec = self._unsplit_spec
-    place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
-             else contextlib.nullcontext())
-    with place, keras.saving.custom_object_scope(custom_objects or {}):
-      # A copy: `Functional.from_config` consumes parts of the dict it gets,
-      # and this model must rebuild from the same config every call.
-      model = spec.cls.from_config(copy.deepcopy(spec.config))
-    self.copy_weights_to(model)
-    return model

@@ -43,8 +43,6 @@ tape, the rest of the model on `devices[0]`.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -787,7 +785,8 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
                                       graph.output_structure)
 
 
-class TensorParallelModel(placed.PerDeviceGradientModel):
+class TensorParallelModel(staged.UnsplitWeights,
+                          placed.PerDeviceGradientModel):
   """A Keras model whose large layers are split over `T` devices.
 
   Example:
@@ -874,36 +873,3 @@ class TensorParallelModel(placed.PerDeviceGradientModel):
     """`{name: layer}` of the layers with weights (split layers give their
     weights in unsplit form)."""
     return staged._weighted_layers([self.model])  # pylint: disable=protected-access
-
-  def load_from(self, unsplit: keras.Model) -> None:
-    """Copies the weights of the unsplit model into this one."""
-    mine = staged._weighted_layers([self.model])  # pylint: disable=protected-access
-    staged._copy_weights(staged._weighted_layers([unsplit]), mine, list(mine),  # pylint: disable=protected-access
-                         "unsplit")
-
-  def copy_weights_to(self, unsplit: keras.Model) -> None:
-    """Copies this model's weights into an unsplit model of the same
-    architecture."""
-    mine = staged._weighted_layers([self.model])  # pylint: disable=protected-access
-    staged._copy_weights(mine, staged._weighted_layers([unsplit]), list(mine),  # pylint: disable=protected-access
-                         "unsplit")
-
-  def to_unsplit(self, *, device: str | None = None,
-                 custom_objects: dict[str, Any] | None = None) -> keras.Model:
-    """Rebuilds the unsplit model (on `device`) holding this one's weights.
-
-    Args:
-      device: where the new model's variables go. Defaults to the current
-        device scope.
-      custom_objects: custom layer classes, if the model uses any.
-
-    Returns:
-      A new, unsplit model.
-    """
-    spec = self._unsplit_spec
-    place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
-             else contextlib.nullcontext())
-    with place, keras.saving.custom_object_scope(custom_objects or {}):
-      model = spec.cls.from_config(copy.deepcopy(spec.config))
-    self.copy_weights_to(model)
-    return model
