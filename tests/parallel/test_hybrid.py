@@ -332,3 +332,25 @@ def test_2x2x2_on_eight_devices():
   assert run.returncode == 0, tail
   assert re.search(r"\b3 passed\b", run.stdout), tail
   assert "skipped" not in run.stdout, tail
+
+
+def test_keras_fit_trains_copies_as_unsplit(data, cpu_devices):
+  """`fit` (its loss averages each copy's rows, so shares are 1/R) trains
+  data 2 x pipeline 2 (1F1B) to unsplit `fit`'s weights."""
+  x, y = data
+
+  def fit(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=gp._loss())  # pylint: disable=protected-access
+    history = model.fit(x, y, batch_size=gp.BATCH, epochs=1, shuffle=False,
+                        verbose=0)
+    return history.history["loss"]
+
+  unsplit = gp._gpt()  # pylint: disable=protected-access
+  want = fit(unsplit)
+  copies = hybrid.build_layout(
+      gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2,  # pylint: disable=protected-access
+                               schedule="1f1b"), devices=cpu_devices)
+  got = fit(copies)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for u, v in zip(copies.to_unsplit().get_weights(), unsplit.get_weights()):
+    np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
