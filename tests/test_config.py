@@ -113,3 +113,27 @@ def test_defaults_follow_a_replaced_model_and_sizes_are_named():
   assert TrainConfig(model="gpt", model_size="tiny") == TrainConfig(model="gpt")
   kept = TrainConfig(dataset="synthetic").replace(model="gpt")
   assert kept.dataset == "synthetic"
+
+
+def test_layout_sizes_belong_to_the_layouts_that_take_them():
+  with pytest.raises(ValueError, match=(
+      r"tensor_parallel=2 is not an option of strategy='mirrored'; it shapes "
+      r"the layouts of model_parallel, pipeline, tensor_parallel")):
+    TrainConfig(strategy="mirrored", tensor_parallel=2)
+  with pytest.raises(ValueError, match=r"data_parallel=2 is not an option"):
+    TrainConfig(strategy="branch_parallel", data_parallel=2)
+  with pytest.raises(ValueError, match=r"tensor_parallel=1 splits nothing"):
+    TrainConfig(strategy="tensor_parallel")
+  with pytest.raises(ValueError, match=(
+      r"virtual_devices=4 is fewer than the 8 devices of data_parallel=2 x "
+      r"stages=2 x tensor_parallel=2")):
+    TrainConfig(strategy="pipeline", num_stages=2, data_parallel=2,
+                tensor_parallel=2, virtual_devices=4)
+  with pytest.raises(ValueError, match=(
+      r"global_batch_size=30 is not divisible by data_parallel=2 x "
+      r"micro_batches=4")):
+    TrainConfig(strategy="pipeline", data_parallel=2, global_batch_size=30)
+  options = TrainConfig(strategy="pipeline", num_stages=2, data_parallel=2,
+                        tensor_parallel=2, virtual_devices=8).options
+  assert (options.data_parallel, options.tensor_parallel,
+          options.devices_needed) == (2, 2, 8)

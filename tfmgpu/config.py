@@ -199,6 +199,7 @@ class TrainConfig:
     for name, choices in _STRATEGY_CHOICES.items():
       checks.check_choice(name, getattr(self, name), choices)
     self._check_numbers()
+    self._check_layout_sizes(distribution)
     # The run's distribution checks its options and cross-field rules.
     distribution.options_from(self)
     try:
@@ -210,6 +211,23 @@ class TrainConfig:
     if self.dataset == "tfrecord" and not self.data_path:
       raise ValueError("dataset='tfrecord' needs data_path='DIR/*.tfrecord' "
                        "(shards written by scripts/write_tfrecords.py).")
+
+  def _check_layout_sizes(self, distribution: Any) -> None:
+    """`data_parallel` / `tensor_parallel` / `tensor_rules` given to a
+    strategy that does not take them: an error, not silently ignored."""
+    takes = {f.name for f in dataclasses.fields(distribution.Options)}
+    for name, unset in (("data_parallel", 1), ("tensor_parallel", 1),
+                        ("tensor_rules", None)):
+      value = getattr(self, name)
+      if value != unset and name not in takes:
+        users = [d.name for d in strategies_lib.registered().values()
+                 if name in {f.name for f in dataclasses.fields(d.Options)}]
+        raise ValueError(
+            f"{name}={value!r} is not an option of strategy="
+            f"{self.strategy!r}; it shapes the layouts of "
+            f"{', '.join(users)} (e.g. --strategy=pipeline --num_stages=2 "
+            f"--{name}=...). For copies of a whole model on each device use "
+            "--strategy=mirrored without it.")
 
   def _check_objective(self) -> None:
     """`loss` and `metrics`: names are Keras' to check (when the Trainer is

@@ -65,6 +65,11 @@ class TensorParallel(registry.Distribution):
   layout = "shards"
 
   def check_config(self, config: Any) -> None:
+    if config.tensor_parallel < 2:
+      raise ValueError(
+          f"strategy='tensor_parallel' with tensor_parallel="
+          f"{config.tensor_parallel} splits nothing: give "
+          "--tensor_parallel=T (2 or more devices per split layer).")
     model_parallel.check_layout_config(config, stages=1)
 
   def split(self, model: Any, options: TensorOptions) -> Any:
