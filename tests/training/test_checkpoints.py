@@ -272,3 +272,35 @@ def test_a_state_file_naming_only_deleted_checkpoints_starts_over(
   assert fresh.restore_latest() == 0
   assert "no checkpoint file exists: starting from scratch" in caplog.text
   assert os.path.basename(fresh.save(1, step=2)) == "ckpt-1"
+
+
+def test_a_placed_models_checkpoint_from_before_the_portable_view_resumes(
+    tmp_path, cpu_devices):
+  """Placed models' checkpoints now also hold the weights by layer name
+  (`portable`); one written before that (no view) still resumes, every
+  object matched, and the next save holds the view."""
+  from tfmgpu.parallel import staged  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import portable  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                            keras.layers.Dense(2)])
+  split = staged.StagedModel.from_model(model, num_stages=2)
+  optimizer = split.build_optimizer(keras.optimizers.Adam())
+  old = tf.train.Checkpoint(  # What tfmgpu wrote before.
+      model=split, optimizer=optimizer,
+      epoch=tf.Variable(1, dtype=tf.int64),
+      epoch_step=tf.Variable(0, dtype=tf.int64),
+      step=tf.Variable(5, dtype=tf.int64))
+  old.save_counter.assign_add(1)
+  os.makedirs(tmp_path / "checkpoints")
+  old.write(str(tmp_path / "checkpoints" / "ckpt-1"))
+  checkpointer = checkpoints.Checkpointer(
+      str(tmp_path), tf.distribute.get_strategy(), model=split,
+      optimizer=optimizer)
+  assert checkpointer.restore_latest() == 1
+  assert checkpointer.progress.step == 5
+  assert portable.has_view(checkpointer.save(2, step=6))
+  again = checkpoints.Checkpointer(
+      str(tmp_path), tf.distribute.get_strategy(), model=split,
+      optimizer=optimizer)
+  assert again.restore_latest() == 2

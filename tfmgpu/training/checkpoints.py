@@ -219,9 +219,10 @@ class Checkpointer:
     # so the checkpoint restores into any layout (`portable`).
     view = ({portable.VIEW: portable.PortableView(model)}
             if getattr(model, "places_itself", False) else {})
-    self.checkpoint = tf.train.Checkpoint(
-        model=model, optimizer=optimizer, epoch=self.epoch,
-        epoch_step=self.epoch_step, step=self.step, **view)
+    self._objects = dict(model=model, optimizer=optimizer, epoch=self.epoch,
+                         epoch_step=self.epoch_step, step=self.step)
+    self._has_view = bool(view)
+    self.checkpoint = tf.train.Checkpoint(**self._objects, **view)
     # Saves counted as `tf.train.CheckpointManager` did, so that checkpoints
     # of either kind restore with every object matched.
     self._saves = self.checkpoint.save_counter
@@ -270,7 +271,7 @@ class Checkpointer:
     skipped = []
     for path in self.candidates():
       try:
-        status = self.checkpoint.restore(path)
+        status = self._read(path)
       # TF's reader maps damage to OpErrors, IndexError (a short read),
       # ValueError, protobuf DecodeError ...: each means "does not read".
       except Exception as e:  # pylint: disable=broad-except
@@ -289,6 +290,19 @@ class Checkpointer:
       return p.epoch
     self._check_nothing_left(skipped)
     return 0
+
+  def _read(self, path: str):
+    """Restores checkpoint `path`; returns the restore's status.
+
+    A checkpoint without the portable view (saved before tfmgpu wrote one)
+    is read without it, so that every object it holds is still matched.
+    """
+    if not self._has_view or portable.has_view(path):
+      return self.checkpoint.restore(path)
+    plain = tf.train.Checkpoint(**self._objects)
+    status = plain.restore(path)
+    self._saves.assign(plain.save_counter)
+    return status
 
   def _check_nothing_left(self, skipped: list[str]) -> None:
     """Raises if checkpoint files exist although none read back."""
