@@ -241,3 +241,82 @@ def test_language_model_layouts_fit_the_devices_and_name_their_options():
   assert four["pipeline x4 M=8 gpipe"].options == {
       "num_stages": 4, "micro_batches": 8, "schedule": "gpipe"}
   assert all(l.devices <= 4 for l in four.values()) and "mirrored x4" in four
+
+
+def test_hybrid_layouts_name_their_placements_and_fit_their_groups():
+  from tfmgpu.benchmarks import hybrid  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel.hybrid import Layout  # pylint: disable=g-import-not-at-top
+  assert {n: [hybrid.label(l) for l in ls]
+          for n, ls in hybrid.LAYOUTS.items()} == {
+              4: ["data 4 (mirrored)", "tensor 2", "tensor 4",
+                  "data 2 x tensor 2", "pipeline 2 (M=4) x tensor 2",
+                  "data 2 x pipeline 2 (M=4)"],
+              8: ["data 8 (mirrored)",
+                  "data 2 x pipeline 2 (M=4) x tensor 2",
+                  "data 4 x tensor 2", "pipeline 4 (M=8) x tensor 2"]}
+  for n, layouts in hybrid.LAYOUTS.items():
+    assert layouts[0] == hybrid.reference(n)
+    assert all(l.num_devices <= n and 64 % (l.data * (l.micro_batches or 1))
+               == 0 for l in layouts)
+  placed = hybrid.placement_of(Layout(data=2, stages=2, tensor=2,
+                                      micro_batches=4))
+  assert (placed.strategy, placed.options) == ("pipeline", {
+      "num_stages": 2, "data_parallel": 2, "tensor_parallel": 2,
+      "micro_batches": 4, "schedule": "gpipe", "recompute": False})
+  assert hybrid.placement_of(Layout(data=4, tensor=2)).options == {
+      "tensor_parallel": 2, "data_parallel": 4}
+  assert hybrid.placement_of(Layout(data=8)).options == {"num_replicas": 8}
+  assert hybrid.placement_of(Layout(stages=2)).strategy == "model_parallel"
+  fit, skipped = hybrid.groups(4)
+  assert list(fit) == [4] and skipped == [8]
+
+
+def test_the_layout_projection_all_reduces_as_the_data_parallel_one():
+  from tfmgpu.parallel import links  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel.hybrid import Layout  # pylint: disable=g-import-not-at-top
+  gpt = models.build_model("gpt", input_shape=(16,), num_classes=256,
+                           size="tiny", seed=0)
+  host = links.host("dgx_a100")
+  four = projection.project_layout(gpt, Layout(data=4), global_batch_size=8)
+  ring = projection.project_data_parallel(0.0, projection.gradient_bytes(gpt),
+                                          4, host.link)
+  assert four.step.data_s * 1e3 == pytest.approx(ring.allreduce_ms)
+  assert four.step.tensor_s == four.step.pipeline_s == 0 and four.fits
+  split = projection.project_layout(gpt, Layout(data=2, tensor=2),
+                                    global_batch_size=8)
+  assert split.step.tensor_s > 0 and split.step.data_s < four.step.data_s
+  assert split.memory_bytes == int(host.memory_gb * 1e9)
+
+
+def test_the_hybrid_section_times_each_layout_against_data_parallelism(
+    monkeypatch):
+  """Quick mode, a smaller table (tracing each layout is the cost): rows
+  for the groups that fit the 4 devices, a note for the 8 that do not."""
+  from tfmgpu.benchmarks import hybrid, sections  # pylint: disable=g-import-not-at-top
+  from tfmgpu.benchmarks.options import SuiteOptions  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel.hybrid import Layout  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(hybrid, "LAYOUTS", {
+      2: (Layout(data=2), Layout(tensor=2),
+          Layout(stages=2, micro_batches=2)),
+      8: (Layout(data=8),)})
+  lines = []
+  report = report_lib.Report(out=lines.append, cpu="Test CPU")
+  sections.SECTIONS["hybrid"](report, SuiteOptions(quick=True, rounds=2),
+                              None)
+  text = "\n".join(lines)
+  assert "gpt tiny (num_heads=4, num_layers=1)" in text
+  assert ("8-device layouts skipped: this process has 4 logical devices"
+          in text)
+  assert [(r.section, r.replicas, r.path) for r in report.rows] == [
+      ("hybrid", 2, "data 2 (mirrored)"), ("hybrid", 2, "tensor 2"),
+      ("hybrid", 2, "pipeline 2 (M=2)")]
+  for row in report.rows:
+    assert np.isfinite(row.ms_per_step) and row.ms_per_step > 0
+    assert len(row.rounds_ms) == 2 and row.examples_per_sec == (
+        pytest.approx(64 * 64 * 1e3 / row.ms_per_step))
+    ratio, projected = re.search(
+        r"vs data 2 x(\S+); projected dgx_a100 \S+ ms/step \(x(\S+)\)",
+        row.note).groups()
+    assert np.isfinite(float(ratio)) and np.isfinite(float(projected))
+  tensor, = [l for l in lines if l.lstrip().startswith("tensor 2 ")]
+  assert re.search(r"2 of 2 .* \d\.\d\d \(\d\.\d\d-\d\.\d\d\) +\|", tensor)

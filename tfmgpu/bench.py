@@ -54,7 +54,11 @@ _SECTIONS = flags.DEFINE_list(
     "placement; tf_data: tfmgpu vs fit vs TF Orbit on a shuffled tf.data "
     "input; language_model: gpt tokens/s per layout vs Keras fit, and the "
     "pipeline's micro-batching gain vs the simulator; checkpoints: the cost "
-    "of a save).")
+    "of a save). Not run by default: hybrid (gpt tokens/s of data x "
+    "pipeline x tensor layouts on 4 and, with --virtual_devices=8, 8 "
+    "devices, against data parallelism, beside the cost model's projection "
+    "for an 8-GPU host; on 2 cores ~1 minute with --quick, ~8 in full "
+    "with --virtual_devices=8).")
 _INTRA_OP_THREADS = flags.DEFINE_integer(
     "intra_op_threads", None, "Threads per op. Default: cores // devices when "
     "the CPU is split; 0: TensorFlow's own setting (all cores per op).",

@@ -7,7 +7,11 @@ Modules:
   inference: `tfmgpu.predict` against Keras `predict`, and predictor options.
   ceiling: float32 matmul throughput and the fraction of it training reaches.
   projection: a projected (not measured) data-parallel step on N GPUs from
-    gradient bytes and link bandwidth.
+    gradient bytes and link bandwidth, and a hybrid layout's step on a named
+    GPU host by the cost model.
+  language_model: `gpt` tokens/s per layout against Keras `fit`.
+  hybrid: `gpt` tokens/s of data x pipeline x tensor layouts against data
+    parallelism on as many devices.
   pipeline: per-stage forward/backward times of a staged or pipelined model
     and the activation bytes each stage keeps for its backward.
   pipeline_overlap: a K-stage pipeline with M micro-batches against M=1,

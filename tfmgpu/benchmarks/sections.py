@@ -13,6 +13,7 @@ names `python -m tfmgpu.bench --sections` accepts to them, in running order.
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 import time
 from typing import Any, Callable
@@ -22,6 +23,7 @@ from tfmgpu import inference as serving_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.benchmarks import ceiling as ceiling_lib
+from tfmgpu.benchmarks import hybrid as hybrid_lib
 from tfmgpu.benchmarks import inference as inference_lib
 from tfmgpu.benchmarks import language_model as lm_lib
 from tfmgpu.benchmarks import orbit as orbit_lib
@@ -449,6 +451,90 @@ def _pipeline_gain(report: report_lib.Report, opts: SuiteOptions, text,
                   measured, f"(simulator predicts {predicted:.2f})")
 
 
+def _hybrid(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
+  """gpt tokens/s of each hybrid layout that fits the process's devices,
+  against data parallelism on as many, beside the projection for a GPU
+  host (`benchmarks.hybrid`, `projection.project_layout`)."""
+  del arrays  # Trains on stdlib_text.
+  size, overrides = (hybrid_lib.QUICK_MODEL if opts.quick
+                     else hybrid_lib.FULL_MODEL)
+  seq_len, spe = 64, 2
+  report.header(f"Hybrid layouts: gpt {size} tokens/s on logical devices, "
+                "beside a projection for an 8-GPU host")
+  fit = _hybrid_notes(report, opts, size, overrides, seq_len, spe)
+  if not fit:
+    return
+  big = hybrid_lib.projection_model()
+  text = lm_lib.text_arrays(seq_len)
+  common = dict(size=size, overrides=overrides,
+                global_batch_size=opts.global_batch_size,
+                steps=6 if opts.quick else 12, steps_per_execution=spe)
+  report.say(f"  {'layout':<37} {'devices':>7} {'tokens/s':>9} "
+             f"{'ms/step':>8}  {'vs data':<18}|  {'proj. ms':>8} "
+             f"{'vs data':>7} {'GB':>5}")
+  for n, layouts in fit.items():
+    runs = {hybrid_lib.label(l): hybrid_lib.prepare(l, text, **common)
+            for l in layouts}
+    _hybrid_rows(report, n, layouts, _timed_rounds(opts, runs), big,
+                 size, seq_len)
+
+
+def _hybrid_notes(report: report_lib.Report, opts: SuiteOptions, size: str,
+                  overrides: dict[str, Any], seq_len: int, spe: int
+                  ) -> dict[int, tuple]:
+  """What the hybrid table measures and projects; the device groups that
+  fit this process (the others are named as skipped)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  have = len(devices_lib.accelerator_devices())
+  fit, skipped = hybrid_lib.groups(have)
+  changed = ", ".join(f"{k}={v}" for k, v in overrides.items())
+  threads = tf.config.threading.get_intra_op_parallelism_threads() or "all"
+  report.say(
+      f"  measured: gpt {size}{f' ({changed})' if changed else ''} (T="
+      f"{seq_len}, batch {opts.global_batch_size}, Adam, steps_per_execution="
+      f"{spe}) trained by tfmgpu's Trainer, {threads} thread(s) per op; best "
+      f"of {opts.rounds} interleaved rounds; vs data: tokens/s over data "
+      "parallelism (mirrored) on the group's devices (lowest-highest of one "
+      "round)")
+  report.say(f"  projected (cost model, not measured): "
+             f"{hybrid_lib.projection_words()}; the same layout and batch, "
+             "Adam; GB: its fullest device")
+  report.say(f"  the {have} logical devices share {devices_lib.cpu_cores()} "
+             f"core(s) (load average {os.getloadavg()[0]:.2f} at the start):"
+             " no layout gets more compute than they give, so a ratio "
+             "compares overheads, not a parallel speed-up")
+  for n in skipped:
+    report.say(f"  {n}-device layouts skipped: this process has {have} "
+               "logical devices (fixed once per process); "
+               f"--virtual_devices={n} runs them too")
+  return fit
+
+
+def _hybrid_rows(report: report_lib.Report, n: int, layouts, best, big,
+                 size: str, seq_len: int) -> None:
+  """One device group's lines of the hybrid table, and its rows."""
+  projected = {hybrid_lib.label(l): projection_lib.project_layout(
+      big, l, global_batch_size=best[hybrid_lib.label(l)].global_batch_size,
+      host=hybrid_lib.PROJECTION_HOST) for l in layouts}
+  ref = hybrid_lib.label(hybrid_lib.reference(n))
+  for layout in layouts:
+    name = hybrid_lib.label(layout)
+    t, p = best[name], projected[name]
+    speed = best[ref].ms_per_step / t.ms_per_step
+    ratio = report_lib.with_spread(speed, None if name == ref else (
+        report_lib.round_ratios(best[ref].rounds_ms, t.rounds_ms)))
+    p_ratio = projected[ref].step_ms / p.step_ms
+    tokens = lm_lib.tokens_per_sec(t, seq_len)
+    report.add(report_lib.Row(
+        "hybrid", f"gpt_{size}", layout.num_devices, name, t.ms_per_step,
+        tokens, f"of {n} devices; vs data {n} x{speed:.3f}; projected "
+        f"{p.host} {p.step_ms:.2f} ms/step (x{p_ratio:.2f})", t.rounds_ms))
+    over = "" if p.fits else " over"
+    report.say(f"  {name:<37} {layout.num_devices:>3} of {n} {tokens:>9,.0f} "
+               f"{t.ms_per_step:>8.1f}  {ratio:<18}|  {p.step_ms:>8.2f} "
+               f"{p_ratio:>7.2f} {p.peak_bytes / 1e9:>5.1f}{over}")
+
+
 def _projection(report: report_lib.Report, opts: SuiteOptions,
                 arrays) -> None:
   report.header("Projection (not a measurement): data parallel on N GPUs")
@@ -534,6 +620,7 @@ SECTIONS: dict[str, Section] = {
     "inference": _inference,
     "latency": _latency,
     "language_model": _language_model,
+    "hybrid": _hybrid,
     "tf_data": _tf_data,
     "checkpoints": _checkpoint_cost,
     "projection": _projection,
