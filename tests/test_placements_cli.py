@@ -80,7 +80,9 @@ def test_cli_auto_trains_the_layout_that_fits(tmp_path, capsys):
                            verbose=0):
     assert train.main(["train"]) == 0
   out = capsys.readouterr().out
-  chosen = re.search(r"^chosen: pipeline K=(\d) M=(\d+)", out, re.M)
+  # Pipelines, alone or copied (data 2 x pipeline K=2 ...): both fit.
+  chosen = re.search(r"^chosen: (?:data \d x )?pipeline K=(\d) M=(\d+)", out,
+                     re.M)
   assert chosen, out
   assert re.search(r"^strategy\s+auto: pipeline$", out, re.M)
   assert re.search(rf"^pipeline\s+{chosen.group(2)} micro-batches", out, re.M)

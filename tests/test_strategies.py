@@ -22,7 +22,7 @@ def test_registry_holds_exactly_todays_names():
   assert set(tfmgpu.available_strategies()) == {
       "default", "one_device", "mirrored", "multi_worker_mirrored",
       "parameter_server", "central_storage", "tpu", "model_parallel",
-      "pipeline", "branch_parallel", "auto"}
+      "pipeline", "branch_parallel", "tensor_parallel", "auto"}
 
 
 @pytest.mark.parametrize("name,replicas", [
