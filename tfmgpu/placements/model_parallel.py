@@ -181,7 +181,8 @@ class ModelParallel(registry.Distribution):
     return self.split(model, plan, options), None
 
   def check_config(self, config: Any) -> None:
-    check_layout_config(config)
+    options = self.options_from(config)
+    check_layout_config(config, options, self.micro_batches_of(options))
 
   def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
     o = placement.options
@@ -194,28 +195,34 @@ class ModelParallel(registry.Distribution):
              + ", ".join(placement.devices))]
 
 
-def check_layout_config(config: Any, stages: int | None = None) -> None:
+def check_layout_config(config: Any, options: Any,
+                        micro_batches: int | None = None) -> None:
   """Rules of a layout's sizes against the rest of a run's settings.
+
+  Args:
+    config: the run's `TrainConfig`.
+    options: the layout's options (`StageOptions` or the tensor placement's:
+      `data_parallel`, `tensor_parallel`, `stages`, `devices_needed`).
+    micro_batches: micro-batches per copy (a pipeline), else `None`.
 
   Raises:
     ValueError: the global batch does not divide over the data-parallel
-      copies, or `--virtual_devices` makes fewer devices than the layout
-      needs.
+      copies and their micro-batches, or `--virtual_devices` makes fewer
+      devices than the layout needs.
   """
-  replicas = getattr(config, "data_parallel", None) or 1
-  shards = getattr(config, "tensor_parallel", None) or 1
-  if stages is None:
-    stages = (len(config.split_points) + 1 if config.split_points
-              else config.num_stages)
-  checks.check_divisible("global_batch_size", config.global_batch_size,
-                         replicas, f"data_parallel={replicas}")
-  needed = replicas * stages * shards
-  have = config.virtual_devices
+  replicas, micro = options.data_parallel, micro_batches or 1
+  what = [f"data_parallel={replicas}"] if replicas > 1 else []
+  what += [f"micro_batches={micro}"] if micro_batches else []
+  if what:
+    checks.check_divisible("global_batch_size", config.global_batch_size,
+                           replicas * micro, " x ".join(what))
+  needed, have = options.devices_needed, config.virtual_devices
   if have is not None and have < needed:
     raise ValueError(
         f"virtual_devices={have} is fewer than the {needed} devices of "
-        f"data_parallel={replicas} x stages={stages} x tensor_parallel="
-        f"{shards}. Use --virtual_devices={needed}, or smaller sizes.")
+        f"data_parallel={replicas} x stages={options.stages} x "
+        f"tensor_parallel={options.tensor_parallel}. Use --virtual_devices="
+        f"{needed}, or smaller sizes.")
 
 
 def layout_of(options: Any, micro_batches: int | None) -> Any:

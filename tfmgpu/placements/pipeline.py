@@ -8,7 +8,6 @@ micro-batches and applied once, so training equals unsplit training.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from tfmgpu import checks
 from tfmgpu.parallel.choices import SCHEDULE_CHOICES
@@ -47,15 +46,6 @@ class Pipeline(model_parallel.ModelParallel):
            "micro_batches")
   Options = PipelineOptions
   concurrent_devices = True
-
-  def check_config(self, config: Any) -> None:
-    replicas = config.data_parallel or 1
-    checks.check_divisible(
-        "global_batch_size", config.global_batch_size,
-        config.micro_batches * replicas,
-        f"micro_batches={config.micro_batches}" if replicas == 1 else
-        f"data_parallel={replicas} x micro_batches={config.micro_batches}")
-    super().check_config(config)
 
   micro_batches_of = staticmethod(lambda options: options.micro_batches)
 

@@ -70,7 +70,7 @@ class TensorParallel(registry.Distribution):
           f"strategy='tensor_parallel' with tensor_parallel="
           f"{config.tensor_parallel} splits nothing: give "
           "--tensor_parallel=T (2 or more devices per split layer).")
-    model_parallel.check_layout_config(config, stages=1)
+    model_parallel.check_layout_config(config, self.options_from(config))
 
   def split(self, model: Any, options: TensorOptions) -> Any:
     from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
