@@ -83,6 +83,12 @@ class Layout:
              for s in range(k)] for r in range(self.data)]
 
 
+def stage_homes(grid: list[list[str]]) -> list[str]:
+  """One replica's stage devices (`grid[k][t]` -> each stage's first
+  shard): where a stage plan puts the stages."""
+  return [shards[0] for shards in grid]
+
+
 def _on_devices(plan: plan_lib.StagePlan, devices: Sequence[str]
                 ) -> plan_lib.StagePlan:
   """The same cut, stage `k` on `devices[k]`."""
@@ -95,7 +101,7 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
   """One replica: `model` cut along `plan` and sharded over `grid[k]`."""
   if layout.tensor > 1:
     from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
-  homes = [shards[0] for shards in grid]
+  homes = stage_homes(grid)
   if layout.stages == 1:
     if layout.tensor == 1:
       raise ValueError(
@@ -152,7 +158,7 @@ def build_layout(model: keras.Model, layout: Layout, *,
   found = list(devices) if devices is not None else \
       devices_lib.accelerator_devices()
   mesh = layout.mesh(devices_lib.resolve_devices(found[:layout.num_devices]))
-  homes = [grid[0] for grid in mesh[0]]
+  homes = stage_homes(mesh[0])
   if plan is None and layout.stages > 1:
     plan = partition.plan_stages(model, layout.stages, criterion=criterion,
                                  split_points=split_points, devices=homes)

@@ -259,9 +259,8 @@ def stage_homes(options: Any) -> list[str] | None:
   found = layout_devices(options)
   if found is None:
     return None
-  step = options.tensor_parallel
-  return [found[k * step] for k in range(options.stages)
-          if k * step < len(found)]
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  return hybrid.stage_homes(layout_of(options, None).mesh(found)[0])
 
 
 def tensor_rules(options: Any) -> Any:
