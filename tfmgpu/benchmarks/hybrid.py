@@ -30,12 +30,10 @@ import keras
 
 from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
-from tfmgpu import strategies as strategies_lib
 from tfmgpu.benchmarks import language_model as lm_lib
 from tfmgpu.benchmarks import training as training_lib
 from tfmgpu.parallel import links
 from tfmgpu.parallel.hybrid import Layout
-from tfmgpu.training.loop import Trainer
 
 # The layouts timed on each number of logical devices; the first of each
 # group is data parallelism (`mirrored`), the group's reference.
@@ -110,13 +108,6 @@ def groups(max_devices: int) -> tuple[dict[int, tuple[Layout, ...]],
   return fit, [n for n in LAYOUTS if n > max_devices]
 
 
-def _build(arrays: data_lib.Arrays, size: str, overrides: dict[str, Any],
-           seed: int) -> keras.Model:
-  return models_lib.build_model("gpt", input_shape=arrays.input_shape,
-                                num_classes=arrays.num_classes, seed=seed,
-                                size=size, **overrides)
-
-
 def prepare(layout: Layout, arrays: data_lib.Arrays, *, size: str,
             overrides: dict[str, Any] | None = None, global_batch_size: int,
             steps: int, steps_per_execution: int, seed: int = 0
@@ -136,31 +127,12 @@ def prepare(layout: Layout, arrays: data_lib.Arrays, *, size: str,
     A function that trains one more `fit` of `steps` and returns its
     `Timing` (the median step of its calls).
   """
-  chosen = placement_of(layout)
-  distribution = strategies_lib.lookup(chosen.strategy)
-  placement = distribution.place(
-      distribution.options(**chosen.options),
-      functools.partial(_build, arrays, size, overrides or {}, seed),
-      seed=seed)
-  timer = training_lib.BatchTimer()
-  trainer = Trainer(placement.model, strategy=placement.strategy,
-                    steps_per_execution=steps_per_execution, verbose=0,
-                    callbacks=[timer])
-  per_fit = max(steps // steps_per_execution, 3) * steps_per_execution
-  fit = functools.partial(trainer.fit, arrays.x_train, arrays.y_train,
-                          epochs=1, global_batch_size=global_batch_size,
-                          steps_per_epoch=per_fit, seed=seed)
-  fit()  # Traces the step; fits of the same length reuse it.
-
-  def one_round() -> training_lib.Timing:
-    timer.times.clear()
-    fit()
-    return training_lib.Timing(
-        chosen.label, training_lib.median_step_ms(timer.times,
-                                                  steps_per_execution, 0),
-        global_batch_size)
-
-  return one_round
+  run = lm_lib.layout_runner(
+      placement_of(layout), arrays, size=size, overrides=overrides,
+      global_batch_size=global_batch_size, steps=steps,
+      steps_per_execution=steps_per_execution, seed=seed)
+  run(0)  # Traces the step; fits of the same length reuse it.
+  return functools.partial(run, 0)
 
 
 def projection_model(size: str = PROJECTION_SIZE,

@@ -12,7 +12,7 @@ simulator's prediction from the stages' measured times
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
@@ -55,10 +55,54 @@ def layouts(max_devices: int) -> list[Layout]:
   return [c for c in candidates if c.devices <= max_devices]
 
 
-def _build(arrays: data_lib.Arrays, size: str, seed: int) -> keras.Model:
+def _build(arrays: data_lib.Arrays, size: str, seed: int,
+           **overrides: Any) -> keras.Model:
   return models_lib.build_model("gpt", input_shape=arrays.input_shape,
                                 num_classes=arrays.num_classes, seed=seed,
-                                size=size)
+                                size=size, **overrides)
+
+
+def layout_runner(layout: Layout, arrays: data_lib.Arrays, *, size: str,
+                  global_batch_size: int, steps: int,
+                  steps_per_execution: int, seed: int = 0,
+                  overrides: dict[str, Any] | None = None
+                  ) -> Callable[[int], training_lib.Timing]:
+  """Places `gpt` as `layout` says and makes its `Trainer`.
+
+  Args:
+    layout: a registered strategy or placement and its options.
+    arrays: the `stdlib_text` windows (`text_arrays`).
+    size, overrides: the `gpt` size and its overrides (e.g. `num_heads`).
+    global_batch_size: examples per step over all replicas.
+    steps: steps per `fit` (rounded to whole calls, at least 3).
+    steps_per_execution: steps per call.
+    seed: the model's and the data order's seed.
+
+  Returns:
+    `run(skip)`: trains one `fit` of `steps` and returns its `Timing`, the
+    median step of its calls after the first `skip` (1 for the fit that
+    traces the step; later fits of the same length reuse it).
+  """
+  distribution = strategies_lib.lookup(layout.strategy)
+  placement = distribution.place(
+      distribution.options(**layout.options),
+      lambda: _build(arrays, size, seed, **(overrides or {})), seed=seed)
+  timer = training_lib.BatchTimer()
+  trainer = Trainer(placement.model, strategy=placement.strategy,
+                    steps_per_execution=steps_per_execution, verbose=0,
+                    callbacks=[timer])
+  per_epoch = max(steps // steps_per_execution, 3) * steps_per_execution
+
+  def run(skip: int) -> training_lib.Timing:
+    timer.times.clear()
+    trainer.fit(arrays.x_train, arrays.y_train, epochs=1,
+                global_batch_size=global_batch_size,
+                steps_per_epoch=per_epoch, seed=seed)
+    return training_lib.Timing(
+        layout.label, training_lib.median_step_ms(
+            timer.times, steps_per_execution, skip), global_batch_size)
+
+  return run
 
 
 def time_layout(layout: Layout, arrays: data_lib.Arrays, *, size: str,
@@ -66,21 +110,10 @@ def time_layout(layout: Layout, arrays: data_lib.Arrays, *, size: str,
                 steps_per_execution: int, seed: int = 0
                 ) -> training_lib.Timing:
   """Median ms per step of tfmgpu's `Trainer` under `layout`."""
-  distribution = strategies_lib.lookup(layout.strategy)
-  placement = distribution.place(distribution.options(**layout.options),
-                                 lambda: _build(arrays, size, seed), seed=seed)
-  timer = training_lib.BatchTimer()
-  trainer = Trainer(placement.model, strategy=placement.strategy,
-                    steps_per_execution=steps_per_execution, verbose=0,
-                    callbacks=[timer])
-  per_epoch = max(steps // steps_per_execution, 3) * steps_per_execution
-  trainer.fit(arrays.x_train, arrays.y_train, epochs=1,
-              global_batch_size=global_batch_size,
-              steps_per_epoch=per_epoch, seed=seed)
-  return training_lib.Timing(
-      layout.label, training_lib.median_step_ms(timer.times,
-                                                steps_per_execution, 1),
-      global_batch_size)
+  return layout_runner(layout, arrays, size=size,
+                       global_batch_size=global_batch_size, steps=steps,
+                       steps_per_execution=steps_per_execution,
+                       seed=seed)(1)
 
 
 def time_keras_fit(arrays: data_lib.Arrays, *, size: str,
