@@ -116,7 +116,7 @@ def test_evaluation_of_arrays_runs_on_data_held_on_the_devices(digits):
                      input_mode="tf_data")
   got = held.evaluate(x, y, global_batch_size=8)
   want = streamed.evaluate(x, y, global_batch_size=8)
-  assert held._resident_eval_fn is not None and held._eval_fn is None  # pylint: disable=protected-access
+  assert held._resident_eval_fn is not None and not held._eval_fns  # pylint: disable=protected-access
   assert streamed._resident_eval_fn is None  # pylint: disable=protected-access
   assert got["count"] == want["count"] == 101
   for k in ("loss", "accuracy"):

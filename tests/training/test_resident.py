@@ -10,6 +10,7 @@ import tensorflow as tf
 import tfmgpu
 from tfmgpu import data, models
 from tfmgpu.parallel import inspection
+from tfmgpu.training import feeds
 from tfmgpu.training import inputs
 from tfmgpu.training import resident
 from tfmgpu.training.loop import Trainer
@@ -69,7 +70,7 @@ def test_epoch_table_matches_the_tf_data_batches(digits):
 def test_each_replica_gathers_on_its_own_device(digits, cpu_devices):
   strategy = _strategy("mirrored x2")
   _, _, trainer = _train(strategy, *digits, "device", steps_per_execution=1)
-  fn = trainer._train_fns[(BATCH, True)]  # pylint: disable=protected-access
+  fn = trainer._train_fns[(BATCH, feeds.DEVICE)]  # pylint: disable=protected-access
   held = resident.DeviceData(strategy, tuple(digits))
   batches = held.epoch(global_batch_size=BATCH, steps=7, seed=1, epoch=0,
                        shuffle=True).from_step(0)

@@ -4,11 +4,14 @@ What is fastest differs by machine: XLA per replica helps on one CPU and
 costs on another, and so does 16-bit gradient compression. `tune` times
 short runs of the few options that matter (`TUNED`: where batches come
 from, steps per `tf.function` call, XLA per replica, gradient compression),
-each changed alone from the current settings, then the winners together,
-interleaved over a few rounds (each candidate's best round kept). It keeps
-a change only when it is faster than the current settings by more than
-`margin`, so noise never replaces a default. Nothing is chosen by the CPU's
-name: the name only keys the cache.
+each changed alone from the current settings, interleaved over a few
+rounds (each candidate's best round kept). The winners, alone and
+together, are then measured again in paired rounds, each beside the
+current settings: a change is kept only when it is faster than the current
+settings by more than `margin` in the first rounds *and in every paired
+round*, so a lucky round never replaces a default (the machine's own drift
+moves one round by 20% here). Nothing is chosen by the CPU's name: the
+name only keys the cache.
 
 The choice is cached in `cache_path()` (`autotune.json` in the tfmgpu cache
 directory, `tfmgpu.data.cache_dir`), keyed by the CPU model, core count,
@@ -44,7 +47,9 @@ from tfmgpu import devices as devices_lib
 TUNED = ("input_mode", "steps_per_execution", "jit_compile",
          "gradient_compression")
 CACHE_FILE = "autotune.json"
-_CACHE_FORMAT = 1
+# 2: a pick must win every paired round (format 1 compared best rounds, and
+# kept a few lucky picks); entries of another format are measured again.
+_CACHE_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,15 +223,15 @@ def _write_cache(path: str, digest: str, entry: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- search
 
-def _time_all(measure: Callable[[Settings], float],
-              candidates: dict[str, Settings], rounds: int,
-              failed: dict[str, str]) -> dict[str, float]:
-  """Each candidate's best ms per step over `rounds` interleaved rounds.
+def _time_rounds(measure: Callable[[Settings], float],
+                 candidates: dict[str, Settings], rounds: int,
+                 failed: dict[str, str]) -> dict[str, list[float]]:
+  """Each candidate's ms per step in each of `rounds` interleaved rounds.
 
   A candidate whose `measure` raises `ValueError` (an impossible option
   here) is dropped and named in `failed`.
   """
-  best: dict[str, float] = {}
+  times: dict[str, list[float]] = {}
   for _ in range(rounds):
     for label, settings in candidates.items():
       if label in failed:
@@ -235,9 +240,32 @@ def _time_all(measure: Callable[[Settings], float],
         ms = float(measure(settings))
       except ValueError as e:
         failed[label] = str(e).splitlines()[0]
+        times.pop(label, None)
         continue
-      best[label] = min(ms, best.get(label, float("inf")))
-  return best
+      times.setdefault(label, []).append(ms)
+  return times
+
+
+def _time_all(measure: Callable[[Settings], float],
+              candidates: dict[str, Settings], rounds: int,
+              failed: dict[str, str]) -> dict[str, float]:
+  """Each candidate's best ms per step over `rounds` interleaved rounds."""
+  return {label: min(ms) for label, ms in
+          _time_rounds(measure, candidates, rounds, failed).items()}
+
+
+def _paired_speedups(measure: Callable[[Settings], float],
+                     finalists: dict[str, Settings], rounds: int,
+                     failed: dict[str, str]) -> dict[str, float]:
+  """Each finalist's speed-up over `"current"` in its *worst* round of
+  `rounds` (each round times the current settings and every finalist
+  back to back): above 1 only if it won every round."""
+  times = _time_rounds(measure, finalists, rounds, failed)
+  base = times.get("current")
+  if not base:
+    return {}
+  return {label: min(b / t for b, t in zip(base, ms))
+          for label, ms in times.items() if label != "current"}
 
 
 def _winners(current: Settings, singles: dict[str, Settings],
@@ -259,7 +287,8 @@ def _search(measure: Callable[[Settings], float], current: Settings,
             space: Mapping[str, tuple], *, rounds: int, margin: float
             ) -> tuple[Settings, dict[str, float], str]:
   """One option changed at a time; then the best change and the winners
-  together, measured again beside `current`: a pick must win twice."""
+  together, measured again in `rounds + 1` paired rounds beside `current`:
+  a pick must win the first rounds and every paired round."""
   singles = {"current": current}
   for name in TUNED:
     for value in space.get(name, ()):
@@ -282,10 +311,8 @@ def _search(measure: Callable[[Settings], float], current: Settings,
       current, **{name: value})
   if len(wins) > 1:  # Do the winners add up?
     finalists[changes_label(wins)] = dataclasses.replace(current, **wins)
-  again = _time_all(measure, finalists, rounds, failed)
-  speedups = {label: again["current"] / ms for label, ms in again.items()
-              if label != "current"} if "current" in again else {}
-  if len(wins) > 1 and changes_label(wins) in again:
+  speedups = _paired_speedups(measure, finalists, rounds + 1, failed)
+  if len(wins) > 1 and changes_label(wins) in speedups:
     times[changes_label(wins)] = (  # On the first rounds' scale.
         times["current"] / speedups[changes_label(wins)])
   best = max(speedups, key=speedups.get, default="current")
@@ -310,13 +337,15 @@ def _reason(current: Settings, times: dict[str, float],
                              for k, v in failed.items())
   if not speedups:
     return text + f". None was faster by {margin:.0%} or more."
-  text += ". Measured again beside the current settings: " + ", ".join(
-      f"{label} {x:.2f}x" for label, x in speedups.items())
+  text += (". Measured again in paired rounds beside the current settings "
+           "(the worst round): " + ", ".join(
+               f"{label} {x:.2f}x" for label, x in speedups.items()))
   picked = current.changes(chosen or current)
   if not picked:
-    return text + f": none faster by {margin:.0%} or more again; kept them."
+    return text + (f": none faster by {margin:.0%} or more in every round; "
+                   "kept them.")
   return (text + f". Picked {changes_label(picked)}: faster by {margin:.0%} "
-          "or more both times.")
+          "or more in the first rounds and in every paired round.")
 
 
 def tune(measure: Callable[[Settings], float], *, key: Mapping[str, Any],

@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from tfmgpu.training import feeds
 from tfmgpu.training import resident
 
 StepFn = Callable[..., dict[str, tf.Tensor]]
@@ -68,20 +69,25 @@ class _ReplicaSums:
     for k, v in self.vars.items():
       v.assign_add(tf.cast(values[k], tf.float32))
 
-  def read(self):
-    return {k: v.read_value() for k, v in self.vars.items()}
+  def read(self, check_fn: Callable[[], tf.Tensor] | None = None):
+    """The sums over replicas; `check_fn()`'s count added to
+    `non_finite`."""
+    totals = {k: v.read_value() for k, v in self.vars.items()}
+    if check_fn is not None:
+      totals["non_finite"] += tf.cast(check_fn(), tf.float32)
+    return totals
 
 
 def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
                         check_fn: Callable[[], tf.Tensor] | None = None,
-                        device_data: bool = False,
+                        feed: str = feeds.ITERATOR,
                         metric_shapes: Shapes | None = None
                         ) -> Callable[..., dict[str, tf.Tensor]]:
   """Returns `train(batches, num_steps) -> sums over num_steps steps`.
 
-  `num_steps` is a tensor argument, so changing it (e.g. the last, shorter
-  call of an epoch) does not retrace. Per-replica results are summed in
-  replica-local variables and reduced once at the end of the call.
+  `num_steps` is a tensor (a shorter last call does not retrace).
+  Per-replica results are summed in replica-local variables and reduced
+  once at the end of the call.
 
   Args:
     strategy: the strategy the step runs under.
@@ -89,9 +95,9 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
       `TRAIN_KEYS` and of `metric_shapes`.
     check_fn: run once at the end of each call in cross-replica context; its
       result is added to `non_finite` (e.g. a check that weights are finite).
-    device_data: `batches` is `EpochBatches.from_step(first_step)` of
-      `tfmgpu.training.resident` (each replica gathers its batch on its
-      device) instead of a distributed iterator.
+    feed: what `batches` is (`tfmgpu.training.feeds`): a distributed
+      iterator (`ITERATOR`), `resident.EpochBatches.from_step(first_step)`
+      (`DEVICE`), or a plain iterator of global batches (`HOST_SPLIT`).
     metric_shapes: the shapes of the step's metric state changes
       (`Objective.state_shapes`), summed like the loss.
   """
@@ -103,18 +109,12 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
   def replica_gather_step(data, index, step_in_epoch):
     replica_step(*resident.gather_batch(data, index, step_in_epoch))
 
-  def finish():
-    totals = sums.read()
-    if check_fn is not None:
-      totals["non_finite"] += tf.cast(check_fn(), tf.float32)
-    return totals
-
   @tf.function
   def train_from_iterator(iterator, num_steps):
     strategy.run(sums.reset)
     for _ in tf.range(num_steps):
       strategy.run(replica_step, args=tuple(next(iterator)))
-    return finish()
+    return sums.read(check_fn)
 
   @tf.function
   def train_from_device_data(batches, num_steps):
@@ -122,9 +122,19 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
     strategy.run(sums.reset)
     for i in tf.range(num_steps):
       strategy.run(replica_gather_step, args=(data, index, first_step + i))
-    return finish()
+    return sums.read(check_fn)
 
-  return train_from_device_data if device_data else train_from_iterator
+  @tf.function
+  def train_split_on_host(iterator, num_steps):
+    strategy.run(sums.reset)
+    for _ in tf.range(num_steps):
+      strategy.run(replica_step,
+                   args=feeds.split_batch(strategy, tuple(next(iterator))))
+    return sums.read(check_fn)
+
+  return {feeds.ITERATOR: train_from_iterator,
+          feeds.DEVICE: train_from_device_data,
+          feeds.HOST_SPLIT: train_split_on_host}[feed]
 
 
 def make_scheduled_train_function(
@@ -163,7 +173,7 @@ def make_scheduled_train_function(
 
 
 def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
-                       replicated: bool = True,
+                       replicated: bool = True, split_on_host: bool = False,
                        metric_shapes: Shapes | None = None
                        ) -> Callable[..., dict[str, tf.Tensor]]:
   """Returns `evaluate(dataset) -> summed results over all batches`.
@@ -183,6 +193,8 @@ def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
   def one_batch(batch):
     if not replicated:
       return step(*batch)
+    if split_on_host:
+      batch = feeds.split_batch(strategy, batch)
     return _reduce_sum(strategy, strategy.run(step, args=batch))
 
   @tf.function

@@ -26,6 +26,7 @@ from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import distributed
+from tfmgpu.training import feeds
 from tfmgpu.training import inputs
 from tfmgpu.training import objectives
 from tfmgpu.training import preemption as preemption_lib
@@ -104,12 +105,18 @@ def _dataset_steps(source: inputs.InputData, strategy: tf.distribute.Strategy,
   return card
 
 
-def _describe_input(source: inputs.InputData, device_data: bool) -> str:
-  if device_data:
+def _describe_input(source: inputs.InputData, feed: str,
+                    refusal: str | None = None) -> str:
+  """The log line's words for where batches come from."""
+  if feed == feeds.DEVICE:
     return "in-memory arrays on each replica's device"
+  if feed == feeds.HOST_SPLIT:
+    return ("the given tf.data.Dataset, read once on the host; each global "
+            "batch is split over the replicas in the step")
+  if isinstance(source, inputs.DatasetData):
+    return ("the given tf.data.Dataset, its global batches split over the "
+            f"replicas by TF's distributed iterator ({refusal})")
   return {inputs.ArrayData: "in-memory arrays through a tf.data pipeline",
-          inputs.DatasetData: "the given tf.data.Dataset (global batches "
-                              "split over the replicas)",
           inputs.DatasetFnData: "the given dataset function (one pipeline "
                                 "per worker)"}[type(source)]
 
@@ -208,8 +215,8 @@ class Trainer:
     if owns_allreduce:
       allreduce_lib.take_over_aggregation(self.optimizer)
     self.callbacks = list(callbacks)
-    self._train_fns: dict[tuple[int, bool], Any] = {}
-    self._eval_fn = None
+    self._train_fns: dict[tuple[int | None, str], Any] = {}
+    self._eval_fns: dict[bool, Any] = {}
     self._resident_eval_fn = None
     self._eval_held: tuple | None = None
     self._checkpointer: ckpt_lib.Checkpointer | None = None
@@ -231,22 +238,22 @@ class Trainer:
     return self._checkpointer
 
   def _train_fn(self, global_batch_size: int | None,
-                device_data: bool = False):
-    key = (global_batch_size, device_data)
+                feed: str = feeds.ITERATOR):
+    key = (global_batch_size, feed)
     if key not in self._train_fns:
       step = step_lib.make_train_step(
           self.model, self.optimizer, global_batch_size=global_batch_size,
           loss=self.objective, jit_compile=self.jit_compile,
           allreduce=self.allreduce)
-      self._train_fns[key] = self._make_train_function(step, device_data)
+      self._train_fns[key] = self._make_train_function(step, feed)
     return self._train_fns[key]
 
-  def _make_train_function(self, step, device_data: bool):
+  def _make_train_function(self, step, feed: str):
     """The distributed function that runs `step` several times per call."""
     return distributed.make_train_function(
         self.strategy, step,
         check_fn=lambda: step_lib.non_finite_weights(self.model),
-        device_data=device_data,
+        feed=feed,
         metric_shapes=self.objective.state_shapes())
 
   def _summaries(self) -> tuple[Any, bool]:
@@ -325,11 +332,15 @@ class Trainer:
     if held is not None:
       out = self._resident_eval_fn(*held)
     else:
-      if self._eval_fn is None:
-        self._eval_fn = self._make_eval_fn()
+      split = (isinstance(source, inputs.DatasetData) and
+               feeds.host_split_refusal(
+                   self.strategy, source.dataset.element_spec) is None)
+      if split not in self._eval_fns:
+        self._eval_fns[split] = self._make_eval_fn(split)
       with warnings.catch_warnings():  # TF's own, from tracing the loop.
         warnings.filterwarnings("ignore", message=_TF_DATA_OPTIONS_WARNING)
-        out = self._eval_fn(self._eval_dataset(source, global_batch_size))
+        out = self._eval_fns[split](
+            self._eval_dataset(source, global_batch_size, split))
     sums = {k: v.numpy() for k, v in out.items()}
     n = max(float(sums["count"]), 1.0)
     result = {"loss": float(sums["loss_sum"]) / n}
@@ -375,17 +386,21 @@ class Trainer:
     _, _, batches, steps = self._eval_held
     return None if batches is None else (batches, tf.constant(steps))
 
-  def _make_eval_fn(self):
+  def _make_eval_fn(self, split_on_host: bool = False):
     return distributed.make_eval_function(
         self.strategy, step_lib.make_eval_step(self.model, loss=self.objective),
+        split_on_host=split_on_host,
         metric_shapes=self.objective.state_shapes())
 
-  def _eval_dataset(self, source: inputs.InputData, global_batch_size: int):
+  def _eval_dataset(self, source: inputs.InputData, global_batch_size: int,
+                    split_on_host: bool = False):
     """Every row once: arrays' last batch padded and masked out; a user's
-    dataset as it comes, with a mask of ones."""
+    dataset as it comes, with a mask of ones (split over the replicas by
+    the step with `split_on_host`, else by TF)."""
     if isinstance(source, inputs.DatasetData):
-      return self.strategy.experimental_distribute_dataset(
-          inputs.with_mask(source.dataset))
+      masked = inputs.with_mask(source.dataset)
+      return (masked if split_on_host
+              else self.strategy.experimental_distribute_dataset(masked))
     if isinstance(source, inputs.DatasetFnData):
       return self.strategy.distribute_datasets_from_function(
           lambda ctx: inputs.with_mask(source.fn(ctx)))
@@ -491,20 +506,30 @@ class Trainer:
   def _make_runner(self, source: inputs.InputData, *,
                    global_batch_size: int | None, steps_per_epoch: int,
                    seed: int, shuffle: bool) -> runners.SyncRunner:
-    device_data = (isinstance(source, inputs.ArrayData)
-                   and resident.use_device_data(self.input_mode, self.strategy,
-                                                source.data))
-    if not isinstance(source, inputs.ArrayData) and self.input_mode == "device":
+    feed, refusal = self._feed(source)
+    logging.info("Training data: %s.", _describe_input(source, feed, refusal))
+    return runners.SyncRunner(
+        self._train_fn(global_batch_size, feed), self.strategy, source,
+        global_batch_size=global_batch_size,
+        steps_per_execution=self.steps_per_execution, seed=seed,
+        shuffle=shuffle, steps_per_epoch=steps_per_epoch, feed=feed)
+
+  def _feed(self, source: inputs.InputData) -> tuple[str, str | None]:
+    """How `source` feeds the replicas (`tfmgpu.training.feeds`), and why
+    a dataset is not split on the host (`None` when it is, or for arrays)."""
+    if isinstance(source, inputs.ArrayData):
+      device = resident.use_device_data(self.input_mode, self.strategy,
+                                        source.data)
+      return (feeds.DEVICE if device else feeds.ITERATOR), None
+    if self.input_mode == "device":
       raise ValueError("input_mode='device' holds in-memory arrays on the "
                        f"devices; x is a {type(source).__name__}. Use "
                        "input_mode='auto' or 'tf_data'.")
-    logging.info("Training data: %s.", _describe_input(source, device_data))
-    return runners.SyncRunner(
-        self._train_fn(global_batch_size, device_data), self.strategy, source,
-        global_batch_size=global_batch_size,
-        steps_per_execution=self.steps_per_execution, seed=seed,
-        shuffle=shuffle, steps_per_epoch=steps_per_epoch,
-        device_data=device_data)
+    if isinstance(source, inputs.DatasetFnData):
+      return feeds.ITERATOR, None
+    refusal = feeds.host_split_refusal(self.strategy,
+                                       source.dataset.element_spec)
+    return (feeds.ITERATOR if refusal else feeds.HOST_SPLIT), refusal
 
   def close(self) -> None:
     """Flushes summaries and removes a non-chief worker's temporary files."""

@@ -126,22 +126,25 @@ class ParameterServerTrainer(Trainer):
     return iter(self.coordinator.create_per_worker_dataset(
         per_worker_dataset_fn))
 
-  def _make_train_function(self, step, device_data: bool):
+  def _make_train_function(self, step, feed: str):
     """Sums local to each scheduled call (workers run calls concurrently)."""
-    del device_data  # Workers read their own tf.data streams.
+    del feed  # Workers read their own tf.data streams.
     return distributed.make_scheduled_train_function(
         self.strategy, step,
         check_fn=lambda: step_lib.non_finite_weights(self.model),
         metric_shapes=self.objective.state_shapes())
 
-  def _make_eval_fn(self):
+  def _make_eval_fn(self, split_on_host: bool = False):
     """Evaluation on the coordinator, reading variables from the servers."""
+    del split_on_host  # Never: the coordinator runs each batch itself.
     return distributed.make_eval_function(
         self.strategy, step_lib.make_eval_step(self.model,
                                                loss=self.objective),
         replicated=False, metric_shapes=self.objective.state_shapes())
 
-  def _eval_dataset(self, source: inputs.InputData, global_batch_size: int):
+  def _eval_dataset(self, source: inputs.InputData, global_batch_size: int,
+                    split_on_host: bool = False):
+    del split_on_host  # The coordinator reads plain datasets.
     if isinstance(source, inputs.DatasetData):
       return inputs.with_mask(source.dataset)
     if isinstance(source, inputs.DatasetFnData):

@@ -2,9 +2,10 @@
 
 A runner is what the `Controller` (`tfmgpu.training.controller`) drives.
 `SyncRunner` calls a compiled `strategy.run` function
-(`tfmgpu.training.distributed`) once per call, reading its batches from a
-`tf.data` iterator or from device-resident arrays
-(`tfmgpu.training.resident`). The parameter-server runner lives beside its
+(`tfmgpu.training.distributed`) once per call, feeding it batches as
+`tfmgpu.training.feeds` says: from a distributed `tf.data` iterator, from
+device-resident arrays (`tfmgpu.training.resident`), or from one host
+iterator whose global batches the function splits. The parameter-server runner lives beside its
 trainer in `tfmgpu.training.parameter_server`.
 """
 
@@ -17,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import data as data_lib
+from tfmgpu.training import feeds
 from tfmgpu.training import inputs
 from tfmgpu.training import resident
 from tfmgpu.training.controller import StepSums
@@ -37,20 +39,23 @@ class SyncRunner:
   In-memory arrays: each replica sees exactly the examples of
   `tfmgpu.training.inputs.array_dataset_fn`'s order (seeded by `seed` and the epoch), from
   `tf.data` or from device-resident copies, so a resumed run skips exactly
-  the steps already done. A user's dataset (or dataset function) is iterated
+  the steps already done. A user's dataset of global batches gives each
+  replica the same rows whether TF splits it or the step does
+  (`feeds.HOST_SPLIT`). A user's dataset (or dataset function) is iterated
   afresh each epoch, skipping the steps a resumed epoch already did; an
   infinite one is iterated once, across epochs.
 
   Args:
-    train_fn: from `distributed.make_train_function` (its `device_data`
-      must match `device_data` here).
+    train_fn: from `distributed.make_train_function` (its `feed` must
+      match `feed` here).
     strategy: the strategy `train_fn` runs under.
     source: the input (`inputs.from_user`).
     global_batch_size: examples per step over all replicas (arrays).
     steps_per_execution: steps per call.
     seed, shuffle: the epoch order (arrays).
-    device_data: gather batches from arrays held on each replica's device
-      instead of a `tf.data` iterator.
+    feed: how batches reach the replicas (`tfmgpu.training.feeds`):
+      `DEVICE` (arrays only), `HOST_SPLIT` (a `tf.data.Dataset` only) or
+      `ITERATOR`.
   """
 
   coordinator_only = False
@@ -59,7 +64,7 @@ class SyncRunner:
                strategy: tf.distribute.Strategy, source: inputs.InputData,
                *, global_batch_size: int | None, steps_per_execution: int,
                seed: int, shuffle: bool, steps_per_epoch: int,
-               device_data: bool):
+               feed: str):
     self.train_fn = train_fn
     self.strategy = strategy
     self.source = source
@@ -67,7 +72,7 @@ class SyncRunner:
     self.steps_per_execution = steps_per_execution
     self.seed, self.shuffle = seed, shuffle
     self.steps_per_epoch = steps_per_epoch
-    self.device_data = device_data
+    self.feed = feed
     self._held: resident.DeviceData | None = None
     self._batches: Any = None
     self._endless: Any = None
@@ -75,14 +80,14 @@ class SyncRunner:
 
   def start_epoch(self, epoch: int, first_step: int) -> None:
     if isinstance(self.source, inputs.ArrayData):
-      self._batches = (self._held_epoch(epoch) if self.device_data
+      self._batches = (self._held_epoch(epoch) if self.feed == feeds.DEVICE
                        else iter(self._array_epoch(epoch, first_step)))
     else:
       self._batches = self._user_epoch(epoch, first_step)
 
   def run(self, done: int, limit: int) -> StepSums:
     n = min(self.steps_per_execution, limit)
-    batches = (self._batches.from_step(done) if self.device_data
+    batches = (self._batches.from_step(done) if self.feed == feeds.DEVICE
                else self._batches)
     return to_sums(self.train_fn(batches, tf.constant(n)), n)
 
@@ -123,8 +128,9 @@ class SyncRunner:
     if isinstance(self.source, inputs.DatasetData):  # Global batches.
       dataset = self.source.dataset
       dataset = dataset.repeat() if passes is not None else dataset
-      batches = self.strategy.experimental_distribute_dataset(
-          dataset.skip(start) if start else dataset)
+      dataset = dataset.skip(start) if start else dataset
+      batches = (dataset if self.feed == feeds.HOST_SPLIT
+                 else self.strategy.experimental_distribute_dataset(dataset))
     else:
       fn = self.source.fn
       if passes is not None:
