@@ -145,7 +145,7 @@ def test_bench_cli_runs_a_section(tmp_path):
   env.pop("TF_CPP_MIN_LOG_LEVEL", None)
   out = subprocess.run(
       [sys.executable, "-m", "tfmgpu.bench", "--quick", "--models=mlp",
-       "--replicas=1,2", "--sections=training,projection",
+       "--replicas=2", "--sections=training,projection",
        f"--output_dir={tmp_path}"], capture_output=True, text=True,
       timeout=900, check=False, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -209,7 +209,8 @@ def test_the_tf_data_section_times_tfmgpu_fit_and_orbit_on_one_dataset():
   assert rates == {"a": 200.0, "b": 400.0, "missing": None}
   row = orbit_lib.compare("mlp", arrays, replicas=2, global_batch_size=32,
                           steps=4, steps_per_execution=2, rounds=1)
-  assert row.tfmgpu > 0 and row.keras_fit > 0
+  assert row.tfmgpu > 0 and row.keras_fit > 0 and row.tfmgpu_tf_iterator > 0
+  assert row.host_split_gain == row.tfmgpu / row.tfmgpu_tf_iterator
   try:
     import orbit  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:

@@ -106,7 +106,9 @@ _INPUT_MODE = flags.DEFINE_enum(
     "input_mode", "auto", list(INPUT_MODE_CHOICES),
     "device: hold the training arrays on each replica's device and gather "
     "batches there; tf_data: a tf.data pipeline; auto: device on one host "
-    f"when all replicas' copies take <= {DEVICE_DATA_MAX_MIB} MiB.")
+    f"when all replicas' copies take <= {DEVICE_DATA_MAX_MIB} MiB. A "
+    "tf.data.Dataset on CPU replicas is read once on the host and split in "
+    "the step, unless tf_data (TF's distributed iterator).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
 _SCHEDULE = flags.DEFINE_enum(
     "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.")

@@ -45,33 +45,32 @@ def initial():
   return _model().get_weights()
 
 
-def _train(strategy, initial, split: bool, monkeypatch):
+def _train(strategy, initial, split: bool):
   """Weights and evaluation after 2 epochs of a weighted dataset, with the
-  host split on or forced off."""
-  if not split:
-    monkeypatch.setattr(feeds, "host_split_refusal", lambda *a: "forced off")
+  host split on or turned off (`input_mode="tf_data"`)."""
   with strategy.scope():
     model = _model()
   model.set_weights(initial)
   x, y, w = _data()
   dataset = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH)
   trainer = Trainer(model, strategy=strategy, optimizer="sgd",
-                    learning_rate=0.1, metrics=["accuracy"], verbose=0)
+                    learning_rate=0.1, metrics=["accuracy"], verbose=0,
+                    input_mode="auto" if split else "tf_data")
   trainer.fit(dataset, epochs=2)
   scores = trainer.evaluate(dataset)
-  monkeypatch.undo()
+  assert (True in trainer._eval_fns) == split  # pylint: disable=protected-access
   return model.get_weights(), scores
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_a_dataset_split_on_the_host_trains_as_tf_splits_it(
-    initial, replicas, monkeypatch, caplog):
+    initial, replicas, caplog):
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=replicas)
   caplog.set_level("INFO")
-  split_weights, split_scores = _train(strategy, initial, True, monkeypatch)
+  split_weights, split_scores = _train(strategy, initial, True)
   assert "read once on the host" in caplog.text
-  tf_weights, tf_scores = _train(strategy, initial, False, monkeypatch)
-  assert "by TF's distributed iterator (forced off)" in caplog.text
+  tf_weights, tf_scores = _train(strategy, initial, False)
+  assert "by TF's distributed iterator (input_mode='tf_data')" in caplog.text
   assert max(np.abs(a - b).max() for a, b in zip(initial, tf_weights)) > 1e-2
   for got, want in zip(split_weights, tf_weights):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,11 @@ column says so.
 
 What each path runs (Adam 1e-3, sparse cross-entropy from logits):
   * `tfmgpu`: `Trainer.fit(dataset, steps_per_epoch=...)`, its defaults
-    (fused Adam, `steps_per_execution` steps per call).
+    (fused Adam, `steps_per_execution` steps per call; on CPU replicas one
+    host iterator whose batches the step splits, `tfmgpu.training.feeds`).
+  * `tfmgpu_tf_iterator`: the same with `input_mode="tf_data"`: TF's
+    distributed iterator, as `fit` and Orbit read the dataset (the host
+    split's share of the lead).
   * `keras_fit`: `model.compile(steps_per_execution=...)` + `model.fit`.
   * `orbit`: `StandardTrainer` with `use_tf_while_loop=True`, one
     `strategy.run` step per loop iteration, Keras' Adam.
@@ -47,6 +51,7 @@ class Row:
   tfmgpu: float
   keras_fit: float
   orbit: float | None
+  tfmgpu_tf_iterator: float | None = None
 
   @property
   def vs_fit(self) -> float:
@@ -55,6 +60,12 @@ class Row:
   @property
   def vs_orbit(self) -> float | None:
     return self.tfmgpu / self.orbit if self.orbit else None
+
+  @property
+  def host_split_gain(self) -> float | None:
+    """tfmgpu's speed over itself reading through TF's iterator."""
+    return (self.tfmgpu / self.tfmgpu_tf_iterator
+            if self.tfmgpu_tf_iterator else None)
 
 
 def shuffled_dataset(arrays: data_lib.Arrays, global_batch_size: int,
@@ -88,11 +99,14 @@ class _Stamps(keras.callbacks.Callback):
 
 
 def tfmgpu_runner(strategy, model_name, arrays, dataset, *, steps: int,
-                  steps_per_execution: int, seed: int = 0) -> Runner:
+                  steps_per_execution: int, seed: int = 0,
+                  **trainer_options) -> Runner:
+  """`Trainer.fit` on `dataset`; `trainer_options` go to the `Trainer`."""
   model = _build(strategy, model_name, arrays, seed)
   stamps = _Stamps()
   trainer = Trainer(model, strategy=strategy, verbose=0, callbacks=[stamps],
-                    steps_per_execution=steps_per_execution)
+                    steps_per_execution=steps_per_execution,
+                    **trainer_options)
 
   def run():
     stamps.times = []
@@ -191,7 +205,7 @@ def _batch(dataset: tf.data.Dataset) -> int:
 def compare(model_name: str, arrays: data_lib.Arrays, *, replicas: int,
             global_batch_size: int, steps: int,
             steps_per_execution: int = 10, rounds: int = 3) -> Row:
-  """One row: the three paths at `replicas` mirrored replicas."""
+  """One row: the paths at `replicas` mirrored replicas."""
   strategy = strategies_lib.get_strategy("mirrored", num_replicas=replicas)
   dataset = shuffled_dataset(arrays, global_batch_size)
   common = (strategy, model_name, arrays, dataset)
@@ -200,6 +214,8 @@ def compare(model_name: str, arrays: data_lib.Arrays, *, replicas: int,
       "tfmgpu": tfmgpu_runner(*common, **kwargs),
       "keras_fit": keras_fit_runner(*common, **kwargs),
       "orbit": orbit_runner(*common, **kwargs),
+      "tfmgpu_tf_iterator": tfmgpu_runner(*common, input_mode="tf_data",
+                                          **kwargs),
   }, steps_per_execution * global_batch_size, rounds)
   return Row(model=model_name, replicas=replicas, **rates)
 

@@ -594,7 +594,7 @@ def _tf_data(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
           steps=opts.steps // 2 if opts.quick else opts.steps,
           steps_per_execution=opts.steps_per_execution,
           rounds=opts.rounds)
-      for path in ("tfmgpu", "keras_fit", "orbit"):
+      for path in ("tfmgpu", "keras_fit", "orbit", "tfmgpu_tf_iterator"):
         rate = getattr(row, path)
         if rate:
           report.add(report_lib.Row("tf_data", model_name, replicas, path,
@@ -602,12 +602,15 @@ def _tf_data(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
       orbit_cell = (f"{row.orbit:>9,.0f}" if row.orbit
                     else orbit_lib.ORBIT_MISSING)
       report.say(f"  {model_name:<8} x{replicas}: tfmgpu {row.tfmgpu:>9,.0f}  "
-                 f"fit {row.keras_fit:>9,.0f}  orbit {orbit_cell}")
+                 f"fit {row.keras_fit:>9,.0f}  orbit {orbit_cell}  tfmgpu "
+                 f"on TF's iterator {row.tfmgpu_tf_iterator:>9,.0f}")
       report.figure(f"tf.data tfmgpu/fit {model_name} x{replicas}",
                     row.vs_fit, "(target >= 1.0)")
       if row.vs_orbit:
         report.figure(f"tf.data tfmgpu/orbit {model_name} x{replicas}",
                       row.vs_orbit, "(target >= 1.0)")
+      report.figure(f"tf.data host split/TF's iterator {model_name} "
+                    f"x{replicas}", row.host_split_gain, "(measured)")
 
 
 Section = Callable[[report_lib.Report, "SuiteOptions", Any], None]

@@ -163,7 +163,10 @@ class Trainer:
       `"tf_data"` reads them through a `tf.data` pipeline; `"auto"` (the
       default) picks `"device"` on one host when all replicas' copies take
       at most `resident.DEFAULT_MAX_BYTES`. Both give each replica the same
-      examples.
+      examples. For a `tf.data.Dataset`, `"auto"` reads it with one host
+      iterator and splits each batch in the step where the replicas are
+      CPUs (`tfmgpu.training.feeds`); `"tf_data"` keeps TF's distributed
+      iterator.
     model_dir: where checkpoints and TensorBoard summaries go; `None` keeps
       nothing. A directory with checkpoints is resumed from. While `fit`
       runs, the chief holds the directory's lock (`tfmgpu.rundir`): a second
@@ -332,9 +335,8 @@ class Trainer:
     if held is not None:
       out = self._resident_eval_fn(*held)
     else:
-      split = (isinstance(source, inputs.DatasetData) and
-               feeds.host_split_refusal(
-                   self.strategy, source.dataset.element_spec) is None)
+      split = (isinstance(source, inputs.DatasetData)
+               and self._split_refusal(source) is None)
       if split not in self._eval_fns:
         self._eval_fns[split] = self._make_eval_fn(split)
       with warnings.catch_warnings():  # TF's own, from tracing the loop.
@@ -527,9 +529,15 @@ class Trainer:
                        "input_mode='auto' or 'tf_data'.")
     if isinstance(source, inputs.DatasetFnData):
       return feeds.ITERATOR, None
-    refusal = feeds.host_split_refusal(self.strategy,
-                                       source.dataset.element_spec)
+    refusal = self._split_refusal(source)
     return (feeds.ITERATOR if refusal else feeds.HOST_SPLIT), refusal
+
+  def _split_refusal(self, source: inputs.DatasetData) -> str | None:
+    """Why `source` is not split on the host (`None`: it is)."""
+    if self.input_mode == "tf_data":
+      return "input_mode='tf_data'"
+    return feeds.host_split_refusal(self.strategy,
+                                    source.dataset.element_spec)
 
   def close(self) -> None:
     """Flushes summaries and removes a non-chief worker's temporary files."""
