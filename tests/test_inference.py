@@ -292,6 +292,33 @@ def test_a_saved_model_is_served_on_every_replica_asked_for(tmp_path, model,
       cpu_devices)
 
 
+@pytest.mark.parametrize("outputs", ["dict", "list"])
+def test_a_two_input_two_output_saved_model_serves_every_output(tmp_path,
+                                                                outputs):
+  a, b = keras.Input((5,), name="a"), keras.Input((3,), name="b")
+  h = keras.layers.Dense(4, activation="tanh")(
+      keras.layers.Concatenate()([a, b]))
+  heads = [keras.layers.Dense(2, name="cls")(h),
+           keras.layers.Dense(1, name="val")(h)]
+  two = keras.Model({"a": a, "b": b}, dict(zip(("cls", "val"), heads))
+                    if outputs == "dict" else heads)
+  rng = np.random.default_rng(0)
+  x = {"a": rng.normal(size=(37, 5)).astype(np.float32),
+       "b": rng.normal(size=(37, 3)).astype(np.float32)}
+  want = two.predict(x, verbose=0)
+  path = inference.export_saved_model(two, str(tmp_path / "sm"))
+  # A path is loaded for the call; the rows are split over 2 replicas.
+  got = tfmgpu.predict(path, x, strategy=tfmgpu.get_strategy(
+      "mirrored", num_replicas=2), batch_size=8)
+  assert type(got) is type(want)  # pylint: disable=unidiomatic-typecheck
+  for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+    assert g.shape == w.shape
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match=r"takes the inputs \['a', 'b'\]; x is "
+                     r"tuple\. Give x as a dict"):
+    tfmgpu.predict(inference.load_model(path), (x["a"], x["b"]))
+
+
 @pytest.mark.parametrize("strategy", ["model_parallel", "branch_parallel"])
 def test_a_saved_model_cannot_be_split_and_says_why(tmp_path, model, strategy):
   path = inference.export_saved_model(model, str(tmp_path / "sm"))

@@ -139,7 +139,9 @@ class Predictor:
   keeps one per model and options.
 
   Args:
-    model: a Keras model, or a staged / pipelined / branch-parallel model.
+    model: a Keras model, or a staged / pipelined / branch-parallel model;
+      or the path of a `.keras` file or SavedModel (`load_model`), loaded
+      for this call (load it once yourself to serve many calls).
     strategy: a `tf.distribute.Strategy` or registered name; defaults to the
       strategy the model was built under. Ignored for placed models.
     batch_size: global batch per step; rounded up to a multiple of the
@@ -198,6 +200,8 @@ class Predictor:
       raise TypeError("x is a dataset function; predict takes arrays (any "
                       "nesting) or a tf.data.Dataset of input batches.")
     x = source.x
+    if hasattr(self.model, "check_inputs"):
+      self.model.check_inputs(x)
     if not isinstance(x, (dict, tuple)):
       check_input_shape(self.model, x)
     n = len(tf.nest.flatten(x)[0])
@@ -340,7 +344,9 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
   function is kept per model and options (see `Predictor`).
 
   Args:
-    model: a Keras model, or a staged / pipelined / branch-parallel model.
+    model: a Keras model, or a staged / pipelined / branch-parallel model;
+      or the path of a `.keras` file or SavedModel (`load_model`), loaded
+      for this call (load it once yourself to serve many calls).
     x: input rows: an array, a dict/list/tuple of arrays, or a
       `tf.data.Dataset` of batches (see `Predictor.predict`).
     strategy, batch_size, steps_per_execution, precision, prefetch: see
@@ -353,6 +359,8 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
   Raises:
     ValueError: rows that do not fit the model's input, or bad options.
   """
+  if isinstance(model, (str, os.PathLike)):  # Loaded for this call only.
+    model = load_model(os.fspath(model))
   key = (id(strategy) if not isinstance(strategy, str) else strategy,
          batch_size, steps_per_execution, precision, prefetch)
   cache = _PREDICTORS.setdefault(model, {})
@@ -370,7 +378,11 @@ class SavedModelPredictor:
 
   Loaded under a strategy's scope (`under`), its variables are replicated
   and `predict` runs it on every replica, as TF's "save and load with a
-  distribution strategy" guide does.
+  distribution strategy" guide does. A model with several inputs takes a
+  dict keyed by the signature's input names (`input_names`); one with
+  several outputs returns a dict of them, keyed by the signature's output
+  names (those of a Keras export: the model's output names, or
+  `output_0`, `output_1`, ... for a list).
   """
 
   def __init__(self, path: str, strategy: tf.distribute.Strategy | None = None):
@@ -383,16 +395,18 @@ class SavedModelPredictor:
       raise ValueError(f"SavedModel {path!r} has no 'serving_default' "
                        "signature to predict with.")
     args, kwargs = self._fn.structured_input_signature
-    specs = list(args) + list(kwargs.values())
-    if len(specs) != 1:
-      raise ValueError(f"SavedModel {path!r} takes {len(specs)} inputs; "
-                       "predict serves single-input models.")
-    self._input_name = next(iter(kwargs), None)
-    self.input_shape = tuple(specs[0].shape)
+    if len(args) + len(kwargs) == 0 or (args and len(args) + len(kwargs) > 1):
+      raise ValueError(f"SavedModel {path!r}'s serving signature takes "
+                       f"{len(args)} positional and {len(kwargs)} named "
+                       "inputs; predict serves named inputs (or one).")
+    self.input_names = list(kwargs)  # Empty: one positional input.
+    shapes = [tuple(spec.shape) for spec in list(args) + list(kwargs.values())]
+    self.input_shape = shapes[0] if len(shapes) == 1 else shapes
     self.name = os.path.basename(path.rstrip("/"))
     outputs = self._fn.structured_outputs
-    self.output_shape = tuple(next(iter(outputs.values())).shape) if isinstance(
-        outputs, dict) else None
+    self.output_names = list(outputs) if isinstance(outputs, dict) else []
+    self.output_shape = (tuple(next(iter(outputs.values())).shape)
+                         if len(self.output_names) == 1 else None)
 
   def under(self, strategy: tf.distribute.Strategy) -> "SavedModelPredictor":
     """This SavedModel loaded in `strategy`'s scope (itself if it is)."""
@@ -400,11 +414,31 @@ class SavedModelPredictor:
       return self
     return SavedModelPredictor(self.path, strategy)
 
+  def check_inputs(self, x) -> None:
+    """Raises a clear `ValueError` for inputs the signature does not take
+    (called before tracing)."""
+    self._arguments(x)
+
+  def _arguments(self, x) -> dict[str, Any]:
+    """`x` by input name; a clear error for inputs the signature lacks."""
+    if len(self.input_names) <= 1 and not isinstance(x, dict):
+      return {self.input_names[0]: x} if self.input_names else {}
+    if not isinstance(x, dict) or set(x) != set(self.input_names):
+      got = sorted(x) if isinstance(x, dict) else type(x).__name__
+      raise ValueError(
+          f"SavedModel {self.path!r} takes the inputs {sorted(self.input_names)}; x "
+          f"is {got}. Give x as a dict {{input name: array}} with exactly "
+          "those names.")
+    return dict(x)
+
   def __call__(self, x, training=False):
     del training  # A SavedModel's serving function is inference-only.
-    out = self._fn(**{self._input_name: x}) if self._input_name else self._fn(x)
-    if isinstance(out, dict):
+    out = (self._fn(**self._arguments(x)) if self.input_names
+           else self._fn(x))
+    if isinstance(out, dict) and len(out) == 1:
       out = next(iter(out.values()))
+    elif set(out) == {f"output_{i}" for i in range(len(out))}:
+      out = [out[f"output_{i}"] for i in range(len(out))]  # Keras: a list.
     return out
 
 
