@@ -87,3 +87,22 @@ def test_predictions_follow_the_umask_and_replace_whole(tmp_path, umask_027):
   np.testing.assert_array_equal(np.load(path), np.zeros((4, 2)))
   assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
   assert _listing(tmp_path) == ["p.npy"]
+
+
+@pytest.mark.parametrize("outputs, names", [
+    ({"cls": np.ones((3, 2)), "val": np.zeros((3, 1))}, ["cls", "val"]),
+    ([np.ones((3, 2)), np.zeros((3, 1))], ["output_0", "output_1"]),
+])
+def test_several_outputs_are_written_as_one_npz(tmp_path, outputs, names):
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  written = inference.save_predictions(str(tmp_path / "p.npy"), outputs)
+  assert written == str(tmp_path / "p.npz")
+  assert _listing(tmp_path) == ["p.npz"]
+  with np.load(written) as saved:  # No pickle needed.
+    assert sorted(saved.files) == names
+    for name, want in zip(names, _arrays_of(outputs)):
+      np.testing.assert_array_equal(saved[name], want)
+
+
+def _arrays_of(outputs):
+  return list(outputs.values()) if isinstance(outputs, dict) else outputs

@@ -561,8 +561,24 @@ def place_for_serving(models: list, strategy: str, **options) -> tuple:
   return distribution.serve(models, distribution.options(**options))
 
 
-def save_predictions(path: str, predictions: np.ndarray) -> str:
-  """Writes `.npy` atomically (`tfmgpu.files.write_atomically`): a failed or
-  killed run never leaves a partial or temporary file, and the file gets
-  the mode of a plain `open` (umask), not 0600."""
+def save_predictions(path: str, predictions: Any) -> str:
+  """Writes the predictions atomically (`tfmgpu.files.write_atomically`): a
+  failed or killed run never leaves a partial or temporary file, and the
+  file gets the mode of a plain `open` (umask), not 0600.
+
+  One output is written as `.npy`. Several (a dict or list of arrays) are
+  written as one `.npz` of named arrays (the dict's keys, or `output_0`,
+  `output_1`, ...); a path ending in `.npy` then becomes `.npz`.
+
+  Returns:
+    The path written.
+  """
+  if isinstance(predictions, (dict, list, tuple)):
+    named = (dict(predictions) if isinstance(predictions, dict) else
+             {f"output_{i}": p for i, p in enumerate(predictions)})
+    if path.endswith(".npy"):
+      path = path[:-len(".npy")] + ".npz"
+    return files.write_atomically(
+        path, lambda f: np.savez(f, **{str(k): np.asarray(v)
+                                       for k, v in named.items()}))
   return files.write_atomically(path, lambda f: np.save(f, predictions))

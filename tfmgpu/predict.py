@@ -35,7 +35,8 @@ _MODEL_PATH = flags.DEFINE_list(
     "model_path", None, "A .keras file or SavedModel directory (several, "
     "comma-separated, for --strategy=branch_parallel). Required.")
 _OUTPUT = flags.DEFINE_string(
-    "output", None, "Write predictions (float32 logits) to this .npy file.")
+    "output", None, "Write predictions (float32) to this .npy file; a model "
+    "with several outputs writes one .npz of named arrays instead.")
 _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", 1024, "Global batch per step.", lower_bound=1)
 _PRECISION = flags.DEFINE_enum(
@@ -191,12 +192,14 @@ def _report(predictor, predictions, y, seconds: float) -> int:
     print(f"accuracy   {accuracy:.4f}")
   if _OUTPUT.value:
     try:
-      inference.save_predictions(_OUTPUT.value, predictions)
+      written = inference.save_predictions(_OUTPUT.value, predictions)
     except OSError as e:
       print(f"error: {files.describe_os_error(e, _OUTPUT.value)}",
             file=sys.stderr)
       return 1
-    print(f"output     {_OUTPUT.value}")
+    several = (f" ({len(predictions)} outputs, one array each)"
+               if isinstance(predictions, (dict, list, tuple)) else "")
+    print(f"output     {written}{several}")
   return 0
 
 
