@@ -348,6 +348,37 @@ def test_functional_model_unsplits_again_and_exports(tmp_path):
                              atol=1e-5)
 
 
+class _Scaled(keras.layers.Layer):
+  """A user's layer as Keras examples write them: no get_config, no name
+  given, so Keras names it, and its automatic config holds no name (Keras
+  keeps the name only when the catch-all argument is called `kwargs`)."""
+
+  def __init__(self, units, **kw):
+    super().__init__(**kw)
+    self.dense = keras.layers.Dense(units)
+
+  def call(self, x):
+    return self.dense(x) * 0.5
+
+
+def test_a_custom_layer_named_by_keras_keeps_its_name_when_split():
+  keras.utils.set_random_seed(2)
+  inputs = keras.Input((6,))
+  h = _Scaled(8)(inputs)
+  h = keras.layers.Dense(8, activation="relu")(h)
+  outputs = _Scaled(3)(h)
+  model = keras.Model(inputs, outputs)
+  x = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)
+  want = model.predict(x, verbose=0)
+  staged = StagedModel.from_model(model, num_stages=2)
+  np.testing.assert_allclose(staged.predict(x, verbose=0), want, rtol=1e-6,
+                             atol=1e-6)
+  rebuilt = staged.to_unsplit(custom_objects={"_Scaled": _Scaled})
+  assert [l.name for l in rebuilt.layers] == [l.name for l in model.layers]
+  np.testing.assert_allclose(rebuilt.predict(x, verbose=0), want, rtol=1e-6,
+                             atol=1e-6)
+
+
 # ------------------------------------------------------------------- errors
 
 

@@ -47,6 +47,27 @@ class _ModelSpec:
   """Enough to rebuild the unsplit model (a plain object: Keras won't track it)."""
   cls: type
   config: dict
+  layer_names: tuple[str, ...] = ()
+
+  @classmethod
+  def of(cls, model: keras.Model) -> "_ModelSpec":
+    return cls(type(model), model.get_config(),
+               tuple(l.name for l in model.layers))
+
+  def rebuild(self) -> keras.Model:
+    """A new model from the config, its layers named as the original's.
+
+    Keras' automatic config of a custom layer holds only the arguments its
+    constructor was given, so a layer Keras named gets a new name when
+    rebuilt; weights move between layouts by layer name.
+    """
+    # A copy: `Functional.from_config` consumes parts of the dict it gets,
+    # and the model must rebuild from the same config every call.
+    model = self.cls.from_config(copy.deepcopy(self.config))
+    if len(model.layers) == len(self.layer_names):
+      for layer, name in zip(model.layers, self.layer_names):
+        layer.name = name
+    return model
 
 
 def _weighted_layers(models: Sequence[keras.Model]) -> dict[str, Any]:
@@ -76,12 +97,14 @@ def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
     except (ValueError, TypeError):
       pass  # Subclassed: fall through to its config.
   try:
-    return layer.__class__.from_config(layer.get_config())
+    clone = layer.__class__.from_config(layer.get_config())
   except (NotImplementedError, TypeError, ValueError) as e:
     raise ValueError(
         f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
         f"from its config ({e}); give it a get_config() that returns its "
         "constructor arguments.") from e
+  clone.name = layer.name  # See `_ModelSpec.rebuild`.
+  return clone
 
 
 def _stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):
@@ -187,9 +210,7 @@ class UnsplitWeights:
     place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
              else contextlib.nullcontext())
     with place, keras.saving.custom_object_scope(custom_objects or {}):
-      # A copy: `Functional.from_config` consumes parts of the dict it gets,
-      # and this model must rebuild from the same config every call.
-      model = spec.cls.from_config(copy.deepcopy(spec.config))
+      model = spec.rebuild()
     self.copy_weights_to(model)
     return model
 
@@ -251,7 +272,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
     self.stage_devices = tuple(devices)
     self.stages = stages
     source = model if unsplit is None else unsplit
-    self._unsplit_spec = _ModelSpec(type(source), source.get_config())
+    self._unsplit_spec = _ModelSpec.of(source)
     # The unsplit model's output names key per-output losses and metrics.
     self.unsplit_output_names = tuple(
         source.output_names if len(tf.nest.flatten(source.outputs)) > 1

@@ -831,7 +831,7 @@ class TensorParallelModel(staged.UnsplitWeights,
     self.tensor_parallel = len(self.devices)
     with tf.device(self.devices[0]):
       self.model = tensor_parallel(model, self.devices, rules=rules)
-    self._unsplit_spec = staged._ModelSpec(type(model), model.get_config())  # pylint: disable=protected-access
+    self._unsplit_spec = staged._ModelSpec.of(model)  # pylint: disable=protected-access
     self.unsplit_output_names = tuple(
         model.output_names if len(tf.nest.flatten(model.outputs)) > 1 else ())
     self.built = True
