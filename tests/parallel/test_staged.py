@@ -357,6 +357,9 @@ class _Scaled(keras.layers.Layer):
     super().__init__(**kw)
     self.dense = keras.layers.Dense(units)
 
+  def build(self, input_shape):
+    self.dense.build(input_shape)
+
   def call(self, x):
     return self.dense(x) * 0.5
 
