@@ -1,9 +1,9 @@
 """The loop's feeds: a dataset split on the host gives each replica TF's rows.
 
 `feeds.HOST_SPLIT` replaces TF's distributed iterator for a user's dataset
-on one host of CPUs; these tests hold it to the iterator's results (the
-same weights and evaluation, a short last batch included) and check when
-it is refused.
+on one host of CPUs; these tests hold it to the iterator's results on full
+batches, to one-device training when the last batch is short (which TF's
+iterator averages per replica), and check when it is refused.
 """
 
 import collections
@@ -23,13 +23,13 @@ from tfmgpu.training.loop import Trainer
 ROWS, BATCH = 61, 12  # The last batch has 1 row: 3 of 4 replicas get none.
 
 
-def _data():
+def _data(rows=ROWS):
   rng = np.random.default_rng(1)
   x = {"a": rng.normal(size=(ROWS, 5)).astype(np.float32),
        "b": rng.normal(size=(ROWS, 3)).astype(np.float32)}
   y = (x["a"][:, 0] + x["b"][:, 1] > 0).astype(np.int32)
   w = rng.uniform(0.5, 1.5, size=ROWS).astype(np.float32)
-  return x, y, w
+  return tf.nest.map_structure(lambda a: a[:rows], (x, y, w))
 
 
 def _model():
@@ -45,13 +45,13 @@ def initial():
   return _model().get_weights()
 
 
-def _train(strategy, initial, split: bool):
+def _train(strategy, initial, split: bool, rows: int = ROWS):
   """Weights and evaluation after 2 epochs of a weighted dataset, with the
   host split on or turned off (`input_mode="tf_data"`)."""
   with strategy.scope():
     model = _model()
   model.set_weights(initial)
-  x, y, w = _data()
+  x, y, w = _data(rows)
   dataset = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH)
   trainer = Trainer(model, strategy=strategy, optimizer="sgd",
                     learning_rate=0.1, metrics=["accuracy"], verbose=0,
@@ -67,16 +67,37 @@ def test_a_dataset_split_on_the_host_trains_as_tf_splits_it(
     initial, replicas, caplog):
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=replicas)
   caplog.set_level("INFO")
-  split_weights, split_scores = _train(strategy, initial, True)
+  full = 5 * BATCH  # Full batches: TF's per-replica average is exact.
+  split_weights, split_scores = _train(strategy, initial, True, full)
   assert "read once on the host" in caplog.text
-  tf_weights, tf_scores = _train(strategy, initial, False)
+  tf_weights, tf_scores = _train(strategy, initial, False, full)
   assert "by TF's distributed iterator (input_mode='tf_data')" in caplog.text
   assert max(np.abs(a - b).max() for a, b in zip(initial, tf_weights)) > 1e-2
   for got, want in zip(split_weights, tf_weights):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  assert split_scores["count"] == tf_scores["count"] == ROWS
+  assert split_scores["count"] == tf_scores["count"] == full
   for key in ("loss", "accuracy"):
     assert split_scores[key] == pytest.approx(tf_scores[key], rel=1e-5)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_a_short_last_batch_split_on_the_host_trains_as_one_device(
+    initial, replicas):
+  """61 rows in batches of 12: the last batch's one row lands on one
+  replica; its loss is averaged over 1 row, as on one device (TF's
+  iterator would divide it by 1 x replicas)."""
+  one_weights, one_scores = _train(tf.distribute.get_strategy(), initial,
+                                   True)
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=replicas)
+  split_weights, split_scores = _train(strategy, initial, True)
+  for got, want in zip(split_weights, one_weights):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert split_scores["count"] == one_scores["count"] == ROWS
+  for key in ("loss", "accuracy"):
+    assert split_scores[key] == pytest.approx(one_scores[key], rel=1e-5)
+  tf_weights, _ = _train(strategy, initial, False)
+  assert max(np.abs(a - b).max()
+             for a, b in zip(tf_weights, one_weights)) > 1e-4
 
 
 def test_split_batch_gives_each_replica_tfs_rows():

@@ -103,8 +103,8 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
   """
   sums = _ReplicaSums(strategy, sum_shapes(TRAIN_KEYS, metric_shapes))
 
-  def replica_step(*batch):
-    sums.add(step(*batch))
+  def replica_step(*batch, **kwargs):
+    sums.add(step(*batch, **kwargs))
 
   def replica_gather_step(data, index, step_in_epoch):
     replica_step(*resident.gather_batch(data, index, step_in_epoch))
@@ -128,8 +128,9 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
   def train_split_on_host(iterator, num_steps):
     strategy.run(sums.reset)
     for _ in tf.range(num_steps):
-      strategy.run(replica_step,
-                   args=feeds.split_batch(strategy, tuple(next(iterator))))
+      batch = tuple(next(iterator))
+      strategy.run(replica_step, args=feeds.split_batch(strategy, batch),
+                   kwargs={"global_batch": feeds.rows_of(batch)})
     return sums.read(check_fn)
 
   return {feeds.ITERATOR: train_from_iterator,

@@ -37,14 +37,14 @@ def make_gradients_fn(model: keras.Model,
                       global_batch_size: int | None,
                       objective: objectives.Objective,
                       jit_compile: bool = False):
-  """`grads(x, y, sw) -> (loss share, predictions, gradients)` of one replica.
+  """`grads(x, y, sw, batch) -> (loss share, predictions, gradients)`.
 
   The loss is averaged over the global batch (plus regularization), scaled
   for a `LossScaleOptimizer`; a placed model computes each part's backward
   on that part's device (`compute_loss_and_gradients`), with the targets
   and sample weights travelling together (`(y, sw)`, split with the batch).
-  `global_batch_size=None` takes the replica's batch times the replica
-  count (batches from a user's dataset).
+  `global_batch_size=None` takes `batch` (the step's rows, when known),
+  else the replica's batch times the replica count.
 
   Raises:
     ValueError: `jit_compile` for a model whose variables live on several
@@ -56,13 +56,14 @@ def make_gradients_fn(model: keras.Model,
     y_true, sample_weight = target
     return tf.nn.compute_average_loss(
         objective.per_example_loss(y_true, y_pred, sample_weight),
-        global_batch_size=global_batch_size if batch is None else batch)
+        global_batch_size=(batch if global_batch_size is None
+                           else global_batch_size))
 
-  def placed_grads(x, y, sw=None):  # Each part's backward on its device.
+  def placed_grads(x, y, sw=None, batch=None):  # Parts on their devices.
     # Micro-batches share the whole batch's denominator (a dataset's batch
     # is known only here, before the model splits it).
-    batch = (_global_batch_of(x) if global_batch_size is None
-             else global_batch_size)
+    if global_batch_size is None and batch is None:
+      batch = _global_batch_of(x)
 
     def loss_fn(target, y_pred):
       value = scaled_loss(target, y_pred, batch)
@@ -74,10 +75,11 @@ def make_gradients_fn(model: keras.Model,
       total = total / optimizer.scale_loss(tf.constant(1.0))
     return total, y_pred, grads
 
-  def tape_grads(x, y, sw=None):
+  def tape_grads(x, y, sw=None, batch=None):
     with tf.GradientTape() as tape:
       y_pred = model(x, training=True)
-      loss_value = scaled_loss((y, sw), y_pred) + _regularization(model)
+      loss_value = scaled_loss((y, sw), y_pred, batch) + _regularization(
+          model)
       target = optimizer.scale_loss(loss_value) if scaling else loss_value
     return loss_value, y_pred, tape.gradient(target,
                                              model.trainable_variables)
@@ -131,9 +133,12 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
       caller must have called `allreduce.take_over_aggregation(optimizer)`.
 
   Returns:
-    `step(x, y, sample_weight=None) -> {"loss": mean loss share, "count": n,
-    "non_finite": 1 if the loss is NaN/inf, **metric state changes}`,
-    to be called once per replica inside `strategy.run`.
+    `step(x, y, sample_weight=None, global_batch=None) -> {"loss": mean
+    loss share, "count": n, "non_finite": 1 if the loss is NaN/inf, **metric
+    state changes}`, to be called once per replica inside `strategy.run`;
+    `global_batch` (the rows of the whole step's batch, a tensor) sets the
+    loss's denominator when `global_batch_size` is `None`, so a short last
+    batch split unevenly is averaged as one device would.
   """
   objective = as_objective(model, loss)
   grads_fn = make_gradients_fn(model, optimizer,
@@ -143,8 +148,8 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
   reduce_within = (model.reduce_gradients
                    if hasattr(model, "reduce_gradients") else None)
 
-  def step(x, y, sample_weight=None):
-    loss_value, y_pred, grads = grads_fn(x, y, sample_weight)
+  def step(x, y, sample_weight=None, global_batch=None):
+    loss_value, y_pred, grads = grads_fn(x, y, sample_weight, global_batch)
     if reduce_within is not None:  # A placed model combines its own.
       grads = reduce_within(grads, allreduce)
     elif allreduce is not None:
