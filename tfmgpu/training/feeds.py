@@ -14,7 +14,7 @@
   averages each replica's share as if every replica had as many rows).
   Chosen on one host when every replica's device is a CPU: their memory is
   the host's, so prefetching to them copies nothing useful, and one
-  pipeline costs less host time than one per replica (measured: 13-27%
+  pipeline costs less host time than one per replica (measured: 14-37%
   faster steps on CPUs split into logical devices, `docs/benchmarks.md`).
   GPUs keep `ITERATOR`, whose prefetch overlaps the copy to the device.
 
