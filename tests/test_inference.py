@@ -317,6 +317,9 @@ def test_a_two_input_two_output_saved_model_serves_every_output(tmp_path,
   with pytest.raises(ValueError, match=r"takes the inputs \['a', 'b'\]; x is "
                      r"tuple\. Give x as a dict"):
     tfmgpu.predict(inference.load_model(path), (x["a"], x["b"]))
+  served = inference.Predictor(path, batch_size=16)  # Loaded once here.
+  for g, w in zip(tf.nest.flatten(served.predict(x)), tf.nest.flatten(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["model_parallel", "branch_parallel"])

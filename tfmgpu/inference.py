@@ -140,8 +140,8 @@ class Predictor:
 
   Args:
     model: a Keras model, or a staged / pipelined / branch-parallel model;
-      or the path of a `.keras` file or SavedModel (`load_model`), loaded
-      for this call (load it once yourself to serve many calls).
+      or the path of a `.keras` file or SavedModel, loaded here
+      (`load_model`).
     strategy: a `tf.distribute.Strategy` or registered name; defaults to the
       strategy the model was built under. Ignored for placed models.
     batch_size: global batch per step; rounded up to a multiple of the
@@ -168,6 +168,8 @@ class Predictor:
     if not isinstance(prefetch, bool):
       raise ValueError(f"prefetch={prefetch!r} must be True or False.")
     self.prefetch = prefetch
+    if isinstance(model, (str, os.PathLike)):
+      model = load_model(os.fspath(model))
     self.model = model
     self.runner, self.strategy = _prepare_model(
         model, _resolve_strategy(model, strategy), precision)
@@ -426,19 +428,21 @@ class SavedModelPredictor:
     if not isinstance(x, dict) or set(x) != set(self.input_names):
       got = sorted(x) if isinstance(x, dict) else type(x).__name__
       raise ValueError(
-          f"SavedModel {self.path!r} takes the inputs {sorted(self.input_names)}; x "
-          f"is {got}. Give x as a dict {{input name: array}} with exactly "
-          "those names.")
+          f"SavedModel {self.path!r} takes the inputs "
+          f"{sorted(self.input_names)}; x is {got}. Give x as a dict "
+          "{input name: array} with exactly those names.")
     return dict(x)
 
   def __call__(self, x, training=False):
     del training  # A SavedModel's serving function is inference-only.
     out = (self._fn(**self._arguments(x)) if self.input_names
            else self._fn(x))
-    if isinstance(out, dict) and len(out) == 1:
-      out = next(iter(out.values()))
-    elif set(out) == {f"output_{i}" for i in range(len(out))}:
-      out = [out[f"output_{i}"] for i in range(len(out))]  # Keras: a list.
+    if not isinstance(out, dict):
+      return out
+    if len(out) == 1:
+      return next(iter(out.values()))
+    if set(out) == {f"output_{i}" for i in range(len(out))}:
+      return [out[f"output_{i}"] for i in range(len(out))]  # Keras: a list.
     return out
 
 
