@@ -28,6 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import resident
 
 ITERATOR = "iterator"
@@ -37,14 +38,11 @@ FEEDS = (ITERATOR, DEVICE, HOST_SPLIT)
 
 
 def replica_device_types(strategy: tf.distribute.Strategy) -> set[str]:
-  """The device types (`"CPU"`, `"GPU"`, ...) the replicas run on (the
-  default strategy runs where TF places ops: its one replica counts as
-  `"CPU"` when no GPU is visible)."""
-  try:
-    devices = strategy.extended.worker_devices
-  except RuntimeError:  # The default strategy.
-    return {"GPU"} if tf.config.list_logical_devices("GPU") else {"CPU"}
-  return {tf.DeviceSpec.from_string(d).device_type or "CPU" for d in devices}
+  """The device types (`"CPU"`, `"GPU"`, ...) the replicas run on
+  (`tfmgpu.strategies.replica_devices`: the default strategy's one replica
+  counts as the first accelerator)."""
+  return {tf.DeviceSpec.from_string(d).device_type or "CPU"
+          for d in strategies_lib.replica_devices(strategy)}
 
 
 def host_split_refusal(strategy: tf.distribute.Strategy,
