@@ -67,6 +67,35 @@ def test_ratios_carry_their_spread_and_headers_name_the_cpu():
   assert report_lib.Report(out=lines.append).cpu == autotune.cpu_model()
 
 
+
+def test_compare_builds_each_path_once_then_interleaves_its_rounds(
+    monkeypatch):
+  """Tracing stays out of the rounds, and the paths take turns."""
+  from tfmgpu.benchmarks import training  # pylint: disable=g-import-not-at-top
+  log = []
+
+  def fake(path, times_ms):
+    def prepare(strategy, model_name, arrays, **kwargs):
+      log.append(("build", path))
+      times = iter(times_ms)
+
+      def one_round():
+        log.append(("round", path))
+        return training.Timing(path, next(times), kwargs["global_batch_size"])
+      return one_round
+    return prepare
+
+  monkeypatch.setattr(training, "PATHS", {
+      "tfmgpu": fake("tfmgpu", [3.0, 2.0, 4.0]),
+      "keras_fit": fake("keras_fit", [5.0, 6.0, 4.5])})
+  best = training.compare(None, "mlp", None, global_batch_size=64, steps=10,
+                          rounds=3, paths=["tfmgpu", "keras_fit"])
+  assert log == [("build", "tfmgpu"), ("build", "keras_fit")] + [
+      ("round", "tfmgpu"), ("round", "keras_fit")] * 3
+  assert best["tfmgpu"].ms_per_step == 2.0
+  assert best["tfmgpu"].rounds_ms == (3.0, 2.0, 4.0)
+  assert best["keras_fit"].ms_per_step == 4.5
+
 def _run_csv(path, cpu, fit_ms, tfmgpu_ms):
   report = report_lib.Report(out=lambda s: None, cpu=cpu,
                              machine=f"{cpu}; 2 cores")

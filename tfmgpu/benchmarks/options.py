@@ -15,7 +15,10 @@ class SuiteOptions:
     steps: timed steps per run; quick mode uses fewer.
     global_batch_size: examples per step.
     steps_per_execution: for tfmgpu and Keras fit alike (matched).
-    rounds: interleaved repetitions per path (best kept).
+    rounds: interleaved repetitions per path (best kept), each building
+      its path afresh.
+    training_rounds: interleaved rounds of the training table, whose paths
+      are built once (a round costs only its steps, so more are kept).
     output_dir: CSV and PNG go here.
     quick: fewer steps and sections, for a run under 5 minutes.
     autotune: before the training table, measure tfmgpu's options for each
@@ -28,6 +31,7 @@ class SuiteOptions:
   global_batch_size: int = 64
   steps_per_execution: int = 10
   rounds: int = 2
+  training_rounds: int = 2
   output_dir: str = "bench_results"
   quick: bool = False
   autotune: bool = True

@@ -41,16 +41,14 @@ def _mirrored(replicas: int):
 def _floors(opts: SuiteOptions, model: str, arrays, *, steps: int,
             steps_per_execution: int) -> dict[str, training_lib.Timing]:
   """The bare loop's best round, as users write it and with tfmgpu's kernels."""
-  best = {}
-  for same_kernels in (False, True):
-    floor = training_lib.best_round([
-        training_lib.time_floor(
-            model, arrays, global_batch_size=opts.global_batch_size,
-            steps=steps, same_kernels=same_kernels,
-            steps_per_execution=steps_per_execution)
-        for _ in range(opts.rounds)])
-    best[floor.path] = floor
-  return best
+  built = {
+      name: training_lib.prepare_floor(
+          model, arrays, global_batch_size=opts.global_batch_size,
+          steps=steps, same_kernels=same_kernels,
+          steps_per_execution=steps_per_execution)
+      for name, same_kernels in (("floor", False),
+                                 ("floor_same_kernels", True))}
+  return training_lib.interleaved(built, opts.training_rounds)
 
 
 def _build(model: str, arrays) -> Any:
@@ -120,8 +118,9 @@ def _training(report: report_lib.Report, opts: SuiteOptions,
               arrays) -> None:
   tuned = _autotune(report, opts, arrays)
   report.header("Training throughput: same model, data, strategy and batch")
-  report.say("  (vs fit: the best rounds' ratio, then the lowest and highest "
-             "ratio of one round)")
+  report.say(f"  (each path built once, then best of {opts.training_rounds} "
+             "interleaved rounds; vs fit: the best rounds' ratio, then the "
+             "lowest and highest ratio of one round)")
   report.say(f"{'model':<8} {'replicas':>8} {'path':<18} {'ms/step':>9} "
              f"{'examples/s':>11}  vs fit")
   for model in opts.models:
@@ -132,7 +131,7 @@ def _training(report: report_lib.Report, opts: SuiteOptions,
       best = training_lib.compare(
           _mirrored(replicas), model, arrays,
           global_batch_size=opts.global_batch_size, steps=steps,
-          steps_per_execution=spe, rounds=opts.rounds,
+          steps_per_execution=spe, rounds=opts.training_rounds,
           paths=list(training_lib.PATHS),
           tfmgpu_options=_tfmgpu_options(settings))
       if replicas == 1:

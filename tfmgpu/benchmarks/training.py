@@ -16,8 +16,10 @@ Paths:
   * `floor`: a single-device `tf.function` step with no strategy at all
     (`floor_same_kernels`: the same with tfmgpu's kernels).
 
-`compare` runs the strategy paths interleaved and keeps each one's best round
-(with every round's time, for the spread of a ratio).
+Each path is *prepared* once (`prepare_*`: model, optimizer, traced step)
+and then timed round after round. `compare` runs the strategy paths'
+rounds interleaved and keeps each one's best round (with every round's
+time, for the spread of a ratio).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ class Timing:
     return self.global_batch_size / (self.ms_per_step / 1e3)
 
 
+# A path built (model, optimizer, traced step) and ready: each call times
+# one more round of its steps.
+Round = Callable[[], Timing]
+
+
 def _batches(arrays, global_batch_size: int, steps: int):
   """`steps` batches of the training data, repeated as needed, prefetched."""
   return tf.data.Dataset.from_tensor_slices(
@@ -90,11 +97,11 @@ def median_step_ms(stamps: list[float], steps_per_call: int,
   return float(statistics.median(gaps)) * 1e3 / steps_per_call
 
 
-def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
-                steps: int, steps_per_execution: int = 1, seed: int = 0,
-                jit_compile: bool = False, warmup: int = 1,
-                **trainer_options) -> Timing:
-  """Times `Trainer.fit`, per call of `steps_per_execution` steps.
+def prepare_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
+                   steps: int, steps_per_execution: int = 1, seed: int = 0,
+                   jit_compile: bool = False, warmup: int = 1,
+                   **trainer_options) -> Round:
+  """`Trainer.fit`, timed per call of `steps_per_execution` steps.
 
   `trainer_options` go to `Trainer` (e.g. `gradient_compression`).
   """
@@ -106,18 +113,22 @@ def time_tfmgpu(strategy, model_name, arrays, *, global_batch_size: int,
   per_epoch = len(arrays.x_train) // global_batch_size
   per_epoch = max(min(steps, per_epoch) // steps_per_execution, 1) * (
       steps_per_execution)
-  trainer.fit(arrays.x_train, arrays.y_train, epochs=-(-steps // per_epoch),
-              global_batch_size=global_batch_size, steps_per_epoch=per_epoch,
-              seed=seed)
-  return Timing("tfmgpu",
-                median_step_ms(timer.times, steps_per_execution, warmup),
-                global_batch_size)
+
+  def one_round() -> Timing:
+    timer.times.clear()
+    trainer.fit(arrays.x_train, arrays.y_train, epochs=-(-steps // per_epoch),
+                global_batch_size=global_batch_size,
+                steps_per_epoch=per_epoch, seed=seed)
+    return Timing("tfmgpu",
+                  median_step_ms(timer.times, steps_per_execution, warmup),
+                  global_batch_size)
+  return one_round
 
 
-def time_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
-                   steps: int, steps_per_execution: int = 1, seed: int = 0,
-                   warmup: int = 1, fused_optimizer: bool = False) -> Timing:
-  """Times Keras `model.fit` per batch callback (not by wall-clocking fit).
+def prepare_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
+                      steps: int, steps_per_execution: int = 1, seed: int = 0,
+                      warmup: int = 1, fused_optimizer: bool = False) -> Round:
+  """Keras `model.fit`, timed per batch callback (not by wall-clocking fit).
 
   `fused_optimizer` compiles tfmgpu's `FusedAdam` instead of Keras's Adam.
   """
@@ -132,15 +143,20 @@ def time_keras_fit(strategy, model_name, arrays, *, global_batch_size: int,
                   metrics=["accuracy"], steps_per_execution=steps_per_execution)
   timer = BatchTimer()
   ds = _batches(arrays, global_batch_size, steps)
-  model.fit(ds, epochs=1, verbose=0, callbacks=[timer], shuffle=False)
-  return Timing("keras_fit_fused" if fused_optimizer else "keras_fit",
-                median_step_ms(timer.times, steps_per_execution, warmup),
-                global_batch_size)
+
+  def one_round() -> Timing:  # Keras keeps its train function: no retrace.
+    timer.times.clear()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[timer], shuffle=False)
+    return Timing("keras_fit_fused" if fused_optimizer else "keras_fit",
+                  median_step_ms(timer.times, steps_per_execution, warmup),
+                  global_batch_size)
+  return one_round
 
 
-def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
-                       steps: int, seed: int = 0, warmup: int = 1) -> Timing:
-  """Times the custom loop of TF's distributed training tutorial."""
+def prepare_tutorial_loop(strategy, model_name, arrays, *,
+                          global_batch_size: int, steps: int, seed: int = 0,
+                          warmup: int = 1) -> Round:
+  """The custom loop of TF's distributed training tutorial, timed per step."""
   model = _build(strategy, model_name, arrays, seed)
   with strategy.scope():
     optimizer = keras.optimizers.Adam(1e-3)
@@ -163,17 +179,20 @@ def time_tutorial_loop(strategy, model_name, arrays, *, global_batch_size: int,
 
   ds = strategy.experimental_distribute_dataset(
       _batches(arrays, global_batch_size, steps))
-  stamps = []
-  for x, y in ds:
-    float(distributed_step(x, y))  # Read the loss, as fit and tfmgpu do.
-    stamps.append(time.perf_counter())
-  return Timing("tutorial", median_step_ms(stamps, 1, warmup),
-                global_batch_size)
+
+  def one_round() -> Timing:
+    stamps = []
+    for x, y in ds:  # A new iterator each round.
+      float(distributed_step(x, y))  # Read the loss, as fit and tfmgpu do.
+      stamps.append(time.perf_counter())
+    return Timing("tutorial", median_step_ms(stamps, 1, warmup),
+                  global_batch_size)
+  return one_round
 
 
-def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
-               steps_per_execution: int = 1, seed: int = 0, warmup: int = 1,
-               same_kernels: bool = False) -> Timing:
+def prepare_floor(model_name, arrays, *, global_batch_size: int, steps: int,
+                  steps_per_execution: int = 1, seed: int = 0, warmup: int = 1,
+                  same_kernels: bool = False) -> Round:
   """A bare single-device `tf.function` loop: the cost floor.
 
   Args:
@@ -193,9 +212,8 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
     rows = tf.constant(np.resize(
         np.random.default_rng(seed).permutation(len(arrays.x_train)),
         (steps, global_batch_size)).astype(np.int32))
-    it = None
   else:
-    it = iter(_batches(arrays, global_batch_size, steps))
+    batches = _batches(arrays, global_batch_size, steps)
 
   @tf.function
   def train(iterator, first_step, num_steps):
@@ -213,21 +231,39 @@ def time_floor(model_name, arrays, *, global_batch_size: int, steps: int,
       total += loss
     return total
 
-  stamps = []
-  for call in range(steps // steps_per_execution):
-    float(train(it, tf.constant(call * steps_per_execution),
-                tf.constant(steps_per_execution)))
-    stamps.append(time.perf_counter())
-  return Timing("floor_same_kernels" if same_kernels else "floor",
-                median_step_ms(stamps, steps_per_execution, warmup),
-                global_batch_size)
+  def one_round() -> Timing:
+    it = None if same_kernels else iter(batches)
+    stamps = []
+    for call in range(steps // steps_per_execution):
+      float(train(it, tf.constant(call * steps_per_execution),
+                  tf.constant(steps_per_execution)))
+      stamps.append(time.perf_counter())
+    return Timing("floor_same_kernels" if same_kernels else "floor",
+                  median_step_ms(stamps, steps_per_execution, warmup),
+                  global_batch_size)
+  return one_round
 
 
-PATHS: dict[str, Callable[..., Timing]] = {
-    "tfmgpu": time_tfmgpu,
-    "keras_fit": time_keras_fit,
-    "keras_fit_fused": functools.partial(time_keras_fit, fused_optimizer=True),
-    "tutorial": time_tutorial_loop,
+def _one_round(prepare: Callable[..., Round]) -> Callable[..., Timing]:
+  def time_path(*args, **kwargs) -> Timing:
+    return prepare(*args, **kwargs)()
+  time_path.__name__ = prepare.__name__.replace("prepare_", "time_")
+  time_path.__doc__ = (f"Builds `{prepare.__name__}`'s path and times one "
+                       "round of it.")
+  return time_path
+
+
+time_tfmgpu = _one_round(prepare_tfmgpu)
+time_keras_fit = _one_round(prepare_keras_fit)
+time_tutorial_loop = _one_round(prepare_tutorial_loop)
+time_floor = _one_round(prepare_floor)
+
+PATHS: dict[str, Callable[..., Round]] = {
+    "tfmgpu": prepare_tfmgpu,
+    "keras_fit": prepare_keras_fit,
+    "keras_fit_fused": functools.partial(prepare_keras_fit,
+                                         fused_optimizer=True),
+    "tutorial": prepare_tutorial_loop,
 }
 
 
@@ -244,20 +280,31 @@ def compare(strategy, model_name: str, arrays: data_lib.Arrays, *,
             tfmgpu_options: dict | None = None) -> dict[str, Timing]:
   """Times each path `rounds` times, interleaved; keeps each path's best round.
 
-  Interleaving spreads any drift of the machine over all paths equally.
-  Each returned `Timing` holds every round's time (`rounds_ms`).
+  Each path is built (and traced) once, then timed round after round, so
+  a round costs only its steps and the rounds of all paths are close
+  together in time. Interleaving spreads any drift of the machine over all
+  paths equally. Each returned `Timing` holds every round's time
+  (`rounds_ms`).
 
   Args:
     tfmgpu_options: `Trainer` options of the `tfmgpu` path only (e.g. an
       autotune's `jit_compile`); `steps_per_execution` is every path's.
   """
-  runs: dict[str, list[Timing]] = {path: [] for path in paths}
+  built: dict[str, Round] = {}
+  for path in paths:
+    kwargs = dict(global_batch_size=global_batch_size, steps=steps)
+    if path != "tutorial":
+      kwargs["steps_per_execution"] = steps_per_execution
+    if path == "tfmgpu":
+      kwargs.update(tfmgpu_options or {})
+    built[path] = PATHS[path](strategy, model_name, arrays, **kwargs)
+  return interleaved(built, rounds)
+
+
+def interleaved(built: dict[str, Round], rounds: int) -> dict[str, Timing]:
+  """Each built path's best of `rounds` rounds, the paths taking turns."""
+  runs: dict[str, list[Timing]] = {path: [] for path in built}
   for _ in range(rounds):
-    for path in paths:
-      kwargs = dict(global_batch_size=global_batch_size, steps=steps)
-      if path != "tutorial":
-        kwargs["steps_per_execution"] = steps_per_execution
-      if path == "tfmgpu":
-        kwargs.update(tfmgpu_options or {})
-      runs[path].append(PATHS[path](strategy, model_name, arrays, **kwargs))
+    for path, one_round in built.items():
+      runs[path].append(one_round())
   return {path: best_round(timings) for path, timings in runs.items()}
