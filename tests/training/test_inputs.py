@@ -1,5 +1,6 @@
 """The input classifier and its helpers (`tfmgpu.training.inputs`)."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -54,3 +55,19 @@ def test_a_dataset_function_resumes_by_skipping_a_batch_per_fed_replica():
 def test_validation_data_is_checked_like_fit_inputs(validation, message):
   with pytest.raises(ValueError, match=message):
     inputs.from_validation_data(validation)
+
+
+def test_a_generator_or_a_py_dataset_is_refused_by_name():
+  """Not read as arrays without y: the error says what to pass instead."""
+
+  class Batches(keras.utils.PyDataset):
+    def __len__(self):
+      return 1
+
+    def __getitem__(self, i):
+      return np.zeros((2, 3)), np.zeros((2,))
+
+  for x in (iter([(np.zeros((2, 3)), np.zeros((2,)))]), Batches()):
+    with pytest.raises(TypeError, match=rf"x is a {type(x).__name__}: .*"
+                       r"tf.data.Dataset.from_generator"):
+      inputs.from_user(x)

@@ -93,6 +93,61 @@ def test_callbacks_are_honoured(digits):
   assert result.epochs_run == 2
 
 
+def test_keras_callbacks_see_the_optimizer_and_every_batch(digits):
+  """LearningRateScheduler / ReduceLROnPlateau read and set
+  `model.optimizer` (the Trainer's while `fit` runs, removed after);
+  `on_train_batch_begin` is called once per call, as Keras does."""
+  begun = []
+
+  class Begins(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+      begun.append(batch)
+
+  halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2)
+  plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0,
+                                              factor=0.5, min_delta=1e9)
+  trainer = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=2),
+                         optimizer="sgd", learning_rate=0.1,
+                         callbacks=[halve, plateau, Begins()])
+  result = trainer.fit(*digits, epochs=2, global_batch_size=32,
+                       steps_per_epoch=3)
+  # Epoch 1 at 0.05 (scheduler; its first loss is the plateau's best),
+  # epoch 2 at 0.025, then halved by the plateau: as Keras `fit` does.
+  np.testing.assert_allclose(result.history["learning_rate"], [0.05, 0.025])
+  assert float(trainer.optimizer.learning_rate.numpy()) == pytest.approx(0.0125)
+  assert begun == [0, 1, 2] * 2
+  assert not hasattr(trainer.model, "optimizer")
+
+
+def test_ema_weights_are_put_into_the_model_after_fit(digits):
+  """`use_ema=True`: as Keras `fit`, the model ends with the averages."""
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    optimizer = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5)
+  trainer = make_trainer(strategy, optimizer=optimizer)
+  trainer.fit(*digits, epochs=1, global_batch_size=32, steps_per_epoch=3)
+  averages = optimizer._model_variables_moving_average  # pylint: disable=protected-access
+  for v, average in zip(trainer.model.trainable_weights, averages):
+    np.testing.assert_array_equal(v.numpy(), average.numpy())
+
+
+def test_a_custom_train_step_is_named_in_a_warning(caplog):
+  """The Trainer runs its own step; a model's `train_step` is not called."""
+
+  class OwnStep(keras.Sequential):
+    def train_step(self, data):
+      raise AssertionError("never called")
+
+  model = OwnStep([keras.Input((4,)), keras.layers.Dense(2)])
+  plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+  with caplog.at_level("WARNING"):
+    Trainer(plain, verbose=0)
+    assert "overrides" not in caplog.text
+    Trainer(model, verbose=0)
+  assert "overrides train_step: tfmgpu's Trainer runs its own step" in (
+      caplog.text)
+
+
 def test_evaluate_counts_every_row_on_4_replicas(digits):
   x, y = digits[0][:101], digits[1][:101]
   trainer = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4))

@@ -51,3 +51,13 @@ def test_built_optimizer_from_outside_is_a_clear_error():
                      r"built.*inside `with strategy.scope\(\):`.*"
                      r"optimizer='adam'"):
     Trainer(model, strategy=strategy, optimizer=optimizer, verbose=0)
+
+
+def test_gradient_accumulation_under_a_strategy_is_a_clear_error(digits):
+  """Keras accumulates in a tf.cond that a distributed update cannot cross
+  (TF's "merge_call called while defining a new graph" otherwise)."""
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2\).*"
+                     r"MirroredStrategy.*global_batch_size by 2"):
+    train(strategy, lambda: keras.optimizers.SGD(
+        0.1, gradient_accumulation_steps=2), digits)

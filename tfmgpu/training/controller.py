@@ -151,10 +151,27 @@ class _Clock:
             if self.first_seconds > 0 else 0.0)
 
 
+class _HistoryRecorder(keras.callbacks.Callback):
+  """Appends each epoch's logs to `history` after the user's callbacks, as
+  Keras' `History` does, so that what they add (the `learning_rate` of
+  `ReduceLROnPlateau`) is kept too."""
+
+  def __init__(self, history: dict[str, list[float]]):
+    super().__init__()
+    self.history = history
+
+  def on_epoch_end(self, epoch, logs=None):
+    for k, v in (logs or {}).items():
+      self.history.setdefault(k, []).append(v)
+
+
 @dataclasses.dataclass
 class LoopOptions:
   """What the controller needs besides the runner (see `Controller`)."""
   model: keras.Model
+  # Its `finalize_variable_values` runs after the last epoch, as in Keras
+  # `fit` (`use_ema=True` puts the moving averages into the weights).
+  optimizer: keras.optimizers.Optimizer | None = None
   global_batch_size: int | None = None
   callbacks: Sequence[keras.callbacks.Callback] = ()
   verbose: int = 1
@@ -212,7 +229,8 @@ class Controller:
     self._saved_at = (progress.step, time.monotonic())
     self.last_checkpoint = ckpt.latest if ckpt else None
     callbacks = keras.callbacks.CallbackList(
-        list(self.o.callbacks), add_history=False, add_progbar=False,
+        [*self.o.callbacks, _HistoryRecorder(self.history)],
+        add_history=False, add_progbar=False,
         model=self.o.model, epochs=epochs, steps=steps_per_epoch, verbose=0)
     self.o.model.stop_training = False
     callbacks.on_train_begin()
@@ -226,6 +244,9 @@ class Controller:
       if self.o.model.stop_training:
         logging.info("A callback stopped training after epoch %d.", epoch + 1)
         break
+    if self.o.optimizer is not None and self.total_steps:
+      self.o.optimizer.finalize_variable_values(
+          self.o.model.trainable_weights)
     callbacks.on_train_end(self.history)
     self.o.summary_writer.flush()
     chief = ckpt is not None and ckpt.chief
@@ -257,6 +278,8 @@ class Controller:
     per_call = bar is not None or bool(self.o.callbacks)
     done, total = first, StepSums(steps=0, loss=0.0, count=0.0)
     while done < steps_per_epoch:
+      if per_call:
+        callbacks.on_train_batch_begin(done)
       start = time.perf_counter()
       sums = self.runner.run(done, steps_per_epoch - done)
       elapsed = time.perf_counter() - start
@@ -351,13 +374,11 @@ class Controller:
 
   def _finish_epoch(self, epoch: int, epochs: int, logs: dict[str, float],
                     callbacks) -> None:
-    """Validation, history, summaries, checkpoint and callbacks of an epoch."""
+    """Validation, summaries, checkpoint, callbacks and history of an epoch."""
     epoch_logs = dict(logs)
     if self.o.validate is not None:
       epoch_logs.update(self.o.validate())
     epoch_logs["examples_per_sec"] = self.clock.rate
-    for k, v in epoch_logs.items():
-      self.history.setdefault(k, []).append(v)
     with self.o.summary_writer.as_default(step=epoch + 1):
       for k, v in epoch_logs.items():
         tf.summary.scalar(f"epoch/{k}", v)
@@ -366,4 +387,4 @@ class Controller:
     if not self.o.verbose:
       logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
           f"{k}={v:.4g}" for k, v in epoch_logs.items()))
-    callbacks.on_epoch_end(epoch, epoch_logs)
+    callbacks.on_epoch_end(epoch, epoch_logs)  # The last one fills history.

@@ -24,9 +24,11 @@ Anything else is refused with an error naming the argument and its type.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import Any, Callable, Mapping
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -237,6 +239,12 @@ def from_user(x: Any, y: Any = None, sample_weight: Any = None, *,
   if x is None:
     raise ValueError(f"{what} is None; give arrays, a tf.data.Dataset or a "
                      "dataset function.")
+  if isinstance(x, (collections.abc.Iterator, keras.utils.PyDataset)):
+    raise TypeError(
+        f"{what} is a {type(x).__name__}: tfmgpu takes arrays, a "
+        "tf.data.Dataset or a dataset function (each replica's input is "
+        "built from it). Wrap a generator in tf.data.Dataset.from_generator("
+        "fn, output_signature=...), or pass the arrays themselves.")
   if y is None and needs_targets:
     raise ValueError(f"{what} is given as arrays without y; pass the targets "
                      "as y (or a tf.data.Dataset yielding (x, y)).")

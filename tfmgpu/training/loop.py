@@ -62,6 +62,23 @@ def _check_built_in_scope(model: keras.Model,
         "`with strategy.scope():` (tfmgpu.build_model does this for you).")
 
 
+def _warn_about_custom_steps(model: keras.Model) -> None:
+  """Logs a warning when the model overrides a step the Trainer never
+  calls (`train_step`, `test_step`, `compute_loss`)."""
+  if hasattr(model, "compute_loss_and_gradients"):
+    return  # A placed model: the Trainer runs its per-device backward.
+  custom = [name for name in ("train_step", "test_step", "compute_loss")
+            if getattr(type(model), name, None) is not getattr(keras.Model,
+                                                               name)]
+  if custom:
+    logging.warning(
+        "Model %r overrides %s: tfmgpu's Trainer runs its own step (forward, "
+        "Trainer(loss=...), gradients, all-reduce, update) and does not call "
+        "it. Put extra loss terms in call() with self.add_loss(...), or train "
+        "with model.fit under strategy.scope() to use your own step.",
+        model.name, ", ".join(custom))
+
+
 def steps_in_one_pass(num_examples: int, *, epochs: int,
                       global_batch_size: int) -> int:
   """Full global batches in one pass over the data; checks `epochs` too.
@@ -205,6 +222,7 @@ class Trainer:
     self.checkpoint_every = (checkpoint_every_steps, checkpoint_every_s)
     self.verbose = verbose
     _check_built_in_scope(model, self.strategy)
+    _warn_about_custom_steps(model)
     # tfmgpu sums replica gradients itself (then clips), except under
     # parameter servers, where gradients go to the variables' servers.
     owns_allreduce = not isinstance(
@@ -282,7 +300,7 @@ class Trainer:
       validate = validate_once
 
     return LoopOptions(
-        model=self.model,
+        model=self.model, optimizer=self.optimizer,
         global_batch_size=global_batch_size, callbacks=self.callbacks,
         verbose=self.verbose, checkpointer=self.checkpointer,
         summary_writer=writer, writes_summaries=writes, validate=validate,
@@ -297,6 +315,24 @@ class Trainer:
     if not self.model_dir or not ckpt_lib.is_chief(self.strategy):
       return contextlib.nullcontext()
     return rundir.RunLock(self.model_dir)
+
+  @contextlib.contextmanager
+  def _optimizer_on_model(self):
+    """`model.optimizer` is the Trainer's while `fit` runs, as in Keras
+    `fit`: callbacks read and set it (`ReduceLROnPlateau`,
+    `LearningRateScheduler`). Restored after: the Trainer's optimizer does
+    not all-reduce by itself (`allreduce.take_over_aggregation`), so a later
+    `model.fit` must not pick it up."""
+    missing = object()
+    before = getattr(self.model, "optimizer", missing)
+    self.model.optimizer = self.optimizer
+    try:
+      yield
+    finally:
+      if before is missing:
+        del self.model.optimizer
+      else:
+        self.model.optimizer = before
 
   def _watch_preemption(self):
     """SIGTERM becomes a checkpoint when the run keeps checkpoints."""
@@ -459,7 +495,8 @@ class Trainer:
     runner = self._make_runner(source, global_batch_size=global_batch_size,
                                steps_per_epoch=steps_per_epoch, seed=seed,
                                shuffle=shuffle)
-    with self._hold_run_dir():  # Before the summary writer opens its file.
+    # The lock before the summary writer opens its file.
+    with self._hold_run_dir(), self._optimizer_on_model():
       controller = Controller(runner, self._loop_options(global_batch_size,
                                                          validation_data))
       try:

@@ -96,6 +96,28 @@ def _bind_to(optimizer: Any, strategy: Any) -> Any:
         f"{e}). {fix}") from e
 
 
+def _check_accumulation(optimizer: Any, strategy: Any) -> None:
+  """Refuses Keras gradient accumulation under a distribution strategy:
+  Keras applies the accumulated gradients inside a `tf.cond`, where a
+  distributed update cannot run (TF fails with "`merge_call` called while
+  defining a new graph")."""
+  steps = getattr(optimizer, "gradient_accumulation_steps", None)
+  if not steps:
+    return
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.init_scope():
+    if (not tf.distribute.has_strategy()
+        and strategy is tf.distribute.get_strategy()):
+      return  # TF's default strategy: one device, no update to sync.
+  raise ValueError(
+      f"optimizer={type(optimizer).__name__}(gradient_accumulation_steps="
+      f"{steps}) cannot train under {type(strategy).__name__}: Keras "
+      "applies accumulated gradients inside a tf.cond, where a distributed "
+      "update cannot run. Leave gradient_accumulation_steps unset and "
+      f"multiply global_batch_size by {steps} instead (the same mean "
+      "gradient per update).")
+
+
 def prepare_optimizer(optimizer: Any, model: "keras.Model",
                       strategy: Any, *,
                       learning_rate: float, clip_norm: float | None,
@@ -110,13 +132,15 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
 
   Raises:
     ValueError: an optimizer object bound to another strategy that cannot
-      be re-created (already built, or its config does not round-trip).
+      be re-created (already built, or its config does not round-trip), or
+      one accumulating gradients under a distribution strategy.
   """
   with strategy.scope():
     if isinstance(optimizer, str):
       optimizer = make_optimizer(optimizer, learning_rate,
                                  clip_norm=clip_norm, fused=fused)
     else:
+      _check_accumulation(optimizer, strategy)
       optimizer = _bind_to(optimizer, strategy)
     if _uses_float16(model) and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer):
