@@ -32,7 +32,7 @@ def test_dict_outputs_are_keyed_by_their_dict_keys_and_none_means_no_loss():
   objective = objectives.Objective(
       model, {"score": keras.losses.SparseCategoricalCrossentropy(
           from_logits=True), "value": "mse"}, metrics={"value": ["mae"]})
-  assert objective.metric_names == ["value_mae"]
+  assert objective.metric_names == ["score_loss", "value_loss", "value_mae"]
   listed = objectives.Objective(_two_outputs(as_dict=False), ["mse", None])
   assert listed.outputs[1].loss_fn is None
 
@@ -68,7 +68,8 @@ def test_padding_rows_stay_out_of_metrics_of_outputs_without_weights():
   deltas = objective.metric_updates(y, pred, [np.ones(2, np.float32), None],
                                     mask=mask)
   counts = {k: float(v) for k, v in deltas.items() if k.endswith("/1")}
-  assert counts == {"metric/a_mae/1": 1.0, "metric/b_mae/1": 1.0}
+  assert counts == {"metric/a_mae/1": 1.0, "metric/b_mae/1": 1.0,
+                    "metric/a_loss/1": 1.0, "metric/b_loss/1": 1.0}
 
 
 @pytest.mark.parametrize("y_true, y_pred, want", [
@@ -102,3 +103,39 @@ def test_a_metric_that_builds_its_state_on_first_use_is_built_up_front():
   y = np.eye(3, dtype=np.float32)
   deltas = objective.metric_updates(y, y)  # Perfect predictions.
   assert objective.results(deltas)["f1_score"] == pytest.approx(1.0)
+
+
+def test_sample_weights_reach_weighted_metrics_only_as_in_keras():
+  """Keras' `metrics` ignore sample weights, `weighted_metrics` use them
+  (a name in both is reported as `weighted_<name>`), and each output's
+  loss is logged (before its loss weight); evaluated on 2 replicas with a
+  padded last batch, equal to Keras on one batch of every row (Keras
+  averages an output's loss over batches, not rows)."""
+  import tfmgpu  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(37, 3)).astype(np.float32)
+  y = {"score": rng.integers(0, 2, 37), "value": rng.normal(size=(37, 1))}
+  sw = np.linspace(0.0, 2.0, 37).astype(np.float32)
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = _two_outputs(as_dict=True)
+  specs = dict(
+      loss={"score": keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True), "value": "mse"},
+      loss_weights={"score": 0.5, "value": 2.0},
+      metrics={"score": ["accuracy"], "value": ["mae"]},
+      weighted_metrics={"score": ["accuracy"], "value": ["mse"]})
+  got = Trainer(model, strategy=strategy, verbose=0, **specs).evaluate(
+      x, y, sample_weight=sw, global_batch_size=8)
+  reference = _two_outputs(as_dict=True)
+  reference.set_weights(model.get_weights())
+  reference.compile(**specs)
+  want = reference.evaluate(x, y, sample_weight=sw, batch_size=37,
+                            verbose=0, return_dict=True)
+  names = {"loss", "score_loss", "score_accuracy", "score_weighted_accuracy",
+           "value_loss", "value_mae", "value_mse"}
+  assert names <= set(got) and names == set(want)
+  for name in names:
+    assert got[name] == pytest.approx(want[name], rel=1e-5), name
+  assert got["score_accuracy"] != pytest.approx(got["score_weighted_accuracy"])

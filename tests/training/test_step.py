@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 
+from tfmgpu.training import objectives
 from tfmgpu.training import step as step_lib
 
 W = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, -0.5]], np.float32)
@@ -88,5 +89,11 @@ def test_eval_step_weights_rows_by_mask_times_sample_weight():
   losses, _ = _cross_entropy(X, Y)
   np.testing.assert_allclose(out["loss_sum"], 2.0 * losses[0] + 0.5 * losses[1],
                              rtol=1e-6)
-  # Accuracy weighted: row 0 right (2.0), row 1 wrong (0.5), row 2 masked.
-  assert [float(out[k]) for k in ACCURACY] == [2.0, 2.5]
+  # Metrics ignore sample weights, as in Keras: 1 right of 2 real rows.
+  assert [float(out[k]) for k in ACCURACY] == [1.0, 2.0]
+  # Weighted metrics take them: row 0 right (2.0), row 1 wrong (0.5).
+  model = _dense()
+  weighted = step_lib.make_eval_step(model, loss=objectives.Objective(
+      model, weighted_metrics=["accuracy"]))(X, Y, mask, weight)
+  assert [float(weighted[k.replace("accuracy", "weighted_accuracy")])
+          for k in ACCURACY] == [2.0, 2.5]

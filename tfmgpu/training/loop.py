@@ -168,8 +168,12 @@ class Trainer:
     metrics: Keras metrics (names or `keras.metrics.Metric` objects), a list
       for every output or a dict by output name. Defaults to
       `["accuracy"]` with the default loss, none otherwise. Reduced from
-      summed states, exact across replicas, micro-batches and workers.
+      summed states, exact across replicas, micro-batches and workers. As
+      in Keras, they ignore `sample_weight`.
     loss_weights: per-output weights of the total loss (dict or list).
+    weighted_metrics: metrics weighted by `sample_weight`, given as
+      `metrics` (Keras' `compile(weighted_metrics=...)`); one named like an
+      unweighted metric is reported as `weighted_<name>`.
     steps_per_execution: steps run per `tf.function` call. Defaults to `1`.
     jit_compile: XLA-compile each replica's forward/backward.
     fused_optimizer: when `optimizer` is a name, update each variable with
@@ -202,7 +206,8 @@ class Trainer:
                learning_rate: float = 1e-3, clip_norm: float | None = None,
                gradient_compression: str = "none", bytes_per_pack: int = 0,
                loss: Any = None, metrics: Any = None,
-               loss_weights: Any = None, steps_per_execution: int = 1,
+               loss_weights: Any = None, weighted_metrics: Any = None,
+               steps_per_execution: int = 1,
                jit_compile: bool = False, fused_optimizer: bool = True,
                input_mode: str = "auto", model_dir: str | None = None,
                checkpoint_every_steps: int | None = None,
@@ -213,7 +218,8 @@ class Trainer:
       raise ValueError(f"steps_per_execution={steps_per_execution} must be >= 1.")
     self.model = model
     self.strategy = strategy or tf.distribute.get_strategy()
-    self.objective = objectives.Objective(model, loss, metrics, loss_weights)
+    self.objective = objectives.Objective(model, loss, metrics, loss_weights,
+                                          weighted_metrics)
     self.steps_per_execution = steps_per_execution
     resident.check_input_mode(input_mode, self.strategy)
     self.input_mode = input_mode

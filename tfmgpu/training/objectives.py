@@ -163,12 +163,20 @@ def _metric_label(metric: Any) -> str | None:
 
 @dataclasses.dataclass
 class _Output:
-  """One model output: its name, position, loss and metrics."""
+  """One model output: its name, position, loss and metrics.
+
+  `weighted` holds the labels of the metrics that take sample weights
+  (Keras' `weighted_metrics`); the others count every real row once.
+  `loss_label` names the metric that averages this output's loss (a model
+  with several outputs logs each one's, as Keras does).
+  """
   name: str
   index: int
   loss_fn: Callable[..., Any] | None
   weight: float
   metrics: list[tuple[str, keras.metrics.Metric]]
+  weighted: frozenset[str] = frozenset()
+  loss_label: str | None = None
 
 
 def _per_output(spec: Any, names: Sequence[str], what: str) -> list[Any]:
@@ -180,8 +188,8 @@ def _per_output(spec: Any, names: Sequence[str], what: str) -> list[Any]:
                        f"the model; its outputs are {list(names)}.")
     return [spec.get(n) for n in names]
   if isinstance(spec, (list, tuple)) and len(names) > 1:
-    if what == "metrics" and all(not isinstance(m, (list, tuple, Mapping))
-                                 for m in spec):
+    if what in ("metrics", "weighted_metrics") and all(
+        not isinstance(m, (list, tuple, Mapping)) for m in spec):
       return [list(spec)] * len(names)  # One list for every output.
     if len(spec) != len(names):
       raise ValueError(f"{what} has {len(spec)} entries for the model's "
@@ -219,8 +227,11 @@ class Objective:
       position) of them for a model with several outputs.
     metrics: metric names or `Metric` objects: a list (for every output),
       or a dict by output name. `None` gives `["accuracy"]` with the default
-      loss and no metric otherwise.
+      loss and no metric otherwise. As in Keras, they ignore sample weights.
     loss_weights: per-output weights of the total loss (dict or list).
+    weighted_metrics: metrics, given as `metrics` is, that are weighted by
+      the sample weights (Keras' `compile(weighted_metrics=...)`); one
+      named like an unweighted metric is reported as `weighted_<name>`.
 
   Raises:
     ValueError: a loss or metric that is not one, or per-output specs that
@@ -228,7 +239,8 @@ class Objective:
   """
 
   def __init__(self, model: keras.Model, loss: LossSpec = None,
-               metrics: MetricSpec = None, loss_weights: Any = None):
+               metrics: MetricSpec = None, loss_weights: Any = None,
+               weighted_metrics: MetricSpec = None):
     names = output_names(model)
     if metrics is None:
       metrics = ["accuracy"] if loss is None else []
@@ -236,23 +248,16 @@ class Objective:
     weights = _per_output(loss_weights if loss_weights is not None else 1.0,
                           names, "loss_weights")
     per_metrics = _per_output(metrics, names, "metrics")
-    self.outputs: list[_Output] = []
+    per_weighted = _per_output(weighted_metrics, names, "weighted_metrics")
     multi = len(names) > 1
-    for i, name in enumerate(names):
-      wanted = per_metrics[i]
-      wanted = [] if wanted is None else (
-          list(wanted) if isinstance(wanted, (list, tuple)) else [wanted])
-      objs = [(_metric_label(m), _metric_object(m, losses[i], "metrics"))
-              for m in wanted]
-      labelled = [((f"{name}_{label or m.name}" if multi else label or m.name),
-                   m) for label, m in objs]
-      self.outputs.append(_Output(
-          name=name, index=i,
-          loss_fn=(None if isinstance(loss, (Mapping, list, tuple))
-                   and losses[i] is None
-                   else loss_function(losses[i], what="loss")),
-          weight=float(weights[i] if weights[i] is not None else 1.0),
-          metrics=labelled))
+    self.outputs: list[_Output] = [
+        _make_output(
+            name, i, multi=multi, loss=losses[i],
+            has_loss=not (isinstance(loss, (Mapping, list, tuple))
+                          and losses[i] is None),
+            weight=float(weights[i] if weights[i] is not None else 1.0),
+            metrics=per_metrics[i], weighted_metrics=per_weighted[i])
+        for i, name in enumerate(names)]
     self._check_unique_names()
     self._build_lazy_metrics(model)
     self._initial = {key: np.asarray(v) for key, v in self._variables()}
@@ -328,36 +333,41 @@ class Objective:
     """The weighted sum over outputs of each example's mean element loss."""
     total = None
     for out, yt, yp in self._pairs(y_true, y_pred):
-      if out.loss_fn is None:
-        continue
-      yp = tf.convert_to_tensor(yp)
-      if yp.dtype.is_floating:  # Losses in float32, as Keras' Loss does.
-        yp = tf.cast(yp, tf.float32)
-      values = tf.cast(out.loss_fn(yt, yp), tf.float32)
-      if values.shape.rank == 0:
-        raise ValueError(
-            f"loss for output {out.name!r} returned a scalar; it must return "
-            "one loss per example (shape [batch] or [batch, ...]): reduce "
-            "over the non-batch axes only.")
-      sw = _pick_weight(sample_weight, out, len(self.outputs))
-      if sw is not None:
-        values = values * _broadcast_weight(tf.cast(sw, tf.float32), values)
-      rank = len(values.shape)
-      if rank > 1:
-        values = tf.reduce_mean(values, axis=list(range(1, rank)))
-      values = values * out.weight
-      total = values if total is None else total + values
+      if out.loss_fn is not None:
+        values = self._output_loss(out, yt, yp, sample_weight) * out.weight
+        total = values if total is None else total + values
     if total is None:
       raise ValueError("loss: no output has a loss; give at least one.")
     return total
+
+  def _output_loss(self, out: _Output, y_true: Any, y_pred: Any,
+                   sample_weight: Any) -> tf.Tensor:
+    """One output's loss per example: its sample weights applied, the mean
+    over the example's elements (before the output's loss weight)."""
+    y_pred = tf.convert_to_tensor(y_pred)
+    if y_pred.dtype.is_floating:  # Losses in float32, as Keras' Loss does.
+      y_pred = tf.cast(y_pred, tf.float32)
+    values = tf.cast(out.loss_fn(y_true, y_pred), tf.float32)
+    if values.shape.rank == 0:
+      raise ValueError(
+          f"loss for output {out.name!r} returned a scalar; it must return "
+          "one loss per example (shape [batch] or [batch, ...]): reduce "
+          "over the non-batch axes only.")
+    sw = _pick_weight(sample_weight, out, len(self.outputs))
+    if sw is not None:
+      values = values * _broadcast_weight(tf.cast(sw, tf.float32), values)
+    rank = len(values.shape)
+    if rank > 1:
+      values = tf.reduce_mean(values, axis=list(range(1, rank)))
+    return values
 
   def metric_updates(self, y_true: Any, y_pred: Any,
                      sample_weight: Any = None,
                      mask: tf.Tensor | None = None) -> dict[str, tf.Tensor]:
     """One batch's change of every metric state (keys of `state_shapes`).
 
-    `mask` (1 for real rows, 0 for padding) multiplies every output's
-    weights, the user's or none.
+    Weighted metrics take the sample weights, the others none, as in
+    Keras; `mask` (1 for real rows, 0 for padding) multiplies either.
     """
     deltas: dict[str, tf.Tensor] = {}
     for out, yt, yp in self._pairs(y_true, y_pred):
@@ -368,7 +378,14 @@ class Objective:
       for label, metric in out.metrics:
         keys = [f"metric/{label}/{j}" for j in range(len(metric.variables))]
         start = [tf.constant(self._initial[k]) for k in keys]
-        new = metric.stateless_update_state(start, yt, yp, sample_weight=sw)
+        if label == out.loss_label:  # The output's loss, averaged per row.
+          new = metric.stateless_update_state(
+              start, self._output_loss(out, yt, yp, sample_weight),
+              sample_weight=mask)
+        else:
+          new = metric.stateless_update_state(
+              start, yt, yp,
+              sample_weight=sw if label in out.weighted else mask)
         for k, s, n in zip(keys, start, new):
           deltas[k] = tf.cast(n, tf.float32) - tf.cast(s, tf.float32)
     return deltas
@@ -392,6 +409,41 @@ class Objective:
         value = np.asarray(metric.stateless_result(state))
         out[label] = float(value) if scalars else value
     return out
+
+
+def _make_output(name: str, index: int, *, multi: bool, loss: Any,
+                 has_loss: bool, weight: float, metrics: MetricSpec,
+                 weighted_metrics: MetricSpec) -> _Output:
+  """One output's loss and metrics, named as Keras logs them: prefixed by
+  the output's name when the model has several, which also log each
+  output's loss (`<name>_loss`, before its loss weight, as Keras)."""
+  prefix = f"{name}_" if multi else ""
+  plain = _labelled(metrics, loss, prefix, "metrics")
+  taken = {label for label, _ in plain}
+  weighted = [
+      (label if label not in taken
+       else f"{prefix}weighted_{label[len(prefix):]}", metric)
+      for label, metric in _labelled(weighted_metrics, loss, prefix,
+                                     "weighted_metrics")]
+  loss_label = f"{name}_loss" if multi and has_loss else None
+  own_loss = ([(loss_label, keras.metrics.Mean(name=loss_label))]
+              if loss_label else [])
+  return _Output(
+      name=name, index=index,
+      loss_fn=loss_function(loss, what="loss") if has_loss else None,
+      weight=weight, metrics=own_loss + plain + weighted,
+      weighted=frozenset(label for label, _ in weighted),
+      loss_label=loss_label)
+
+
+def _labelled(wanted: MetricSpec, loss: Any, prefix: str, what: str
+              ) -> list[tuple[str, keras.metrics.Metric]]:
+  """One output's metrics as `(reported name, Metric)`, names prefixed by
+  the output's when the model has several."""
+  wanted = [] if wanted is None else (
+      list(wanted) if isinstance(wanted, (list, tuple)) else [wanted])
+  objs = [(_metric_label(m), _metric_object(m, loss, what)) for m in wanted]
+  return [(prefix + (label or m.name), m) for label, m in objs]
 
 
 def _single(value: Any) -> Any:
