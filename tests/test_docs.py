@@ -43,8 +43,8 @@ def test_every_flag_named_in_the_readme_exists():
   named = set(re.findall(r"--([a-z][a-z0-9_]+)", README))
   # Options of other programs: this repo's scripts' own, absl's, pytest's,
   # and SLURM's srun.
-  named -= {"check", "help", "flagfile", "nbmake", "nodes", "ntasks",
-            "num_shards"}  # scripts/write_tfrecords.py's own.
+  named -= {"check", "help", "flagfile", "nbmake", "dist", "nodes",
+            "ntasks", "num_shards"}  # scripts/write_tfrecords.py's own.
   missing = sorted(n for n in named if n not in flags.FLAGS)
   assert not missing, f"README names flags that do not exist: {missing}"
 
@@ -63,7 +63,8 @@ def test_ci_runs_the_readme_test_line():
       ["awk", "/<!-- ci:test-command -->/{getline; getline; print; exit}",
        os.path.join(ROOT, "README.md")], capture_output=True, text=True,
       check=True).stdout.strip()
-  assert line == 'python3 -m pip install ".[dev]" && python3 -m pytest -q'
+  assert line == ('python3 -m pip install ".[dev]" && '
+                  'python3 -m pytest -q -n 2 --dist loadfile')
 
 
 def test_public_api_resolves_lazily():
