@@ -251,3 +251,24 @@ def test_a_dataset_longer_than_an_epoch_runs_on_like_keras(as_function):
   for got, want in zip(model.get_weights(), reference.get_weights()):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   trainer.fit(source, epochs=5, steps_per_epoch=2)  # A new pass: no error.
+
+
+def test_trainers_made_in_a_row_do_not_report_retracing(caplog):
+  """A notebook makes a Trainer per experiment: each one's functions trace
+  once, and TF does not warn of retracing (it counted every Trainer's
+  calls under one code object and warned from the fifth)."""
+  import logging  # pylint: disable=g-import-not-at-top
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 4)).astype(np.float32)
+  y = rng.integers(0, 2, 64)
+  with caplog.at_level(logging.WARNING, logger="tensorflow"):
+    for seed in range(6):
+      with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(2, name=f"d{seed}")])
+      trainer = Trainer(model, strategy=strategy, verbose=0)
+      trainer.fit(x, y, epochs=2, global_batch_size=16,
+                  validation_data=(x[:20], y[:20]))
+      trainer.evaluate(x, y, global_batch_size=16)
+  assert "retracing" not in caplog.text

@@ -9,6 +9,7 @@ batch, counts add up).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping, Sequence
 
 import tensorflow as tf
@@ -21,6 +22,17 @@ Shapes = Mapping[str, tuple[int, ...]]
 
 TRAIN_KEYS = ("loss", "count", "non_finite")
 EVAL_KEYS = ("loss_sum", "count")
+
+
+def _compiled(fn: Callable[..., dict[str, tf.Tensor]], **options
+              ) -> Callable[..., dict[str, tf.Tensor]]:
+  """`tf.function(fn)` with a retracing count of its own.
+
+  TF counts traces by the Python code object, which every function these
+  factories make shares: a notebook's sixth Trainer would be warned of
+  "retracing" though each function traced once. A partial is a new object.
+  """
+  return tf.function(functools.partial(fn), **options)
 
 
 def _reduce_sum(strategy: tf.distribute.Strategy, per_replica):
@@ -109,14 +121,12 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
   def replica_gather_step(data, index, step_in_epoch):
     replica_step(*resident.gather_batch(data, index, step_in_epoch))
 
-  @tf.function
   def train_from_iterator(iterator, num_steps):
     strategy.run(sums.reset)
     for _ in tf.range(num_steps):
       strategy.run(replica_step, args=tuple(next(iterator)))
     return sums.read(check_fn)
 
-  @tf.function
   def train_from_device_data(batches, num_steps):
     data, index, first_step = batches
     strategy.run(sums.reset)
@@ -124,7 +134,6 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
       strategy.run(replica_gather_step, args=(data, index, first_step + i))
     return sums.read(check_fn)
 
-  @tf.function
   def train_split_on_host(iterator, num_steps):
     strategy.run(sums.reset)
     for _ in tf.range(num_steps):
@@ -133,9 +142,9 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
                    kwargs={"global_batch": feeds.rows_of(batch)})
     return sums.read(check_fn)
 
-  return {feeds.ITERATOR: train_from_iterator,
-          feeds.DEVICE: train_from_device_data,
-          feeds.HOST_SPLIT: train_split_on_host}[feed]
+  return _compiled({feeds.ITERATOR: train_from_iterator,
+                    feeds.DEVICE: train_from_device_data,
+                    feeds.HOST_SPLIT: train_split_on_host}[feed])
 
 
 def make_scheduled_train_function(
@@ -159,7 +168,6 @@ def make_scheduled_train_function(
   """
   shapes = sum_shapes(TRAIN_KEYS, metric_shapes)
 
-  @tf.function
   def train(iterator, num_steps):
     totals = _zeros(shapes)
     for _ in tf.range(num_steps):
@@ -170,7 +178,7 @@ def make_scheduled_train_function(
       totals["non_finite"] += tf.cast(check_fn(), tf.float32)
     return totals
 
-  return train
+  return _compiled(train)
 
 
 def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
@@ -198,14 +206,13 @@ def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
       batch = feeds.split_batch(strategy, batch)
     return _reduce_sum(strategy, strategy.run(step, args=batch))
 
-  @tf.function
   def evaluate(dataset):
     totals = _zeros(shapes)
     for batch in dataset:
       totals = _add(totals, one_batch(tuple(batch)))
     return totals
 
-  return evaluate
+  return _compiled(evaluate)
 
 
 def make_resident_eval_function(strategy: tf.distribute.Strategy, step: StepFn,
@@ -226,7 +233,6 @@ def make_resident_eval_function(strategy: tf.distribute.Strategy, step: StepFn,
   def replica_step(data, index, i):
     sums.add(step(*resident.gather_batch(data, index, i)))
 
-  @tf.function(reduce_retracing=True)  # Each input size is a new shape.
   def evaluate(batches, num_steps):
     data, index, first_step = batches
     strategy.run(sums.reset)
@@ -234,4 +240,5 @@ def make_resident_eval_function(strategy: tf.distribute.Strategy, step: StepFn,
       strategy.run(replica_step, args=(data, index, first_step + i))
     return sums.read()
 
-  return evaluate
+  # Each input size is a new shape.
+  return _compiled(evaluate, reduce_retracing=True)
