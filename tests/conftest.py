@@ -20,7 +20,15 @@ from tfmgpu import data  # pylint: disable=g-import-not-at-top
 # with 8 (TFMGPU_TEST_DEVICES=8, started by `test_hybrid.py`).
 NUM_LOGICAL_DEVICES = int(os.environ.get("TFMGPU_TEST_DEVICES", "4"))
 
-tfmgpu.configure_devices(logical_cpus=NUM_LOGICAL_DEVICES)
+
+def pytest_configure(config):
+  """Splits the CPU before any test module is imported. Not in
+  pytest-xdist's controller (`-n 2`), which runs no test: there it would
+  only import TensorFlow and print its start-up lines after the summary."""
+  if (getattr(config, "workerinput", None) is None
+      and config.getoption("numprocesses", default=None)):
+    return
+  tfmgpu.configure_devices(logical_cpus=NUM_LOGICAL_DEVICES)
 
 
 @pytest.fixture
