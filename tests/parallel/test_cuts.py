@@ -313,6 +313,35 @@ def test_two_input_pipeline_predicts_a_ragged_dict_batch():
                              rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", [None, "1f1b"])
+def test_a_loss_dict_for_list_outputs_fits_as_keras_fits(schedule):
+  """Keras keys a loss dict by `model.output_names`, which a placed model
+  takes from the unsplit one (without them `fit` failed on a None)."""
+  def build():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,), name="x")
+    h = L.Dense(8, activation="tanh", name="d0")(x)
+    h = L.Dense(8, activation="tanh", name="d1")(h)
+    return keras.Model(x, [L.Dense(3, name="cls")(h),
+                           L.Dense(1, name="val")(h)])
+  rng = np.random.RandomState(5)
+  x = rng.randn(2 * BATCH, 6).astype("float32")
+  y = {"cls": rng.randint(0, 3, 2 * BATCH),
+       "val": rng.randn(2 * BATCH, 1).astype("float32")}
+  model = build()
+  split = (staged_lib.StagedModel.from_model(build(), num_stages=2)
+           if schedule is None else pipeline.PipelinedModel.from_model(
+               build(), num_stages=2, micro_batches=4, schedule=schedule))
+  for m in (split, model):
+    m.compile(optimizer=keras.optimizers.SGD(LR),
+              loss={"val": "mse", "cls": _loss()})
+  got = split.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
+  _assert_same_weights(split.to_unsplit(), model)
+
+
 def _two_output_model(seed=0):
   """An auxiliary head made in the first stage, a main head at the end."""
   keras.utils.set_random_seed(seed)

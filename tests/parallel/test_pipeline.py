@@ -201,6 +201,53 @@ def test_fit_matches_unsplit_fit(name, recompute, weighted):
   _assert_same_weights(pipe.to_unsplit(), model)
 
 
+def _masked_sequence_model(seed=0):
+  """Its output carries the Embedding's mask: Keras' loss skips padding."""
+  keras.utils.set_random_seed(seed)
+  L = keras.layers
+  ids = keras.Input((5,), dtype="int32", name="ids")
+  h = L.Embedding(9, 4, mask_zero=True, name="emb")(ids)
+  h = L.GRU(4, return_sequences=True, name="rnn")(h)
+  return keras.Model(ids, L.Dense(3, name="logits")(h), name="masked")
+
+
+def _masked_sequence_data(n=STEPS * BATCH):
+  rng = np.random.RandomState(3)
+  ids = rng.randint(1, 9, size=(n, 5)).astype("int32")
+  for row, length in enumerate(rng.randint(1, 6, size=n)):
+    ids[row, length:] = 0
+  return ids, rng.randint(0, 3, size=(n, 5)).astype("int64")
+
+
+def test_gpipe_fit_and_evaluate_keep_the_output_mask():
+  model = _masked_sequence_model()
+  x, y = _masked_sequence_data()
+  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=4,
+                                   split_points=["rnn"])
+  for m in (pipe, model):
+    m.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+  got = pipe.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
+  _assert_same_weights(pipe.to_unsplit(), model)
+  # 13 rows: the padded, ragged path of `call` keeps the mask too.
+  np.testing.assert_allclose(pipe.evaluate(x[:13], y[:13], verbose=0),
+                             model.evaluate(x[:13], y[:13], verbose=0),
+                             rtol=1e-5)
+
+
+def test_1f1b_mean_loss_of_a_masked_output_is_refused():
+  pipe = PipelinedModel.from_model(_masked_sequence_model(), num_stages=2,
+                                   micro_batches=4, schedule="1f1b")
+  pipe.compile(optimizer="sgd", loss=_loss())
+  x, y = _masked_sequence_data(BATCH)
+  with pytest.raises(ValueError, match=r"schedule='1f1b' averages the "
+                     r"per-micro-batch losses.*carries a Keras mask.*Use "
+                     r"schedule='gpipe'"):
+    pipe.fit(x, y, batch_size=BATCH, verbose=0)
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_trainer_matches_unsplit_trainer(name):
   """The Trainer's loss divides by the global batch: micro-batch losses add."""
@@ -468,7 +515,8 @@ def test_fit_with_a_ragged_last_batch_fails_with_the_rule():
   pipe.compile(optimizer="adam", loss=_loss())
   x, y = _data(20)  # Batches of 8, 8 and 4.
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"not divisible by micro_batches=8"):
+                     match=r"(?s)not divisible by micro_batches=8.*"
+                     r"batch size:\] \[4\]"):  # The size, not its remainder.
     pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0)
 
 

@@ -2,10 +2,11 @@
 
 The helpers `PipelinedModel` uses to cut a step into `M` micro-batches and
 make their sum equal the unsplit step: `split` cuts every tensor of a batch
-(any structure) along its first axis and `concat` joins the parts again, `sum_gradients` adds one variable's gradients (dense or
-`tf.IndexedSlices`), `call_losses` and `weight_regularization` separate the
-losses a call adds (counted per micro-batch) from the weight regularisers
-(counted once per step).
+(any structure) along its first axis and `concat` joins the parts again
+(with their Keras masks), `sum_gradients` adds one variable's gradients
+(dense or `tf.IndexedSlices`), `call_losses` and `weight_regularization`
+separate the losses a call adds (counted per micro-batch) from the weight
+regularisers (counted once per step).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import keras
+from keras.src.backend.common import masking as keras_masking  # Keras masks
 import tensorflow as tf
 
 
@@ -39,8 +41,28 @@ def split(structure: Any, num: int) -> list[Any]:
 
 
 def concat(parts: Sequence[Any]) -> Any:
-  """Joins micro-batch structures along axis 0 (the inverse of `split`)."""
-  return tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *parts)
+  """Joins micro-batch structures along axis 0 (the inverse of `split`).
+
+  Keras masks on the parts (an output after `Embedding(mask_zero=True)`)
+  are joined too: Keras' compiled loss and metrics skip masked entries.
+  """
+  def join(*ts):
+    out = tf.concat(ts, axis=0)
+    masks = [keras_masking.get_keras_mask(t) for t in ts]
+    if all(m is not None for m in masks):
+      keras_masking.set_keras_mask(out, tf.concat(masks, axis=0))
+    return out
+  return tf.nest.map_structure(join, *parts)
+
+
+def head(structure: Any, n: Any) -> Any:
+  """The first `n` rows of every tensor of a structure (masks kept)."""
+  def take(t):
+    out, mask = t[:n], keras_masking.get_keras_mask(t)
+    if mask is not None:
+      keras_masking.set_keras_mask(out, mask[:n])
+    return out
+  return tf.nest.map_structure(take, structure)
 
 
 def sum_gradients(grads: Sequence[Any]) -> Any:

@@ -47,7 +47,10 @@ micro-batch helpers (split, sum of gradients, losses) are in
 Known differences from unsplit training: BatchNormalization sees micro-batch
 statistics (and updates its moving averages once per micro-batch; twice with
 recompute), and random layers such as Dropout draw new randomness when a
-stage is recomputed.
+stage is recomputed. An output that carries a Keras mask (after
+`Embedding(mask_zero=True)`) keeps it for the loss under `"gpipe"`; `"1f1b"`
+refuses it with a loss averaged per micro-batch (each would be averaged over
+its own unmasked entries).
 
 Inference (`call`, `predict`, `evaluate`) streams the micro-batches through
 the stages the same way and concatenates the outputs in order. A batch that
@@ -184,9 +187,10 @@ class PipelinedModel(staged.StagedModel):
       return []
     if m == 1:
       return []
-    return [tf.debugging.assert_equal(
-        tf.shape(first)[0] % m, 0,
-        message=f"The batch (size in the next line) {rule}")]
+    n = tf.shape(first)[0]
+    return [tf.debugging.Assert(
+        tf.equal(n % m, 0), [f"The batch (of the size that follows) {rule}",
+                             "batch size:", n])]
 
   def _forward_only(self, x, training: bool):
     """Streams micro-batches through the stages (no backward)."""
@@ -233,7 +237,7 @@ class PipelinedModel(staged.StagedModel):
           lambda t: tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1)), x)
     out = self._forward_only(x, training=False)
     with tf.device(self.stage_devices[-1]):
-      return tf.nest.map_structure(lambda t: t[:n], out)
+      return microbatch.head(out, n)
 
   # ------------------------------------------------------------ training
 

@@ -29,6 +29,7 @@ import re
 from typing import Any, Callable, Sequence
 
 import keras
+from keras.src.backend.common import masking as keras_masking  # Keras masks
 import tensorflow as tf
 
 from tfmgpu.parallel import microbatch
@@ -147,7 +148,28 @@ class PipelineStep:
     stage), or `None`."""
     if k != self.last or self.gpipe:
       return None
-    return lambda out: self.loss_fn(self.ys[m], out) * self.factor
+    return lambda out: self._micro_batch_loss(m, out)
+
+  def _micro_batch_loss(self, m: int, out) -> Any:
+    """1F1B: micro-batch `m`'s share of the loss.
+
+    Raises:
+      ValueError: the losses are averaged (`"mean"`) over micro-batches but
+        the output carries a Keras mask: each micro-batch's loss is then a
+        mean over its own unmasked entries, and their mean is not the
+        batch's.
+    """
+    if self.factor != 1.0 and any(
+        keras_masking.get_keras_mask(t) is not None
+        for t in tf.nest.flatten(out)):
+      raise ValueError(
+          "schedule='1f1b' averages the per-micro-batch losses "
+          "(loss_reduction='mean'), but the model's output carries a Keras "
+          "mask (e.g. from Embedding(mask_zero=True)): each micro-batch "
+          "would be averaged over its own unmasked entries, which differs "
+          "from the unsplit loss. Use schedule='gpipe' (one loss on the whole "
+          "batch), micro_batches=1, or a loss with reduction='sum'.")
+    return self.loss_fn(self.ys[m], out) * self.factor
 
   def _run_stage(self, k: int, inp, *, record: bool, loss_term=None):
     """Runs stage `k` on one micro-batch (training); with `record`, under a

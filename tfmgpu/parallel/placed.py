@@ -157,6 +157,12 @@ class PerDeviceGradientModel(keras.Model):
           f"jit_compile=True is not supported by {type(self).__name__}: XLA "
           "cannot compile one step over variables on several devices. Use "
           "jit_compile=False (or 'auto').")
+    names = getattr(self, "unsplit_output_names", ())
+    if names and not getattr(self, "output_names", None):
+      # Keras keys a per-output loss or metric dict by `output_names`, which
+      # only functional models have: without it a dict of losses for a
+      # model returning a list fails inside `fit`.
+      self.output_names = list(names)
     super().compile(*args, jit_compile=False, **kwargs)
     if self.optimizer is not None:
       # Build now, eagerly: built lazily inside the traced step, Keras would
