@@ -15,7 +15,6 @@ computes in reduced precision with float32 outputs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import re
@@ -31,6 +30,7 @@ import tensorflow as tf
 from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import resident
 
@@ -326,10 +326,10 @@ def _predict_function(model, strategy) -> Callable[..., Any]:
       arrays = [a.write(i, t) for a, t in zip(arrays, outs)]
     return tf.nest.pack_sequence_as(first, [a.concat() for a in arrays])
 
-  # Wrapped in partials, TF keys its retracing count by this Predictor's
-  # functions, not by `run`'s code shared by all (it warned at the fifth).
-  run = tf.function(functools.partial(run))
-  run.one = tf.function(functools.partial(one), reduce_retracing=True)
+  # Each Predictor's functions count their own traces (TF warned at the
+  # fifth Predictor, counting by `run`'s code shared by all).
+  run = distributed.compiled(run)
+  run.one = distributed.compiled(one, reduce_retracing=True)
   return run
 
 

@@ -254,8 +254,6 @@ def _one_round(prepare: Callable[..., Round]) -> Callable[..., Timing]:
 
 
 time_tfmgpu = _one_round(prepare_tfmgpu)
-time_keras_fit = _one_round(prepare_keras_fit)
-time_tutorial_loop = _one_round(prepare_tutorial_loop)
 time_floor = _one_round(prepare_floor)
 
 PATHS: dict[str, Callable[..., Round]] = {

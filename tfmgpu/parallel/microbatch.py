@@ -55,6 +55,12 @@ def concat(parts: Sequence[Any]) -> Any:
   return tf.nest.map_structure(join, *parts)
 
 
+def carries_mask(structure: Any) -> bool:
+  """Whether any tensor of a structure carries a Keras mask."""
+  return any(keras_masking.get_keras_mask(t) is not None
+             for t in tf.nest.flatten(structure))
+
+
 def head(structure: Any, n: Any) -> Any:
   """The first `n` rows of every tensor of a structure (masks kept)."""
   def take(t):

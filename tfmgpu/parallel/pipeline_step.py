@@ -29,7 +29,6 @@ import re
 from typing import Any, Callable, Sequence
 
 import keras
-from keras.src.backend.common import masking as keras_masking  # Keras masks
 import tensorflow as tf
 
 from tfmgpu.parallel import microbatch
@@ -159,9 +158,7 @@ class PipelineStep:
         mean over its own unmasked entries, and their mean is not the
         batch's.
     """
-    if self.factor != 1.0 and any(
-        keras_masking.get_keras_mask(t) is not None
-        for t in tf.nest.flatten(out)):
+    if self.factor != 1.0 and microbatch.carries_mask(out):
       raise ValueError(
           "schedule='1f1b' averages the per-micro-batch losses "
           "(loss_reduction='mean'), but the model's output carries a Keras "

@@ -10,7 +10,7 @@ batch, counts add up).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -24,13 +24,13 @@ TRAIN_KEYS = ("loss", "count", "non_finite")
 EVAL_KEYS = ("loss_sum", "count")
 
 
-def _compiled(fn: Callable[..., dict[str, tf.Tensor]], **options
-              ) -> Callable[..., dict[str, tf.Tensor]]:
-  """`tf.function(fn)` with a retracing count of its own.
+def compiled(fn: Callable[..., Any], **options) -> Callable[..., Any]:
+  """`tf.function(fn, **options)` with a retracing count of its own.
 
-  TF counts traces by the Python code object, which every function these
-  factories make shares: a notebook's sixth Trainer would be warned of
-  "retracing" though each function traced once. A partial is a new object.
+  TF counts traces by the Python code object, which every function a
+  factory makes shares: a notebook's sixth Trainer (or Predictor) would be
+  warned of "retracing" though each function traced once. A partial is a
+  new object.
   """
   return tf.function(functools.partial(fn), **options)
 
@@ -142,7 +142,7 @@ def make_train_function(strategy: tf.distribute.Strategy, step: StepFn, *,
                    kwargs={"global_batch": feeds.rows_of(batch)})
     return sums.read(check_fn)
 
-  return _compiled({feeds.ITERATOR: train_from_iterator,
+  return compiled({feeds.ITERATOR: train_from_iterator,
                     feeds.DEVICE: train_from_device_data,
                     feeds.HOST_SPLIT: train_split_on_host}[feed])
 
@@ -178,7 +178,7 @@ def make_scheduled_train_function(
       totals["non_finite"] += tf.cast(check_fn(), tf.float32)
     return totals
 
-  return _compiled(train)
+  return compiled(train)
 
 
 def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
@@ -212,7 +212,7 @@ def make_eval_function(strategy: tf.distribute.Strategy, step: StepFn, *,
       totals = _add(totals, one_batch(tuple(batch)))
     return totals
 
-  return _compiled(evaluate)
+  return compiled(evaluate)
 
 
 def make_resident_eval_function(strategy: tf.distribute.Strategy, step: StepFn,
@@ -241,4 +241,4 @@ def make_resident_eval_function(strategy: tf.distribute.Strategy, step: StepFn,
     return sums.read()
 
   # Each input size is a new shape.
-  return _compiled(evaluate, reduce_retracing=True)
+  return compiled(evaluate, reduce_retracing=True)
