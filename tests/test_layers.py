@@ -26,6 +26,7 @@ PACKAGE = ROOT / "tfmgpu"
 LAYERS = {
     # 0 base
     "tfmgpu/__init__": 0,  # Its lazy `_EXPORTS` strings are not imports.
+    "tfmgpu/_compat": 0,
     "tfmgpu/_lazy": 0,
     "tfmgpu/checks": 0,
     "tfmgpu/devices": 0,

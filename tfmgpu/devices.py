@@ -15,6 +15,8 @@ from typing import Sequence
 from absl import logging
 import tensorflow as tf
 
+from tfmgpu import _compat
+
 
 class DeviceConfigurationError(RuntimeError):
   """The requested device layout cannot be applied in this process."""
@@ -48,9 +50,7 @@ class DeviceLayout:
 
 def runtime_initialized() -> bool:
   """Whether TensorFlow's runtime (and so its device layout) has started."""
-  # The context reports whether the runtime (and so the device list) exists.
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  return context.context()._context_handle is not None  # pylint: disable=protected-access
+  return _compat.runtime_initialized()
 
 
 def _split(device: tf.config.PhysicalDevice, count: int,

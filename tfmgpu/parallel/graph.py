@@ -19,6 +19,8 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
+
 
 def dtype_size(dtype: Any) -> int:
   """Bytes of one element of a Keras or TF dtype."""
@@ -44,24 +46,14 @@ def shapes_only(build: Callable[[], keras.Model]) -> keras.Model:
   this process), so the model is for planning only: `ModelGraph`,
   `plan_stages`, the costs; never call or train it.
   """
-  # Keras 3 defers a variable made in a stateless scope and records it in a
-  # global list, which the next top-level stateless scope initialises.
-  from keras.src.backend.common import global_state  # pylint: disable=g-import-not-at-top
-  key = "uninitialized_variables"
-  before = list(global_state.get_global_attribute(key, [],
-                                                  set_to_default=True))
-  try:
+  with _compat.no_deferred_initialization():
     with keras.StatelessScope(initialize_variables=False):
       return build()
-  finally:
-    global_state.set_global_attribute(key, before)
 
 
 def _producer(tensor: keras.KerasTensor):
-  # Keras 3 has no public graph-walking API; `_keras_history` and
-  # `_inbound_nodes` are what `keras.Model` itself uses to walk its graph.
-  op, node_index, _ = tensor._keras_history  # pylint: disable=protected-access
-  return op._inbound_nodes[node_index]  # pylint: disable=protected-access
+  # Keras 3 has no public graph-walking API (see `_compat.producer_node`).
+  return _compat.producer_node(tensor)
 
 
 def _symbolic_inputs_outputs(model: keras.Model):
@@ -95,7 +87,7 @@ def _reachable_nodes(model: keras.Model, model_inputs, model_outputs
   Raises:
     ValueError: a layer is called more than once.
   """
-  input_ops = {id(t._keras_history[0]) for t in model_inputs}  # pylint: disable=protected-access
+  input_ops = {id(_compat.keras_history(t)[0]) for t in model_inputs}
   found, stack = {}, list(model_outputs)
   while stack:
     node = _producer(stack.pop())
@@ -115,8 +107,8 @@ def _reachable_nodes(model: keras.Model, model_inputs, model_outputs
   return found
 def _topological_order(model: keras.Model, found: dict[int, Any]) -> list[Any]:
   """Kahn's algorithm, ties broken by the model's own layer order."""
-  # Functional models list bare ops (keras.ops.*) in `_operations` only.
-  known = getattr(model, "_operations", None) or model.layers
+  # Functional models list bare ops (keras.ops.*) with their layers.
+  known = _compat.model_operations(model)
   order = {id(l): i for i, l in enumerate(known)}
   producers = {id(t): k for k, n in found.items() for t in n.output_tensors}
   users: dict[int, list[int]] = {k: [] for k in found}
@@ -229,8 +221,8 @@ class ModelGraph:
   def name_of(self, tensor: keras.KerasTensor) -> str:
     """The layer that makes `tensor` (`"<layer>:<i>"` for its `i`-th of
     several outputs), or the model input's name."""
-    op, node_index, index = tensor._keras_history  # pylint: disable=protected-access
-    node = op._inbound_nodes[node_index]  # pylint: disable=protected-access
+    op, _, index = _compat.keras_history(tensor)
+    node = _compat.producer_node(tensor)
     many = len(node.output_tensors) > 1
     return f"{op.name}:{index}" if many else op.name
 

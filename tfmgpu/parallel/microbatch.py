@@ -14,8 +14,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import keras
-from keras.src.backend.common import masking as keras_masking  # Keras masks
 import tensorflow as tf
+
+from tfmgpu import _compat
 
 
 def check_micro_batches(micro_batches: Any) -> int:
@@ -48,25 +49,25 @@ def concat(parts: Sequence[Any]) -> Any:
   """
   def join(*ts):
     out = tf.concat(ts, axis=0)
-    masks = [keras_masking.get_keras_mask(t) for t in ts]
+    masks = [_compat.get_keras_mask(t) for t in ts]
     if all(m is not None for m in masks):
-      keras_masking.set_keras_mask(out, tf.concat(masks, axis=0))
+      _compat.set_keras_mask(out, tf.concat(masks, axis=0))
     return out
   return tf.nest.map_structure(join, *parts)
 
 
 def carries_mask(structure: Any) -> bool:
   """Whether any tensor of a structure carries a Keras mask."""
-  return any(keras_masking.get_keras_mask(t) is not None
+  return any(_compat.get_keras_mask(t) is not None
              for t in tf.nest.flatten(structure))
 
 
 def head(structure: Any, n: Any) -> Any:
   """The first `n` rows of every tensor of a structure (masks kept)."""
   def take(t):
-    out, mask = t[:n], keras_masking.get_keras_mask(t)
+    out, mask = t[:n], _compat.get_keras_mask(t)
     if mask is not None:
-      keras_masking.set_keras_mask(out, mask[:n])
+      _compat.set_keras_mask(out, mask[:n])
     return out
   return tf.nest.map_structure(take, structure)
 

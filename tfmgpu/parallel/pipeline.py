@@ -66,6 +66,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import pipeline_step
 from tfmgpu.parallel import placed
@@ -137,7 +138,7 @@ class PipelinedModel(staged.StagedModel):
     self.micro_batches = micro_batches
     self.schedule = schedule
     self.recompute = recompute
-    norms = [l.name for s in self.stages for l in s._flatten_layers()  # pylint: disable=protected-access
+    norms = [l.name for s in self.stages for l in _compat.flatten_layers(s)
              if isinstance(l, keras.layers.BatchNormalization)]
     if norms and micro_batches > 1:
       logging.warning(

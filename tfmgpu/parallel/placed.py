@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import keras
-from keras.src.losses import loss as keras_loss  # unscale_loss_for_distribution
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.training import allreduce as allreduce_lib
 
 LossFn = Callable[[Any, Any], tf.Tensor]
@@ -205,7 +205,7 @@ class PerDeviceGradientModel(keras.Model):
 
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    if self._compile_loss is None:  # pylint: disable=protected-access
+    if _compat.compiled_loss(self) is None:
       raise ValueError(
           f"{type(self).__name__} has no loss to train on. Call "
           "compile(loss=...) before fit().")
@@ -222,15 +222,15 @@ class PerDeviceGradientModel(keras.Model):
       # backward in compute_loss_and_gradients. The sample weights travel
       # with the targets, so a model that splits the batch splits them too.
       y_true, weights = targets
-      return scale(self._compile_loss(y_true, y_pred, weights))  # pylint: disable=protected-access
+      return scale(_compat.compiled_loss(self)(y_true, y_pred, weights))
 
     loss, y_pred, grads = self.compute_loss_and_gradients(
         x, (y, sample_weight), loss_fn, scale_regularization=scale,
         **self._fit_loss_options())
     unscaled = loss / tf.cast(scale(tf.constant(1.0)), loss.dtype)
     batch = tf.shape(tf.nest.flatten(x)[0])[0]
-    self._loss_tracker.update_state(  # pylint: disable=protected-access
-        keras_loss.unscale_loss_for_distribution(unscaled),
+    _compat.loss_tracker(self).update_state(
+        _compat.unscale_loss_for_distribution(unscaled),
         sample_weight=batch)
     grads = self.reduce_gradients(grads)
     self.optimizer.apply_gradients(zip(grads, self.trainable_variables))

@@ -11,6 +11,7 @@ from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
 
 tf = LazyModule("tensorflow")
+_compat = LazyModule("tfmgpu._compat")
 devices_lib = LazyModule("tfmgpu.devices")
 
 
@@ -109,7 +110,5 @@ def replica_devices(strategy: "tf.distribute.Strategy") -> list[str]:
 
 def in_multi_worker_mode(strategy: "tf.distribute.Strategy") -> bool:
   """Whether `strategy` spans several worker processes (TF has no public
-  call for this; the one private read is here)."""
-  extended = getattr(strategy, "extended", None)
-  check = getattr(extended, "_in_multi_worker_mode", None)
-  return bool(check()) if check is not None else False
+  call for this; see `_compat.in_multi_worker_mode`)."""
+  return _compat.in_multi_worker_mode(strategy)

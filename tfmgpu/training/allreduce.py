@@ -17,6 +17,7 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.training.choices import COMPRESSION_CHOICES
 
 
@@ -56,8 +57,8 @@ def take_over_aggregation(optimizer: keras.optimizers.Optimizer) -> None:
   the class, so other optimizers in the process are untouched.
   """
   for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-    if opt is not None and hasattr(opt, "_all_reduce_sum_gradients"):
-      opt._all_reduce_sum_gradients = _no_all_reduce  # pylint: disable=protected-access
+    if opt is not None:
+      _compat.replace_gradient_all_reduce(opt, _no_all_reduce)
 
 
 def all_reduce_gradients(grads: Sequence[tf.Tensor | None],

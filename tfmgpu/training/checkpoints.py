@@ -54,6 +54,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu import files
 from tfmgpu.training import portable
 
@@ -176,8 +177,7 @@ def _learning_rate_variable(optimizer):
   """The variable holding `optimizer`'s learning rate (`None`: a schedule)."""
   while getattr(optimizer, "inner_optimizer", None) is not None:
     optimizer = optimizer.inner_optimizer  # LossScaleOptimizer's own is unused.
-  variable = getattr(optimizer, "_learning_rate", None)
-  return variable if hasattr(variable, "assign") else None
+  return _compat.learning_rate_variable(optimizer)
 
 
 def _keep_learning_rate(optimizer, given, path: str) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
+
 _FUSED_DTYPES = (tf.float32, tf.float64)
 
 
@@ -56,13 +58,12 @@ class _FusedAdamUpdate(_Fused):
     return not self.amsgrad and super()._fusable(gradient, variable)
 
   def _fused_update(self, variable, gradient, learning_rate, dtype):
-    index = self._get_variable_index(variable)
+    momentum, velocity = _compat.adam_slots(self, variable)
     step = tf.cast(self.iterations + 1, dtype)
     beta_1 = tf.cast(self.beta_1, dtype)
     beta_2 = tf.cast(self.beta_2, dtype)
     return tf.raw_ops.ResourceApplyAdam(
-        var=_handle(variable), m=_handle(self._momentums[index]),
-        v=_handle(self._velocities[index]),
+        var=_handle(variable), m=_handle(momentum), v=_handle(velocity),
         beta1_power=tf.pow(beta_1, step), beta2_power=tf.pow(beta_2, step),
         lr=learning_rate, beta1=beta_1, beta2=beta_2,
         epsilon=tf.cast(self.epsilon, dtype), grad=gradient)
@@ -92,7 +93,7 @@ class FusedSGD(_Fused, keras.optimizers.SGD):
     if self.momentum == 0:
       return tf.raw_ops.ResourceApplyGradientDescent(
           var=_handle(variable), alpha=learning_rate, delta=gradient)
-    accumulator = self.momentums[self._get_variable_index(variable)]
+    accumulator = self.momentums[_compat.variable_index(self, variable)]
     return tf.raw_ops.ResourceApplyKerasMomentum(
         var=_handle(variable), accum=_handle(accumulator), lr=learning_rate,
         grad=gradient, momentum=tf.cast(self.momentum, dtype),

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from tfmgpu._lazy import LazyModule
 
 keras = LazyModule("keras")
+_compat = LazyModule("tfmgpu._compat")
 
 _OPTIMIZERS: dict[str, Callable[..., Any]] = {
     "adam": lambda **kw: keras.optimizers.Adam(**kw),
@@ -61,7 +62,7 @@ def _strategies_of(optimizer: Any) -> list[Any]:
   """The strategies `optimizer` (and a wrapped inner one) were created in."""
   found = []
   while optimizer is not None:
-    found.append(getattr(optimizer, "_distribution_strategy", None))
+    found.append(_compat.optimizer_strategy(optimizer))
     optimizer = getattr(optimizer, "inner_optimizer", None)
   return found
 

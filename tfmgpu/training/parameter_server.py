@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs
 from tfmgpu.training import step as step_lib
@@ -108,7 +109,7 @@ class ParameterServerTrainer(Trainer):
           "strategies.")
     super().__init__(model, strategy=strategy, **kwargs)
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    self.num_workers = getattr(strategy, "_num_workers", 1)  # No public API.
+    self.num_workers = _compat.parameter_server_workers(strategy)
 
   def _per_worker_iterator(self, source: inputs.InputData,
                            global_batch_size: int | None, shuffle: bool):

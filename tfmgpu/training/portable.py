@@ -23,6 +23,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
+
 VIEW = "layout_weights"  # The view's name in a tfmgpu checkpoint.
 
 
@@ -34,7 +36,7 @@ def weighted_layers(model: keras.Model) -> dict[str, Any]:
   return {l.name: l for l in model.layers if l.weights}
 
 
-class _LayerWeights(tf.__internal__.tracking.Trackable):
+class _LayerWeights(_compat.Trackable):
   """One layer's weights in unsplit form, as a checkpoint sees them."""
 
   def __init__(self, layer: Any):
@@ -53,7 +55,7 @@ class _LayerWeights(tf.__internal__.tracking.Trackable):
     return tf.no_op()
 
 
-class PortableView(tf.__internal__.tracking.AutoTrackable):
+class PortableView(_compat.AutoTrackable):
   """The portable view of a model: a child per layer name."""
 
   def __init__(self, model: keras.Model):

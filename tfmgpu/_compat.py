@@ -1,0 +1,224 @@
+"""Every use of Keras' and TensorFlow's private API, in one place.
+
+tfmgpu needs a few things neither library exposes publicly: walking a
+functional model's layer graph, a tensor's Keras mask, a compiled model's
+loss and loss tracker, an optimizer's strategy, learning-rate variable, slot
+variables and built-in all-reduce, whether TensorFlow's runtime has started,
+and a few strategy internals. Each is one small function here, so that a
+Keras or TensorFlow upgrade that moves one breaks one function, and
+`tests/test_compat.py` says which. No other module of the package imports
+`keras.src` or `tensorflow.python` or reads these private attributes
+(`tests/test_compat.py` greps for them).
+
+The shims were checked against the versions in `CHECKED`; importing this
+module on other versions warns once (`check_versions` returns the reasons).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Callable, Iterator
+import warnings
+
+import keras
+import tensorflow as tf
+
+# Minor versions (inclusive) the shims below were checked against. Widen a
+# range after `pytest tests/test_compat.py` passes on the new version.
+CHECKED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "keras": ((3, 15), (3, 15)),
+    "tensorflow": ((2, 21), (2, 21)),
+}
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+  """`"3.15.1"` -> `(3, 15)`; `None` when the string has no major.minor."""
+  found = re.match(r"(\d+)\.(\d+)", version)
+  return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def check_versions(versions: dict[str, str] | None = None) -> list[str]:
+  """Why the installed (or given) versions are outside `CHECKED`.
+
+  Args:
+    versions: `{"keras": ..., "tensorflow": ...}` version strings. Defaults
+      to the installed `keras.__version__` and `tf.__version__`.
+
+  Returns:
+    One sentence per library outside its checked range; empty when both are
+    inside.
+  """
+  if versions is None:
+    versions = {"keras": keras.__version__, "tensorflow": tf.__version__}
+  problems = []
+  for name, (low, high) in CHECKED.items():
+    found = _minor(versions[name])
+    if found is None or not low <= found <= high:
+      problems.append(
+          f"{name} {versions[name]} is outside {low[0]}.{low[1]}.."
+          f"{high[0]}.{high[1]}, the versions tfmgpu's shims for its private "
+          "API (tfmgpu/_compat.py) were checked against")
+  return problems
+
+
+def _warn_outside_checked_versions() -> None:
+  problems = check_versions()
+  if problems:
+    warnings.warn(
+        "; ".join(problems) + ". Run `pytest tests/test_compat.py` to see "
+        "whether each shim still works, or install versions in that range.",
+        RuntimeWarning, stacklevel=3)
+
+
+_warn_outside_checked_versions()
+
+
+# TensorFlow.
+
+
+def runtime_initialized() -> bool:
+  """Whether TensorFlow's runtime (and so its device layout) has started."""
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  return context.context()._context_handle is not None  # pylint: disable=protected-access
+
+
+def in_multi_worker_mode(strategy: tf.distribute.Strategy) -> bool:
+  """Whether `strategy` spans several worker processes."""
+  extended = getattr(strategy, "extended", None)
+  check = getattr(extended, "_in_multi_worker_mode", None)
+  return bool(check()) if check is not None else False
+
+
+def parameter_server_workers(strategy: tf.distribute.Strategy) -> int:
+  """The number of workers of a `ParameterServerStrategy` (1 if unknown)."""
+  return getattr(strategy, "_num_workers", 1)
+
+
+Trackable = tf.__internal__.tracking.Trackable
+AutoTrackable = tf.__internal__.tracking.AutoTrackable
+
+
+# The Keras layer graph.
+
+
+def keras_history(tensor: keras.KerasTensor) -> tuple[Any, int, int]:
+  """`(operation, node_index, tensor_index)`: where a symbolic tensor was
+  made (what `keras.Model` itself uses to walk its graph)."""
+  return tuple(tensor._keras_history)  # pylint: disable=protected-access
+
+
+def producer_node(tensor: keras.KerasTensor) -> Any:
+  """The node (one call of a layer or op) that made a symbolic tensor."""
+  op, node_index, _ = keras_history(tensor)
+  return op._inbound_nodes[node_index]  # pylint: disable=protected-access
+
+
+def model_operations(model: keras.Model) -> list[Any]:
+  """A model's layers and bare ops (`keras.ops.*` calls) in its own order;
+  its layers when it lists no ops."""
+  return list(getattr(model, "_operations", None) or model.layers)
+
+
+def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+  """`layer` and all its nested layers, depth first."""
+  return list(layer._flatten_layers())  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def no_deferred_initialization() -> Iterator[None]:
+  """Forgets the variables Keras defers while the block runs.
+
+  Keras 3 records a variable made in a stateless scope in a global list,
+  which the next top-level stateless scope initialises; the list is put
+  back as it was on exit.
+  """
+  from keras.src.backend.common import global_state  # pylint: disable=g-import-not-at-top
+  key = "uninitialized_variables"
+  before = list(global_state.get_global_attribute(key, [],
+                                                  set_to_default=True))
+  try:
+    yield
+  finally:
+    global_state.set_global_attribute(key, before)
+
+
+# Keras masks.
+
+
+def get_keras_mask(tensor: Any) -> Any:
+  """The Keras mask a tensor carries, or `None`."""
+  from keras.src.backend.common import masking  # pylint: disable=g-import-not-at-top
+  return masking.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor: Any, mask: Any) -> None:
+  """Attaches a Keras mask to a tensor (in place)."""
+  from keras.src.backend.common import masking  # pylint: disable=g-import-not-at-top
+  masking.set_keras_mask(tensor, mask)
+
+
+# A compiled model's loss.
+
+
+def compiled_loss(model: keras.Model) -> Callable[..., Any] | None:
+  """The loss `compile(loss=...)` made, called as `(y_true, y_pred,
+  sample_weight)`; `None` before `compile` or without a loss."""
+  return model._compile_loss  # pylint: disable=protected-access
+
+
+def loss_tracker(model: keras.Model) -> keras.metrics.Metric:
+  """The mean metric behind the `loss` that `fit` reports."""
+  return model._loss_tracker  # pylint: disable=protected-access
+
+
+def unscale_loss_for_distribution(value: Any) -> Any:
+  """A per-replica loss times the replicas in sync (as Keras' own
+  `train_step` records it)."""
+  from keras.src.losses import loss as keras_loss  # pylint: disable=g-import-not-at-top
+  return keras_loss.unscale_loss_for_distribution(value)
+
+
+# Optimizers.
+
+
+def optimizer_strategy(optimizer: Any) -> Any:
+  """The `tf.distribute` strategy a Keras optimizer was created in (or
+  `None`)."""
+  return getattr(optimizer, "_distribution_strategy", None)
+
+
+def learning_rate_variable(optimizer: Any) -> Any:
+  """The variable holding a Keras optimizer's learning rate; `None` when it
+  follows a schedule."""
+  variable = getattr(optimizer, "_learning_rate", None)
+  return variable if hasattr(variable, "assign") else None
+
+
+def replace_gradient_all_reduce(
+    optimizer: Any, all_reduce: Callable[[Any], Any]) -> bool:
+  """Replaces the all-reduce a Keras optimizer runs in `apply_gradients`
+  under a strategy with `all_reduce(grads_and_vars)`, on this instance.
+
+  Returns:
+    Whether the optimizer had one to replace.
+  """
+  if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+    return False
+  optimizer._all_reduce_sum_gradients = all_reduce  # pylint: disable=protected-access
+  return True
+
+
+def variable_index(optimizer: keras.optimizers.Optimizer, variable: Any
+                   ) -> int:
+  """The index of `variable` in the optimizer's slot lists."""
+  return optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+
+
+def adam_slots(optimizer: keras.optimizers.Adam, variable: Any
+               ) -> tuple[Any, Any]:
+  """`(first moment, second moment)` slot variables of `variable` in a
+  Keras `Adam` (or `AdamW`)."""
+  index = variable_index(optimizer, variable)
+  return (optimizer._momentums[index],  # pylint: disable=protected-access
+          optimizer._velocities[index])  # pylint: disable=protected-access
