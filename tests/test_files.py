@@ -106,3 +106,35 @@ def test_several_outputs_are_written_as_one_npz(tmp_path, outputs, names):
 
 def _arrays_of(outputs):
   return list(outputs.values()) if isinstance(outputs, dict) else outputs
+
+
+def test_by_name_replaces_whole_and_follows_the_umask(tmp_path, umask_027):
+  path = str(tmp_path / "m.keras")
+  seen = []
+
+  def write(name):
+    seen.append(name)
+    with open(name, "wb") as f:
+      f.write(b"new")
+
+  assert files.write_atomically_by_name(path, write, suffix=".keras") == path
+  assert seen[0].endswith(".keras") and os.path.dirname(seen[0]) == str(
+      tmp_path)
+  assert open(path, "rb").read() == b"new"
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+  assert _listing(tmp_path) == ["m.keras"]
+
+
+def test_by_name_a_failed_write_keeps_the_previous_file(tmp_path):
+  path = str(tmp_path / "m.keras")
+  files.write_atomically_by_name(path, lambda n: open(n, "wb").write(b"old"))
+
+  def disk_full(name):
+    with open(name, "wb") as f:
+      f.write(b"partial")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  with pytest.raises(OSError, match="No space left on device"):
+    files.write_atomically_by_name(path, disk_full)
+  assert open(path, "rb").read() == b"old"
+  assert _listing(tmp_path) == ["m.keras"]

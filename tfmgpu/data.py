@@ -17,7 +17,6 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
-import tempfile
 from typing import Any, Callable, Protocol
 import zipfile
 import zlib
@@ -26,6 +25,7 @@ from absl import logging
 import numpy as np
 
 from tfmgpu import checks
+from tfmgpu import files
 from tfmgpu import user_code
 from tfmgpu._lazy import LazyModule
 
@@ -416,22 +416,13 @@ def _cached(name: str, source: str,
 
 
 def _write_atomically(path: str, x: np.ndarray, y: np.ndarray) -> None:
-  """Saves `x`, `y` to `path` via a temporary file and `os.replace`."""
-  directory = os.path.dirname(path)
-  tmp = None
+  """Saves `x`, `y` to `path` whole or not at all (`files.write_atomically`)."""
   try:
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp",
-                                     delete=False) as f:
-      tmp = f.name
-      np.savez(f, x=x, y=y)
-    os.replace(tmp, path)
+    files.write_atomically(path, lambda f: np.savez(f, x=x, y=y))
   except OSError as e:
     logging.info("Not caching the prepared dataset in %s (%s); set "
                  "TFMGPU_CACHE_DIR to a writable directory to load it faster.",
-                 directory, e)
-    if tmp and os.path.exists(tmp):
-      os.remove(tmp)
+                 os.path.dirname(path), e)
 
 
 @register_dataset("digits8x8", "1,797 real 8x8 digits shipped in scikit-learn "

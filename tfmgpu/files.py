@@ -5,7 +5,8 @@ a full disk leaves the previous file (or none), never a torn one, and no
 temporary file behind. On Linux the aside file is anonymous (`O_TMPFILE`):
 it has no name until it is complete, so even SIGKILL leaves nothing. The new
 file gets the mode a plain `open(path, "w")` would give (0666 less the
-umask), not the 0600 of `tempfile.mkstemp`.
+umask), not the 0600 of `tempfile.mkstemp`. `write_atomically_by_name` does
+the same for a writer that needs a file name (Keras' `model.save`).
 
 `describe_os_error` turns an `OSError` into one sentence naming the path
 and what to do; a full disk says "disk full".
@@ -123,6 +124,33 @@ def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> str:
   finally:
     os.close(fd)
     if name is not None and os.path.exists(name):
+      os.remove(name)
+  fsync_directory(directory)
+  return path
+
+
+def write_atomically_by_name(path: str, write: Callable[[str], None],
+                             suffix: str = "") -> str:
+  """`write_atomically` for a writer that takes a file name; returns `path`.
+
+  `write(name)` writes a hidden file beside `path` whose name ends in
+  `suffix` (Keras' `model.save` wants `.keras`); the file is then fsynced,
+  renamed over `path`, and the directory fsynced. It has a name from the
+  start, so a SIGKILL during `write` can leave it behind; any exception
+  removes it.
+
+  Raises:
+    OSError: the write failed (the previous `path`, if any, is untouched).
+  """
+  directory, base = os.path.split(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  name = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex}{suffix}")
+  try:
+    write(name)
+    fsync_path(name)
+    os.replace(name, path)
+  finally:
+    if os.path.exists(name):
       os.remove(name)
   fsync_directory(directory)
   return path

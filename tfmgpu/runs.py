@@ -20,6 +20,7 @@ import numpy as np
 
 from tfmgpu import data as data_lib
 from tfmgpu import devices as devices_lib
+from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
@@ -377,25 +378,12 @@ def _save_aside(model: keras.Model, path: str) -> None:
   The file is fsynced and renamed over `path`, and the directory fsynced: a
   kill or a full disk leaves the previous `path` whole, never a torn one.
   """
-  directory, name = os.path.split(os.path.abspath(path))
-  aside = os.path.join(directory, f".{name}.tmp-{os.getpid()}.keras")
   try:
-    model.save(aside)
-    with open(aside, "rb") as f:
-      os.fsync(f.fileno())
-    os.replace(aside, path)
+    files.write_atomically_by_name(path, model.save, suffix=".keras")
   except OSError as e:
     if e.filename is None:  # Keras' zip writer names no file: name it.
       raise OSError(e.errno, e.strerror or str(e), path) from e
     raise
-  finally:
-    if os.path.exists(aside):
-      os.remove(aside)
-  fd = os.open(directory, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 def save_model(model: keras.Model, path: str) -> str:

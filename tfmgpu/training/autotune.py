@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from typing import Any, Callable, Mapping
 
@@ -42,6 +41,7 @@ from absl import logging
 
 from tfmgpu import data as data_lib
 from tfmgpu import devices as devices_lib
+from tfmgpu import files
 
 # The options `tune` may change, in the order it reports them.
 TUNED = ("input_mode", "steps_per_execution", "jit_compile",
@@ -205,20 +205,12 @@ def _write_cache(path: str, digest: str, entry: dict[str, Any]) -> None:
   """Adds `entry` to the cache file, atomically; skips an unwritable one."""
   entries = _read_cache(path)
   entries[digest] = entry
-  directory = os.path.dirname(os.path.abspath(path))
-  tmp = None
+  text = json.dumps(entries, indent=1)  # Candidates keep their order.
   try:
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp",
-                                     delete=False) as f:
-      tmp = f.name
-      json.dump(entries, f, indent=1)  # Candidates keep their order.
-    os.replace(tmp, path)
+    files.write_atomically(path, lambda f: f.write(text.encode("utf-8")))
   except OSError as e:
     logging.info("Not caching the autotune choice in %s (%s); set "
                  "TFMGPU_CACHE_DIR to a writable directory.", path, e)
-    if tmp and os.path.exists(tmp):
-      os.remove(tmp)
 
 
 # ---------------------------------------------------------------- search

@@ -153,18 +153,12 @@ def _files_of(prefix: str) -> list[str]:
 
 
 def _write_state(directory: str, kept: list[str]) -> None:
-  """Writes the state file naming `kept` (newest last): aside, fsync, rename."""
+  """Writes the state file naming `kept` (newest last), whole or not at all."""
   names = [os.path.basename(p) for p in kept]
   text = "".join([f'model_checkpoint_path: "{names[-1]}"\n'] + [
       f'all_model_checkpoint_paths: "{n}"\n' for n in names])
-  final = os.path.join(directory, _STATE)
-  aside = f"{final}.tmp-{os.getpid()}"
-  with open(aside, "w", encoding="utf-8") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(aside, final)
-  files.fsync_path(directory)
+  files.write_atomically(os.path.join(directory, _STATE),
+                         lambda f: f.write(text.encode("utf-8")))
 
 
 def _delete(prefix: str) -> None:
