@@ -181,7 +181,7 @@ def test_get_strategy_inside_plain_keras_fit():
 
 def test_threads_are_shared_only_where_devices_compute_at_once():
   for name in ("default", "one_device", "model_parallel"):
-    assert tfmgpu.strategies.intra_op_threads_for(name) == 0, name
+    assert tfmgpu.strategies.lookup(name).intra_op_threads == 0, name
   for name in ("mirrored", "multi_worker_mirrored", "parameter_server",
                "pipeline", "branch_parallel"):
-    assert tfmgpu.strategies.intra_op_threads_for(name) is None, name
+    assert tfmgpu.strategies.lookup(name).intra_op_threads is None, name

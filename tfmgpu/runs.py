@@ -127,11 +127,6 @@ def weights_digest(model: keras.Model) -> str:
   return digest.hexdigest()[:16]
 
 
-def default_model_dir(strategy: str) -> str:
-  """A fresh run directory, `runs/<time>-<strategy>` (never resumes by accident)."""
-  return rundir.default_model_dir(strategy)
-
-
 def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
                   ) -> str:
   """The stage plan and its per-device memory table (a pipeline's
@@ -300,7 +295,7 @@ def run_training(config: TrainConfig, *,
   if config.autotune:
     config = _autotuned(config, placement, arrays,
                         _model_builder(config, arrays, model_fn))
-  model_dir = config.model_dir or default_model_dir(config.strategy)
+  model_dir = config.model_dir or rundir.default_model_dir(config.strategy)
   trainer = make_trainer(config, placement, model_dir=model_dir,
                          callbacks=callbacks)
   try:

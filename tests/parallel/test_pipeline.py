@@ -478,7 +478,7 @@ def test_recompute_keeps_only_each_stage_input(cpu_devices, name):
 
 
 def test_registered_exported_and_places_itself():
-  entry = strategies.strategy_entry("pipeline")
+  entry = strategies.lookup("pipeline")
   assert entry.kind is strategies.Kind.PLACEMENT
   assert "micro-batch" in entry.description
   assert strategies.get_strategy("pipeline") is tf.distribute.get_strategy()

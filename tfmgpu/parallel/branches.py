@@ -253,11 +253,6 @@ class BranchParallel(placed_lib.PerDeviceGradientModel):
     self._check_index(index)
     self.branches[index].load_weights(path)
 
-  def save_branch_weights(self, index: int, path: str) -> None:
-    """Saves branch `index`'s weights (`.weights.h5`)."""
-    self._check_index(index)
-    self.branches[index].save_weights(path)
-
   def _check_index(self, index: int) -> None:
     if not 0 <= index < len(self.branches):
       raise ValueError(f"index={index} is out of range: there are "

@@ -40,20 +40,10 @@ from tfmgpu.strategies.resolvers import validate_tf_config
 __all__ = [
     "available_strategies", "choose_cross_device_ops", "CLUSTER_RESOLVERS",
     "COMMUNICATION_CHOICES", "CROSS_DEVICE_OPS_CHOICES", "Distribution",
-    "get_strategy", "in_multi_worker_mode", "intra_op_threads_for", "Kind",
-    "lookup",
+    "get_strategy", "in_multi_worker_mode", "Kind", "lookup",
     "make_cross_device_ops", "Placement", "register", "registered",
     "replica_devices", "short_device", "SINGLE_REPLICA_CHOICES",
-    "strategy_entry", "unregister", "validate_tf_config"]
-
-# The name that older code used for `lookup`.
-strategy_entry = lookup
-
-
-def intra_op_threads_for(name: str) -> int | None:
-  """`intra_op_threads` for `devices.configure_devices` when running `name`
-  (see `Distribution.intra_op_threads`)."""
-  return lookup(name).intra_op_threads
+    "unregister", "validate_tf_config"]
 
 
 def get_strategy(name: str = "default", **options: Any):

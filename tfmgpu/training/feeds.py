@@ -34,7 +34,6 @@ from tfmgpu.training import resident
 ITERATOR = "iterator"
 DEVICE = "device"
 HOST_SPLIT = "host_split"
-FEEDS = (ITERATOR, DEVICE, HOST_SPLIT)
 
 
 def replica_device_types(strategy: tf.distribute.Strategy) -> set[str]:
