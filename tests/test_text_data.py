@@ -1,4 +1,4 @@
-"""`stdlib_text` (tfmgpu.text), its byte-unigram baseline, the
+"""`stdlib_text` (tfmgpu.datasets.text), its byte-unigram baseline, the
 `bits_per_byte` / `perplexity` metrics, and a run's summary printing the
 model's bits per byte next to the baseline."""
 
@@ -17,7 +17,7 @@ import pytest
 
 from tfmgpu import data
 from tfmgpu import runs
-from tfmgpu import text
+from tfmgpu.datasets import text
 from tfmgpu.config import TrainConfig
 from tfmgpu.training import objectives
 from tfmgpu.training import text_metrics

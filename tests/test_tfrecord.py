@@ -1,5 +1,5 @@
-"""TFRecord shards (tfmgpu/tfrecord.py): the round trip of registry datasets,
-atomic writes, per-worker sharding (two InputContexts, no cluster), the
+"""TFRecord shards (tfmgpu/datasets/tfrecord.py): the round trip of registry
+datasets, atomic writes, per-worker sharding (two InputContexts, no cluster), the
 order and its resume point, evaluation input, errors, and one CLI run."""
 
 import json
@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tfmgpu import data
-from tfmgpu import tfrecord
+from tfmgpu.datasets import tfrecord
 from tfmgpu.config import TrainConfig
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

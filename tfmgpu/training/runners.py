@@ -159,7 +159,7 @@ class SyncRunner:
   def _is_endless(self) -> bool:
     if self._endless_known is None:
       # A dataset TF knows to be infinite, a stream that can seek
-      # (`from_step`, e.g. `tfmgpu.tfrecord`) and a finite dataset longer
+      # (`from_step`, e.g. `tfmgpu.datasets.tfrecord`) and a finite dataset longer
       # than an epoch run on across epochs; one of unknown length, or of
       # exactly one epoch, is read afresh each epoch.
       seekable = hasattr(getattr(self.source, "fn", None), "from_step")

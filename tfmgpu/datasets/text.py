@@ -36,7 +36,7 @@ import sysconfig
 from absl import logging
 import numpy as np
 
-from tfmgpu import data as data_lib
+from tfmgpu.datasets import registry as data_lib
 
 NAME = "stdlib_text"
 
@@ -220,3 +220,14 @@ def load(seq_len: int = DEFAULT_SEQ_LEN, padding_mask: str = "none",
     x_test = {"tokens": x_test, "padding_mask": np.ones_like(x_test)}
   return data_lib.Arrays(NAME, x_train, y_train, x_test, y_test, VOCAB_SIZE,
                          baselines=(baseline,))
+
+
+@data_lib.register_dataset(
+    "stdlib_text", "Byte-level language modelling on ~500 KB of the Python "
+    "standard library's own source (offline; next-byte targets, a fixed "
+    "validation split).", options=("seed",),
+    metrics=("bits_per_byte", "perplexity", "accuracy"))
+def _stdlib_text(seq_len: int | None = None, padding_mask: str = "none",
+                 seed: int = 0) -> data_lib.Arrays:
+  return load(seq_len=seq_len or DEFAULT_SEQ_LEN, padding_mask=padding_mask,
+              seed=seed)

