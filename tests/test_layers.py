@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 from typing import Iterator
 
 import pytest
@@ -250,6 +251,24 @@ def test_the_circle_finder_finds_circles_only():
            "f": {"f"}}
   assert import_circles(graph) == [["a", "b", "c"]]
   assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_parallel_package_lists_its_modules_low_to_high():
+  init = PACKAGE / "parallel" / "__init__.py"
+  listed = re.findall(r"^\* `(\w+)`:", ast.get_docstring(
+      ast.parse(init.read_text())), re.MULTILINE)
+  modules = sorted(p.stem for p in init.parent.glob("*.py")
+                   if p.stem != "__init__")
+  assert sorted(listed) == modules, "list every module in its docstring"
+  later = []
+  for position, name in enumerate(listed):
+    module = f"tfmgpu.parallel.{name}"
+    source = (init.parent / f"{name}.py").read_text()
+    later += [f"{name} imports {i.module}" for i in tfmgpu_imports(
+        source, module) if i.module.startswith("tfmgpu.parallel.")
+              and i.module.split(".")[2] in listed[position:]]
+  assert not later, ("tfmgpu/parallel/__init__.py lists these modules after "
+                     "one that imports them: " + "; ".join(later))
 
 
 def test_the_checker_sees_every_kind_of_import():

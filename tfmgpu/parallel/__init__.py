@@ -1,5 +1,7 @@
-"""How a model is spread over devices, one idea per module (low to high):
+"""How a model is spread over devices, one idea per module (a module imports
+only modules listed before it):
 
+* `choices`: the partition criteria and schedule names (no TensorFlow);
 * `graph`: a Keras model's layer calls in topological order and the tensors
   that cross a cut before any of them (activations, skip tensors, inputs);
 * `cost`: the cost model: parameter bytes, forward FLOPs and activation bytes
@@ -21,20 +23,21 @@
 * `branches`: `BranchParallel`, parallel sub-models on one input;
 * `tensor`: tensor parallelism: layers split over devices (column, row,
   attention heads), `tensor_parallel` and `TensorParallelModel`;
-* `choices`: the partition criteria and schedule names (no TensorFlow);
 * `replicated`: `ReplicatedModel`, data-parallel copies of a placed model,
   gradients summed per group of devices holding the same part;
 * `hybrid`: `Layout` and `build_layout`, data x pipeline x tensor meshes;
 * `links`: named link bandwidths, device speeds, GPU hosts, the default
-  memory budget;
+  memory budget (no tfmgpu imports);
 * `accounting`: a layout's per-device memory, bytes sent per kind of
   parallelism and projected step;
 * `auto`: `plan_layout`, the fastest predicted layout that fits in memory.
 
-Its placement names ("model_parallel", "branch_parallel", "pipeline") are
-registered in `tfmgpu.strategies`, the one list of names. Importing this
-package does not import TensorFlow: the public names below resolve on first
-use, like `tfmgpu`'s own.
+These are the engines; this package registers no names. The placements
+that train and serve with them (`model_parallel`, `pipeline`,
+`branch_parallel`, `tensor_parallel`, `auto`) are the modules of
+`tfmgpu.placements`, each registered in `tfmgpu.strategies.registry`, the
+one list of names. Importing this package does not import TensorFlow: the
+public names below resolve on first use, like `tfmgpu`'s own.
 """
 
 from __future__ import annotations

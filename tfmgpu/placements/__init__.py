@@ -11,8 +11,8 @@ training, serving and the run summary:
   (`TensorParallelModel`); with `data_parallel`, copies of it. The stage
   placements take `data_parallel` and `tensor_parallel` too
   (`tfmgpu.parallel.hybrid`).
-* `auto`: one of `mirrored`, `model_parallel`, `pipeline`, chosen by the
-  cost model (`tfmgpu.parallel.auto`).
+* `auto`: data parallelism, one of the placements above or data-parallel
+  copies of one, chosen by the cost model (`tfmgpu.parallel.auto`).
 
 Importing this package registers them without importing TensorFlow: the
 engines load when a placement builds or serves.

@@ -8,8 +8,8 @@
 * `replicas`: which devices replicate and how gradients are all-reduced.
 * `resolvers`: cluster resolvers by name and the TF_CONFIG check.
 
-Placements (model, pipeline and branch parallelism) register from
-`tfmgpu.placements`. Importing this package does not import TensorFlow.
+Placements (model, pipeline, branch and tensor parallelism, `auto`)
+register from `tfmgpu.placements`. Importing this package does not import TensorFlow.
 """
 
 from __future__ import annotations

@@ -4,15 +4,19 @@ A *distribution* is one way tfmgpu spreads work over devices, as one object:
 its name and one-line description, a typed options dataclass, the rules it
 adds to a run's config, how it builds a model for training (`place`), how it
 serves loaded models (`serve`) and how it describes its layout in a run's
-summary (`describe`). Data-parallel distributions build a genuine
-`tf.distribute.Strategy`; placements (model, pipeline and branch
-parallelism) split the model itself and run under the default strategy.
+summary (`describe`). Data-parallel distributions (`Kind.DATA_PARALLEL`)
+build a genuine `tf.distribute.Strategy`; placements (`Kind.PLACEMENT`:
+model, pipeline, branch and tensor parallelism and their hybrid layouts)
+split the model itself and run under the default strategy, and `auto`
+hands over to whichever of the others the cost model picks, data
+parallelism included.
 
 Each distribution is registered by the module that implements it
 (`@register`). The built-in ones live in `tfmgpu.strategies.data_parallel`
 and the `tfmgpu.placements` package; they are discovered on the first
-lookup (`BUILTIN_PROVIDERS`), the one place this layer names modules above
-it, as a plugin list, without importing them at import time.
+lookup or registration (`BUILTIN_PROVIDERS`, so they keep their order), the
+one place this layer names modules above it, as a plugin list, without
+importing them at import time.
 
 Importing this module does not import TensorFlow.
 """
