@@ -241,7 +241,7 @@ def test_the_tf_data_section_times_tfmgpu_fit_and_orbit_on_one_dataset():
   assert row.tfmgpu > 0 and row.keras_fit > 0 and row.tfmgpu_tf_iterator > 0
   assert row.host_split_gain == row.tfmgpu / row.tfmgpu_tf_iterator
   try:
-    import orbit  # pylint: disable=g-import-not-at-top,unused-import
+    import orbit  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     assert row.orbit is None
     assert "not installed" in orbit_lib.table([row])

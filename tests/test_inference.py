@@ -1,6 +1,5 @@
 """Multi-device inference: every placement gives single-device predictions."""
 
-import os
 import subprocess
 import sys
 import textwrap

@@ -120,7 +120,7 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path):
   timeline = timeline_lib.simulate(1.0, 2.0, 4, num_stages=2)
   path = str(tmp_path / "timeline.png")
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+    import matplotlib  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     with pytest.raises(ImportError, match=r"dev extra"):
       timeline.plot(path)

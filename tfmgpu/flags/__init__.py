@@ -159,7 +159,7 @@ def _import_tensorflow_filtered(min_level: int) -> None:
     os.dup2(captured.fileno(), 2)
     failed = True
     try:
-      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+      import tensorflow  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
       failed = False
     finally:
       sys.stderr.flush()

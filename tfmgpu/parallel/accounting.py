@@ -235,7 +235,7 @@ class TensorSplit:
     names = set(layer_names)
     mine = [l for l in self.layers if l.name in names]
     paired = {l.feeds for l in mine if l.feeds in names}
-    fwd = sum(l.output_bytes for l in mine if not (l.feeds in names))
+    fwd = sum(l.output_bytes for l in mine if l.feeds not in names)
     bwd = sum(l.input_bytes for l in mine if l.name not in paired)
     return StageShare(
         sum(l.param_bytes for l in mine),

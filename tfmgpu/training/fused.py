@@ -42,7 +42,8 @@ class _Fused:
 
   def update_step(self, gradient, variable, learning_rate):
     if not self._fusable(gradient, variable):
-      return super().update_step(gradient, variable, learning_rate)  # pytype: disable=attribute-error
+      return super().update_step(  # pytype: disable=attribute-error
+          gradient, variable, learning_rate)
     dtype = tf.as_dtype(variable.dtype)
     return self._fused_update(variable, tf.cast(gradient, dtype),
                               tf.cast(learning_rate, dtype), dtype)
