@@ -22,6 +22,7 @@ from tfmgpu.parallel import choices
 from tfmgpu.parallel import cost as cost_lib
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import plan as plan_lib
+from tfmgpu.parallel import shared
 
 
 def min_max_partition(costs: Sequence[float], num_parts: int,
@@ -246,4 +247,7 @@ def plan_stages(model: keras.Model, num_stages: int, *,
                               transfer_weight)
     starts = min_max_partition(costs, num_stages, cuts)
   stages = _stages(graph, blocks, starts, chosen)
-  return plan_lib.StagePlan(stages, label, model.name)
+  stage_of = {name: s.index for s in stages for name in s.layers}
+  weights = shared.find_shared(shared.graph_layers(graph.nodes))
+  return plan_lib.StagePlan(stages, label, model.name,
+                            shared=shared.across_stages(weights, stage_of))

@@ -79,6 +79,24 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedStages:
+  """A weight that layers on several stages use (a tied embedding).
+
+  It stays one variable: the first stage holds it, the others read it each
+  step, and its gradient is the sum over every use
+  (`tfmgpu.parallel.shared`).
+
+  Attributes:
+    path: the variable's Keras path (`token_embedding/embeddings`).
+    layers: the top-level layers that hold it, the owner first.
+    stages: the stages those layers are on, in order, each once.
+  """
+  path: str
+  layers: tuple[str, ...]
+  stages: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
   """Estimated bytes one device holds while training (see `memory_estimate`).
 
@@ -176,10 +194,12 @@ class StagePlan:
     criterion: what the split balanced (`"balanced"`, `"params"`, `"flops"`,
       or `"split_points"` when the split was given).
     model_name: the model the plan was made for.
+    shared: the weights used on more than one stage (`SharedStages`).
   """
   stages: tuple[Stage, ...]
   criterion: str
   model_name: str = ""
+  shared: tuple[SharedStages, ...] = ()
 
   def __post_init__(self):
     if not self.stages:
@@ -309,7 +329,19 @@ class StagePlan:
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     title = (f"StagePlan for {self.model_name!r}: {self.num_stages} stage(s), "
              f"criterion={self.criterion}")
-    return "\n".join([title, line(header)] + [line(r) for r in rows])
+    return "\n".join([title, line(header)] + [line(r) for r in rows] +
+                     self._shared_lines())
+
+  def _shared_lines(self) -> list[str]:
+    """What the table says about weights used on several stages."""
+    if not self.shared:
+      return []
+    lines = ["shared weights (one variable on the first stage's device, read "
+             "by the others; gradients summed over every use):"]
+    for w in self.shared:
+      lines.append(f"  {w.path}: stages {', '.join(map(str, w.stages))} "
+                   f"(layers {', '.join(w.layers)})")
+    return lines
 
   def __str__(self) -> str:
     return self.table()
