@@ -239,3 +239,54 @@ def test_keras_hub_gpt2_pipelined_equals_one_device_fit():
   np.testing.assert_allclose(pipe.predict(x, batch_size=BATCH, verbose=0),
                              model.predict(x, batch_size=BATCH, verbose=0),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(data=2, stages=2, micro_batches=2, schedule="1f1b"),
+    dict(stages=2, tensor=2)], ids=["data2_1f1b", "stages2_tensor2"])
+def test_layouts_train_the_tied_weight_as_one(layout, cpu_devices):
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  x, y = _data()
+  model = _nested_lm()
+  plan = partition.plan_stages(model, 2, split_points=["head_norm"])
+  placed = hybrid.build_layout(model, hybrid.Layout(**layout),
+                               devices=cpu_devices, plan=plan,
+                               rules={"head_norm": "column"})
+  reference = _fit(_nested_lm(), x, y)
+  _fit(placed, x, y)
+  _assert_layers_equal(placed, reference)
+
+
+@keras.saving.register_keras_serializable("tfmgpu_tests")
+class TransposedKernel(keras.layers.Layer):
+  """Multiplies by the transposed kernel of a Dense layer it holds."""
+
+  def __init__(self, dense, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = dense
+
+  def call(self, inputs):
+    return keras.ops.matmul(inputs, keras.ops.transpose(self.dense.kernel))
+
+  def compute_output_shape(self, input_shape):
+    return tuple(input_shape[:-1]) + (self.dense.kernel.shape[0],)
+
+
+def test_splitting_a_shared_weight_over_devices_is_refused(cpu_devices):
+  from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
+  x = keras.Input((4,))
+  proj = keras.layers.Dense(8, name="proj")
+  model = keras.Model(x, TransposedKernel(proj, name="back")(proj(x)))
+  with pytest.raises(ValueError, match=r"'proj/kernel' is shared by layers "
+                     r"\['proj', 'back'\] and a tensor-parallel rule splits "
+                     r"\['proj'\]"):
+    tensor.tensor_parallel(model, cpu_devices[:2], rules={"proj": "column"})
+
+
+def test_branches_sharing_a_weight_are_refused(cpu_devices):
+  from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
+  dense = keras.layers.Dense(3, name="shared_dense")
+  make = lambda name: keras.Sequential([keras.Input((4,)), dense], name=name)
+  with pytest.raises(ValueError, match=r"shared_dense/kernel' is shared by "
+                     r"branches \[0, 1\]"):
+    branches.BranchParallel([make("a"), make("b")], devices=cpu_devices[:2])
