@@ -93,6 +93,15 @@ def across_stages(weights: Sequence[SharedWeight],
   return tuple(out)
 
 
+def between_stages(nodes: Iterable[Any],
+                   stages: Iterable[plan_lib.Stage]
+                   ) -> tuple[plan_lib.SharedStages, ...]:
+  """The weights that the layers of a model graph's `nodes` share between
+  `stages` (a plan's), for `StagePlan.shared`."""
+  stage_of = {name: s.index for s in stages for name in s.layers}
+  return across_stages(find_shared(graph_layers(nodes)), stage_of)
+
+
 def _replace_variable(layer: keras.layers.Layer, old: Any, new: Any) -> None:
   """Makes `layer` (and its sub-layers) hold `new` wherever it held `old`.
 
