@@ -290,3 +290,49 @@ def test_branches_sharing_a_weight_are_refused(cpu_devices):
   with pytest.raises(ValueError, match=r"shared_dense/kernel' is shared by "
                      r"branches \[0, 1\]"):
     branches.BranchParallel([make("a"), make("b")], devices=cpu_devices[:2])
+
+
+def test_a_regularized_weight_shared_between_stages_is_refused():
+  keras.utils.set_random_seed(0)
+  embedding = keras.layers.Embedding(
+      VOCAB, WIDTH, embeddings_regularizer="l2", name="token_embedding")
+  ids = keras.Input((LENGTH,), dtype="int32")
+  h = keras.layers.Dense(WIDTH, name="mix")(embedding(ids))
+  model = keras.Model(ids, TiedHead(embedding, name="tied_head")(h))
+  plan = partition.plan_stages(model, 2, split_points=["tied_head"])
+  with pytest.raises(ValueError, match=r"'token_embedding/embeddings' is used "
+                     r"on stages \[0, 1\].*regularizer"):
+    staged_lib.StagedModel(model, plan)
+
+
+def test_the_core_never_imports_keras_hub():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import sys, tfmgpu, tfmgpu.inference, tfmgpu.parallel.staged, "
+          "tfmgpu.parallel.pipeline, tfmgpu.parallel.tensor, "
+          "tfmgpu.parallel.branches, tfmgpu.parallel.shared; "
+          "print('keras_hub' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True)
+  assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_portable_checkpoints_move_the_tied_weight_between_layouts(
+    which, tmp_path):
+  from tfmgpu.training import portable  # pylint: disable=g-import-not-at-top
+  build, split_point = MODELS[which]
+  x, y = _data()
+  placed = _fit(_split(build(), split_point, "pipeline"), x, y)
+  view = portable.PortableView(placed)
+  path = tf.train.Checkpoint(**{portable.VIEW: view}).write(
+      str(tmp_path / "ckpt"))
+  want = placed.predict(x, verbose=0)
+  unsplit = portable.restore_weights(build(seed=3), path)
+  np.testing.assert_allclose(unsplit.predict(x, verbose=0), want, rtol=1e-5,
+                             atol=1e-6)
+  other = portable.restore_weights(
+      _split(build(seed=3), split_point, "model_parallel"), path)
+  assert len(other.trainable_variables) == len(build().trainable_variables)
+  np.testing.assert_allclose(other.predict(x, verbose=0), want, rtol=1e-5,
+                             atol=1e-6)
