@@ -336,3 +336,32 @@ def test_portable_checkpoints_move_the_tied_weight_between_layouts(
   assert len(other.trainable_variables) == len(build().trainable_variables)
   np.testing.assert_allclose(other.predict(x, verbose=0), want, rtol=1e-5,
                              atol=1e-6)
+
+
+def test_keras_hub_gpt2_unsplit_and_serving_copies_keep_one_embedding(
+    tmp_path):
+  model = _gpt2()
+  rng = np.random.RandomState(6)
+  x = {"token_ids": rng.randint(1, 64, size=(BATCH, 8)).astype("int32"),
+       "padding_mask": np.ones((BATCH, 8), dtype=bool)}
+  want = model.predict(x, batch_size=BATCH, verbose=0)
+  names = [l.name for l in model.layers if l.weights]
+  placed = staged_lib.StagedModel.from_model(model, split_points=[names[-1]],
+                                             num_stages=2)
+  unsplit = placed.to_unsplit()
+  assert len(unsplit.weights) == len(model.weights)
+  np.testing.assert_allclose(unsplit.predict(x, verbose=0), want, rtol=1e-5,
+                             atol=1e-5)
+  got = inference.predict(model, x, strategy="mirrored", batch_size=BATCH)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  inference.export_saved_model(placed, str(tmp_path / "saved"))
+
+
+def test_the_run_summary_names_the_shared_weight(cpu_devices):
+  from tfmgpu.strategies import registry  # pylint: disable=g-import-not-at-top
+  dist = registry.lookup("pipeline")
+  options = dist.Options(num_stages=2)
+  placement = dist.place(options, _nested_lm)
+  rows = dict(dist.describe(placement))
+  assert "token_embedding/embeddings (stages 0, 1)" in rows["shared weights"]
+  assert placement.plan.shared[0].layers == ("backbone", "token_embedding")

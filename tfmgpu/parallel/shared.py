@@ -150,7 +150,9 @@ def tie(layers: Mapping[str, keras.layers.Layer],
     ValueError: a site's layer is missing, has fewer weights, or its weight
       has another shape than the owner's; the message names the weight.
   """
-  held = {name: list(layer.weights) for name, layer in layers.items()}
+  needed = {name for w in weights for name in w.layers}
+  held = {name: list(layer.weights) for name, layer in layers.items()
+          if name in needed}
   for weight in weights:
     found = []
     for name, index in weight.sites:
