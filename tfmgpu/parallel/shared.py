@@ -15,6 +15,8 @@ layers that hold it and its position in each one's `weights`.
   reads the owner's variable (across devices, if the copies live apart) and
   a tape differentiates it. A placed model then sums the gradients of every
   use (`sum_by_variable`).
+* `between_stages` / `across_stages` say which shared weights a stage plan
+  puts on more than one stage (`StagePlan.shared`, printed in its table).
 
 Sites that cannot be made one variable (another shape, a missing layer) are
 refused with the weight's path, never left apart.
