@@ -218,7 +218,8 @@ def _gpt2(seed=0):
   return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
 
-def test_keras_hub_gpt2_pipelined_equals_one_device_fit():
+@pytest.mark.parametrize("kind", ["model_parallel", "pipeline"])
+def test_keras_hub_gpt2_split_equals_one_device_fit(kind):
   model = _gpt2()
   rng = np.random.RandomState(5)
   n, length = BATCH * STEPS, 8
@@ -230,7 +231,8 @@ def test_keras_hub_gpt2_pipelined_equals_one_device_fit():
   names = [l.name for l in model.layers if l.weights]
   plan = partition.plan_stages(model, 2, split_points=[names[-1]])
   assert [w.path for w in plan.shared] == ["token_embedding/embeddings"]
-  pipe = pipeline.PipelinedModel(model, plan, micro_batches=2)
+  pipe = (pipeline.PipelinedModel(model, plan, micro_batches=2)
+          if kind == "pipeline" else staged_lib.StagedModel(model, plan))
   for m in (pipe, model):
     m.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
     m.fit(x, y, sample_weight=weights, batch_size=BATCH, shuffle=False,
