@@ -367,3 +367,22 @@ def test_the_run_summary_names_the_shared_weight(cpu_devices):
   rows = dict(dist.describe(placement))
   assert "token_embedding/embeddings (stages 0, 1)" in rows["shared weights"]
   assert placement.plan.shared[0].layers == ("backbone", "token_embedding")
+
+
+@pytest.mark.parametrize("kind", ["model_parallel", "pipeline"])
+def test_each_use_differentiates_on_its_stage_and_sums_on_the_owner(kind):
+  from tfmgpu.parallel import inspection  # pylint: disable=g-import-not-at-top
+  placed = _split(_nested_lm(), "head_norm", kind)
+  x, y = _data(BATCH)
+  loss = _loss()
+  step = tf.function(
+      lambda xb, yb: placed.compute_loss_and_gradients(xb, yb, loss)[2])
+  ops = inspection.op_placements(step.get_concrete_function(x, y))
+  sums = {p.device for p in ops if "shared_weight_sum" in p.name}
+  owner, reader = (devices_lib.canonical_device(d)
+                   for d in placed.stage_devices)
+  assert sums == {owner}
+  # The head's use of the table is differentiated on its own stage.
+  head = {p.device for p in ops if p.name.startswith("gradient_tape/") and
+          "token_embedding" in p.name and p.type == "Transpose"}
+  assert head == {reader}

@@ -170,19 +170,22 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
 
 
 def _check_shared(graph: graph_lib.ModelGraph,
-                  across: Sequence[plan_lib.SharedStages]) -> None:
+                  weights: Sequence[shared_lib.SharedWeight],
+                  stage_of: dict[str, int]) -> None:
   """Refuses what a weight shared between stages cannot do exactly.
 
   Raises:
-    ValueError: a shared weight has a regulariser (each stage would add its
-      penalty again), naming the weight and its stages.
+    ValueError: a weight shared between stages has a regulariser (each
+      stage would add its penalty again), naming the weight and its stages.
   """
-  variables = {w.path: w for l in shared_lib.graph_layers(graph.nodes)
-               for w in l.weights}
-  for w in across:
-    if getattr(variables.get(w.path), "regularizer", None) is not None:
+  layers = {l.name: l for l in shared_lib.graph_layers(graph.nodes)}
+  for w in weights:
+    stages = sorted({stage_of[name] for name in w.layers})
+    name, index = w.sites[0]
+    regularizer = getattr(layers[name].weights[index], "regularizer", None)
+    if len(stages) > 1 and regularizer is not None:
       raise ValueError(
-          f"weight {w.path!r} is used on stages {list(w.stages)} (layers "
+          f"weight {w.path!r} is used on stages {stages} (layers "
           f"{list(w.layers)}) and has a regularizer, which each stage would "
           "count again. Put its layers on one stage (split_points=...) or "
           "drop the regularizer.")
@@ -204,7 +207,7 @@ def build_stages(graph: graph_lib.ModelGraph, plan: plan_lib.StagePlan,
   weights = shared_lib.find_shared(shared_lib.graph_layers(graph.nodes))
   stage_of = {n: s.index for s in plan.stages for n in s.layers}
   across = shared_lib.across_stages(weights, stage_of)
-  _check_shared(graph, across)
+  _check_shared(graph, weights, stage_of)
   stages, clones = [], {}
   for k, stage in enumerate(plan.stages):
     start = graph.position(stage.layers[0])
