@@ -386,3 +386,19 @@ def test_each_use_differentiates_on_its_stage_and_sums_on_the_owner(kind):
   head = {p.device for p in ops if p.name.startswith("gradient_tape/") and
           "token_embedding" in p.name and p.type == "Transpose"}
   assert head == {reader}
+
+
+def test_the_memory_estimate_keeps_slots_of_a_shared_weight_on_its_owner():
+  model = _nested_lm()
+  plan = partition.plan_stages(model, 2, split_points=["head_norm"])
+  (weight,) = plan.shared
+  assert weight.bytes == VOCAB * WIDTH * 4
+  sgd = plan.memory_estimate(BATCH, optimizer="sgd")
+  adam = plan.memory_estimate(BATCH, optimizer="adam")
+  first, second = plan.stages
+  extra = [adam[s.device].optimizer_slots - sgd[s.device].optimizer_slots
+           for s in plan.stages]
+  assert extra == [2 * first.trainable_param_bytes,
+                   2 * (second.trainable_param_bytes - weight.bytes)]
+  params = model.count_params() * 4
+  assert f"{params / 1024:.1f} KiB" in plan.table().splitlines()[-3]

@@ -90,10 +90,13 @@ class SharedStages:
     path: the variable's Keras path (`token_embedding/embeddings`).
     layers: the top-level layers that hold it, the owner first.
     stages: the stages those layers are on, in order, each once.
+    bytes: the weight's bytes (counted in each of those stages'
+      `param_bytes`; the optimizer slots live on the first stage only).
   """
   path: str
   layers: tuple[str, ...]
   stages: tuple[int, ...]
+  bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +254,9 @@ class StagePlan:
     flight keeps the stage's input and what its layers keep
     (`Stage.activation_bytes`); with it, only the stage's input, plus one
     micro-batch's layer activations while its forward is re-run. Stages
-    sharing a device add up. Framework workspace, temporaries of one op and
+    sharing a device add up. A weight shared between stages
+    (`SharedStages`) counts on each of them (it is read there, and gets a
+    gradient there) but its slots only on its first. Framework workspace, temporaries of one op and
     fragmentation are not counted. The defaults (one micro-batch) describe
     a `StagedModel`.
 
@@ -283,11 +288,17 @@ class StagePlan:
           s.device,
           prev.weights + s.param_bytes,
           prev.gradients + s.trainable_param_bytes,
-          prev.optimizer_slots + slots * s.trainable_param_bytes,
+          prev.optimizer_slots + slots * (s.trainable_param_bytes -
+                                          self._read_bytes(s.index)),
           prev.activations + _stage_activations(
               s, batch_size // micro_batches, flight, recompute),
           prev.in_flight + (flight,))
     return out
+
+  def _read_bytes(self, index: int) -> int:
+    """Bytes of the shared weights stage `index` reads from an earlier
+    stage (counted in its `param_bytes`, held by the owner)."""
+    return sum(w.bytes for w in self.shared if index in w.stages[1:])
 
   def memory_table(self, batch_size: int, *, optimizer: str | int = "adam",
                    micro_batches: int = 1, schedule: str = "gpipe",
@@ -320,7 +331,9 @@ class StagePlan:
                    _fmt_bytes(s.sent_bytes) if s.sent_bytes else "-",
                    _fmt_sent(s.sent)))
     rows.append(("total", "", f"{len(self.layer_names)} layers",
-                 _fmt_bytes(sum(s.param_bytes for s in self.stages)),
+                 _fmt_bytes(sum(s.param_bytes for s in self.stages) -
+                            sum(self._read_bytes(s.index)
+                                for s in self.stages)),
                  _fmt_count(sum(s.flops for s in self.stages)),
                  _fmt_bytes(sum(s.sent_bytes for s in self.stages)),
                  str(sum(len(s.sent) for s in self.stages))))

@@ -25,11 +25,13 @@ refused with the weight's path, never left apart.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
 
+from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import plan as plan_lib
@@ -45,9 +47,11 @@ class SharedWeight:
     path: the variable's Keras path (`token_embedding/embeddings`).
     sites: `(layer name, index in layer.weights)` of each holder, the
       owner (the first in the order given to `find_shared`) first.
+    bytes: the variable's size in bytes.
   """
   path: str
   sites: tuple[Site, ...]
+  bytes: int = 0
 
   @property
   def layers(self) -> tuple[str, ...]:
@@ -63,12 +67,14 @@ def find_shared(layers: Iterable[keras.layers.Layer]
       layers of its graph in topological order: the first holder owns).
   """
   sites: dict[int, list[Site]] = {}
-  paths: dict[int, str] = {}
+  found: dict[int, Any] = {}
   for layer in layers:
     for i, weight in enumerate(layer.weights):
       sites.setdefault(id(weight), []).append((layer.name, i))
-      paths.setdefault(id(weight), weight.path)
-  return tuple(SharedWeight(paths[k], tuple(s)) for k, s in sites.items()
+      found.setdefault(id(weight), weight)
+  size = lambda w: math.prod(w.shape) * graph_lib.dtype_size(w.dtype)
+  return tuple(SharedWeight(found[k].path, tuple(s), size(found[k]))
+               for k, s in sites.items()
                if len({name for name, _ in s}) > 1)
 
 
@@ -91,7 +97,7 @@ def across_stages(weights: Sequence[SharedWeight],
   for w in weights:
     stages = tuple(dict.fromkeys(stage_of[name] for name in w.layers))
     if len(stages) > 1:
-      out.append(plan_lib.SharedStages(w.path, w.layers, stages))
+      out.append(plan_lib.SharedStages(w.path, w.layers, stages, w.bytes))
   return tuple(out)
 
 
