@@ -402,3 +402,19 @@ def test_the_memory_estimate_keeps_slots_of_a_shared_weight_on_its_owner():
                    2 * (second.trainable_param_bytes - weight.bytes)]
   params = model.count_params() * 4
   assert f"{params / 1024:.1f} KiB" in plan.table().splitlines()[-3]
+
+
+def test_layout_accounts_count_a_shared_weight_on_shard_0_only():
+  from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
+  model = _nested_lm()
+  plan = partition.plan_stages(model, 2, split_points=["head_norm"],
+                               devices=["/gpu:0", "/gpu:1"],
+                               check_devices=False)
+  split = accounting.tensor_split(model, {"head_norm": "column"})
+  account = accounting.account_layout(plan, split, global_batch_size=BATCH,
+                                      tensor=2, optimizer="adam")
+  slots = {(d.stage, d.shard): d.memory.optimizer_slots
+           for d in account.devices}
+  head_norm = 2 * (WIDTH * WIDTH + WIDTH) * 4  # Adam: two slots.
+  assert slots[(1, 1)] == head_norm // 2
+  assert slots[(1, 0)] == head_norm // 2  # token_embedding's: on stage 0.
