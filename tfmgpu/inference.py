@@ -30,6 +30,7 @@ import tensorflow as tf
 from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.parallel import shared
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import resident
@@ -56,7 +57,9 @@ def _clone(model: keras.Model, dtype: str | None = None,
   The weights are read first, outside `strategy`'s scope: a model built
   under another strategy object can only be read outside it (TF raises
   "Mixing different tf.distribute.Strategy objects"). The copy is then
-  built in `strategy`'s scope (the current one when `None`).
+  built in `strategy`'s scope (the current one when `None`). Weights the
+  model shares between layers (a tied embedding) stay one weight in the
+  copy: Keras' cloning makes each layer its own.
   """
   weights = model.get_weights()
   scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
@@ -68,6 +71,8 @@ def _clone(model: keras.Model, dtype: str | None = None,
       clone = model.__class__.from_config(_with_dtype(config, dtype))
     if not clone.built:
       clone.build(model.input_shape)
+    shared.tie({l.name: l for l in clone.layers},
+               shared.find_shared(model.layers), "serving copy")
     clone.set_weights(weights)
   return clone
 

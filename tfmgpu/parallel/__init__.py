@@ -12,6 +12,8 @@ only modules listed before it):
   stages (`min_max_partition`);
 * `placed`: the base class of every placement, a model whose parts each run
   their backward on their own device, and its shared helpers;
+* `shared`: weights several layers hold (tied embeddings): found, kept one
+  variable in every copy, their gradients summed over every use;
 * `inspection`: `op_placements`, the device every op of a traced function
   asks for (to check placement);
 * `staged`: `StagedModel`, model parallelism along a stage plan;
@@ -63,7 +65,7 @@ _EXPORTS = {
 _SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
                "hybrid", "inspection", "links", "microbatch", "partition",
                "pipeline", "pipeline_step", "placed", "plan", "replicated",
-               "schedule", "staged", "tensor", "timeline")
+               "schedule", "shared", "staged", "tensor", "timeline")
 
 __all__ = sorted(_EXPORTS)
 

@@ -484,7 +484,9 @@ def _divided(plan: plan_lib.StagePlan, shares: Sequence[StageShare],
         activation_bytes=part(s.activation_bytes, share.activation_bytes),
         input_bytes=s.input_bytes if shard == 0 else 0,
         sent_bytes=s.sent_bytes if shard == 0 else 0))
-  return dataclasses.replace(plan, stages=tuple(stages))
+  # A weight shared between stages is never split: it is on shard 0.
+  return dataclasses.replace(plan, stages=tuple(stages),
+                             shared=plan.shared if shard == 0 else ())
 
 
 def _ring(n: int, nbytes: float) -> float:

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import placed as placed_lib
+from tfmgpu.parallel import shared as shared_lib
 
 BranchSpec = Union[keras.Model, Callable[[], keras.Model]]
 
@@ -108,8 +109,33 @@ def _place(spec: BranchSpec, device: str, index: int) -> keras.Model:
           f"branches[{index}] ({model.name!r}) cannot be cloned onto {device} "
           f"({e}). Pass a callable that builds it instead; it will be called "
           "under the device.") from e
+  # Keras' clone makes a weight its layers share (a tied embedding) two.
+  shared_lib.tie({l.name: l for l in clone.layers},
+                 shared_lib.find_shared(model.layers), f"branches[{index}]")
   clone.set_weights(model.get_weights())
   return clone
+
+
+def _check_not_shared(branches: Sequence[BranchSpec]) -> None:
+  """Refuses branches that share a weight: each branch is placed (and
+  cloned) on its own, so the weight would become one per branch.
+
+  Raises:
+    ValueError: naming the weight and the branches that hold it.
+  """
+  holders: dict[int, list[int]] = {}
+  paths = {}
+  for i, b in enumerate(branches):
+    for v in (b.weights if isinstance(b, keras.Model) else ()):
+      holders.setdefault(id(v), []).append(i)
+      paths[id(v)] = v.path
+  for key, found in holders.items():
+    if len(found) > 1:
+      raise ValueError(
+          f"weight {paths[key]!r} is shared by branches {found}; branches "
+          "are placed apart and cannot share a weight. Give each branch its "
+          "own layers, or train the model unsplit or with "
+          "--strategy=model_parallel.")
 
 
 def _branch_devices(branches: Sequence[BranchSpec],
@@ -189,6 +215,7 @@ class BranchParallel(placed_lib.PerDeviceGradientModel):
     super().__init__(name=name, **kwargs)
     branches = list(branches)
     devices = _branch_devices(branches, devices)
+    _check_not_shared(branches)
     placed = [_place(b, d, i) for i, (b, d) in enumerate(zip(branches, devices))]
     self.branch_devices = tuple(devices)
     self.combine_device = devices_lib.resolve_devices(

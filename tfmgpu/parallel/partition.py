@@ -22,6 +22,7 @@ from tfmgpu.parallel import choices
 from tfmgpu.parallel import cost as cost_lib
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import plan as plan_lib
+from tfmgpu.parallel import shared
 
 
 def min_max_partition(costs: Sequence[float], num_parts: int,
@@ -187,6 +188,13 @@ def _stages(graph: graph_lib.ModelGraph, blocks: Sequence[cost_lib.Block],
   return tuple(stages)
 
 
+def _plan(graph: graph_lib.ModelGraph, stages: tuple[plan_lib.Stage, ...],
+          label: str) -> plan_lib.StagePlan:
+  """The plan of `stages`, naming the weights shared between them."""
+  return plan_lib.StagePlan(stages, label, graph.model.name,
+                            shared=shared.between_stages(graph.nodes, stages))
+
+
 def plan_stages(model: keras.Model, num_stages: int, *,
                 criterion: str = "balanced",
                 split_points: Sequence[str] | None = None,
@@ -220,7 +228,7 @@ def plan_stages(model: keras.Model, num_stages: int, *,
       machine (`--plan_only` for 8 GPUs on a laptop).
 
   Returns:
-    The `StagePlan`.
+    The `StagePlan` (naming the weights shared between stages).
 
   Raises:
     ValueError: more stages than layers or than devices, an unknown
@@ -245,5 +253,4 @@ def plan_stages(model: keras.Model, num_stages: int, *,
     cuts = cost_lib.cut_costs(blocks, costs, cost_lib.cut_bytes(graph),
                               transfer_weight)
     starts = min_max_partition(costs, num_stages, cuts)
-  stages = _stages(graph, blocks, starts, chosen)
-  return plan_lib.StagePlan(stages, label, model.name)
+  return _plan(graph, _stages(graph, blocks, starts, chosen), label)

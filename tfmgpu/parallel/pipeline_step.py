@@ -34,6 +34,7 @@ import tensorflow as tf
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import schedule as schedule_lib
+from tfmgpu.parallel import shared
 
 LOSS_REDUCTIONS = ("sum", "mean")
 
@@ -273,8 +274,9 @@ class PipelineStep:
 
   def _accumulate(self) -> dict[int, Any]:
     """Sums each variable's micro-batch gradients on its stage's device and
-    adds the weight regularisation (once per step)."""
-    out = {}
+    adds the weight regularisation (once per step). A weight shared between
+    stages gets the sum of every stage's gradient."""
+    pairs = []
     for k, (stage, device) in enumerate(zip(self.stages, self.devices)):
       variables = stage.trainable_variables
       with tf.device(device), tf.name_scope(f"stage_{k}_accumulate"):
@@ -295,5 +297,5 @@ class PipelineStep:
         with tf.device(device), tf.name_scope(f"stage_{k}_accumulate"):
           summed = [microbatch.sum_gradients([g, r])
                     for g, r in zip(summed, reg_grads)]
-      out.update({id(v): g for v, g in zip(variables, summed)})
-    return out
+      pairs.extend(zip(variables, summed))
+    return shared.sum_by_variable(pairs)

@@ -79,6 +79,27 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedStages:
+  """A weight that layers on several stages use (a tied embedding).
+
+  It stays one variable: the first stage holds it, the others read it each
+  step, and its gradient is the sum over every use
+  (`tfmgpu.parallel.shared`).
+
+  Attributes:
+    path: the variable's Keras path (`token_embedding/embeddings`).
+    layers: the top-level layers that hold it, the owner first.
+    stages: the stages those layers are on, in order, each once.
+    bytes: the weight's bytes (counted in each of those stages'
+      `param_bytes`; the optimizer slots live on the first stage only).
+  """
+  path: str
+  layers: tuple[str, ...]
+  stages: tuple[int, ...]
+  bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
   """Estimated bytes one device holds while training (see `memory_estimate`).
 
@@ -176,10 +197,12 @@ class StagePlan:
     criterion: what the split balanced (`"balanced"`, `"params"`, `"flops"`,
       or `"split_points"` when the split was given).
     model_name: the model the plan was made for.
+    shared: the weights used on more than one stage (`SharedStages`).
   """
   stages: tuple[Stage, ...]
   criterion: str
   model_name: str = ""
+  shared: tuple[SharedStages, ...] = ()
 
   def __post_init__(self):
     if not self.stages:
@@ -231,7 +254,9 @@ class StagePlan:
     flight keeps the stage's input and what its layers keep
     (`Stage.activation_bytes`); with it, only the stage's input, plus one
     micro-batch's layer activations while its forward is re-run. Stages
-    sharing a device add up. Framework workspace, temporaries of one op and
+    sharing a device add up. A weight shared between stages
+    (`SharedStages`) counts on each of them (it is read there, and gets a
+    gradient there) but its slots only on its first. Framework workspace, temporaries of one op and
     fragmentation are not counted. The defaults (one micro-batch) describe
     a `StagedModel`.
 
@@ -263,11 +288,17 @@ class StagePlan:
           s.device,
           prev.weights + s.param_bytes,
           prev.gradients + s.trainable_param_bytes,
-          prev.optimizer_slots + slots * s.trainable_param_bytes,
+          prev.optimizer_slots + slots * (s.trainable_param_bytes -
+                                          self._read_bytes(s.index)),
           prev.activations + _stage_activations(
               s, batch_size // micro_batches, flight, recompute),
           prev.in_flight + (flight,))
     return out
+
+  def _read_bytes(self, index: int) -> int:
+    """Bytes of the shared weights stage `index` reads from an earlier
+    stage (counted in its `param_bytes`, held by the owner)."""
+    return sum(w.bytes for w in self.shared if index in w.stages[1:])
 
   def memory_table(self, batch_size: int, *, optimizer: str | int = "adam",
                    micro_batches: int = 1, schedule: str = "gpipe",
@@ -300,7 +331,9 @@ class StagePlan:
                    _fmt_bytes(s.sent_bytes) if s.sent_bytes else "-",
                    _fmt_sent(s.sent)))
     rows.append(("total", "", f"{len(self.layer_names)} layers",
-                 _fmt_bytes(sum(s.param_bytes for s in self.stages)),
+                 _fmt_bytes(sum(s.param_bytes for s in self.stages) -
+                            sum(self._read_bytes(s.index)
+                                for s in self.stages)),
                  _fmt_count(sum(s.flops for s in self.stages)),
                  _fmt_bytes(sum(s.sent_bytes for s in self.stages)),
                  str(sum(len(s.sent) for s in self.stages))))
@@ -309,7 +342,19 @@ class StagePlan:
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     title = (f"StagePlan for {self.model_name!r}: {self.num_stages} stage(s), "
              f"criterion={self.criterion}")
-    return "\n".join([title, line(header)] + [line(r) for r in rows])
+    return "\n".join([title, line(header)] + [line(r) for r in rows] +
+                     self._shared_lines())
+
+  def _shared_lines(self) -> list[str]:
+    """What the table says about weights used on several stages."""
+    if not self.shared:
+      return []
+    lines = ["shared weights (one variable on the first stage's device, read "
+             "by the others; gradients summed over every use):"]
+    for w in self.shared:
+      lines.append(f"  {w.path}: stages {', '.join(map(str, w.stages))} "
+                   f"(layers {', '.join(w.layers)})")
+    return lines
 
   def __str__(self) -> str:
     return self.table()

@@ -40,6 +40,7 @@ from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import partition
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import plan as plan_lib
+from tfmgpu.parallel import shared as shared_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +49,13 @@ class _ModelSpec:
   cls: type
   config: dict
   layer_names: tuple[str, ...] = ()
+  shared: tuple[shared_lib.SharedWeight, ...] = ()
 
   @classmethod
   def of(cls, model: keras.Model) -> "_ModelSpec":
     return cls(type(model), model.get_config(),
-               tuple(l.name for l in model.layers))
+               tuple(l.name for l in model.layers),
+               shared_lib.find_shared(model.layers))
 
   def rebuild(self) -> keras.Model:
     """A new model from the config, its layers named as the original's.
@@ -67,6 +70,10 @@ class _ModelSpec:
     if len(model.layers) == len(self.layer_names):
       for layer, name in zip(model.layers, self.layer_names):
         layer.name = name
+    # `from_config` of a plain functional model rebuilds a layer shared with
+    # a nested model twice: tie the copies again.
+    shared_lib.tie({l.name: l for l in model.layers}, self.shared,
+                   "rebuilt model")
     return model
 
 
@@ -131,7 +138,9 @@ def _stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):
 
 
 def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
-                 k: int, name: str) -> keras.Model:
+                 k: int, name: str,
+                 clones: dict[str, keras.layers.Layer] | None = None
+                 ) -> keras.Model:
   """Replays nodes `start:end` of `graph` with fresh layers, as a model.
 
   Its inputs are the tensors crossing into the stage (`_stage_inputs`); its
@@ -140,11 +149,15 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
   and for the last stage the model's outputs as the model returns them.
   Called under the stage's device scope, so the new variables are created
   there. The original model is not touched (no new nodes on its layers).
+  Each new layer is recorded in `clones` by name, if given.
   """
   inputs, tensors = _stage_inputs(graph, start, k)
   for node in graph.nodes[start:end]:
     args, kwargs = node.arguments.fill_in(tensors)
-    outputs = _clone_layer(node.operation)(*args, **kwargs)
+    clone = _clone_layer(node.operation)
+    if clones is not None:
+      clones[node.operation.name] = clone
+    outputs = clone(*args, **kwargs)
     for old, new in zip(node.output_tensors, tf.nest.flatten(outputs)):
       tensors[id(old)] = new
   if end == len(graph.nodes):
@@ -154,6 +167,55 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
     out = [tensors[id(t)] for t in graph.crossing(end)]
     out = out[0] if len(out) == 1 else out
   return keras.Model(inputs, out, name=name)
+
+
+def _check_shared(graph: graph_lib.ModelGraph,
+                  weights: Sequence[shared_lib.SharedWeight],
+                  stage_of: dict[str, int]) -> None:
+  """Refuses what a weight shared between stages cannot do exactly.
+
+  Raises:
+    ValueError: a weight shared between stages has a regulariser (each
+      stage would add its penalty again), naming the weight and its stages.
+  """
+  layers = {l.name: l for l in shared_lib.graph_layers(graph.nodes)}
+  for w in weights:
+    stages = sorted({stage_of[name] for name in w.layers})
+    name, index = w.sites[0]
+    regularizer = getattr(layers[name].weights[index], "regularizer", None)
+    if len(stages) > 1 and regularizer is not None:
+      raise ValueError(
+          f"weight {w.path!r} is used on stages {stages} (layers "
+          f"{list(w.layers)}) and has a regularizer, which each stage would "
+          "count again. Put its layers on one stage (split_points=...) or "
+          "drop the regularizer.")
+
+
+def build_stages(graph: graph_lib.ModelGraph, plan: plan_lib.StagePlan,
+                 devices: Sequence[str], name: str
+                 ) -> tuple[list[keras.Model], plan_lib.StagePlan]:
+  """The stage models of `plan` (stage `k` built on `devices[k]`), with
+  every weight the model shares kept one variable, on its first stage.
+
+  Returns:
+    `(stages, plan)`: the plan says which weights are shared between which
+    stages (`StagePlan.shared`).
+
+  Raises:
+    ValueError: a shared weight cannot be kept one (see `_check_shared`).
+  """
+  weights = shared_lib.find_shared(shared_lib.graph_layers(graph.nodes))
+  stage_of = {n: s.index for s in plan.stages for n in s.layers}
+  across = shared_lib.across_stages(weights, stage_of)
+  _check_shared(graph, weights, stage_of)
+  stages, clones = [], {}
+  for k, stage in enumerate(plan.stages):
+    start = graph.position(stage.layers[0])
+    with tf.device(devices[k]):
+      stages.append(_build_stage(graph, start, start + len(stage.layers), k,
+                                 f"{name}_stage_{k}", clones))
+  shared_lib.tie(clones, weights, "stage models")
+  return stages, dataclasses.replace(plan, shared=across)
 
 
 def resolve_plan(model: keras.Model, plan: plan_lib.StagePlan | None,
@@ -262,12 +324,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
           f"plan was made for layers {list(plan.layer_names)} but model "
           f"{model.name!r} has {graph.names}. Make the plan from this model.")
     devices = devices_lib.resolve_devices(plan.devices)
-    stages = []
-    for k, stage in enumerate(plan.stages):
-      start = graph.position(stage.layers[0])
-      with tf.device(devices[k]):
-        stages.append(_build_stage(graph, start, start + len(stage.layers), k,
-                                   f"{model.name}_stage_{k}"))
+    stages, plan = build_stages(graph, plan, devices, model.name)
     self.plan = plan
     self.stage_devices = tuple(devices)
     self.stages = stages
@@ -376,7 +433,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
     Returns:
       `(total objective, {id(variable): gradient})`.
     """
-    grads: dict[int, Any] = {}
+    pairs: list[tuple[Any, Any]] = []
     upstream: list[Any] = []
     total = None
     for k in reversed(range(len(records))):
@@ -389,12 +446,12 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
           sources=sources + ins)
       upstream = placed.input_gradients(result[len(sources):], ins,
                                         self.stage_devices[k])
-      for v, g in zip(self.stages[k].trainable_variables,
-                      result[:len(sources)]):
-        grads[id(v)] = g
+      pairs.extend(zip(self.stages[k].trainable_variables,
+                       result[:len(sources)]))
       if objective is not None:
         total = objective if total is None else total + objective
-    return total, grads
+    # A weight shared between stages gets the sum of their gradients.
+    return total, shared_lib.sum_by_variable(pairs)
 
   # ---------------------------------------------------------------- weights
 

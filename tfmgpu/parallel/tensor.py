@@ -55,6 +55,7 @@ from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import choices
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import placed
+from tfmgpu.parallel import shared as shared_lib
 from tfmgpu.parallel import staged
 
 KINDS = choices.TENSOR_KINDS
@@ -751,17 +752,46 @@ def tensor_parallel(model: keras.Model,
   rules = check_rules(GPT_RULES if rules is None else rules)
   graph = graph_lib.ModelGraph(model)
   kinds = _split_kinds(graph, rules, devices_of)
-  split = keras.Model(*_replay(graph, kinds, devices_of), name=model.name)
+  weights = _check_shared(graph, kinds, devices_of)
+  clones: dict[str, keras.layers.Layer] = {}
+  split = keras.Model(*_replay(graph, kinds, devices_of, clones),
+                      name=model.name)
+  shared_lib.tie(clones, weights, "tensor-parallel model")
   mine = staged._weighted_layers([split])  # pylint: disable=protected-access
   staged._copy_weights(staged._weighted_layers([model]), mine, list(mine),  # pylint: disable=protected-access
                        "unsplit")
   return split
 
 
+def _check_shared(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
+                  devices_of: Callable[[str], tuple[str, ...]]
+                  ) -> tuple[shared_lib.SharedWeight, ...]:
+  """The weights several layers share; none may be in a layer to split.
+
+  Raises:
+    ValueError: a rule splits a layer holding a shared weight (a tied
+      embedding): its shards could not stay one weight with the other
+      layers' copy. Names the weight, its layers and their devices.
+  """
+  weights = shared_lib.find_shared(shared_lib.graph_layers(graph.nodes))
+  for w in weights:
+    split = [name for name in w.layers if name in kinds]
+    if split:
+      where = {name: list(devices_of(name)) if name in kinds else "one device"
+               for name in w.layers}
+      raise ValueError(
+          f"weight {w.path!r} is shared by layers {list(w.layers)} and a "
+          f"tensor-parallel rule splits {split} (devices {where}): tfmgpu "
+          "cannot split a shared weight exactly. Change the rules so they "
+          f"skip {split[0]!r}.")
+  return weights
+
+
 def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
-            devices_of: Callable[[str], tuple[str, ...]]):
+            devices_of: Callable[[str], tuple[str, ...]],
+            clones: dict[str, keras.layers.Layer]):
   """`(inputs, outputs)` of `graph` replayed with fresh layers, the ones
-  in `kinds` split."""
+  in `kinds` split; the fresh copies of the others go in `clones`."""
   scattered = _scattered(graph, kinds, devices_of)
   inputs, tensors = staged._stage_inputs(graph, 0, 0)  # pylint: disable=protected-access
   for node in graph.nodes:
@@ -774,7 +804,7 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
           scattered_input=producer.name in scattered,
           gather=layer.name not in scattered)
     else:
-      new = staged._clone_layer(layer)  # pylint: disable=protected-access
+      new = clones[layer.name] = staged._clone_layer(layer)  # pylint: disable=protected-access
     outputs = new(*args, **kwargs)
     if layer.name in scattered:  # One tensor before, its T pieces now.
       tensors[id(node.output_tensors[0])] = outputs

@@ -186,13 +186,17 @@ class ModelParallel(registry.Distribution):
 
   def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
     o = placement.options
+    shares = [f"{w.path} (stages {', '.join(map(str, w.stages))})"
+              for w in getattr(placement.plan, "shared", ())]
+    shared_rows = [("shared weights", "; ".join(shares) + ": one variable "
+                    "on its first stage, gradients summed")] if shares else []
     if not getattr(o, "hybrid", False):
-      return super().describe(placement)
+      return super().describe(placement) + shared_rows
     homes = ", ".join(placement.plan.devices) if placement.plan else "?"
     return [(self.layout, f"{o.stages} per replica; replica 0's on {homes}"),
             ("layout", hybrid_label(o) + f" on {o.devices_needed} devices "
              "(replica-major, tensor shards innermost): "
-             + ", ".join(placement.devices))]
+             + ", ".join(placement.devices))] + shared_rows
 
 
 def check_layout_config(config: Any, options: Any,
