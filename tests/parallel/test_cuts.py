@@ -389,3 +389,47 @@ def test_an_output_made_early_travels_to_the_end(options):
   for v, g in zip(split.trainable_variables, grads):
     np.testing.assert_allclose(g, by_key[key(v)], rtol=1e-5, atol=1e-6,
                                err_msg=v.path)
+
+
+def _dict_output_model(seed=0):
+  """Dict outputs keyed unlike the layers that make them (as keras_hub's
+  `BertBackbone` returns `pooled_output` from its `pooled_dense`)."""
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((6,), name="x")
+  h = L.Dense(8, activation="tanh", name="d0")(x)
+  h = L.Dense(8, activation="tanh", name="d1")(h)
+  return keras.Model(x, {"cls_out": L.Dense(3, name="cls")(h),
+                         "val_out": L.Dense(1, name="val")(h)})
+
+
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b"])
+def test_a_loss_dict_by_output_key_trains_as_one_device(schedule):
+  """Placed models keep the unsplit model's dict keys as output names: the
+  Trainer's loss dict by key once failed ("not outputs of the model; its
+  outputs are ['cls', 'val']"), and Keras fit matches too."""
+  rng = np.random.RandomState(5)
+  x = rng.randn(2 * BATCH, 6).astype("float32")
+  y = {"cls_out": rng.randint(0, 3, 2 * BATCH),
+       "val_out": rng.randn(2 * BATCH, 1).astype("float32")}
+  loss = {"val_out": "mse", "cls_out": _loss()}
+  split = (staged_lib.StagedModel.from_model(_dict_output_model(),
+                                             num_stages=2)
+           if schedule is None else pipeline.PipelinedModel.from_model(
+               _dict_output_model(), num_stages=2, micro_batches=2,
+               schedule=schedule))
+  assert split.unsplit_output_names == ("cls_out", "val_out")
+  histories, models = [], []
+  for model in (split, _dict_output_model()):
+    trainer = loop.Trainer(model, strategy=tf.distribute.get_strategy(),
+                           optimizer="sgd", learning_rate=LR, loss=loss,
+                           metrics=[], verbose=0)
+    histories.append(trainer.fit(x, y, epochs=1, global_batch_size=BATCH,
+                                 shuffle=False).history)
+    models.append(model)
+  for key in ("loss", "cls_out_loss", "val_out_loss"):
+    np.testing.assert_allclose(histories[0][key], histories[1][key],
+                               rtol=1e-5)
+  _assert_same_weights(split.to_unsplit(), models[1])
+  np.testing.assert_allclose(split.predict(x, verbose=0)["val_out"],
+                             models[1].predict(x, verbose=0)["val_out"],
+                             rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
@@ -55,6 +55,26 @@ def shapes_only(build: Callable[[], keras.Model]) -> keras.Model:
       return build()
   finally:
     global_state.set_global_attribute(key, before)
+
+
+def output_names(model: keras.Model) -> tuple[str, ...]:
+  """The names that key a model's outputs in a loss or metric dict.
+
+  The dict's keys for a model returning a dict (a keras_hub `BertBackbone`
+  returns `{"sequence_output": ..., "pooled_output": ...}`; Keras'
+  `output_names` would name the layers that make them instead), the output
+  layers' names for a list, and `()` for a single output.
+  """
+  flat = tf.nest.flatten(model.outputs)
+  if len(flat) < 2:
+    return ()
+  try:
+    output = model.output
+  except (AttributeError, ValueError):  # Sequential before its first call.
+    output = None
+  if isinstance(output, Mapping):
+    return tuple(output)
+  return tuple(model.output_names)
 
 
 def _producer(tensor: keras.KerasTensor):

@@ -274,9 +274,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
     source = model if unsplit is None else unsplit
     self._unsplit_spec = _ModelSpec.of(source)
     # The unsplit model's output names key per-output losses and metrics.
-    self.unsplit_output_names = tuple(
-        source.output_names if len(tf.nest.flatten(source.outputs)) > 1
-        else ())
+    self.unsplit_output_names = graph_lib.output_names(source)
     self.load_from(model)
     self.built = True
 

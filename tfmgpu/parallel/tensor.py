@@ -832,8 +832,8 @@ class TensorParallelModel(staged.UnsplitWeights,
     with tf.device(self.devices[0]):
       self.model = tensor_parallel(model, self.devices, rules=rules)
     self._unsplit_spec = staged._ModelSpec.of(model)  # pylint: disable=protected-access
-    self.unsplit_output_names = tuple(
-        model.output_names if len(tf.nest.flatten(model.outputs)) > 1 else ())
+    # The unsplit model's output names (a dict's keys) key per-output losses.
+    self.unsplit_output_names = graph_lib.output_names(model)
     self.built = True
 
   def call(self, inputs, training=None):
