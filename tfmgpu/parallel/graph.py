@@ -161,6 +161,73 @@ def _topological_order(model: keras.Model, found: dict[int, Any]) -> list[Any]:
   return nodes
 
 
+def config_sequence_length(model: keras.Model) -> int | None:
+  """The `max_sequence_length` a model (or a model nested in it, such as a
+  keras_hub backbone inside its task model) was built with, if any.
+
+  Read as an attribute, not through `get_config`: some layers' configs
+  raise (keras_hub 0.32's Llama blocks).
+  """
+  for layer in [model] + list(getattr(model, "layers", [])):
+    value = getattr(layer, "max_sequence_length", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+      return value
+  return None
+
+
+def _has_unknown(shape: Sequence[int | None]) -> bool:
+  return any(d is None for d in tuple(shape)[1:])
+
+
+def _given_shapes(inputs: list[Any], input_shape: Any,
+                  length: int | None) -> list[tuple[int | None, ...]]:
+  """Each input's shape (batch axis `None`): from `input_shape` (a shape for
+  one input, a list by position or a dict by input name), else the
+  symbolic one with unknown dimensions set to `length`."""
+  if input_shape is None:
+    given = [None] * len(inputs)
+  elif isinstance(input_shape, dict):
+    names = [t._keras_history[0].name for t in inputs]  # pylint: disable=protected-access
+    given = [input_shape.get(n) for n in names]
+  elif all(isinstance(d, (int, type(None))) for d in input_shape):
+    given = [input_shape] if len(inputs) == 1 else [None] * len(inputs)
+  else:
+    given = list(input_shape)
+  shapes = []
+  for t, g in zip(inputs, given):
+    shape = tuple(t.shape) if g is None else (None,) + tuple(g)
+    if len(shape) != len(t.shape):
+      raise ValueError(
+          f"input_shape={input_shape!r} gives input {t.name!r} the shape "
+          f"{shape[1:]}, but the model takes {tuple(t.shape)[1:]}; give "
+          "one example's shape per input (no batch axis).")
+    shapes.append((None,) + tuple(length if d is None else d
+                                  for d in shape[1:]))
+  return shapes
+
+
+def _resolved_shapes(nodes: list[Any], inputs: list[Any],
+                     shapes: list[tuple[int | None, ...]]
+                     ) -> dict[int, tuple[int | None, ...]]:
+  """`{id(tensor): shape}` with the inputs' `shapes` carried through each
+  layer's `compute_output_spec`; a layer that cannot say keeps the
+  symbolic shapes of its outputs (and their unknown dimensions)."""
+  specs = {id(t): keras.KerasTensor(shape, dtype=t.dtype)
+           for t, shape in zip(inputs, shapes)}
+  for node in nodes:
+    try:
+      args, kwargs = node.arguments.fill_in(specs)
+      out = tf.nest.flatten(node.operation.compute_output_spec(*args,
+                                                               **kwargs))
+    except Exception:  # pylint: disable=broad-except
+      out = []  # Any layer's own error: keep its symbolic output shapes.
+    if len(out) != len(node.output_tensors):
+      out = node.output_tensors
+    for old, new in zip(node.output_tensors, out):
+      specs[id(old)] = new
+  return {k: tuple(v.shape) for k, v in specs.items()}
+
+
 def _structure(model: keras.Model, which: str, flat: list[Any]) -> Any:
   """`model.input` or `model.output` (the structure the model takes or
   returns); a single tensor when there is one (Sequential models have no
@@ -189,13 +256,22 @@ class ModelGraph:
     names: the layer name of each node.
   """
 
-  def __init__(self, model: keras.Model):
+  def __init__(self, model: keras.Model, input_shape: Any = None):
     """Walks `model`'s graph.
+
+    Args:
+      model: the model.
+      input_shape: one example's shape per input (no batch axis; a shape,
+        a list by position or a dict by input name), for a model whose
+        inputs leave a length unknown (`keras.Input((None,))`): the shapes
+        of the data it will train on. Defaults to the model's own input
+        shapes, with an unknown length set to its `max_sequence_length`
+        (`config_sequence_length`) when it has one.
 
     Raises:
       TypeError: `model` is not a Keras model.
       ValueError: the model is not built, is subclassed, or calls a layer
-        more than once.
+        more than once; or `input_shape` does not fit the inputs.
     """
     self.inputs, self.outputs = _symbolic_inputs_outputs(model)
     self.input_structure = _structure(model, "input", self.inputs)
@@ -204,6 +280,12 @@ class ModelGraph:
     found = _reachable_nodes(model, self.inputs, self.outputs)
     self.nodes = _topological_order(model, found)
     self.names = [n.operation.name for n in self.nodes]
+    self._shapes: dict[int, tuple[int | None, ...]] = {}
+    if input_shape is not None or any(
+        _has_unknown(t.shape) for n in self.nodes for t in n.output_tensors):
+      given = _given_shapes(self.inputs, input_shape,
+                            config_sequence_length(model))
+      self._shapes = _resolved_shapes(self.nodes, self.inputs, given)
     self._position = {name: i for i, name in enumerate(self.names)}
     # Each tensor lives from its producer's position to its last consumer's
     # (model inputs from -1, model outputs to len(nodes)).
@@ -217,6 +299,21 @@ class ModelGraph:
           self._tensors[id(t)][2] = max(self._tensors[id(t)][2], i)
     for t in self.outputs:
       self._tensors[id(t)][2] = len(self.nodes)
+
+  def shape(self, tensor: keras.KerasTensor) -> tuple[int | None, ...]:
+    """A tensor's shape with the lengths the data or the model's config
+    give (`input_shape`); `None` where they stay unknown."""
+    return self._shapes.get(id(tensor), tuple(tensor.shape))
+
+  def tensor_bytes(self, tensor: keras.KerasTensor) -> int:
+    """Bytes of one example of a tensor of the graph (`shape`; a length
+    still unknown counts as 1: see `unknown`)."""
+    return elements(self.shape(tensor)) * dtype_size(tensor.dtype)
+
+  def unknown(self) -> list[keras.KerasTensor]:
+    """The tensors whose shape still has an unknown dimension (a sequence
+    length neither the data nor the model's config gave)."""
+    return [t for t in self.tensors() if _has_unknown(self.shape(t))]
 
   def tensors(self) -> list[keras.KerasTensor]:
     """Every tensor of the graph: the inputs and each layer output."""
@@ -244,7 +341,7 @@ class ModelGraph:
 
   def crossing_bytes(self, position: int) -> int:
     """Bytes per example of the tensors crossing a cut at `position`."""
-    return sum(tensor_bytes(t) for t in self.crossing(position))
+    return sum(self.tensor_bytes(t) for t in self.crossing(position))
 
   def name_of(self, tensor: keras.KerasTensor) -> str:
     """The layer that makes `tensor` (`"<layer>:<i>"` for its `i`-th of
@@ -258,4 +355,4 @@ class ModelGraph:
     """`"output of '<layer>' (<shape>)"` or `"input '<name>' (<shape>)"`."""
     what = ("input" if any(tensor is t for t in self.inputs)
             else "output of")
-    return f"{what} {self.name_of(tensor)!r} {tuple(tensor.shape)}"
+    return f"{what} {self.name_of(tensor)!r} {self.shape(tensor)}"

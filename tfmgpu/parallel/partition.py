@@ -13,7 +13,7 @@ the next stage.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import keras
 
@@ -182,7 +182,7 @@ def _stages(graph: graph_lib.ModelGraph, blocks: Sequence[cost_lib.Block],
         flops=sum(blk.flops for blk in part),
         activation_bytes=sum(blk.activation_bytes for blk in part),
         input_bytes=graph.crossing_bytes(a),
-        sent_bytes=sum(graph_lib.tensor_bytes(t) for t in sent),
+        sent_bytes=sum(graph.tensor_bytes(t) for t in sent),
         sent=tuple(graph.name_of(t) for t in sent)))
   return tuple(stages)
 
@@ -192,7 +192,8 @@ def plan_stages(model: keras.Model, num_stages: int, *,
                 split_points: Sequence[str] | None = None,
                 devices: Sequence[str] | None = None,
                 transfer_weight: float = cost_lib.TRANSFER_WEIGHT,
-                check_devices: bool = True) -> plan_lib.StagePlan:
+                check_devices: bool = True,
+                input_shape: Any = None) -> plan_lib.StagePlan:
   """Splits a model into `num_stages` contiguous stages, one per device.
 
   A stage may start at any layer: every tensor made before it and read
@@ -218,6 +219,10 @@ def plan_stages(model: keras.Model, num_stages: int, *,
       (`tfmgpu.parallel.cost.cut_costs`); 0 balances the layers alone.
     check_devices: `devices` must exist here; `False` plans for another
       machine (`--plan_only` for 8 GPUs on a laptop).
+    input_shape: one example's shape per input (no batch axis), for a
+      model whose inputs leave the sequence length unknown: the data's
+      (`tfmgpu.parallel.graph.ModelGraph`). Defaults to the model's own,
+      an unknown length taken from its `max_sequence_length`.
 
   Returns:
     The `StagePlan`.
@@ -229,7 +234,7 @@ def plan_stages(model: keras.Model, num_stages: int, *,
   if not isinstance(num_stages, int) or num_stages < 1:
     raise ValueError(f"num_stages={num_stages!r} must be a positive int.")
   crit = _criterion(criterion)
-  graph = graph_lib.ModelGraph(model)
+  graph = graph_lib.ModelGraph(model, input_shape=input_shape)
   blocks = cost_lib.model_blocks(graph)
   if num_stages > len(blocks):
     raise ValueError(
