@@ -219,10 +219,8 @@ def plan_stages(model: keras.Model, num_stages: int, *,
       (`tfmgpu.parallel.cost.cut_costs`); 0 balances the layers alone.
     check_devices: `devices` must exist here; `False` plans for another
       machine (`--plan_only` for 8 GPUs on a laptop).
-    input_shape: one example's shape per input (no batch axis), for a
-      model whose inputs leave the sequence length unknown: the data's
-      (`tfmgpu.parallel.graph.ModelGraph`). Defaults to the model's own,
-      an unknown length taken from its `max_sequence_length`.
+    input_shape: the data's shape per input (no batch axis), for inputs of
+      unknown length (`tfmgpu.parallel.graph.ModelGraph`).
 
   Returns:
     The `StagePlan`.
@@ -243,12 +241,19 @@ def plan_stages(model: keras.Model, num_stages: int, *,
         f"needs at least one). Use num_stages<={len(blocks)}.")
   chosen = _choose_devices(num_stages, devices, check_devices)
   label = "split_points" if split_points is not None else crit.value
-  if split_points is not None:
-    starts = _split_starts(graph, blocks, split_points, num_stages)
-  else:
-    costs = cost_lib.block_costs(blocks, crit)
-    cuts = cost_lib.cut_costs(blocks, costs, cost_lib.cut_bytes(graph),
-                              transfer_weight)
-    starts = min_max_partition(costs, num_stages, cuts)
+  starts = (_split_starts(graph, blocks, split_points, num_stages)
+            if split_points is not None else _balanced_starts(
+                graph, blocks, crit, num_stages, transfer_weight))
   stages = _stages(graph, blocks, starts, chosen)
   return plan_lib.StagePlan(stages, label, model.name)
+
+
+def _balanced_starts(graph: graph_lib.ModelGraph,
+                     blocks: Sequence[cost_lib.Block],
+                     crit: cost_lib.Criterion, num_stages: int,
+                     transfer_weight: float) -> list[int]:
+  """The first block of each stage, minimising the largest stage's cost."""
+  costs = cost_lib.block_costs(blocks, crit)
+  cuts = cost_lib.cut_costs(blocks, costs, cost_lib.cut_bytes(graph),
+                            transfer_weight)
+  return min_max_partition(costs, num_stages, cuts)
