@@ -433,3 +433,72 @@ def test_a_loss_dict_by_output_key_trains_as_one_device(schedule):
   np.testing.assert_allclose(split.predict(x, verbose=0)["val_out"],
                              models[1].predict(x, verbose=0)["val_out"],
                              rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------- functional models made of sub-models
+
+
+def _nested_model(seed=0):
+  """An encoder (a functional model) of two residual blocks (each one too),
+  the second block reading an extra model input `e` as well."""
+  keras.utils.set_random_seed(seed)
+  def block(i):
+    x, e = keras.Input((8,)), keras.Input((2,))
+    h = L.Dense(8, activation="tanh", name=f"b{i}_d0")(
+        L.Concatenate(name=f"b{i}_cat")([x, e]))
+    h = L.Dense(8, name=f"b{i}_d1")(h)
+    return keras.Model([x, e], L.Add(name=f"b{i}_add")([x, h]),
+                       name=f"block{i}")
+  x, e = keras.Input((6,)), keras.Input((2,))
+  h = L.Dense(8, name="stem")(x)
+  h = block(1)([block(0)([h, e]), e])
+  encoder = keras.Model([x, e], h, name="encoder")
+  x, e = keras.Input((6,), name="x"), keras.Input((2,), name="e")
+  out = L.Dense(3, name="logits")(encoder([x, e]))
+  return keras.Model({"x": x, "e": e}, out, name="nested")
+
+
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b"])
+def test_nested_functional_models_are_cut_between_their_blocks(schedule):
+  """Planning and placing look inside nested functional models (before,
+  the encoder was one layer and could not be split); the extra input
+  crosses the cut as a top-level one does."""
+  model = _nested_model()
+  graph = graph_lib.ModelGraph(model)
+  assert set(graph.inlined) == {"encoder", "block0", "block1"}
+  assert graph.names == ["stem", "b0_cat", "b0_d0", "b0_d1", "b0_add",
+                         "b1_cat", "b1_d0", "b1_d1", "b1_add", "logits"]
+  plan = partition.plan_stages(model, 2, split_points=["b1_cat"])
+  assert plan.stages[0].sent == ("e", "b0_add")
+  rng = np.random.RandomState(3)
+  x = {"x": rng.randn(2 * BATCH, 6).astype("float32"),
+       "e": rng.randn(2 * BATCH, 2).astype("float32")}
+  y = rng.randint(0, 3, 2 * BATCH)
+  split = (staged_lib.StagedModel(_nested_model(), plan) if schedule is None
+           else pipeline.PipelinedModel(_nested_model(), plan,
+                                        micro_batches=2, schedule=schedule))
+  np.testing.assert_allclose(split.predict(x, verbose=0),
+                             model.predict(x, verbose=0), rtol=1e-5,
+                             atol=1e-6)
+  for m in (split, model):
+    m.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
+  got = split.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
+  _assert_same_weights(split.to_unsplit(), model)
+  copy = _nested_model(seed=1)
+  split.copy_weights_to(copy)
+  _assert_same_weights(copy, model)
+
+
+def test_a_nested_model_whose_layer_is_used_outside_it_stays_whole():
+  """As a keras_hub CausalLM calls its backbone's token embedding again as
+  its head: the shared layer keeps one place (the plan of today)."""
+  ids = keras.Input((4,), dtype="int32")
+  embed = L.Embedding(10, 8, name="embed")
+  inner = keras.Model(ids, L.Dense(8, name="mix")(embed(ids)), name="inner")
+  ids = keras.Input((4,), dtype="int32", name="ids")
+  out = L.Add(name="sum")([inner(ids), embed(ids)])
+  graph = graph_lib.ModelGraph(keras.Model(ids, out))
+  assert graph.inlined == () and graph.names == ["inner", "embed", "sum"]

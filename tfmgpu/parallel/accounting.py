@@ -307,7 +307,7 @@ def tensor_split(model: Any, rules: Mapping[str, str] | None = None
            else graph_lib.ModelGraph(model))
   readers: dict[int, list[Any]] = {}
   for node in graph.nodes:
-    for t in node.input_tensors:
+    for t in map(graph.canon, node.input_tensors):
       readers.setdefault(id(t), []).append(node)
   layers = []
   for node in graph.nodes:
