@@ -502,3 +502,32 @@ def test_a_nested_model_whose_layer_is_used_outside_it_stays_whole():
   out = L.Add(name="sum")([inner(ids), embed(ids)])
   graph = graph_lib.ModelGraph(keras.Model(ids, out))
   assert graph.inlined == () and graph.names == ["inner", "embed", "sum"]
+
+
+def test_a_keras_hub_classifier_is_cut_inside_its_backbone():
+  """BertTextClassifier nests its backbone as one layer: the plan now cuts
+  between its transformer blocks, the padding mask crosses, and the split
+  predicts as the model does. A GPT2CausalLM, whose LM head reuses the
+  backbone's token embedding, keeps today's plan."""
+  keras_hub = pytest.importorskip("keras_hub")
+  keras.utils.set_random_seed(0)
+  tiny = dict(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
+              intermediate_dim=32, max_sequence_length=16)
+  model = keras_hub.models.BertTextClassifier(
+      backbone=keras_hub.models.BertBackbone(**tiny), num_classes=3,
+      preprocessor=None)
+  plan = partition.plan_stages(model, 2, split_points=["transformer_layer_1"])
+  assert "transformer_layer_0" in plan.stages[0].layers
+  assert "padding_mask" in plan.stages[0].sent
+  rng = np.random.RandomState(0)
+  x = {"token_ids": rng.randint(0, 64, (4, 16)).astype("int32"),
+       "segment_ids": np.zeros((4, 16), "int32"),
+       "padding_mask": np.ones((4, 16), "int32")}
+  split = staged_lib.StagedModel(model, plan)
+  np.testing.assert_allclose(split.predict(x, verbose=0),
+                             model.predict(x, verbose=0), rtol=1e-5,
+                             atol=1e-6)
+  lm = keras_hub.models.GPT2CausalLM(
+      backbone=keras_hub.models.GPT2Backbone(**tiny), preprocessor=None)
+  assert graph_lib.ModelGraph(lm).names == ["gpt2_backbone",
+                                            "token_embedding"]
