@@ -225,6 +225,24 @@ def test_a_loader_returns_keras_splits_or_arrays(module_file):
     data.user_arrays("mine", (({"a": x, "b": x[:3]}, x[:, 0]), (x, x[:, 0])))
 
 
+def test_per_token_labels_give_the_vocabulary_as_num_classes():
+  """`(N, T)` integer labels (next tokens) once gave `num_classes=None`, and
+  a language model's builder then failed on the `None`."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 20, size=(12, 9)).astype(np.int32)
+  tokens[3, 4] = 19
+  arrays = data.user_arrays("mine", ((tokens[:8, :-1], tokens[:8, 1:]),
+                                     (tokens[8:, :-1], tokens[8:, 1:])))
+  assert arrays.num_classes == 20 and arrays.input_shape == (8,)
+  data.check_labels(arrays)
+  model = models.build_model("gpt", input_shape=arrays.input_shape,
+                             num_classes=arrays.num_classes, seed=0)
+  assert tuple(model.output.shape) == (None, 8, 20)
+  floats = data.user_arrays("mine", ((tokens, tokens * 0.5),
+                                     (tokens, tokens * 0.5)))
+  assert floats.num_classes is None  # Float targets: no classes.
+
+
 # --------------------------------------------------------------- a real run
 
 def test_a_regression_run_reports_the_users_loss_and_metrics(module_file,

@@ -120,6 +120,13 @@ def model_operations(model: keras.Model) -> list[Any]:
   return list(getattr(model, "_operations", None) or model.layers)
 
 
+def functional_class() -> type:
+  """Keras' `Functional` model class (a functional model called as a layer
+  is one; `keras.Model(inputs, outputs)` returns one)."""
+  from keras.src.models import functional  # pylint: disable=g-import-not-at-top
+  return functional.Functional
+
+
 def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
   """`layer` and all its nested layers, depth first."""
   return list(layer._flatten_layers())  # pylint: disable=protected-access

@@ -149,7 +149,8 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
       num_stages=config.num_stages, partition=config.partition,
       split_points=config.split_points)
   planned = model_parallel.planned_devices(stage_options.stages)
-  plan = model_parallel.plan_for(model, stage_options, devices=planned)
+  plan = model_parallel.plan_for(model, stage_options, devices=planned,
+                                input_shape=arrays.input_shape)
   options = config.options  # Pipelines: micro-batches, schedule, recompute.
   table = plan.memory_table(
       config.global_batch_size, optimizer=config.optimizer,

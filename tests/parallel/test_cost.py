@@ -89,3 +89,42 @@ def test_attention_counts_its_projections_scores_and_what_it_keeps():
   (same,) = cost.model_blocks(keyword)
   assert (same.flops, same.activation_bytes) == (block.flops,
                                                  block.activation_bytes)
+
+
+def _token_model(length=None):
+  L = keras.layers
+  x = keras.Input((length,), dtype="int32", name="tokens")
+  h = L.Embedding(50, 16, name="emb")(x)
+  h = L.MultiHeadAttention(2, 8, name="mha")(h, h)
+  h = L.Dense(32, name="up")(h)
+  return keras.Model(x, L.Dense(50, name="logits")(h), name="tokens_lm")
+
+
+def _costs(plan):
+  return [(s.flops, s.activation_bytes, s.sent_bytes, s.input_bytes)
+          for s in plan.stages]
+
+
+def test_an_unknown_sequence_length_comes_from_the_data_or_the_config(
+    caplog):
+  """A `keras.Input((None,))` model was costed as if its length were 1."""
+  want = _costs(plan_stages(_token_model(12), 2, check_devices=False,
+                            devices=["/cpu:0", "/cpu:1"]))
+  assert want[0][0] > 12 * 2 * 16 * 16  # Lengths count: a real workload.
+  given = plan_stages(_token_model(), 2, input_shape=(12,),
+                      check_devices=False, devices=["/cpu:0", "/cpu:1"])
+  assert _costs(given) == want  # From the data's shape.
+  configured = _token_model()
+  configured.max_sequence_length = 12  # As keras_hub backbones have it.
+  assert _costs(plan_stages(configured, 2, check_devices=False,
+                            devices=["/cpu:0", "/cpu:1"])) == want
+  graph = graph_lib.ModelGraph(configured)
+  assert graph.shape(graph.outputs[0]) == (None, 12, 50)
+  assert not graph.unknown()
+  unknown = graph_lib.ModelGraph(_token_model())
+  assert [unknown.name_of(t) for t in unknown.unknown()][:2] == ["tokens",
+                                                                "emb"]
+  with caplog.at_level("WARNING"):
+    cost.model_blocks(unknown)
+  assert "unknown length (e.g. input 'tokens' (None, None))" in caplog.text
+  assert "UNKNOWN" in caplog.text and "input_shape=" in caplog.text

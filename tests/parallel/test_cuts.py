@@ -389,3 +389,145 @@ def test_an_output_made_early_travels_to_the_end(options):
   for v, g in zip(split.trainable_variables, grads):
     np.testing.assert_allclose(g, by_key[key(v)], rtol=1e-5, atol=1e-6,
                                err_msg=v.path)
+
+
+def _dict_output_model(seed=0):
+  """Dict outputs keyed unlike the layers that make them (as keras_hub's
+  `BertBackbone` returns `pooled_output` from its `pooled_dense`)."""
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((6,), name="x")
+  h = L.Dense(8, activation="tanh", name="d0")(x)
+  h = L.Dense(8, activation="tanh", name="d1")(h)
+  return keras.Model(x, {"cls_out": L.Dense(3, name="cls")(h),
+                         "val_out": L.Dense(1, name="val")(h)})
+
+
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b"])
+def test_a_loss_dict_by_output_key_trains_as_one_device(schedule):
+  """Placed models keep the unsplit model's dict keys as output names: the
+  Trainer's loss dict by key once failed ("not outputs of the model; its
+  outputs are ['cls', 'val']"), and Keras fit matches too."""
+  rng = np.random.RandomState(5)
+  x = rng.randn(2 * BATCH, 6).astype("float32")
+  y = {"cls_out": rng.randint(0, 3, 2 * BATCH),
+       "val_out": rng.randn(2 * BATCH, 1).astype("float32")}
+  loss = {"val_out": "mse", "cls_out": _loss()}
+  split = (staged_lib.StagedModel.from_model(_dict_output_model(),
+                                             num_stages=2)
+           if schedule is None else pipeline.PipelinedModel.from_model(
+               _dict_output_model(), num_stages=2, micro_batches=2,
+               schedule=schedule))
+  assert split.unsplit_output_names == ("cls_out", "val_out")
+  histories, models = [], []
+  for model in (split, _dict_output_model()):
+    trainer = loop.Trainer(model, strategy=tf.distribute.get_strategy(),
+                           optimizer="sgd", learning_rate=LR, loss=loss,
+                           metrics=[], verbose=0)
+    histories.append(trainer.fit(x, y, epochs=1, global_batch_size=BATCH,
+                                 shuffle=False).history)
+    models.append(model)
+  for key in ("loss", "cls_out_loss", "val_out_loss"):
+    np.testing.assert_allclose(histories[0][key], histories[1][key],
+                               rtol=1e-5)
+  _assert_same_weights(split.to_unsplit(), models[1])
+  np.testing.assert_allclose(split.predict(x, verbose=0)["val_out"],
+                             models[1].predict(x, verbose=0)["val_out"],
+                             rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------- functional models made of sub-models
+
+
+def _nested_model(seed=0):
+  """An encoder (a functional model) of two residual blocks (each one too),
+  the second block reading an extra model input `e` as well."""
+  keras.utils.set_random_seed(seed)
+  def block(i):
+    x, e = keras.Input((8,)), keras.Input((2,))
+    h = L.Dense(8, activation="tanh", name=f"b{i}_d0")(
+        L.Concatenate(name=f"b{i}_cat")([x, e]))
+    h = L.Dense(8, name=f"b{i}_d1")(h)
+    return keras.Model([x, e], L.Add(name=f"b{i}_add")([x, h]),
+                       name=f"block{i}")
+  x, e = keras.Input((6,)), keras.Input((2,))
+  h = L.Dense(8, name="stem")(x)
+  h = block(1)([block(0)([h, e]), e])
+  encoder = keras.Model([x, e], h, name="encoder")
+  x, e = keras.Input((6,), name="x"), keras.Input((2,), name="e")
+  out = L.Dense(3, name="logits")(encoder([x, e]))
+  return keras.Model({"x": x, "e": e}, out, name="nested")
+
+
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b"])
+def test_nested_functional_models_are_cut_between_their_blocks(schedule):
+  """Planning and placing look inside nested functional models (before,
+  the encoder was one layer and could not be split); the extra input
+  crosses the cut as a top-level one does."""
+  model = _nested_model()
+  graph = graph_lib.ModelGraph(model)
+  assert set(graph.inlined) == {"encoder", "block0", "block1"}
+  assert graph.names == ["stem", "b0_cat", "b0_d0", "b0_d1", "b0_add",
+                         "b1_cat", "b1_d0", "b1_d1", "b1_add", "logits"]
+  plan = partition.plan_stages(model, 2, split_points=["b1_cat"])
+  assert plan.stages[0].sent == ("e", "b0_add")
+  rng = np.random.RandomState(3)
+  x = {"x": rng.randn(2 * BATCH, 6).astype("float32"),
+       "e": rng.randn(2 * BATCH, 2).astype("float32")}
+  y = rng.randint(0, 3, 2 * BATCH)
+  split = (staged_lib.StagedModel(_nested_model(), plan) if schedule is None
+           else pipeline.PipelinedModel(_nested_model(), plan,
+                                        micro_batches=2, schedule=schedule))
+  np.testing.assert_allclose(split.predict(x, verbose=0),
+                             model.predict(x, verbose=0), rtol=1e-5,
+                             atol=1e-6)
+  for m in (split, model):
+    m.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
+  got = split.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
+  _assert_same_weights(split.to_unsplit(), model)
+  copy = _nested_model(seed=1)
+  split.copy_weights_to(copy)
+  _assert_same_weights(copy, model)
+
+
+def test_a_nested_model_whose_layer_is_used_outside_it_stays_whole():
+  """As a keras_hub CausalLM calls its backbone's token embedding again as
+  its head: the shared layer keeps one place (the plan of today)."""
+  ids = keras.Input((4,), dtype="int32")
+  embed = L.Embedding(10, 8, name="embed")
+  inner = keras.Model(ids, L.Dense(8, name="mix")(embed(ids)), name="inner")
+  ids = keras.Input((4,), dtype="int32", name="ids")
+  out = L.Add(name="sum")([inner(ids), embed(ids)])
+  graph = graph_lib.ModelGraph(keras.Model(ids, out))
+  assert graph.inlined == () and graph.names == ["inner", "embed", "sum"]
+
+
+def test_a_keras_hub_classifier_is_cut_inside_its_backbone():
+  """BertTextClassifier nests its backbone as one layer: the plan now cuts
+  between its transformer blocks, the padding mask crosses, and the split
+  predicts as the model does. A GPT2CausalLM, whose LM head reuses the
+  backbone's token embedding, keeps today's plan."""
+  keras_hub = pytest.importorskip("keras_hub")
+  keras.utils.set_random_seed(0)
+  tiny = dict(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
+              intermediate_dim=32, max_sequence_length=16)
+  model = keras_hub.models.BertTextClassifier(
+      backbone=keras_hub.models.BertBackbone(**tiny), num_classes=3,
+      preprocessor=None)
+  plan = partition.plan_stages(model, 2, split_points=["transformer_layer_1"])
+  assert "transformer_layer_0" in plan.stages[0].layers
+  assert "padding_mask" in plan.stages[0].sent
+  rng = np.random.RandomState(0)
+  x = {"token_ids": rng.randint(0, 64, (4, 16)).astype("int32"),
+       "segment_ids": np.zeros((4, 16), "int32"),
+       "padding_mask": np.ones((4, 16), "int32")}
+  split = staged_lib.StagedModel(model, plan)
+  np.testing.assert_allclose(split.predict(x, verbose=0),
+                             model.predict(x, verbose=0), rtol=1e-5,
+                             atol=1e-6)
+  lm = keras_hub.models.GPT2CausalLM(
+      backbone=keras_hub.models.GPT2Backbone(**tiny), preprocessor=None)
+  assert graph_lib.ModelGraph(lm).names == ["gpt2_backbone",
+                                            "token_embedding"]

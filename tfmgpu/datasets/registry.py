@@ -239,7 +239,8 @@ def user_arrays(name: str, loaded: Any) -> Arrays:
       `keras.datasets` return them, where each `x` (and `y`) is an array or
       a dict/list/tuple of arrays (one per model input or output), with one
       row per example. `num_classes` is `max(y) + 1` when `y` is one array
-      of non-negative integers, else `None`.
+      of non-negative integers (a label per example, or per token:
+      `(N, T)`), else `None`.
 
   Raises:
     ValueError: anything else, or parts with different row counts.
@@ -272,10 +273,12 @@ def _leaf_list(x: Any) -> list[np.ndarray]:
 
 
 def _class_count(y_train: Any, y_test: Any) -> int | None:
-  """`max + 1` of integer class labels; `None` for other targets."""
+  """`max + 1` of integer class labels, one per example `(N,)` or one per
+  token `(N, T, ...)` (a language model's next tokens); `None` for other
+  targets (floats, several arrays, negative labels)."""
   ys = (y_train, y_test)
-  if not all(isinstance(y, np.ndarray) and y.dtype.kind in "iu" and (
-      y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)) for y in ys):
+  if not all(isinstance(y, np.ndarray) and y.dtype.kind in "iu"
+             and y.ndim >= 1 for y in ys):
     return None
   if any(y.size and y.min() < 0 for y in ys):
     return None

@@ -251,8 +251,9 @@ def _rule_for(name: str, rules: Mapping[str, str]) -> str | None:
   return None
 
 
-def _split_layer(node: Any, kind: str, feeds: str) -> SplitLayer:
-  """Costs one rule-matched layer call (see `SplitLayer`)."""
+def _split_layer(node: Any, kind: str, feeds: str, graph: Any) -> SplitLayer:
+  """Costs one rule-matched layer call (see `SplitLayer`) of `graph` (a
+  `ModelGraph`: its shapes carry the sequence length)."""
   import keras  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import cost  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import graph as graph_lib  # pylint: disable=g-import-not-at-top
@@ -265,10 +266,10 @@ def _split_layer(node: Any, kind: str, feeds: str) -> SplitLayer:
         f"{type(layer).__name__}"))
   size = graph_lib.dtype_size(layer.weights[0].dtype) if layer.weights else 4
   out = node.output_tensors[0]
-  out_bytes = graph_lib.tensor_bytes(out)
+  out_bytes = graph.tensor_bytes(out)
   floats = {id(t): t for t in node.input_tensors
             if "float" in str(t.dtype)}
-  kept = cost.node_activation_bytes(node)
+  kept = cost.node_activation_bytes(node, graph.shape)
   use_bias = bool(getattr(layer, "use_bias", False) or
                   layer.get_config().get("use_bias"))
   if kind == "heads":
@@ -283,8 +284,8 @@ def _split_layer(node: Any, kind: str, feeds: str) -> SplitLayer:
   return SplitLayer(
       layer.name, kind, sizes, split,
       min(split, cost.param_bytes(layer, trainable_only=True)),
-      cost.node_flops(node), kept,
-      sum(graph_lib.tensor_bytes(t) for t in floats.values()), out_bytes,
+      cost.node_flops(node, graph.shape), kept,
+      sum(graph.tensor_bytes(t) for t in floats.values()), out_bytes,
       feeds)
 
 
@@ -306,7 +307,7 @@ def tensor_split(model: Any, rules: Mapping[str, str] | None = None
            else graph_lib.ModelGraph(model))
   readers: dict[int, list[Any]] = {}
   for node in graph.nodes:
-    for t in node.input_tensors:
+    for t in map(graph.canon, node.input_tensors):
       readers.setdefault(id(t), []).append(node)
   layers = []
   for node in graph.nodes:
@@ -319,7 +320,7 @@ def tensor_split(model: Any, rules: Mapping[str, str] | None = None
         len(users[0].input_tensors) == 1 and
         _rule_for(users[0].operation.name, rules) == "row"):
       feeds = users[0].operation.name
-    layers.append(_split_layer(node, kind, feeds))
+    layers.append(_split_layer(node, kind, feeds, graph))
   return TensorSplit(tuple(layers), rules)
 
 

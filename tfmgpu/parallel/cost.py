@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import keras
@@ -53,6 +53,14 @@ from tfmgpu.parallel import graph as graph_lib
 # a pipeline overlaps its transfers with compute, so cut bytes mostly decide
 # between splits of about equal balance.
 TRANSFER_WEIGHT = 0.1
+
+# A tensor's shape for costing: `ModelGraph.shape` (with the lengths the
+# data or the model's config give), or the symbolic shape.
+ShapeOf = Callable[[Any], tuple]
+
+
+def _symbolic(tensor) -> tuple:
+  return tuple(tensor.shape)
 
 
 class Criterion(str, enum.Enum):
@@ -116,7 +124,7 @@ def _kernel_flops(layer, in_shape, out_shape, out_el: int) -> int | None:
   return flops + _activation_flops(layer, out_el)
 
 
-def _attention_dims(node) -> dict[str, int]:
+def _attention_dims(node, shape: ShapeOf = _symbolic) -> dict[str, int]:
   """Heads, head sizes, lengths and widths of a `MultiHeadAttention` call."""
   layer, args = node.operation, node.arguments
   # Called positionally or by keyword (`mha(query=q, value=v)`).
@@ -125,7 +133,7 @@ def _attention_dims(node) -> dict[str, int]:
                        else args.kwargs.get(name)
                        for i, name in enumerate(named))
   key = value if key is None else key
-  tq, tk, tv = (_spatial(t.shape) for t in (query, key, value))
+  tq, tk, tv = (_spatial(shape(t)) for t in (query, key, value))
   dq, dk, dv = (int(t.shape[-1]) for t in (query, key, value))
   return dict(h=layer.num_heads, kd=layer.key_dim,
               vd=layer.value_dim or layer.key_dim, tq=tq, tk=tk, tv=tv,
@@ -133,9 +141,9 @@ def _attention_dims(node) -> dict[str, int]:
               dout=int(node.output_tensors[0].shape[-1]))
 
 
-def _attention_flops(node) -> int:
+def _attention_flops(node, shape: ShapeOf = _symbolic) -> int:
   """FLOPs of one `MultiHeadAttention` call (see the module docstring)."""
-  d = _attention_dims(node)
+  d = _attention_dims(node, shape)
   h, kd, vd, tq, tk, tv = (d[k] for k in ("h", "kd", "vd", "tq", "tk", "tv"))
   projections = 2 * h * (tq * d["dq"] * kd + tk * d["dk"] * kd +
                          tv * d["dv"] * vd + tq * vd * d["dout"])
@@ -145,26 +153,28 @@ def _attention_flops(node) -> int:
   return projections + scores + bias
 
 
-def attention_internal_elements(node) -> int:
+def attention_internal_elements(node, shape: ShapeOf = _symbolic) -> int:
   """Elements per example a `MultiHeadAttention` call keeps inside it for
   its backward: the query, key and value projections, the scores and their
   softmax (`heads * T_query * T_key` each) and the weighted sum before the
   output projection."""
-  d = _attention_dims(node)
+  d = _attention_dims(node, shape)
   h = d["h"]
   return (h * (d["tq"] * d["kd"] + d["tk"] * d["kd"] + d["tv"] * d["vd"]) +
           2 * h * d["tq"] * d["tk"] + h * d["tq"] * d["vd"])
 
 
-def node_activation_bytes(node) -> int:
+def node_activation_bytes(node, shape: ShapeOf = _symbolic) -> int:
   """Bytes per example a layer call keeps for the backward pass: its
   outputs, and inside a `MultiHeadAttention` its projections and scores
-  (in the dtype of its output)."""
-  outs = sum(graph_lib.tensor_bytes(t) for t in node.output_tensors)
+  (in the dtype of its output). `shape` gives each tensor's shape
+  (`ModelGraph.shape`); defaults to the symbolic one."""
+  outs = sum(graph_lib.elements(shape(t)) * graph_lib.dtype_size(t.dtype)
+             for t in node.output_tensors)
   if not isinstance(node.operation, keras.layers.MultiHeadAttention):
     return outs
   size = graph_lib.dtype_size(node.output_tensors[0].dtype)
-  return outs + size * attention_internal_elements(node)
+  return outs + size * attention_internal_elements(node, shape)
 
 
 def _elementwise_flops(layer, num_inputs: int, in_shape, out_el: int) -> int:
@@ -196,20 +206,27 @@ def _elementwise_flops(layer, num_inputs: int, in_shape, out_el: int) -> int:
   return out_el
 
 
-def node_flops(node) -> int:
-  """Forward FLOPs per example of one layer call (see the module docstring)."""
+def node_flops(node, shape: ShapeOf = _symbolic) -> int:
+  """Forward FLOPs per example of one layer call (see the module docstring).
+
+  `shape` gives each tensor's shape (`ModelGraph.shape`); defaults to the
+  symbolic one.
+  """
   layer = node.operation
   ins, outs = node.input_tensors, node.output_tensors
-  out_el = sum(graph_lib.elements(t.shape) for t in outs)
-  in_shape = tuple(ins[0].shape) if ins else ()
+  out_el = sum(graph_lib.elements(shape(t)) for t in outs)
+  in_shape = shape(ins[0]) if ins else ()
   if isinstance(layer, keras.Model):
-    try:
-      return sum(node_flops(n) for n in graph_lib.ModelGraph(layer).nodes)
+    try:  # Its own graph, fed the shapes this call gives it.
+      inner = graph_lib.ModelGraph(layer, input_shape=[
+          shape(t)[1:] for t in ins] if len(ins) == len(layer.inputs)
+                                   else None)
+      return sum(node_flops(n, inner.shape) for n in inner.nodes)
     except (TypeError, ValueError):  # Subclassed or multi-input: estimate.
       return out_el
   if isinstance(layer, keras.layers.MultiHeadAttention):
-    return _attention_flops(node)
-  flops = _kernel_flops(layer, in_shape, tuple(outs[0].shape), out_el)
+    return _attention_flops(node, shape)
+  flops = _kernel_flops(layer, in_shape, shape(outs[0]), out_el)
   if flops is not None:
     return flops
   return _elementwise_flops(layer, len(ins), in_shape, out_el)
@@ -250,12 +267,15 @@ def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
   """
   graph = (model if isinstance(model, graph_lib.ModelGraph)
            else graph_lib.ModelGraph(model))
-  unknown = [t for t in graph.tensors()
-             if any(d is None for d in tuple(t.shape)[1:])]
+  unknown = graph.unknown()
   if unknown:
-    logging.warning("Model %r has tensors with unknown dimensions (e.g. %s); "
-                    "costs count them as 1.", graph.model.name,
-                    graph.describe(unknown[0]))
+    logging.warning(
+        "Model %r has tensors of unknown length (e.g. %s) that neither the "
+        "data nor the model's config (max_sequence_length) gives: its FLOPs, "
+        "activation and transfer bytes are UNKNOWN and counted here as if "
+        "that length were 1 (far too small). Give the length: "
+        "plan_stages(model, ..., input_shape=<one example's shape>).",
+        graph.model.name, graph.describe(unknown[0]))
   blocks = []
   for node in graph.nodes:
     out = node.output_tensors[0]
@@ -263,10 +283,10 @@ def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
         layers=(node.operation.name,),
         param_bytes=param_bytes(node.operation),
         trainable_param_bytes=param_bytes(node.operation, True),
-        flops=node_flops(node),
-        activation_bytes=node_activation_bytes(node),
-        output_bytes=graph_lib.tensor_bytes(out),
-        output_shape=tuple(out.shape)))
+        flops=node_flops(node, graph.shape),
+        activation_bytes=node_activation_bytes(node, graph.shape),
+        output_bytes=graph.tensor_bytes(out),
+        output_shape=graph.shape(out)))
   return blocks
 
 

@@ -6,7 +6,9 @@ every tensor made before the cut and read after it *crosses* it: the
 activation, skip (residual) tensors, and model inputs that later layers read
 (a padding mask, position ids, a tabular input joined late). `ModelGraph`
 lists a model's layer calls in topological order and, for any position, the
-tensors that cross a cut placed there and their bytes. `shapes_only` builds
+tensors that cross a cut placed there and their bytes. It looks inside
+nested functional models: their layer calls are the graph's, their inputs
+stand for their calls' arguments (`ModelGraph.canon`). `shapes_only` builds
 a model to plan (its layers and weight shapes, no weight values).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
@@ -51,6 +53,26 @@ def shapes_only(build: Callable[[], keras.Model]) -> keras.Model:
       return build()
 
 
+def output_names(model: keras.Model) -> tuple[str, ...]:
+  """The names that key a model's outputs in a loss or metric dict.
+
+  The dict's keys for a model returning a dict (a keras_hub `BertBackbone`
+  returns `{"sequence_output": ..., "pooled_output": ...}`; Keras'
+  `output_names` would name the layers that make them instead), the output
+  layers' names for a list, and `()` for a single output.
+  """
+  flat = tf.nest.flatten(model.outputs)
+  if len(flat) < 2:
+    return ()
+  try:
+    output = model.output
+  except (AttributeError, ValueError):  # Sequential before its first call.
+    output = None
+  if isinstance(output, Mapping):
+    return tuple(output)
+  return tuple(model.output_names)
+
+
 def _producer(tensor: keras.KerasTensor):
   # Keras 3 has no public graph-walking API (see `_compat.producer_node`).
   return _compat.producer_node(tensor)
@@ -80,41 +102,131 @@ def _symbolic_inputs_outputs(model: keras.Model):
   return list(inputs), list(outputs)
 
 
-def _reachable_nodes(model: keras.Model, model_inputs, model_outputs
-                     ) -> dict[int, Any]:
-  """`{id: node}` of the layer calls reachable backwards from the outputs.
+def _inlinable(op: Any) -> bool:
+  """A functional model called as a layer, whose graph is its call."""
+  functional = _compat.functional_class()
+  return isinstance(op, functional) and type(op).call is functional.call
+
+
+def _call_pairs(node) -> tuple[list[Any], list[Any]] | None:
+  """`(inputs, outputs)`: `(inner, outer)` tensor pairs of a nested
+  functional model's call (its inputs with the call's arguments, the call's
+  outputs with its outputs), or `None` when the call passes its tensors in
+  another way (as keywords, a mask, another structure)."""
+  inner, args = node.operation, node.arguments
+  tree = keras.tree
+  if len(args.args) != 1 or any(isinstance(v, keras.KerasTensor)
+                                for v in tree.flatten(args.kwargs)):
+    return None
+  given, wanted = args.args[0], inner._inputs_struct  # pylint: disable=protected-access
+  if isinstance(wanted, Mapping) != isinstance(given, Mapping) or (
+      isinstance(wanted, Mapping) and set(wanted) != set(given)):
+    return None
+  ins, outer = tree.flatten(wanted), tree.flatten(given)
+  outs = tree.flatten(inner._outputs_struct)  # pylint: disable=protected-access
+  if len(ins) != len(outer) or len(outs) != len(node.output_tensors) or (
+      not all(isinstance(t, keras.KerasTensor) for t in outer)):
+    return None
+  return list(zip(ins, outer)), list(zip(node.output_tensors, outs))
+
+
+def _walk(model_inputs, model_outputs, blocked: set[int]):
+  """`(found, aliases, inlined)`: the layer calls reachable backwards from
+  the outputs, `{id: node}`, looking inside nested functional models (but
+  not those in `blocked`); `{id(tensor): tensor it stands for}` (a nested
+  model's inputs stand for its call's arguments, the call's outputs for
+  its outputs); `{id(nested model): its call}`."""
+  input_ops = {id(_compat.keras_history(t)[0]) for t in model_inputs}
+  found, aliases, inlined = {}, {}, {}
+  stack = list(model_outputs)
+  while stack:
+    t = stack.pop()
+    while id(t) in aliases:
+      t = aliases[id(t)]
+    node = _producer(t)
+    if id(node) in found or id(node.operation) in input_ops:
+      continue
+    pairs = (_call_pairs(node) if _inlinable(node.operation)
+             and id(node.operation) not in blocked else None)
+    if pairs is not None and inlined.get(id(node.operation), node) is node:
+      inlined[id(node.operation)] = node
+      for a, b in pairs[0] + pairs[1]:
+        if a is not b:  # keras_hub tasks take their backbone's own inputs.
+          aliases[id(a)] = b
+      stack.append(t)
+      continue
+    if pairs is not None:  # A nested model called twice: keep it whole.
+      blocked.add(id(node.operation))
+      return None
+    found[id(node)] = node
+    stack.extend(node.input_tensors)
+  return found, aliases, inlined
+
+
+def _layer_names(model: keras.Model) -> set[str]:
+  names = set()
+  for layer in model.layers:
+    names.add(layer.name)
+    if isinstance(layer, keras.Model):
+      names |= _layer_names(layer)
+  return names
+
+
+def _reachable_nodes(model: keras.Model, model_inputs, model_outputs):
+  """`(found, aliases, inlined)` of `_walk`, nested models inlined where
+  their layers are theirs alone.
+
+  A nested model called twice, or whose layers share a name with (or are)
+  layers used outside it, such as the token embedding a keras_hub CausalLM
+  calls in its backbone and again as its LM head, stays one layer.
 
   Raises:
     ValueError: a layer is called more than once.
   """
-  input_ops = {id(_compat.keras_history(t)[0]) for t in model_inputs}
-  found, stack = {}, list(model_outputs)
-  while stack:
-    node = _producer(stack.pop())
-    if id(node) in found or id(node.operation) in input_ops:
+  blocked: set[int] = set()
+  while True:
+    walked = _walk(model_inputs, model_outputs, blocked)
+    if walked is None:
       continue
-    found[id(node)] = node
-    stack.extend(node.input_tensors)
-  counts: dict[str, int] = {}
-  for node in found.values():
-    counts[node.operation.name] = counts.get(node.operation.name, 0) + 1
-  shared = sorted(n for n, c in counts.items() if c > 1)
+    found, aliases, inlined = walked
+    counts: dict[str, int] = {}
+    for node in found.values():
+      counts[node.operation.name] = counts.get(node.operation.name, 0) + 1
+    shared = sorted(n for n, c in counts.items() if c > 1)
+    culprits = {k for k, n in inlined.items()
+                if _layer_names(n.operation) & set(shared)}
+    if not culprits:
+      break
+    blocked |= culprits
   if shared:
     raise ValueError(
         f"model {model.name!r} calls layer(s) {shared} more than once; a "
         "shared layer cannot be placed on one stage device. Give each call "
         "its own layer.")
-  return found
-def _topological_order(model: keras.Model, found: dict[int, Any]) -> list[Any]:
-  """Kahn's algorithm, ties broken by the model's own layer order."""
+  return found, aliases, inlined
+
+
+def _operations(model: keras.Model, inlined: dict[int, Any]) -> list[Any]:
+  """The model's operations in its own order, an inlined nested model's
+  spliced in where it is called."""
   # Functional models list bare ops (keras.ops.*) with their layers.
-  known = _compat.model_operations(model)
-  order = {id(l): i for i, l in enumerate(known)}
+  ops = []
+  for op in _compat.model_operations(model):
+    ops.extend(_operations(op, inlined) if id(op) in inlined else [op])
+  return ops
+
+
+def _topological_order(model: keras.Model, found: dict[int, Any],
+                       canon: Callable[[Any], Any],
+                       inlined: dict[int, Any]) -> list[Any]:
+  """Kahn's algorithm, ties broken by the model's own layer order."""
+  order = {id(l): i for i, l in enumerate(_operations(model, inlined))}
   producers = {id(t): k for k, n in found.items() for t in n.output_tensors}
   users: dict[int, list[int]] = {k: [] for k in found}
   missing = {}
   for k, n in found.items():
-    deps = {producers[id(t)] for t in n.input_tensors if id(t) in producers}
+    deps = {producers[id(canon(t))] for t in n.input_tensors
+            if id(canon(t)) in producers}
     missing[k] = len(deps)
     for d in deps:
       users[d].append(k)
@@ -133,6 +245,74 @@ def _topological_order(model: keras.Model, found: dict[int, Any]) -> list[Any]:
   return nodes
 
 
+def config_sequence_length(model: keras.Model) -> int | None:
+  """The `max_sequence_length` a model (or a model nested in it, such as a
+  keras_hub backbone inside its task model) was built with, if any.
+
+  Read as an attribute, not through `get_config`: some layers' configs
+  raise (keras_hub 0.32's Llama blocks).
+  """
+  for layer in [model] + list(getattr(model, "layers", [])):
+    value = getattr(layer, "max_sequence_length", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+      return value
+  return None
+
+
+def _has_unknown(shape: Sequence[int | None]) -> bool:
+  return any(d is None for d in tuple(shape)[1:])
+
+
+def _given_shapes(inputs: list[Any], input_shape: Any,
+                  length: int | None) -> list[tuple[int | None, ...]]:
+  """Each input's shape (batch axis `None`): from `input_shape` (a shape for
+  one input, a list by position or a dict by input name), else the
+  symbolic one with unknown dimensions set to `length`."""
+  if input_shape is None:
+    given = [None] * len(inputs)
+  elif isinstance(input_shape, dict):
+    names = [_compat.keras_history(t)[0].name for t in inputs]
+    given = [input_shape.get(n) for n in names]
+  elif all(isinstance(d, (int, type(None))) for d in input_shape):
+    given = [input_shape] if len(inputs) == 1 else [None] * len(inputs)
+  else:
+    given = list(input_shape)
+  shapes = []
+  for t, g in zip(inputs, given):
+    shape = tuple(t.shape) if g is None else (None,) + tuple(g)
+    if len(shape) != len(t.shape):
+      raise ValueError(
+          f"input_shape={input_shape!r} gives input {t.name!r} the shape "
+          f"{shape[1:]}, but the model takes {tuple(t.shape)[1:]}; give "
+          "one example's shape per input (no batch axis).")
+    shapes.append((None,) + tuple(length if d is None else d
+                                  for d in shape[1:]))
+  return shapes
+
+
+def _resolved_shapes(graph: "ModelGraph",
+                     shapes: list[tuple[int | None, ...]]
+                     ) -> dict[int, tuple[int | None, ...]]:
+  """`{id(tensor): shape}` with the inputs' `shapes` carried through each
+  layer's `compute_output_spec`; a layer that cannot say keeps the
+  symbolic shapes of its outputs (and their unknown dimensions)."""
+  specs = graph.tensor_map()
+  for t, shape in zip(graph.inputs, shapes):
+    specs[id(t)] = keras.KerasTensor(shape, dtype=t.dtype)
+  for node in graph.nodes:
+    try:
+      args, kwargs = node.arguments.fill_in(specs)
+      out = tf.nest.flatten(node.operation.compute_output_spec(*args,
+                                                               **kwargs))
+    except Exception:  # pylint: disable=broad-except
+      out = []  # Any layer's own error: keep its symbolic output shapes.
+    if len(out) != len(node.output_tensors):
+      out = node.output_tensors
+    for old, new in zip(node.output_tensors, out):
+      specs[id(old)] = new
+  return {k: tuple(v.shape) for k, v in specs.items()}
+
+
 def _structure(model: keras.Model, which: str, flat: list[Any]) -> Any:
   """`model.input` or `model.output` (the structure the model takes or
   returns); a single tensor when there is one (Sequential models have no
@@ -140,6 +320,26 @@ def _structure(model: keras.Model, which: str, flat: list[Any]) -> Any:
   if len(flat) == 1:
     return flat[0]
   return getattr(model, which)
+
+
+class TensorMap(dict):
+  """`{id(tensor): value}` whose keys are filed under `key(id)`."""
+
+  def __init__(self, key: Callable[[int], int]):
+    super().__init__()
+    self._canonical = key
+
+  def __getitem__(self, key: int) -> Any:
+    return super().__getitem__(self._canonical(key))
+
+  def __setitem__(self, key: int, value: Any) -> None:
+    super().__setitem__(self._canonical(key), value)
+
+  def __contains__(self, key: object) -> bool:
+    return super().__contains__(self._canonical(key))  # type: ignore[arg-type]
+
+  def get(self, key: int, default: Any = None) -> Any:
+    return super().get(self._canonical(key), default)
 
 
 class ModelGraph:
@@ -159,36 +359,102 @@ class ModelGraph:
     nodes: the layer calls (Keras `Node`s) in topological order, inputs
       excluded.
     names: the layer name of each node.
+    inlined: the nested functional models whose layer calls stand in
+      `nodes` one by one (a backbone inside a task model, a block inside an
+      encoder), so a stage may start between their layers. A nested model
+      called twice, or whose layers are called outside it too (a tied
+      embedding), stays one node.
   """
 
-  def __init__(self, model: keras.Model):
+  def __init__(self, model: keras.Model, input_shape: Any = None):
     """Walks `model`'s graph.
+
+    Args:
+      model: the model.
+      input_shape: one example's shape per input (no batch axis; a shape,
+        a list by position or a dict by input name), for a model whose
+        inputs leave a length unknown (`keras.Input((None,))`): the shapes
+        of the data it will train on. Defaults to the model's own input
+        shapes, with an unknown length set to its `max_sequence_length`
+        (`config_sequence_length`) when it has one.
 
     Raises:
       TypeError: `model` is not a Keras model.
       ValueError: the model is not built, is subclassed, or calls a layer
-        more than once.
+        more than once; or `input_shape` does not fit the inputs.
     """
-    self.inputs, self.outputs = _symbolic_inputs_outputs(model)
+    self.inputs, outputs = _symbolic_inputs_outputs(model)
     self.input_structure = _structure(model, "input", self.inputs)
-    self.output_structure = _structure(model, "output", self.outputs)
     self.model = model
-    found = _reachable_nodes(model, self.inputs, self.outputs)
-    self.nodes = _topological_order(model, found)
+    found, aliases, inlined = _reachable_nodes(model, self.inputs, outputs)
+    self._aliases = {k: id(t) for k, t in aliases.items()}
+    self._objects = {id(t): t for t in aliases.values()}
+    self.outputs = [self.canon(t) for t in outputs]
+    self.output_structure = tf.nest.map_structure(
+        self.canon, _structure(model, "output", outputs))
+    self.nodes = _topological_order(model, found, self.canon, inlined)
     self.names = [n.operation.name for n in self.nodes]
+    self.inlined = tuple(n.operation.name for n in inlined.values())
+    self._shapes: dict[int, tuple[int | None, ...]] = {}
+    if input_shape is not None or any(
+        _has_unknown(t.shape) for n in self.nodes for t in n.output_tensors):
+      given = _given_shapes(self.inputs, input_shape,
+                            config_sequence_length(model))
+      self._shapes = _resolved_shapes(self, given)
     self._position = {name: i for i, name in enumerate(self.names)}
-    # Each tensor lives from its producer's position to its last consumer's
-    # (model inputs from -1, model outputs to len(nodes)).
-    self._tensors = {id(t): [t, -1, -1] for t in self.inputs}
+    self._tensors = self._lifetimes()
+
+  def _lifetimes(self) -> dict[int, list[Any]]:
+    """`{id: [tensor, made, last read]}`: each tensor lives from its
+    producer's position to its last consumer's (model inputs from -1,
+    model outputs to `len(nodes)`)."""
+    tensors = {id(t): [t, -1, -1] for t in self.inputs}
     for i, node in enumerate(self.nodes):
       for t in node.output_tensors:
-        self._tensors.setdefault(id(t), [t, i, i])
+        tensors.setdefault(id(t), [t, i, i])
     for i, node in enumerate(self.nodes):
-      for t in node.input_tensors:
-        if id(t) in self._tensors:
-          self._tensors[id(t)][2] = max(self._tensors[id(t)][2], i)
+      for t in map(self.canon, node.input_tensors):
+        if id(t) in tensors:
+          tensors[id(t)][2] = max(tensors[id(t)][2], i)
     for t in self.outputs:
-      self._tensors[id(t)][2] = len(self.nodes)
+      tensors[id(t)][2] = len(self.nodes)
+    return tensors
+
+  def canon(self, tensor: Any) -> Any:
+    """The tensor of the graph `tensor` stands for: a nested model's input
+    stands for its call's argument, its call's output for its own output
+    (the same tensor when nothing is nested)."""
+    if not isinstance(tensor, keras.KerasTensor):
+      return tensor
+    key = self._key(id(tensor))
+    return tensor if key == id(tensor) else self._objects[key]
+
+  def _key(self, key: int) -> int:
+    while key in self._aliases:
+      key = self._aliases[key]
+    return key
+
+  def tensor_map(self) -> "TensorMap":
+    """An empty `{id(tensor): value}` dict that files a value under the
+    tensor the key stands for (`canon`): what `node.arguments.fill_in`
+    reads when the graph's nodes are replayed."""
+    return TensorMap(self._key)
+
+  def shape(self, tensor: keras.KerasTensor) -> tuple[int | None, ...]:
+    """A tensor's shape with the lengths the data or the model's config
+    give (`input_shape`); `None` where they stay unknown."""
+    tensor = self.canon(tensor)
+    return self._shapes.get(id(tensor), tuple(tensor.shape))
+
+  def tensor_bytes(self, tensor: keras.KerasTensor) -> int:
+    """Bytes of one example of a tensor of the graph (`shape`; a length
+    still unknown counts as 1: see `unknown`)."""
+    return elements(self.shape(tensor)) * dtype_size(tensor.dtype)
+
+  def unknown(self) -> list[keras.KerasTensor]:
+    """The tensors whose shape still has an unknown dimension (a sequence
+    length neither the data nor the model's config gave)."""
+    return [t for t in self.tensors() if _has_unknown(self.shape(t))]
 
   def tensors(self) -> list[keras.KerasTensor]:
     """Every tensor of the graph: the inputs and each layer output."""
@@ -216,7 +482,7 @@ class ModelGraph:
 
   def crossing_bytes(self, position: int) -> int:
     """Bytes per example of the tensors crossing a cut at `position`."""
-    return sum(tensor_bytes(t) for t in self.crossing(position))
+    return sum(self.tensor_bytes(t) for t in self.crossing(position))
 
   def name_of(self, tensor: keras.KerasTensor) -> str:
     """The layer that makes `tensor` (`"<layer>:<i>"` for its `i`-th of
@@ -230,4 +496,4 @@ class ModelGraph:
     """`"output of '<layer>' (<shape>)"` or `"input '<name>' (<shape>)"`."""
     what = ("input" if any(tensor is t for t in self.inputs)
             else "output of")
-    return f"{what} {self.name_of(tensor)!r} {tuple(tensor.shape)}"
+    return f"{what} {self.name_of(tensor)!r} {self.shape(tensor)}"

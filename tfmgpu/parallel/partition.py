@@ -13,7 +13,7 @@ the next stage.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import keras
 
@@ -183,7 +183,7 @@ def _stages(graph: graph_lib.ModelGraph, blocks: Sequence[cost_lib.Block],
         flops=sum(blk.flops for blk in part),
         activation_bytes=sum(blk.activation_bytes for blk in part),
         input_bytes=graph.crossing_bytes(a),
-        sent_bytes=sum(graph_lib.tensor_bytes(t) for t in sent),
+        sent_bytes=sum(graph.tensor_bytes(t) for t in sent),
         sent=tuple(graph.name_of(t) for t in sent)))
   return tuple(stages)
 
@@ -200,7 +200,8 @@ def plan_stages(model: keras.Model, num_stages: int, *,
                 split_points: Sequence[str] | None = None,
                 devices: Sequence[str] | None = None,
                 transfer_weight: float = cost_lib.TRANSFER_WEIGHT,
-                check_devices: bool = True) -> plan_lib.StagePlan:
+                check_devices: bool = True,
+                input_shape: Any = None) -> plan_lib.StagePlan:
   """Splits a model into `num_stages` contiguous stages, one per device.
 
   A stage may start at any layer: every tensor made before it and read
@@ -226,6 +227,8 @@ def plan_stages(model: keras.Model, num_stages: int, *,
       (`tfmgpu.parallel.cost.cut_costs`); 0 balances the layers alone.
     check_devices: `devices` must exist here; `False` plans for another
       machine (`--plan_only` for 8 GPUs on a laptop).
+    input_shape: the data's shape per input (no batch axis), for inputs of
+      unknown length (`tfmgpu.parallel.graph.ModelGraph`).
 
   Returns:
     The `StagePlan` (naming the weights shared between stages).
@@ -237,7 +240,7 @@ def plan_stages(model: keras.Model, num_stages: int, *,
   if not isinstance(num_stages, int) or num_stages < 1:
     raise ValueError(f"num_stages={num_stages!r} must be a positive int.")
   crit = _criterion(criterion)
-  graph = graph_lib.ModelGraph(model)
+  graph = graph_lib.ModelGraph(model, input_shape=input_shape)
   blocks = cost_lib.model_blocks(graph)
   if num_stages > len(blocks):
     raise ValueError(
@@ -246,11 +249,18 @@ def plan_stages(model: keras.Model, num_stages: int, *,
         f"needs at least one). Use num_stages<={len(blocks)}.")
   chosen = _choose_devices(num_stages, devices, check_devices)
   label = "split_points" if split_points is not None else crit.value
-  if split_points is not None:
-    starts = _split_starts(graph, blocks, split_points, num_stages)
-  else:
-    costs = cost_lib.block_costs(blocks, crit)
-    cuts = cost_lib.cut_costs(blocks, costs, cost_lib.cut_bytes(graph),
-                              transfer_weight)
-    starts = min_max_partition(costs, num_stages, cuts)
+  starts = (_split_starts(graph, blocks, split_points, num_stages)
+            if split_points is not None else _balanced_starts(
+                graph, blocks, crit, num_stages, transfer_weight))
   return _plan(graph, _stages(graph, blocks, starts, chosen), label)
+
+
+def _balanced_starts(graph: graph_lib.ModelGraph,
+                     blocks: Sequence[cost_lib.Block],
+                     crit: cost_lib.Criterion, num_stages: int,
+                     transfer_weight: float) -> list[int]:
+  """The first block of each stage, minimising the largest stage's cost."""
+  costs = cost_lib.block_costs(blocks, crit)
+  cuts = cost_lib.cut_costs(blocks, costs, cost_lib.cut_bytes(graph),
+                            transfer_weight)
+  return min_max_partition(costs, num_stages, cuts)

@@ -78,8 +78,18 @@ class _ModelSpec:
 
 
 def _weighted_layers(models: Sequence[keras.Model]) -> dict[str, Any]:
-  """`{name: layer}` for the layers (not bare ops) of `models` with weights."""
-  return {l.name: l for m in models for l in m.layers if l.weights}
+  """`{name: layer}` for the layers (not bare ops) of `models` with
+  weights, and those of the models nested in them (a nested model's layers
+  are planned and placed one by one: `graph.ModelGraph`); an outer layer
+  keeps its name when a nested one has it too."""
+  found: dict[str, Any] = {}
+  level = [l for m in models for l in m.layers]
+  while level:
+    for layer in level:
+      if layer.weights:
+        found.setdefault(layer.name, layer)
+    level = [l for m in level if isinstance(m, keras.Model) for l in m.layers]
+  return found
 
 
 def _copy_weights(src: dict[str, Any], dst: dict[str, Any],
@@ -132,8 +142,9 @@ def _stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):
     new = [new_input(t, f"stage_{k}_input" if len(old) == 1 else
                      f"stage_{k}_input_{i}") for i, t in enumerate(old)]
     old, new = (old[0], new[0]) if len(old) == 1 else (old, new)
-  mapping = {id(o): n for o, n in zip(tf.nest.flatten(old),
-                                      tf.nest.flatten(new))}
+  mapping = graph.tensor_map()  # Nested models' tensors stand for ours.
+  for o, n in zip(tf.nest.flatten(old), tf.nest.flatten(new)):
+    mapping[id(o)] = n
   return new, mapping
 
 
@@ -331,9 +342,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
     source = model if unsplit is None else unsplit
     self._unsplit_spec = _ModelSpec.of(source)
     # The unsplit model's output names key per-output losses and metrics.
-    self.unsplit_output_names = tuple(
-        source.output_names if len(tf.nest.flatten(source.outputs)) > 1
-        else ())
+    self.unsplit_output_names = graph_lib.output_names(source)
     self.load_from(model)
     self.built = True
 

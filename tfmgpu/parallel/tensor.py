@@ -647,7 +647,7 @@ def _scattered(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
   on the same devices, and it is not a model output."""
   readers: dict[int, list[Any]] = {}
   for node in graph.nodes:
-    for t in node.input_tensors:
+    for t in map(graph.canon, node.input_tensors):
       readers.setdefault(id(t), []).append(node)
   outputs = {id(t) for t in graph.outputs}
   out = set()
@@ -798,7 +798,8 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
     layer = node.operation
     args, kwargs = node.arguments.fill_in(tensors)
     if layer.name in kinds:
-      producer = graph_lib._producer(node.input_tensors[0]).operation  # pylint: disable=protected-access
+      producer = graph_lib._producer(  # pylint: disable=protected-access
+          graph.canon(node.input_tensors[0])).operation
       new = _sharded_layer(
           layer, kinds[layer.name], devices_of(layer.name),
           scattered_input=producer.name in scattered,
@@ -862,8 +863,8 @@ class TensorParallelModel(staged.UnsplitWeights,
     with tf.device(self.devices[0]):
       self.model = tensor_parallel(model, self.devices, rules=rules)
     self._unsplit_spec = staged._ModelSpec.of(model)  # pylint: disable=protected-access
-    self.unsplit_output_names = tuple(
-        model.output_names if len(tf.nest.flatten(model.outputs)) > 1 else ())
+    # The unsplit model's output names (a dict's keys) key per-output losses.
+    self.unsplit_output_names = graph_lib.output_names(model)
     self.built = True
 
   def call(self, inputs, training=None):

@@ -102,15 +102,17 @@ def planned_devices(num_stages: int) -> list[str] | None:
 
 
 def plan_for(model: Any, options: StageOptions,
-             devices: Sequence[str] | None = None):
+             devices: Sequence[str] | None = None, *,
+             input_shape: Any = None):
   """The `StagePlan` that `options` ask for; on `devices` if given (names
-  only, not checked: a plan for another machine)."""
+  only, not checked: a plan for another machine); `input_shape` is the
+  data's, for a model that leaves its sequence length unknown."""
   from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
   split = list(options.split_points) if options.split_points else None
   return partition.plan_stages(model, options.stages,
                                criterion=options.partition,
                                split_points=split, devices=devices,
-                               check_devices=False)
+                               check_devices=False, input_shape=input_shape)
 
 
 def one_model(name: str, models: Sequence[Any]) -> Any:
