@@ -44,6 +44,24 @@ def test_library_errors_exit_1_with_the_message(capsys):
   assert "num_gpus=2 but this machine has 0 GPU(s)" in capsys.readouterr().err
 
 
+def test_a_run_that_fails_before_writing_anything_leaves_no_directory(
+    tmp_path, capsys):
+  """Issue 29 item 8: a failed run left `runs/<time>-auto/` with only its
+  run.json. Directories it created are removed; one it found is kept."""
+  new = tmp_path / "runs" / "x"
+  with flagsaver.flagsaver(strategy="mirrored", num_gpus=2, verbose=0,
+                           model_dir=str(new)):
+    assert train.main(["train"]) == 1
+  assert "num_gpus=2" in capsys.readouterr().err
+  assert os.listdir(tmp_path) == []
+  kept = tmp_path / "kept"
+  kept.mkdir()
+  with flagsaver.flagsaver(strategy="mirrored", num_gpus=2, verbose=0,
+                           model_dir=str(kept)):
+    assert train.main(["train"]) == 1
+  assert os.listdir(kept) == ["run.json"]
+
+
 def test_help_and_flag_errors_answer_before_tensorflow_loads():
   code = ("import sys, tfmgpu.train, tfmgpu.config;"
           "print('tensorflow' in sys.modules, 'keras' in sys.modules)")

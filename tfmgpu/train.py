@@ -241,18 +241,35 @@ def main(argv: list[str]) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 1
     return 0
-  try:  # The run directory, before TF loads: usable, unlocked, same run.
-    config, lock = open_run_dir(config, role)
-  except rundir.RunDirError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
-  except OSError as e:  # Writing run.json on a full disk, ...
-    print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
-    return 1
+  return _train_in_run_dir(config, role)
+
+
+def _train_in_run_dir(config: config_lib.TrainConfig,
+                      role: cluster.TaskRole) -> int:
+  """Opens the run directory, trains; the exit code. A run that fails
+  before writing anything removes the directories it created."""
+  config = config.replace(
+      model_dir=config.model_dir or rundir.default_model_dir(config.strategy))
+  created = (rundir.missing_directories(config.model_dir)
+             if cluster.writes_outputs(role, config) else [])
+  code = 1
   try:
-    return _train(config)
+    try:  # The run directory, before TF loads: usable, unlocked, same run.
+      config, lock = open_run_dir(config, role)
+    except rundir.RunDirError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return code
+    except OSError as e:  # Writing run.json on a full disk, ...
+      print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
+      return code
+    try:
+      code = _train(config)
+      return code
+    finally:
+      lock.release()
   finally:
-    lock.release()
+    if code:
+      rundir.remove_unused(created)
 
 
 def open_run_dir(config: config_lib.TrainConfig, role: cluster.TaskRole
