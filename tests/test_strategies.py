@@ -78,6 +78,7 @@ def test_multi_worker_mirrored_single_process():
 
 def test_unknown_name_lists_available():
   with pytest.raises(ValueError, match=r"Unknown strategy name='mirorred'. "
+                     r"Did you mean 'mirrored'\? "
                      r"Available names: .*mirrored.*one_device"):
     tfmgpu.get_strategy("mirorred")
 

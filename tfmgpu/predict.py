@@ -27,6 +27,7 @@ from tfmgpu.flags import devices
 from tfmgpu.flags import execution
 from tfmgpu.flags import stages
 from tfmgpu.flags import strategy as strategy_flags
+from tfmgpu.flags import cli
 
 for _group in (strategy_flags, devices, data, execution, stages):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
@@ -39,11 +40,13 @@ _OUTPUT = flags.DEFINE_string(
     "with several outputs writes one .npz of named arrays instead.")
 _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", 1024, "Global batch per step.", lower_bound=1)
-_PRECISION = flags.DEFINE_enum(
+_PRECISION = flags_lib.define_choice(
     "precision", "float32", ["float32", "bfloat16", "float16"],
-    "Compute precision; outputs are float32.")
-_SPLIT = flags.DEFINE_enum(
-    "split", "test", ["test", "train"], "Which part of --dataset to predict.")
+    "Compute precision; outputs are float32.",
+    module_name=__name__)
+_SPLIT = flags_lib.define_choice(
+    "split", "test", ["test", "train"], "Which part of --dataset to predict.",
+    module_name=__name__)
 
 
 def main(argv: list[str]) -> int:
@@ -205,7 +208,7 @@ def _report(predictor, predictions, y, seconds: float) -> int:
 
 def run() -> None:
   """Console-script entry point (`tfmgpu-predict`)."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 class _CliAndFunction(types.ModuleType):

@@ -46,6 +46,7 @@ from tfmgpu.flags import execution
 from tfmgpu.flags import planner
 from tfmgpu.flags import stages
 from tfmgpu.flags import strategy
+from tfmgpu.flags import cli
 from tfmgpu.placements import pipeline
 from tfmgpu.training.choices import COMPRESSION_CHOICES
 from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
@@ -82,44 +83,51 @@ _EPOCHS = flags.DEFINE_integer("epochs", 5, "Epochs to train.", lower_bound=1)
 _STEPS_PER_EPOCH = flags.DEFINE_integer(
     "steps_per_epoch", None, "Steps per epoch (default: one pass).",
     lower_bound=1)
-_OPTIMIZER = flags.DEFINE_enum(
-    "optimizer", "adam", list(OPTIMIZER_CHOICES), "Optimizer.")
+_OPTIMIZER = flags_lib.define_choice(
+    "optimizer", "adam", list(OPTIMIZER_CHOICES), "Optimizer.",
+    module_name=__name__)
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
 _CLIP_NORM = flags.DEFINE_float(
     "clip_norm", None, "Clip gradients to this global norm.")
-_GRADIENT_COMPRESSION = flags.DEFINE_enum(
+_GRADIENT_COMPRESSION = flags_lib.define_choice(
     "gradient_compression", "none", list(COMPRESSION_CHOICES),
-    "All-reduce gradients in 16 bits (half the bytes on the wire).")
+    "All-reduce gradients in 16 bits (half the bytes on the wire).",
+    module_name=__name__)
 _BYTES_PER_PACK = flags.DEFINE_integer(
     "bytes_per_pack", 0, "All-reduce pack size in bytes (0: TF's default).",
     lower_bound=0)
-_MIXED_PRECISION = flags.DEFINE_enum(
+_MIXED_PRECISION = flags_lib.define_choice(
     "mixed_precision", "float32", list(models_lib.MIXED_PRECISION_POLICIES),
-    "Keras dtype policy; mixed_float16 adds loss scaling.")
+    "Keras dtype policy; mixed_float16 adds loss scaling.",
+    module_name=__name__)
 _JIT_COMPILE = flags.DEFINE_bool(
     "jit_compile", False, "XLA-compile each replica's forward/backward.")
 _FUSED_OPTIMIZER = flags.DEFINE_bool(
     "fused_optimizer", True, "Update each variable with one fused kernel "
     "(adam, adamw, sgd, momentum); false: Keras's per-op update.")
-_INPUT_MODE = flags.DEFINE_enum(
+_INPUT_MODE = flags_lib.define_choice(
     "input_mode", "auto", list(INPUT_MODE_CHOICES),
     "device: hold the training arrays on each replica's device and gather "
     "batches there; tf_data: a tf.data pipeline; auto: device on one host "
     f"when all replicas' copies take <= {DEVICE_DATA_MAX_MIB} MiB. A "
     "tf.data.Dataset on CPU replicas is read once on the host and split in "
-    "the step, unless tf_data (TF's distributed iterator).")
+    "the step, unless tf_data (TF's distributed iterator).",
+    module_name=__name__)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
-_SCHEDULE = flags.DEFINE_enum(
-    "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.")
+_SCHEDULE = flags_lib.define_choice(
+    "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.",
+    module_name=__name__)
 _RECOMPUTE = flags.DEFINE_bool(
     "recompute", False, "Pipeline: recompute activations in the backward.")
-_COMMUNICATION = flags.DEFINE_enum(
+_COMMUNICATION = flags_lib.define_choice(
     "communication", "auto", list(strategies_lib.COMMUNICATION_CHOICES),
-    "Collective implementation for 'multi_worker_mirrored'.")
-_CLUSTER_RESOLVER = flags.DEFINE_enum(
+    "Collective implementation for 'multi_worker_mirrored'.",
+    module_name=__name__)
+_CLUSTER_RESOLVER = flags_lib.define_choice(
     "cluster_resolver", "tf_config", list(strategies_lib.CLUSTER_RESOLVERS),
-    "Where the cluster comes from for multi-worker strategies.")
+    "Where the cluster comes from for multi-worker strategies.",
+    module_name=__name__)
 _VARIABLE_SHARDS = flags.DEFINE_integer(
     "variable_shards", None, "'parameter_server': split each variable over "
     "this many parameter servers.", lower_bound=1)
@@ -310,7 +318,7 @@ def _train(config: config_lib.TrainConfig) -> int:
 
 def run() -> None:
   """Console-script entry point (`tfmgpu-train`)."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

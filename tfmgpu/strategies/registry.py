@@ -24,6 +24,7 @@ import enum
 import importlib
 from typing import Any, Callable, ClassVar, Sequence
 
+from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
 
 tf = LazyModule("tensorflow")
@@ -207,8 +208,8 @@ def lookup(name: str) -> Distribution:
   key = name.lower() if isinstance(name, str) else name
   if key not in _REGISTRY:
     raise ValueError(
-        f"Unknown strategy name={name!r}. Available names: "
-        f"{', '.join(sorted(_REGISTRY))}.")
+        f"Unknown strategy name={name!r}.{checks.did_you_mean(key, _REGISTRY)}"
+        f" Available names: {', '.join(sorted(_REGISTRY))}.")
   return _REGISTRY[key]
 
 
