@@ -87,6 +87,8 @@ class Distribution:
       TF_CONFIG at all) is an error before TensorFlow loads.
     slurm: a SLURM job can describe its cluster (every task the same role).
     job_roles: what a job does, where messages should say it.
+    python_api: a placement's own Python class (`tfmgpu.PipelinedModel`),
+      named when `get_strategy` is asked for the placement.
   """
   name: ClassVar[str] = ""
   description: ClassVar[str] = ""
@@ -100,6 +102,7 @@ class Distribution:
   required_jobs: ClassVar[tuple[str, ...]] = ()
   slurm: ClassVar[bool] = True
   job_roles: ClassVar[dict[str, str]] = {}
+  python_api: ClassVar[str] = ""
 
   # ------------------------------------------------------------ options
 
