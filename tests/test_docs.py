@@ -114,3 +114,16 @@ def test_cli_reference_from_an_installed_wheel(tmp_path):
   where = run("-c", "import tfmgpu.launch; print(tfmgpu.__file__)")
   assert pathlib.Path(where.strip()).is_relative_to(site)
   assert run(GENERATOR).rstrip("\n") == cli_reference.markdown()
+
+
+def test_what_the_readme_commands_write_is_git_ignored():
+  """Issue 29 item 16: `data/` (write_tfrecords) and `preds.npy` showed up
+  as untracked files after following the README."""
+  if shutil.which("git") is None or not os.path.exists(
+      os.path.join(ROOT, ".git")):
+    pytest.skip("not a git checkout")
+  paths = ["data/digits/train-00000-of-00008.tfrecord", "preds.npy",
+           "p.npz", "runs/x/run.json"]
+  ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT,
+                           capture_output=True, text=True, check=False)
+  assert ignored.stdout.split() == paths, ignored

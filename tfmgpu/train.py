@@ -146,8 +146,9 @@ _CHECKPOINT_EVERY_S = flags.DEFINE_float(
     "checkpoint_every_s", None, "Also save a checkpoint every N seconds of "
     "training, not only per epoch.", lower_bound=0.001)
 _VERBOSE = flags.DEFINE_integer(
-    "verbose", 1, "0: one log line per epoch; 1: a progress bar; 2: a progress "
-    "bar and TensorFlow's own log messages (hidden otherwise, unless "
+    "verbose", 1, "0: one log line per epoch; 1: a progress line (one plain "
+    "line per epoch when stdout is not a terminal); 2: that and "
+    "TensorFlow's own log messages (hidden otherwise, unless "
     "TF_CPP_MIN_LOG_LEVEL is set).", lower_bound=0, upper_bound=2)
 _PLAN_ONLY = flags.DEFINE_bool(
     "plan_only", False, "Print the stage plan and memory estimate; no training.")
