@@ -137,8 +137,10 @@ _PARAMETER_DEVICE = flags.DEFINE_string(
 _TPU = flags.DEFINE_string(
     "tpu", "", "'tpu': the TPU's name or address (empty: this TPU VM's).")
 _MODEL_DIR = flags.DEFINE_string(
-    "model_dir", None, "Checkpoints, summaries and model.keras go here; an "
-    "existing directory is resumed. Default: a new runs/<time>-<strategy>.")
+    "model_dir", None, "Checkpoints, TensorBoard summaries (the run's "
+    "summary prints the tensorboard --logdir command) and model.keras go "
+    "here; an existing directory is resumed. Default: a new "
+    "runs/<time>-<strategy>.")
 _CHECKPOINT_EVERY_STEPS = flags.DEFINE_integer(
     "checkpoint_every_steps", None, "Also save a checkpoint every N global "
     "steps, not only per epoch (a kill then loses < N steps).", lower_bound=1)
