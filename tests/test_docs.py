@@ -43,9 +43,10 @@ def test_every_flag_named_in_the_readme_exists():
   cli_reference.markdown()  # Imports every CLI module, defining its flags.
   named = set(re.findall(r"--([a-z][a-z0-9_]+)", README))
   # Options of other programs: this repo's scripts' own, absl's, pytest's,
-  # and SLURM's srun.
+  # SLURM's srun and TensorBoard's.
   named -= {"check", "help", "flagfile", "nbmake", "dist", "nodes",
-            "ntasks", "num_shards"}  # scripts/write_tfrecords.py's own.
+            "ntasks", "num_shards",  # scripts/write_tfrecords.py's own.
+            "logdir"}
   missing = sorted(n for n in named if n not in flags.FLAGS)
   assert not missing, f"README names flags that do not exist: {missing}"
 
