@@ -266,6 +266,10 @@ def kill_while_resaving(t: Table) -> None:
 
 def _resumed_from(result: Run) -> str:
   match = re.search(r"Resumed from (\S+): epoch (\d+), step (\d+)", result.err)
+  whole = re.search(r"Resumed from (\S+): (after \d+ whole epochs?)",
+                    result.err)
+  if whole:  # At an epoch boundary.
+    return f"{os.path.basename(whole.group(1))} ({whole.group(2)})"
   if not match:
     return "scratch"
   return (f"{os.path.basename(match.group(1))} (epoch {match.group(2)}, step "

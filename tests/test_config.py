@@ -18,8 +18,8 @@ def test_defaults_are_valid_and_replace_validates_again():
     ("input_mode", "disk"), ("schedule", "zigzag"),
 ])
 def test_unknown_names_list_the_choices(field, value):
-  with pytest.raises(ValueError, match=rf"{field}='{value}' is unknown. "
-                     r"Choose one of .+"):
+  with pytest.raises(ValueError, match=rf"{field}='{value}' is unknown\. "
+                     r"(Did you mean '\w+'\? )?Choose one of .+"):
     TrainConfig(**{field: value})
 
 

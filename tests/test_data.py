@@ -49,6 +49,13 @@ def test_npz_errors(tmp_path):
     data.load_dataset("npz")
   with pytest.raises(FileNotFoundError, match=r"path='.*nope.npz' does not exist"):
     data.load_dataset("npz", path=str(tmp_path / "nope.npz"))
+  # Issue 29 item 5: said on loading, not after predicting every row.
+  np.savez(tmp_path / "long.npz", x_train=np.zeros((3, 2)),
+           y_train=np.zeros(3), x_test=np.zeros((2, 2)), y_test=np.zeros(5))
+  with pytest.raises(ValueError, match=r"dataset 'npz': '.*long.npz' holds 2 "
+                     r"rows in x_test but 5 in y_test. Give one label per "
+                     r"example: as many rows in y_test as in x_test."):
+    data.load_dataset("npz", path=str(tmp_path / "long.npz"))
   np.savez(tmp_path / "bad.npz", x_train=np.zeros(3))
   with pytest.raises(ValueError, match=r"lacks arrays \['y_train', 'x_test', "
                      r"'y_test'\]"):
@@ -57,6 +64,7 @@ def test_npz_errors(tmp_path):
 
 def test_unknown_dataset_lists_names():
   with pytest.raises(ValueError, match=r"Unknown dataset name='mnits'. "
+                     r"Did you mean 'mnist'\? "
                      r"Available names: cifar10, digits"):
     data.load_dataset("mnits")
 

@@ -1,5 +1,6 @@
 """The README cannot drift from the code: flags, strategy names, CI line."""
 
+import glob
 import importlib.util
 import os
 import pathlib
@@ -42,9 +43,10 @@ def test_every_flag_named_in_the_readme_exists():
   cli_reference.markdown()  # Imports every CLI module, defining its flags.
   named = set(re.findall(r"--([a-z][a-z0-9_]+)", README))
   # Options of other programs: this repo's scripts' own, absl's, pytest's,
-  # and SLURM's srun.
+  # SLURM's srun and TensorBoard's.
   named -= {"check", "help", "flagfile", "nbmake", "dist", "nodes",
-            "ntasks", "num_shards"}  # scripts/write_tfrecords.py's own.
+            "ntasks", "num_shards",  # scripts/write_tfrecords.py's own.
+            "logdir"}
   missing = sorted(n for n in named if n not in flags.FLAGS)
   assert not missing, f"README names flags that do not exist: {missing}"
 
@@ -71,10 +73,17 @@ def test_public_api_resolves_lazily():
   import tfmgpu
   for name in tfmgpu.__all__:
     assert getattr(tfmgpu, name) is not None, name
-  code = "import sys, tfmgpu; print('tensorflow' in sys.modules)"
+  # Issue 29 item 8: `tfmgpu.models.custom_objects()` as the README writes
+  # it, after a bare `import tfmgpu` in a new process (no submodule imported).
+  text = open(os.path.join(ROOT, "README.md")).read() + "".join(
+      open(p).read() for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+  used = sorted(set(re.findall(r"\btfmgpu\.([a-z_]+)\.[A-Za-z_]", text)))
+  assert {"models", "strategies"} <= set(used), used
+  code = ("import sys, tfmgpu; print('tensorflow' in sys.modules); "
+          f"print([n for n in {used!r} if not hasattr(tfmgpu, n)])")
   out = subprocess.run([__import__("sys").executable, "-c", code],
                        capture_output=True, text=True, timeout=60, check=True)
-  assert out.stdout.strip() == "False"
+  assert out.stdout.split("\n")[:2] == ["False", "[]"], out.stdout
 
 
 @pytest.mark.slow
@@ -106,3 +115,16 @@ def test_cli_reference_from_an_installed_wheel(tmp_path):
   where = run("-c", "import tfmgpu.launch; print(tfmgpu.__file__)")
   assert pathlib.Path(where.strip()).is_relative_to(site)
   assert run(GENERATOR).rstrip("\n") == cli_reference.markdown()
+
+
+def test_what_the_readme_commands_write_is_git_ignored():
+  """Issue 29 item 16: `data/` (write_tfrecords) and `preds.npy` showed up
+  as untracked files after following the README."""
+  if shutil.which("git") is None or not os.path.exists(
+      os.path.join(ROOT, ".git")):
+    pytest.skip("not a git checkout")
+  paths = ["data/digits/train-00000-of-00008.tfrecord", "preds.npy",
+           "p.npz", "runs/x/run.json"]
+  ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT,
+                           capture_output=True, text=True, check=False)
+  assert ignored.stdout.split() == paths, ignored

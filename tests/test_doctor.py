@@ -387,7 +387,7 @@ def test_cli_help_does_not_import_tensorflow():
   proc = subprocess.run(
       [sys.executable, "-X", "importtime", "-m", "tfmgpu.doctor", "--help"],
       capture_output=True, text=True, cwd=_ROOT, timeout=120, check=False)
-  assert proc.returncode == 1, proc.stderr[-2000:]  # absl's --help exits 1.
+  assert proc.returncode == 0, proc.stderr[-2000:]  # Asked for help: done.
   assert "--[no]json" in proc.stdout
   assert "--model_memory_gb" in proc.stdout
   imported = [line.rsplit("|", 1)[-1].strip()

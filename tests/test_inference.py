@@ -252,6 +252,52 @@ def test_cli_serves_a_trained_model(tmp_path, model, parsed_flags, capsys,
                              rtol=1e-5, atol=1e-5)
 
 
+def _softmax(x):
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def test_predict_gives_logits_probabilities_or_classes(model, rows, reference):
+  """Issue 29 item 16: predict gave logits only."""
+  got = {kind: inference.predict(model, rows[:50], output_kind=kind)
+         for kind in ("logits", "probabilities", "classes")}
+  np.testing.assert_allclose(got["logits"], reference[:50], rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(got["probabilities"], _softmax(reference[:50]),
+                             rtol=1e-5, atol=1e-6)
+  assert got["classes"].dtype == np.int32
+  np.testing.assert_array_equal(got["classes"], reference[:50].argmax(-1))
+  probabilities = got["probabilities"]
+  assert inference.convert_outputs(probabilities, "probabilities") is (
+      probabilities)  # Already a softmax: kept.
+  with pytest.raises(ValueError, match=r"output_kind='logit' is unknown. "
+                     r"Did you mean 'logits'\? Choose one of logits, "
+                     r"probabilities, classes"):
+    inference.predict(model, rows[:5], output_kind="logit")
+  with pytest.raises(ValueError, match=r"output_kind='classes' needs class "
+                     r"scores, but the output has shape \(4, 1\)"):
+    inference.convert_outputs(np.zeros((4, 1)), "classes")
+
+
+@pytest.mark.parametrize("kind", ["probabilities", "classes"])
+def test_cli_writes_the_output_kind_asked_for(tmp_path, model, parsed_flags,
+                                              capsys, digits_arrays, kind):
+  from tfmgpu import predict
+  path = str(tmp_path / "m.keras")
+  model.save(path)
+  out = str(tmp_path / "preds.npy")
+  with flagsaver.flagsaver(model_path=[path], strategy="default", output=out,
+                           output_kind=kind):
+    assert predict.main(["predict"]) == 0
+  assert f"preds.npy ({kind})" in capsys.readouterr().out
+  logits = model.predict(digits_arrays.x_test, verbose=0)
+  if kind == "classes":
+    np.testing.assert_array_equal(np.load(out), logits.argmax(-1))
+  else:
+    np.testing.assert_allclose(np.load(out), _softmax(logits), rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_cli_failure_writes_no_output(tmp_path, model, parsed_flags, capsys):
   from tfmgpu import predict
   path = str(tmp_path / "m.keras")

@@ -44,7 +44,7 @@ def test_user_model_fn_and_unknown_name():
   assert models.build_model(tiny, input_shape=(2,), num_classes=5
                             ).output_shape == (None, 5)
   with pytest.raises(ValueError, match=r"Unknown model name='resnet9000'. "
-                     r"Available names: "):
+                     r"Did you mean 'resnet50'\? Available names: "):
     models.build_model("resnet9000", input_shape=(2,), num_classes=2)
   with pytest.raises(ValueError, match=r"mixed_precision='fp8' is unknown"):
     models.build_model("mlp", input_shape=(2,), num_classes=2,

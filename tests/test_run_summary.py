@@ -36,6 +36,10 @@ def test_a_rerun_into_a_finished_model_dir_says_so(digits_arrays, tmp_path):
 
 def test_an_epoch_of_one_call_reports_its_throughput(digits_arrays, tmp_path):
   summary = runs.run_training(_run(tmp_path), arrays=digits_arrays)
+  # Issue 29 item 16: the summary did not say how to open TensorBoard.
+  assert re.search(rf"^tensorboard\s+tensorboard --logdir "
+                   rf"{re.escape(str(tmp_path / 'run' / 'summaries'))}$",
+                   str(summary), re.M), str(summary)
   assert summary.result.steps == 4  # One call of steps_per_execution=4.
   assert summary.examples_per_sec > 0
   assert summary.result.history["examples_per_sec"][0] > 0

@@ -78,6 +78,7 @@ def test_multi_worker_mirrored_single_process():
 
 def test_unknown_name_lists_available():
   with pytest.raises(ValueError, match=r"Unknown strategy name='mirorred'. "
+                     r"Did you mean 'mirrored'\? "
                      r"Available names: .*mirrored.*one_device"):
     tfmgpu.get_strategy("mirorred")
 
@@ -185,3 +186,23 @@ def test_threads_are_shared_only_where_devices_compute_at_once():
   for name in ("mirrored", "multi_worker_mirrored", "parameter_server",
                "pipeline", "branch_parallel"):
     assert tfmgpu.strategies.lookup(name).intra_op_threads is None, name
+
+
+@pytest.mark.parametrize("name, api", [
+    ("pipeline", "tfmgpu.PipelinedModel"), ("model_parallel",
+                                           "tfmgpu.StagedModel"),
+    ("branch_parallel", "tfmgpu.BranchParallel"), ("auto", "")])
+def test_a_placement_says_it_places_the_model_itself(name, api, caplog):
+  """Issue 29 item 14: `get_strategy("pipeline")` returned the default
+  strategy without a word."""
+  caplog.set_level("INFO")
+  assert tfmgpu.get_strategy(name) is tf.distribute.get_strategy()
+  lines = [r.getMessage() for r in caplog.records
+           if r.getMessage().startswith(f"get_strategy({name!r})")]
+  assert len(lines) == 1, caplog.text
+  assert (f"{name!r} is a placement, which places the model itself on its "
+          "devices; this is the default strategy (1 replica). Use it with "
+          f"tfmgpu.TrainConfig(strategy={name!r}) or python -m tfmgpu.train "
+          f"--strategy={name}") in lines[0]
+  assert (f"or place a model with {api}." in lines[0]) if api else (
+      lines[0].endswith(f"--strategy={name}."))

@@ -44,6 +44,24 @@ def test_library_errors_exit_1_with_the_message(capsys):
   assert "num_gpus=2 but this machine has 0 GPU(s)" in capsys.readouterr().err
 
 
+def test_a_run_that_fails_before_writing_anything_leaves_no_directory(
+    tmp_path, capsys):
+  """Issue 29 item 8: a failed run left `runs/<time>-auto/` with only its
+  run.json. Directories it created are removed; one it found is kept."""
+  new = tmp_path / "runs" / "x"
+  with flagsaver.flagsaver(strategy="mirrored", num_gpus=2, verbose=0,
+                           model_dir=str(new)):
+    assert train.main(["train"]) == 1
+  assert "num_gpus=2" in capsys.readouterr().err
+  assert os.listdir(tmp_path) == []
+  kept = tmp_path / "kept"
+  kept.mkdir()
+  with flagsaver.flagsaver(strategy="mirrored", num_gpus=2, verbose=0,
+                           model_dir=str(kept)):
+    assert train.main(["train"]) == 1
+  assert os.listdir(kept) == ["run.json"]
+
+
 def test_help_and_flag_errors_answer_before_tensorflow_loads():
   code = ("import sys, tfmgpu.train, tfmgpu.config;"
           "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
@@ -113,13 +131,39 @@ def test_one_cpu_logs_how_to_simulate_more(tmp_path):
   assert "--virtual_devices=N" in out.stderr
 
 
-def test_help_lists_the_flags_a_user_needs_and_wraps_between_names():
-  out = subprocess.run([sys.executable, "-m", "tfmgpu.train", "--help"],
-                       capture_output=True, text=True, timeout=60,
-                       check=False).stdout
+# How pip's console-script wrapper runs `tfmgpu-train` (entry point
+# `tfmgpu.train:run`): the main module is the wrapper, not tfmgpu.train.
+_CONSOLE_SCRIPT = ("import sys; sys.argv[0] = '/usr/local/bin/tfmgpu-train'; "
+                   "from tfmgpu.train import run; sys.exit(run())")
+
+
+@pytest.mark.parametrize("how", ["python -m", "console script"])
+def test_help_lists_the_flags_a_user_needs_and_wraps_between_names(how):
+  """Issue 29 item 12: the installed script's `--help` listed no flag, and
+  `--help` exited 1."""
+  command = (["-m", "tfmgpu.train"] if how == "python -m"
+             else ["-c", _CONSOLE_SCRIPT])
+  proc = subprocess.run([sys.executable, *command, "--help"],
+                        capture_output=True, text=True, timeout=60,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = proc.stdout
+  assert "Train a model on many devices" in out
   for flag in ("--strategy", "--virtual_devices", "--model",
                "--global_batch_size", "--epochs", "--num_stages"):
     assert re.search(rf"^\s+{flag}:", out, re.M), flag
   choices = re.search(r"--strategy: <([^>]*)>", out, re.S).group(1)
   names = [n.strip() for n in choices.replace("\n", " ").split("|")]
   assert names == list(tfmgpu.available_strategies())
+
+
+@pytest.mark.parametrize("flag, given, meant", [
+    ("strategy", "mirored", "mirrored"), ("optimizer", "adamw_", "adamw"),
+    ("schedule", "1f1", "1f1b"), ("model", "convnt", "convnet")])
+def test_a_misspelt_choice_says_which_was_meant(flag, given, meant):
+  """Issue 29 item 12: `--strategy=mirored` got no "did you mean"."""
+  with pytest.raises(flags.IllegalFlagValueError,
+                     match=rf"Did you mean '{meant}'\?"):
+    with flagsaver.flagsaver():
+      flags.FLAGS[flag].parse(given)
+      flags.FLAGS.validate_all_flags()

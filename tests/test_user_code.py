@@ -147,7 +147,8 @@ def test_a_def_that_does_not_fit_the_call_is_refused(module_file):
 
 def test_unknown_names_mention_your_own_code():
   with pytest.raises(ValueError, match=(
-      r"model='resnet9000' is unknown. Choose one of convnet, .*, or name "
+      r"model='resnet9000' is unknown. Did you mean 'resnet50'\? Choose one of "
+      r"convnet, .*, or name "
       r"your own builder as 'package.module:function' or "
       r"'path/to/file.py:function'")):
     TrainConfig(model="resnet9000")

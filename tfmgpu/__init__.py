@@ -8,6 +8,7 @@ only when something needs it.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from typing import Any
 
 __version__ = "0.1.0"
@@ -48,8 +49,16 @@ _RENAMED = {"simulate_pipeline": "simulate"}
 __all__ = sorted(_EXPORTS)
 
 
+def _submodules() -> list[str]:
+  """The public submodules and subpackages (`tfmgpu.models`, ...)."""
+  return sorted(m.name for m in pkgutil.iter_modules(__path__)
+                if not m.name.startswith("_"))
+
+
 def __getattr__(name: str) -> Any:
   if name not in _EXPORTS:
+    if name in _submodules():  # `tfmgpu.models.custom_objects()` works
+      return importlib.import_module(f"{__name__}.{name}")  # after import.
     raise AttributeError(f"module 'tfmgpu' has no attribute {name!r}")
   module = importlib.import_module(_EXPORTS[name])
   if module.__name__ == f"{__name__}.{name}":
@@ -60,4 +69,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-  return sorted(list(globals()) + __all__)
+  return sorted(set(globals()) | set(__all__) | set(_submodules()))

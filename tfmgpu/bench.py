@@ -32,6 +32,7 @@ from tfmgpu.flags import autotune as autotune_flags
 from tfmgpu.flags import batch
 from tfmgpu.flags import devices as device_flags
 from tfmgpu.flags import execution
+from tfmgpu.flags import cli
 
 for _group in (device_flags, batch, execution, autotune_flags):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
@@ -143,7 +144,7 @@ def _run_suite(replicas: tuple[int, ...]) -> int:
 
 def run() -> None:
   """Console-script entry point (`tfmgpu-bench`)."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,23 @@ nothing heavy.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Iterable
+
+
+def did_you_mean(value: Any, choices: Iterable[Any]) -> str:
+  """` Did you mean 'mirrored'?` for a near miss of `choices`, else `""`."""
+  names = [str(c) for c in choices]
+  close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+  return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
   """Raises `ValueError` unless `value` is one of `choices`."""
   choices = tuple(choices)
   if value not in choices:
-    raise ValueError(f"{name}={value!r} is unknown. Choose one of "
+    hint = did_you_mean(value, choices)
+    raise ValueError(f"{name}={value!r} is unknown.{hint} Choose one of "
                      f"{', '.join(str(c) for c in choices)}.")
 
 

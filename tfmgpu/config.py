@@ -119,7 +119,8 @@ class TrainConfig:
       device in GB (`None`: 16) and the named link between devices
       (`tfmgpu.parallel.links`; `auto`: pcie4 between GPUs, cpu between
       logical CPUs).
-    verbose: 1 for a progress bar, 0 for one log line per epoch.
+    verbose: 1 for a progress line (plain off a terminal), 0 for one log
+      line per epoch.
   """
   strategy: str = "mirrored"
   virtual_devices: int | None = None

@@ -15,6 +15,7 @@ from absl import app
 from absl import flags
 
 from tfmgpu import flags as flags_lib
+from tfmgpu.flags import cli
 
 _JSON = flags.DEFINE_bool(
     "json", False, "Print machine-readable JSON instead of text.")
@@ -42,7 +43,7 @@ def main(argv: Sequence[str]) -> None:
 
 def run() -> None:
   """Console-script entry point (`tfmgpu-doctor`)."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

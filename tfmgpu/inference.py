@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmgpu import checks
 from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
@@ -184,22 +185,29 @@ class Predictor:
     self._fn = _predict_function(self.runner, self.strategy)
     self._fn_one = self._fn.one
 
-  def predict(self, x: Any) -> Any:
-    """Predictions for every row of `x`, in input order (float32 numpy).
+  def predict(self, x: Any, *, output_kind: str = "logits") -> Any:
+    """Predictions for every row of `x`, in input order (numpy).
 
     Args:
       x: an array, a dict/list/tuple of arrays (a model with several
         inputs), or a `tf.data.Dataset` of input batches (`x`, or `(x, y)`
         / `(x, y, sample_weight)` whose targets are ignored, as in Keras).
+      output_kind: `logits` (the model's outputs), `probabilities` or
+        `classes` (see `convert_outputs`). Defaults to `logits`.
 
     Returns:
-      One float32 array with a row per input row, or a list/dict of them
-      for a model with several outputs.
+      One array with a row per input row (float32; int32 classes), or a
+      list/dict of them for a model with several outputs.
 
     Raises:
-      ValueError, TypeError: inputs that are not arrays or a dataset, or
-        rows that do not fit the model's input.
+      ValueError, TypeError: inputs that are not arrays or a dataset, rows
+        that do not fit the model's input, or an unknown `output_kind`.
     """
+    checks.check_choice("output_kind", output_kind, OUTPUT_KINDS)
+    return convert_outputs(self._predict(x), output_kind)
+
+  def _predict(self, x: Any) -> Any:
+    """The model's float32 outputs for every row of `x`, in input order."""
     if isinstance(x, tf.data.Dataset):
       return self._predict_dataset(x)
     source = inputs_lib.from_user(x, what="x", needs_targets=False)
@@ -343,7 +351,8 @@ _PREDICTORS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary(
 
 def predict(model: Any, x: Any, *, strategy: Any = None,
             batch_size: int = 1024, steps_per_execution: int = 4,
-            precision: str = "float32", prefetch: bool = True) -> Any:
+            precision: str = "float32", prefetch: bool = True,
+            output_kind: str = "logits") -> Any:
   """Predictions for every row of `x`, in input order, on any placement.
 
   A final partial batch is padded and trimmed, so no row is dropped or
@@ -358,6 +367,8 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
       `tf.data.Dataset` of batches (see `Predictor.predict`).
     strategy, batch_size, steps_per_execution, precision, prefetch: see
       `Predictor`.
+    output_kind: `logits`, `probabilities` or `classes` (see
+      `convert_outputs`). Defaults to `logits`.
 
   Returns:
     A float32 numpy array with a row per input row (a list or dict of them
@@ -375,7 +386,7 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
     cache[key] = Predictor(model, strategy=strategy, batch_size=batch_size,
                            steps_per_execution=steps_per_execution,
                            precision=precision, prefetch=prefetch)
-  return cache[key].predict(x)
+  return cache[key].predict(x, output_kind=output_kind)
 
 
 # ------------------------------------------------------- load and export
@@ -568,6 +579,52 @@ def place_for_serving(models: list, strategy: str, **options) -> tuple:
   """
   distribution = strategies_lib.lookup(strategy)
   return distribution.serve(models, distribution.options(**options))
+
+
+OUTPUT_KINDS = ("logits", "probabilities", "classes")
+
+
+def convert_outputs(predictions: Any, kind: str = "logits") -> Any:
+  """A classifier's outputs as logits, probabilities or classes.
+
+  Args:
+    predictions: what `predict` returns: one array or a list/dict of them,
+      each holding class scores on its last axis (`C >= 2` of them).
+    kind: `logits`: unchanged; `probabilities`: a softmax over the last
+      axis (outputs that already are probabilities, non-negative and
+      summing to 1, are kept); `classes`: the index of the highest score
+      (int32, the last axis dropped).
+
+  Returns:
+    The same nesting of arrays.
+
+  Raises:
+    ValueError: an unknown `kind`, or an output without class scores.
+  """
+  checks.check_choice("output_kind", kind, OUTPUT_KINDS)
+  if kind == "logits":
+    return predictions
+  if isinstance(predictions, dict):
+    return {k: _convert(v, kind, k) for k, v in predictions.items()}
+  if isinstance(predictions, (list, tuple)):
+    return type(predictions)(_convert(v, kind, f"output_{i}")
+                             for i, v in enumerate(predictions))
+  return _convert(predictions, kind, "the output")
+
+
+def _convert(scores: Any, kind: str, name: str) -> np.ndarray:
+  scores = np.asarray(scores, np.float32)
+  if scores.ndim < 2 or scores.shape[-1] < 2:
+    raise ValueError(
+        f"output_kind={kind!r} needs class scores, but {name} has shape "
+        f"{scores.shape} (per row, {scores.shape[1:] or 'one value'}). Use "
+        "output_kind='logits' for a regression or a single-unit output.")
+  if kind == "classes":
+    return np.argmax(scores, axis=-1).astype(np.int32)
+  if np.all(scores >= 0) and np.allclose(scores.sum(-1), 1.0, atol=1e-3):
+    return scores  # A softmax output already.
+  shifted = np.exp(scores - scores.max(axis=-1, keepdims=True))
+  return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
 def save_predictions(path: str, predictions: Any) -> str:

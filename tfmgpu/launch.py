@@ -22,6 +22,7 @@ from absl import app
 from absl import flags
 
 from tfmgpu import launcher
+from tfmgpu.flags import cli
 
 _NUM_WORKERS = flags.DEFINE_integer(
     "num_workers", 2, "Number of 'worker' tasks.", lower_bound=1)
@@ -70,7 +71,7 @@ def main(argv: Sequence[str]) -> int:
 
 def run() -> None:
   """Entry point of `python -m tfmgpu.launch` and its script wrapper."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from tfmgpu.flags import devices
 from tfmgpu.flags import execution
 from tfmgpu.flags import stages
 from tfmgpu.flags import strategy as strategy_flags
+from tfmgpu.flags import cli
 
 for _group in (strategy_flags, devices, data, execution, stages):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
@@ -37,13 +38,20 @@ _MODEL_PATH = flags.DEFINE_list(
 _OUTPUT = flags.DEFINE_string(
     "output", None, "Write predictions (float32) to this .npy file; a model "
     "with several outputs writes one .npz of named arrays instead.")
+_OUTPUT_KIND = flags_lib.define_choice(
+    "output_kind", "logits", ["logits", "probabilities", "classes"],
+    "What --output holds for a classifier: its logits, softmax "
+    "probabilities, or the class of the highest score (int32).",
+    module_name=__name__)
 _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", 1024, "Global batch per step.", lower_bound=1)
-_PRECISION = flags.DEFINE_enum(
+_PRECISION = flags_lib.define_choice(
     "precision", "float32", ["float32", "bfloat16", "float16"],
-    "Compute precision; outputs are float32.")
-_SPLIT = flags.DEFINE_enum(
-    "split", "test", ["test", "train"], "Which part of --dataset to predict.")
+    "Compute precision; outputs are float32.",
+    module_name=__name__)
+_SPLIT = flags_lib.define_choice(
+    "split", "test", ["test", "train"], "Which part of --dataset to predict.",
+    module_name=__name__)
 
 
 def main(argv: list[str]) -> int:
@@ -64,7 +72,10 @@ def main(argv: list[str]) -> int:
   flags_lib.quiet_tensorflow()
   try:
     predictor, x, y = _prepare()
-    predictor.predict(_first_rows(x, _BATCH_SIZE.value))  # Warm-up: trace.
+    first = predictor.predict(_first_rows(x, _BATCH_SIZE.value))  # Trace.
+    if _OUTPUT.value:  # An --output_kind the outputs cannot be: say it now.
+      from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+      inference.convert_outputs(first, _OUTPUT_KIND.value)
     start = time.perf_counter()
     predictions = predictor.predict(x)
     seconds = time.perf_counter() - start
@@ -192,20 +203,22 @@ def _report(predictor, predictions, y, seconds: float) -> int:
     print(f"accuracy   {accuracy:.4f}")
   if _OUTPUT.value:
     try:
-      written = inference.save_predictions(_OUTPUT.value, predictions)
+      written = inference.save_predictions(
+          _OUTPUT.value,
+          inference.convert_outputs(predictions, _OUTPUT_KIND.value))
     except OSError as e:
       print(f"error: {files.describe_os_error(e, _OUTPUT.value)}",
             file=sys.stderr)
       return 1
     several = (f" ({len(predictions)} outputs, one array each)"
                if isinstance(predictions, (dict, list, tuple)) else "")
-    print(f"output     {written}{several}")
+    print(f"output     {written} ({_OUTPUT_KIND.value}){several}")
   return 0
 
 
 def run() -> None:
   """Console-script entry point (`tfmgpu-predict`)."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 class _CliAndFunction(types.ModuleType):

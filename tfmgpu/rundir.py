@@ -91,6 +91,45 @@ def prepare_model_dir(model_dir: str) -> str:
   return model_dir
 
 
+def missing_directories(model_dir: str) -> list[str]:
+  """`model_dir` and those of its parents that do not exist, deepest first."""
+  missing = []
+  path = os.path.normpath(model_dir)
+  while path and not os.path.exists(path):
+    missing.append(path)
+    parent = os.path.dirname(path)
+    if parent == path:
+      break
+    path = parent
+  return missing
+
+
+def remove_unused(created: list[str]) -> list[str]:
+  """Removes the directories a failed run created, if it left nothing else.
+
+  Args:
+    created: `missing_directories(model_dir)` from before the run, deepest
+      first. Each is removed if it holds only the run's record and lock (or
+      nothing); the first that holds more is kept, with its parents.
+
+  Returns:
+    The directories removed.
+  """
+  removed = []
+  for path in created:
+    try:
+      entries = set(os.listdir(path))
+      if not entries <= {RECORD_NAME, LOCK_NAME}:
+        break
+      for name in entries:
+        os.remove(os.path.join(path, name))
+      os.rmdir(path)
+    except OSError:  # Gone, or written by someone else meanwhile: keep.
+      break
+    removed.append(path)
+  return removed
+
+
 def has_checkpoints(model_dir: str) -> bool:
   """Whether `model_dir/checkpoints` holds any checkpoint file."""
   directory = os.path.join(model_dir, "checkpoints")

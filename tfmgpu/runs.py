@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shlex
 import time
 from typing import Any, Callable
 
@@ -93,6 +94,13 @@ class RunSummary:
              _values(self.final_loss, self.train_metrics)),
             ("throughput", f"{self.examples_per_sec:,.0f} examples/s")]
 
+  def _tensorboard_rows(self) -> list[tuple[str, str]]:
+    """How to open the run's summaries, when it wrote any."""
+    summaries = os.path.join(self.model_dir, "summaries")
+    if not os.path.isdir(summaries):
+      return []
+    return [("tensorboard", f"tensorboard --logdir {shlex.quote(summaries)}")]
+
   def __str__(self) -> str:
     named = [(k, v) for k, v in (("model", self.model_name),
                                  ("dataset", self.dataset_name)) if v]
@@ -104,6 +112,7 @@ class RunSummary:
             ("wall time", f"{self.seconds:.1f} s"),
             ("checkpoints", self.checkpoint or "none"),
             ("saved model", self.saved_model or "none"),
+            *self._tensorboard_rows(),
             ("weights sha256", self.weights_digest or "n/a")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

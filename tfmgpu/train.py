@@ -46,6 +46,7 @@ from tfmgpu.flags import execution
 from tfmgpu.flags import planner
 from tfmgpu.flags import stages
 from tfmgpu.flags import strategy
+from tfmgpu.flags import cli
 from tfmgpu.placements import pipeline
 from tfmgpu.training.choices import COMPRESSION_CHOICES
 from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
@@ -82,44 +83,51 @@ _EPOCHS = flags.DEFINE_integer("epochs", 5, "Epochs to train.", lower_bound=1)
 _STEPS_PER_EPOCH = flags.DEFINE_integer(
     "steps_per_epoch", None, "Steps per epoch (default: one pass).",
     lower_bound=1)
-_OPTIMIZER = flags.DEFINE_enum(
-    "optimizer", "adam", list(OPTIMIZER_CHOICES), "Optimizer.")
+_OPTIMIZER = flags_lib.define_choice(
+    "optimizer", "adam", list(OPTIMIZER_CHOICES), "Optimizer.",
+    module_name=__name__)
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
 _CLIP_NORM = flags.DEFINE_float(
     "clip_norm", None, "Clip gradients to this global norm.")
-_GRADIENT_COMPRESSION = flags.DEFINE_enum(
+_GRADIENT_COMPRESSION = flags_lib.define_choice(
     "gradient_compression", "none", list(COMPRESSION_CHOICES),
-    "All-reduce gradients in 16 bits (half the bytes on the wire).")
+    "All-reduce gradients in 16 bits (half the bytes on the wire).",
+    module_name=__name__)
 _BYTES_PER_PACK = flags.DEFINE_integer(
     "bytes_per_pack", 0, "All-reduce pack size in bytes (0: TF's default).",
     lower_bound=0)
-_MIXED_PRECISION = flags.DEFINE_enum(
+_MIXED_PRECISION = flags_lib.define_choice(
     "mixed_precision", "float32", list(models_lib.MIXED_PRECISION_POLICIES),
-    "Keras dtype policy; mixed_float16 adds loss scaling.")
+    "Keras dtype policy; mixed_float16 adds loss scaling.",
+    module_name=__name__)
 _JIT_COMPILE = flags.DEFINE_bool(
     "jit_compile", False, "XLA-compile each replica's forward/backward.")
 _FUSED_OPTIMIZER = flags.DEFINE_bool(
     "fused_optimizer", True, "Update each variable with one fused kernel "
     "(adam, adamw, sgd, momentum); false: Keras's per-op update.")
-_INPUT_MODE = flags.DEFINE_enum(
+_INPUT_MODE = flags_lib.define_choice(
     "input_mode", "auto", list(INPUT_MODE_CHOICES),
     "device: hold the training arrays on each replica's device and gather "
     "batches there; tf_data: a tf.data pipeline; auto: device on one host "
     f"when all replicas' copies take <= {DEVICE_DATA_MAX_MIB} MiB. A "
     "tf.data.Dataset on CPU replicas is read once on the host and split in "
-    "the step, unless tf_data (TF's distributed iterator).")
+    "the step, unless tf_data (TF's distributed iterator).",
+    module_name=__name__)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
-_SCHEDULE = flags.DEFINE_enum(
-    "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.")
+_SCHEDULE = flags_lib.define_choice(
+    "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.",
+    module_name=__name__)
 _RECOMPUTE = flags.DEFINE_bool(
     "recompute", False, "Pipeline: recompute activations in the backward.")
-_COMMUNICATION = flags.DEFINE_enum(
+_COMMUNICATION = flags_lib.define_choice(
     "communication", "auto", list(strategies_lib.COMMUNICATION_CHOICES),
-    "Collective implementation for 'multi_worker_mirrored'.")
-_CLUSTER_RESOLVER = flags.DEFINE_enum(
+    "Collective implementation for 'multi_worker_mirrored'.",
+    module_name=__name__)
+_CLUSTER_RESOLVER = flags_lib.define_choice(
     "cluster_resolver", "tf_config", list(strategies_lib.CLUSTER_RESOLVERS),
-    "Where the cluster comes from for multi-worker strategies.")
+    "Where the cluster comes from for multi-worker strategies.",
+    module_name=__name__)
 _VARIABLE_SHARDS = flags.DEFINE_integer(
     "variable_shards", None, "'parameter_server': split each variable over "
     "this many parameter servers.", lower_bound=1)
@@ -129,8 +137,10 @@ _PARAMETER_DEVICE = flags.DEFINE_string(
 _TPU = flags.DEFINE_string(
     "tpu", "", "'tpu': the TPU's name or address (empty: this TPU VM's).")
 _MODEL_DIR = flags.DEFINE_string(
-    "model_dir", None, "Checkpoints, summaries and model.keras go here; an "
-    "existing directory is resumed. Default: a new runs/<time>-<strategy>.")
+    "model_dir", None, "Checkpoints, TensorBoard summaries (the run's "
+    "summary prints the tensorboard --logdir command) and model.keras go "
+    "here; an existing directory is resumed. Default: a new "
+    "runs/<time>-<strategy>.")
 _CHECKPOINT_EVERY_STEPS = flags.DEFINE_integer(
     "checkpoint_every_steps", None, "Also save a checkpoint every N global "
     "steps, not only per epoch (a kill then loses < N steps).", lower_bound=1)
@@ -138,8 +148,9 @@ _CHECKPOINT_EVERY_S = flags.DEFINE_float(
     "checkpoint_every_s", None, "Also save a checkpoint every N seconds of "
     "training, not only per epoch.", lower_bound=0.001)
 _VERBOSE = flags.DEFINE_integer(
-    "verbose", 1, "0: one log line per epoch; 1: a progress bar; 2: a progress "
-    "bar and TensorFlow's own log messages (hidden otherwise, unless "
+    "verbose", 1, "0: one log line per epoch; 1: a progress line (one plain "
+    "line per epoch when stdout is not a terminal); 2: that and "
+    "TensorFlow's own log messages (hidden otherwise, unless "
     "TF_CPP_MIN_LOG_LEVEL is set).", lower_bound=0, upper_bound=2)
 _PLAN_ONLY = flags.DEFINE_bool(
     "plan_only", False, "Print the stage plan and memory estimate; no training.")
@@ -241,18 +252,35 @@ def main(argv: list[str]) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 1
     return 0
-  try:  # The run directory, before TF loads: usable, unlocked, same run.
-    config, lock = open_run_dir(config, role)
-  except rundir.RunDirError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
-  except OSError as e:  # Writing run.json on a full disk, ...
-    print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
-    return 1
+  return _train_in_run_dir(config, role)
+
+
+def _train_in_run_dir(config: config_lib.TrainConfig,
+                      role: cluster.TaskRole) -> int:
+  """Opens the run directory, trains; the exit code. A run that fails
+  before writing anything removes the directories it created."""
+  config = config.replace(
+      model_dir=config.model_dir or rundir.default_model_dir(config.strategy))
+  created = (rundir.missing_directories(config.model_dir)
+             if cluster.writes_outputs(role, config) else [])
+  code = 1
   try:
-    return _train(config)
+    try:  # The run directory, before TF loads: usable, unlocked, same run.
+      config, lock = open_run_dir(config, role)
+    except rundir.RunDirError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return code
+    except OSError as e:  # Writing run.json on a full disk, ...
+      print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
+      return code
+    try:
+      code = _train(config)
+      return code
+    finally:
+      lock.release()
   finally:
-    lock.release()
+    if code:
+      rundir.remove_unused(created)
 
 
 def open_run_dir(config: config_lib.TrainConfig, role: cluster.TaskRole
@@ -293,7 +321,7 @@ def _train(config: config_lib.TrainConfig) -> int:
 
 def run() -> None:
   """Console-script entry point (`tfmgpu-train`)."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 if __name__ == "__main__":

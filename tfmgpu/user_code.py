@@ -36,6 +36,8 @@ import re
 import sys
 from typing import Any, Callable, Iterable
 
+from tfmgpu import checks
+
 FORMS = "'package.module:function' or 'path/to/file.py:function'"
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -144,7 +146,8 @@ def check_name(what: str, value: str, registered: Iterable[str],
   registered = list(registered)
   if value not in registered:
     builder = "builder" if what == "model" else "loader"
-    raise ValueError(f"{what}={value!r} is unknown. Choose one of "
+    hint = checks.did_you_mean(value, registered)
+    raise ValueError(f"{what}={value!r} is unknown.{hint} Choose one of "
                      f"{', '.join(registered)}, or name your own {builder} as "
                      f"{FORMS}.")
 

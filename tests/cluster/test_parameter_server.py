@@ -55,6 +55,11 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
   assert re.search(rf"\[chief:0\] .*Resumed from .*global step {step}\.", text)
   accuracy = float(helpers.summary_value(
       text, "chief:0", "test loss / accuracy").split(" / ")[1])
+  # Issue 29 item 16: the summary said "replicas 1 on /device:CPU:0".
+  assert re.fullmatch(r"2 on 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+",
+                      helpers.summary_value(text, "chief:0", "workers"))
+  assert re.fullmatch(r"1 on 127\.0\.0\.1:\d+", helpers.summary_value(
+      text, "chief:0", "parameter servers"))
   # No checkpoint number is saved twice (#16): the preemption's mid-epoch
   # checkpoint keeps its number, so the last one is the last epoch's.
   numbers = sorted(int(f[len("ckpt-"):-len(".index")])

@@ -304,3 +304,34 @@ def test_a_placed_models_checkpoint_from_before_the_portable_view_resumes(
       str(tmp_path), tf.distribute.get_strategy(), model=split,
       optimizer=optimizer)
   assert again.restore_latest() == 2
+
+
+def test_a_relative_model_dir_names_each_checkpoint_once(
+    tmp_path, monkeypatch, caplog):
+  """Issue 29 item 7: TF joins the state file's names to the directory
+  already; joining again named `runs/x/checkpoints/runs/x/checkpoints/...`,
+  which failed to read and was logged as damage."""
+  monkeypatch.chdir(tmp_path)
+  saver = _checkpointer(os.path.join("runs", "x"), seed=1)
+  saver.save(1, step=3)
+  saver.save(2, step=6)
+  fresh = _checkpointer(os.path.join("runs", "x"), seed=7)
+  directory = os.path.join("runs", "x", "checkpoints")
+  assert fresh.candidates() == [os.path.join(directory, "ckpt-2"),
+                                os.path.join(directory, "ckpt-1")]
+  caplog.set_level("INFO")
+  assert fresh.restore_latest() == 2
+  assert "Skipping" not in caplog.text
+  assert (f"Resumed from {os.path.join(directory, 'ckpt-2')}: after 2 whole "
+          "epochs, global step 6." in caplog.text)
+
+
+def test_the_resume_line_says_where_in_the_epoch_it_stands(tmp_path, caplog):
+  saver = _checkpointer(tmp_path, seed=1)
+  saver.save(1, step=3)
+  caplog.set_level("INFO")
+  _checkpointer(tmp_path).restore_latest()
+  assert ": after 1 whole epoch, global step 3." in caplog.text
+  saver.save(1, step=5, epoch_step=2)
+  _checkpointer(tmp_path).restore_latest()
+  assert ": epoch 2, step 2 of it, global step 5." in caplog.text

@@ -103,6 +103,12 @@ def npz(path: str | None = None) -> Arrays:
   if not os.path.exists(path):
     raise FileNotFoundError(f"dataset 'npz': path={path!r} does not exist.")
   x_train, y_train, x_test, y_test = _read_npz(path)
+  for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+    if len(x) != len(y):  # Said now, not after predicting every row.
+      raise ValueError(
+          f"dataset 'npz': {path!r} holds {len(x)} rows in x_{split} but "
+          f"{len(y)} in y_{split}. Give one label per example: as many rows "
+          f"in y_{split} as in x_{split}.")
   for name, y in (("y_train", y_train), ("y_test", y_test)):
     if y.dtype.kind == "f" and not np.all(np.isfinite(y) & (y == np.round(y))):
       raise ValueError(f"dataset 'npz': {name} in {path!r} holds non-integer "

@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from tfmgpu import checks
 from tfmgpu import user_code
 
 
@@ -187,7 +188,8 @@ def dataset_entry(name: str) -> DatasetEntry:
   if user_code.is_reference(name):
     return _user_entry(name)
   if name not in _REGISTRY:
-    raise ValueError(f"Unknown dataset name={name!r}. Available names: "
+    raise ValueError(f"Unknown dataset name={name!r}."
+                     f"{checks.did_you_mean(name, _REGISTRY)} Available names: "
                      f"{', '.join(sorted(_REGISTRY))}; or your own loader as "
                      f"{user_code.FORMS}.")
   return _REGISTRY[name]

@@ -26,15 +26,30 @@ from typing import Sequence
 
 from absl import flags
 
+from tfmgpu import checks
+
+
+class _SuggestingEnumParser(flags.EnumParser):
+  """absl's enum parser, whose error adds `Did you mean 'mirrored'?`."""
+
+  def parse(self, argument: str) -> str:
+    try:
+      return super().parse(argument)
+    except ValueError as e:
+      raise ValueError(
+          f"{e}.{checks.did_you_mean(argument, self.enum_values)}") from None
+
 
 class _SpacedEnumFlag(flags.EnumFlag):
   """An enum flag whose `--help` lists choices as `<a | b | c>`, so that long
   lists wrap between names instead of inside one (absl joins them with a
-  bare `|`, which `--help` wraps mid-word)."""
+  bare `|`, which `--help` wraps mid-word), and whose error suggests the
+  nearest choice to a misspelt one."""
 
   def __init__(self, name: str, default: str, help_text: str,
                choices: Sequence[str]):
     super().__init__(name, default, help_text, list(choices))
+    self.parser = _SuggestingEnumParser(list(choices))
     self.help = f"<{' | '.join(self.parser.enum_values)}>: {help_text}"
 
 
@@ -47,6 +62,8 @@ def define_choice(name: str, default: str, choices: Sequence[str],
     module_name: the defining module's `__name__` (so that the CLIs that
       adopt the module's key flags list this one in `--help`).
   """
+  if module_name == "__main__":  # absl files the main module's flags under
+    module_name = sys.argv[0]    # its path (`python -m tfmgpu.train`).
   return flags.DEFINE_flag(_SpacedEnumFlag(name, default, help_text, choices),
                            module_name=module_name)
 

@@ -2,14 +2,16 @@
 
 from absl import flags
 
+from tfmgpu import flags as flags_lib
 from tfmgpu.placements import model_parallel
 
 NUM_STAGES = flags.DEFINE_integer(
     "num_stages", 2, "Stages for model_parallel/pipeline; branches for "
     "branch_parallel.", lower_bound=1)
-PARTITION = flags.DEFINE_enum(
+PARTITION = flags_lib.define_choice(
     "partition", "balanced", list(model_parallel.PARTITION_CHOICES),
-    "Cost that stages are balanced by.")
+    "Cost that stages are balanced by.",
+    module_name=__name__)
 SPLIT_POINTS = flags.DEFINE_list(
     "split_points", None, "Explicit stage boundaries (layer names).")
 MICRO_BATCHES = flags.DEFINE_integer(

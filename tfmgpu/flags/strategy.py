@@ -16,16 +16,18 @@ NUM_GPUS = flags.DEFINE_integer(
 NUM_REPLICAS = flags.DEFINE_integer(
     "num_replicas", None, "Use the first N accelerator devices (GPUs, else "
     "logical CPUs).", lower_bound=1)
-CROSS_DEVICE_OPS = flags.DEFINE_enum(
+CROSS_DEVICE_OPS = flags_lib.define_choice(
     "cross_device_ops", "auto", list(strategies_lib.CROSS_DEVICE_OPS_CHOICES),
     "All-reduce implementation for 'mirrored'; auto picks NCCL only when "
-    "every replica is a GPU.")
+    "every replica is a GPU.",
+    module_name=__name__)
 NUM_PACKS = flags.DEFINE_integer(
     "num_packs", 1, "Gradient packs for all-reduce.", lower_bound=1)
-SINGLE_REPLICA = flags.DEFINE_enum(
+SINGLE_REPLICA = flags_lib.define_choice(
     "single_replica", "default", list(strategies_lib.SINGLE_REPLICA_CHOICES),
     "'mirrored' with one replica: 'default' skips MirroredStrategy's "
-    "overhead; 'mirrored' keeps it.")
+    "overhead; 'mirrored' keeps it.",
+    module_name=__name__)
 
 
 def values() -> dict:

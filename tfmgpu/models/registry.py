@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Iterator
 
+from tfmgpu import checks
 from tfmgpu import user_code
 from tfmgpu._lazy import LazyModule
 
@@ -170,7 +171,8 @@ def model_builder(name_or_fn: str | ModelFn) -> ModelFn:
     return user_code.load_function("model", name_or_fn, USER_BUILDER_CALL)
   if name_or_fn in _REGISTRY:
     return _REGISTRY[name_or_fn].builder
-  raise ValueError(f"Unknown model name={name_or_fn!r}. Available names: "
+  hint = checks.did_you_mean(name_or_fn, _REGISTRY)
+  raise ValueError(f"Unknown model name={name_or_fn!r}.{hint} Available names: "
                    f"{', '.join(sorted(_REGISTRY))}; or your own builder as "
                    f"{user_code.FORMS}.")
 

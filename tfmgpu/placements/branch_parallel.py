@@ -39,6 +39,7 @@ class BranchOptions:
 class BranchParallelPlacement(registry.Distribution):
   """Sub-models on separate devices, run at the same time."""
   name = "branch_parallel"
+  python_api = "tfmgpu.BranchParallel"
   description = ("Parallel sub-models (towers, ensemble members) on separate "
                  "devices on the same input, outputs combined "
                  "(BranchParallel).")

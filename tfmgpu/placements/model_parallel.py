@@ -146,6 +146,7 @@ def keras_models_only(name: str, models: Sequence[Any]) -> None:
 class ModelParallel(registry.Distribution):
   """Stages on separate devices, run one after another."""
   name = "model_parallel"
+  python_api = "tfmgpu.StagedModel"
   description = ("Model parallelism: consecutive layer stages on separate "
                  "devices, each stage's forward and backward on its own "
                  "device (StagedModel).")

@@ -38,6 +38,7 @@ class PipelineOptions(model_parallel.StageOptions):
 class Pipeline(model_parallel.ModelParallel):
   """Stages on separate devices, overlapped by micro-batches."""
   name = "pipeline"
+  python_api = "tfmgpu.PipelinedModel"
   description = ("Pipeline parallelism: stages on separate devices fed "
                  "micro-batches (GPipe or 1F1B schedule), overlapping stages; "
                  "gradients accumulated and applied once (PipelinedModel).")

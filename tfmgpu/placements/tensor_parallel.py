@@ -52,6 +52,7 @@ class TensorOptions:
 class TensorParallel(registry.Distribution):
   """Rule-matched layers sharded over devices, with data-parallel copies."""
   name = "tensor_parallel"
+  python_api = "tfmgpu.parallel.tensor.TensorParallelModel"
   description = ("Tensor parallelism: attention split by heads and the MLP "
                  "by columns then rows over --tensor_parallel devices "
                  "(Megatron-LM arrangement: one all-reduce per block each "

@@ -62,7 +62,7 @@ def get_strategy(name: str = "default", **options: Any):
 
   Returns:
     A `tf.distribute.Strategy`; the default strategy for placements, whose
-    stages place themselves.
+    stages place themselves (a warning says so, and how to use them).
 
   Raises:
     ValueError: unknown name or option, or a choice that cannot work here
@@ -75,6 +75,21 @@ def get_strategy(name: str = "default", **options: Any):
         f"tf.distribute.Strategy; options {sorted(options)} belong to "
         "tfmgpu.parallel (e.g. tfmgpu.StagedModel / tfmgpu.plan_stages).")
   strategy = distribution.make_strategy(distribution.options(**options))
-  logging.info("Strategy %r: %d replica(s).", distribution.name,
-               strategy.num_replicas_in_sync)
+  if distribution.kind is Kind.PLACEMENT:
+    logging.warning("%s", placement_note(distribution))
+  else:
+    logging.info("Strategy %r: %d replica(s).", distribution.name,
+                 strategy.num_replicas_in_sync)
   return strategy
+
+
+def placement_note(distribution: Distribution) -> str:
+  """What `get_strategy` says when asked for a placement: the model places
+  itself, the strategy is the default one, and how to use the placement."""
+  name = distribution.name
+  own = (f", or place a model with {distribution.python_api}"
+         if distribution.python_api else "")
+  return (f"get_strategy({name!r}): {name!r} is a placement, which places "
+          "the model itself on its devices; this is the default strategy "
+          f"(1 replica). Use it with tfmgpu.TrainConfig(strategy={name!r}) "
+          f"or python -m tfmgpu.train --strategy={name}{own}.")

@@ -234,7 +234,13 @@ class ParameterServer(DataParallel):
     Read from the strategy's cluster spec: the coordinator itself computes
     nothing, so its one "replica" would say nothing about the cluster.
     """
-    resolver = getattr(placement.strategy, "cluster_resolver", None)
+    # TF 2.21's ParameterServerStrategy answers `cluster_resolver` with None
+    # (the property reads `extended._cluster_resolver`, which it never sets),
+    # so a real run printed "replicas 1 on /device:CPU:0"; it keeps the
+    # resolver it was given in `_cluster_resolver`.
+    strategy = placement.strategy
+    resolver = (getattr(strategy, "cluster_resolver", None)
+                or getattr(strategy, "_cluster_resolver", None))
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
     if not spec.get("worker"):
       return super().describe(placement)

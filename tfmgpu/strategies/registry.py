@@ -28,6 +28,7 @@ import enum
 import importlib
 from typing import Any, Callable, ClassVar, Sequence
 
+from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
 
 tf = LazyModule("tensorflow")
@@ -90,6 +91,8 @@ class Distribution:
       TF_CONFIG at all) is an error before TensorFlow loads.
     slurm: a SLURM job can describe its cluster (every task the same role).
     job_roles: what a job does, where messages should say it.
+    python_api: a placement's own Python class (`tfmgpu.PipelinedModel`),
+      named when `get_strategy` is asked for the placement.
   """
   name: ClassVar[str] = ""
   description: ClassVar[str] = ""
@@ -103,6 +106,7 @@ class Distribution:
   required_jobs: ClassVar[tuple[str, ...]] = ()
   slurm: ClassVar[bool] = True
   job_roles: ClassVar[dict[str, str]] = {}
+  python_api: ClassVar[str] = ""
 
   # ------------------------------------------------------------ options
 
@@ -211,8 +215,8 @@ def lookup(name: str) -> Distribution:
   key = name.lower() if isinstance(name, str) else name
   if key not in _REGISTRY:
     raise ValueError(
-        f"Unknown strategy name={name!r}. Available names: "
-        f"{', '.join(sorted(_REGISTRY))}.")
+        f"Unknown strategy name={name!r}.{checks.did_you_mean(key, _REGISTRY)}"
+        f" Available names: {', '.join(sorted(_REGISTRY))}.")
   return _REGISTRY[key]
 
 

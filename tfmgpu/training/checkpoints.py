@@ -143,7 +143,12 @@ def _named_in_state(directory: str) -> list[str]:
     return []
   if state is None:
     return []
-  return [os.path.join(directory, p) if not os.path.isabs(p) else p
+  # TF has joined relative names to `directory` already; joining again
+  # doubled a relative `directory` (`runs/x/checkpoints/runs/x/...`). A name
+  # in `directory` is spelt as the scan spells it, so that each appears once.
+  here = os.path.abspath(directory)
+  return [os.path.join(directory, os.path.basename(p))
+          if os.path.dirname(os.path.abspath(p)) == here else p
           for p in [*state.all_model_checkpoint_paths,
                     state.model_checkpoint_path] if p]
 
@@ -184,6 +189,15 @@ def _keep_learning_rate(optimizer, given, path: str) -> None:
     variable.assign(given)
     logging.info("learning_rate: %s holds %.6g; training with the %.6g given "
                  "to this run.", path, restored, given)
+
+
+def _position(p: Progress) -> str:
+  """Where a checkpoint stands, in words (`after 4 whole epochs, ...`)."""
+  if not p.epoch_step:
+    whole = "epoch" if p.epoch == 1 else "epochs"
+    return f"after {p.epoch} whole {whole}, global step {p.step}"
+  return (f"epoch {p.epoch + 1}, step {p.epoch_step} of it, "
+          f"global step {p.step}")
 
 
 class Checkpointer:
@@ -277,11 +291,8 @@ class Checkpointer:
       status.assert_existing_objects_matched()
       _keep_learning_rate(optimizer, given, path)
       self._latest = path
-      p = self.progress
-      logging.info("Resumed from %s: epoch %d, step %d of it, global step %d.",
-                   path, p.epoch + (1 if p.epoch_step else 0), p.epoch_step,
-                   p.step)
-      return p.epoch
+      logging.info("Resumed from %s: %s.", path, _position(self.progress))
+      return self.progress.epoch
     self._check_nothing_left(skipped)
     return 0
 

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import preemption as preemption_lib
+from tfmgpu.training import progress as progress_lib
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -270,11 +271,8 @@ class Controller:
                  steps_per_epoch: int, callbacks) -> dict[str, float]:
     """The steps of one epoch; returns its running loss and metrics."""
     self.runner.start_epoch(epoch, first)
-    bar = None
-    if self.o.verbose:
-      print(f"Epoch {epoch + 1}/{epochs}", flush=True)
-      bar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=[
-          "loss", *self.o.metric_names, "examples/s"])
+    bar = (progress_lib.EpochProgress(epoch + 1, epochs, steps_per_epoch)
+           if self.o.verbose else None)
     per_call = bar is not None or bool(self.o.callbacks)
     done, total = first, StepSums(steps=0, loss=0.0, count=0.0)
     while done < steps_per_epoch:
@@ -293,11 +291,13 @@ class Controller:
       if per_call:
         logs = self._logs(total)
         if bar is not None:
-          bar.update(done, values=list(logs.items()) + [("examples/s", rate)])
+          bar.update(done, logs, rate)
         callbacks.on_train_batch_end(done - 1, logs)
       self._write_step_summaries(sums, rate)
       if done < steps_per_epoch:
         self._mid_epoch_saves(epoch, done, steps_per_epoch)
+    if bar is not None:
+      bar.end()
     return self._logs(total) if total.steps else {}
 
   # ------------------------------------------ checkpoints (reliability)

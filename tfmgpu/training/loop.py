@@ -197,7 +197,8 @@ class Trainer:
     checkpoint_every_s: also save a checkpoint once N seconds have passed
       since the last save (agreed by every worker).
     callbacks: Keras callbacks (epoch/batch hooks, `model.stop_training`).
-    verbose: 1 shows a progress bar per epoch, 0 logs one line per epoch.
+    verbose: 1 shows a progress line per epoch (plain off a terminal), 0
+      logs one line per epoch.
   """
 
   def __init__(self, model: keras.Model, *,

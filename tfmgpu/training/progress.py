@@ -1,0 +1,80 @@
+"""`EpochProgress`: one epoch's progress on stdout, readable in a log file.
+
+On a terminal (or a notebook) one line is rewritten in place as steps run;
+anywhere else (a log file, a pipe, a scheduler's capture) a single plain
+line is printed when the epoch ends: no carriage returns, no ANSI colour
+codes (Keras's `Progbar` writes both, and one line per update, to files).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Mapping
+
+_INTERVAL_S = 0.1  # Rewrites of a terminal line at most this often.
+
+
+def is_interactive(stream: IO[str]) -> bool:
+  """`stream` shows a rewritten line as one line: a terminal or a notebook."""
+  isatty = getattr(stream, "isatty", None)
+  return bool(isatty and isatty()) or "ipykernel" in sys.modules
+
+
+def format_logs(logs: Mapping[str, float], rate: float | None = None) -> str:
+  """`loss: 0.1234 - accuracy: 0.9620 - examples/s: 309`."""
+  parts = [f"{k}: {v:.4f}" if abs(v) >= 1e-3 or v == 0 else f"{k}: {v:.3e}"
+           for k, v in logs.items()]
+  if rate is not None:
+    parts.append(f"examples/s: {rate:,.0f}")
+  return " - ".join(parts)
+
+
+class EpochProgress:
+  """Progress of epoch `epoch` (1-based) of `epochs`, `steps` steps long.
+
+  Args:
+    epoch, epochs, steps: where the run is.
+    stream: where to write. Defaults to `sys.stdout`.
+    interactive: rewrite a line in place; `None`: when `stream` is a
+      terminal or a notebook (`is_interactive`).
+  """
+
+  def __init__(self, epoch: int, epochs: int, steps: int, *,
+               stream: IO[str] | None = None,
+               interactive: bool | None = None):
+    self.stream = stream or sys.stdout
+    self.interactive = (is_interactive(self.stream) if interactive is None
+                        else interactive)
+    self.epoch, self.epochs, self.steps = epoch, epochs, steps
+    self._start = time.perf_counter()
+    self._written = 0.0
+    self._width = 0
+    self._line = ""
+    if self.interactive:
+      self._write(f"Epoch {epoch}/{epochs}\n")
+
+  def update(self, done: int, logs: Mapping[str, float], rate: float) -> None:
+    """`done` steps of the epoch, with the running `logs` and examples/s."""
+    width = len(str(self.steps))
+    seconds = time.perf_counter() - self._start
+    self._line = (f"{done:>{width}}/{self.steps} - {seconds:.0f}s - "
+                  f"{format_logs(logs, rate)}")
+    now = time.perf_counter()
+    if self.interactive and (now - self._written >= _INTERVAL_S
+                             or done >= self.steps):
+      self._written = now
+      pad = " " * max(0, self._width - len(self._line))
+      self._write(f"\r{self._line}{pad}")
+      self._width = len(self._line)
+
+  def end(self) -> None:
+    """Ends the epoch's line (off a terminal: prints it, once)."""
+    if self.interactive:
+      self._write("\n")
+    elif self._line:
+      self._write(f"Epoch {self.epoch}/{self.epochs}: {self._line}\n")
+
+  def _write(self, text: str) -> None:
+    self.stream.write(text)
+    self.stream.flush()
