@@ -80,6 +80,45 @@ def test_a_resume_refuses_other_settings_and_applies_a_new_learning_rate(
   assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()
 
 
+def test_without_run_json_a_wrong_model_names_the_mismatch_and_writes_nothing(
+    tmp_path, capsys):
+  """Issue 29 item 3: run.json deleted (what its own error advises) and a
+  wrong --model: a clear error, and no record naming the wrong model, so
+  the right command resumes afterwards and records itself."""
+  model_dir = str(tmp_path / "run")
+  with flagsaver.flagsaver(**TINY, model_dir=model_dir):
+    assert train.main(["train"]) == 0
+  record = tmp_path / "run" / rundir.RECORD_NAME
+  record.unlink()
+  capsys.readouterr()
+  with flagsaver.flagsaver(**{**TINY, "model": "convnet"}, model_dir=model_dir):
+    assert train.main(["train"]) == 1
+  line = _error_line(capsys)
+  assert line.startswith(f"error: model_dir={model_dir!r} has no run.json, "
+                         "and its checkpoints do not restore into this run "
+                         "(model='convnet', ")
+  assert "ckpt-1 (Received incompatible tensor" in line
+  assert "run again with the --model" in line
+  assert not record.exists()
+  with flagsaver.flagsaver(**{**TINY, "epochs": 2}, model_dir=model_dir):
+    assert train.main(["train"]) == 0
+  assert json.loads(record.read_text())["model"] == "mlp"
+
+
+def test_a_blank_run_json_beside_checkpoints_is_refused(tmp_path, capsys):
+  """Issue 29 item 3: `{}` let --seed=1 continue seed 0's checkpoints."""
+  model_dir = str(tmp_path / "run")
+  with flagsaver.flagsaver(**TINY, model_dir=model_dir):
+    assert train.main(["train"]) == 0
+  (tmp_path / "run" / rundir.RECORD_NAME).write_text("{}")
+  capsys.readouterr()
+  with flagsaver.flagsaver(**TINY, model_dir=model_dir, seed=1):
+    assert train.main(["train"]) == 1
+  line = _error_line(capsys)
+  assert "run.json is {}: it names none of the settings" in line
+  assert "Delete it to resume" in line
+
+
 def test_a_live_run_keeps_a_second_one_out(tmp_path, capsys):
   model_dir = str(tmp_path / "run")
   holder = subprocess.Popen(

@@ -154,7 +154,7 @@ def test_the_record_holds_the_run(tmp_path):
   assert {k: record[k] for k in rundir.FIXED} == {
       "model": "mlp", "model_size": None, "optimizer": "adam",
       "global_batch_size": 64, "seed": 0, "dataset": "digits",
-      "placement": "data_parallel"}
+      "placement": "data_parallel", "micro_batches": None}
   assert (record["learning_rate"], record["epochs"]) == (2e-3, 2)
   assert set(record["versions"]) == {"tfmgpu", "tensorflow", "keras"}
   assert rundir.record_of(TrainConfig(strategy="pipeline", num_stages=3))[
@@ -223,6 +223,53 @@ def test_other_workers_compare_but_never_write(tmp_path):
       "epochs"] == 2
   with pytest.raises(rundir.RunRecordMismatchError, match="seed: 0 -> 2"):
     rundir.open_run(str(tmp_path), _record(seed=2), chief=False)
+
+
+def test_a_change_of_micro_batches_is_refused(tmp_path):
+  """Issue 29 item 3: micro-batches decide a pipeline's arithmetic."""
+  def pipeline(micro_batches):
+    return rundir.record_of(TrainConfig(
+        strategy="pipeline", model="mlp", micro_batches=micro_batches))
+  assert pipeline(4)["micro_batches"] == 4
+  rundir.open_run(str(tmp_path), pipeline(4)).release()
+  _with_checkpoint(tmp_path)
+  with pytest.raises(rundir.RunRecordMismatchError,
+                     match=r"micro_batches: 4 -> 2 \(--micro_batches\)"):
+    rundir.open_run(str(tmp_path), pipeline(2))
+  rundir.open_run(str(tmp_path), pipeline(4)).release()
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_a_missing_record_is_written_only_after_a_restore(tmp_path, caplog,
+                                                          content):
+  """No (or an empty) run.json beside checkpoints: nothing is written until
+  `confirm_record` (a checkpoint restored); a failed restore forgets it."""
+  _with_checkpoint(tmp_path)
+  path = tmp_path / rundir.RECORD_NAME
+  if content is not None:
+    path.write_text(content)
+  rundir.open_run(str(tmp_path), _record(model="convnet")).release()
+  assert "checkpoints but no run.json" in caplog.text
+  assert not path.exists() or path.read_text() == content
+  error = rundir.unconfirmed_error(str(tmp_path), RuntimeError("unreadable"))
+  assert isinstance(error, rundir.RunDirError)
+  assert "do not restore into this run (model='convnet'" in str(error)
+  assert rundir.confirm_record(str(tmp_path)) is None  # Forgotten.
+  assert not path.exists() or path.read_text() == content
+  rundir.open_run(str(tmp_path), _record()).release()
+  assert rundir.confirm_record(str(tmp_path)) == str(path)
+  assert json.loads(path.read_text())["model"] == "mlp"
+  other = RuntimeError("x")
+  assert rundir.unconfirmed_error(str(tmp_path), other) is other
+
+
+def test_a_blank_record_beside_checkpoints_is_refused(tmp_path):
+  _with_checkpoint(tmp_path)
+  (tmp_path / rundir.RECORD_NAME).write_text("{}")
+  with pytest.raises(rundir.RunDirError, match=(
+      r"run.json is \{\}: it names none of the settings \(model, .*"
+      r"Delete it to resume")):
+    rundir.open_run(str(tmp_path), _record(seed=1))
 
 
 def test_an_unreadable_record_is_named(tmp_path):

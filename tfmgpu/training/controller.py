@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -21,6 +22,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmgpu import rundir
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import preemption as preemption_lib
 
@@ -187,6 +189,19 @@ class LoopOptions:
   checkpoint_every_s: float | None = None
 
 
+def _restore(ckpt: ckpt_lib.Checkpointer) -> int:
+  """`ckpt.restore_latest()`; then the run directory's record, if it waited
+  for a checkpoint to restore (`rundir.confirm_record`), is written."""
+  model_dir = os.path.dirname(ckpt.chief_directory)
+  try:
+    epoch = ckpt.restore_latest()
+  except ckpt_lib.UnreadableCheckpointError as e:
+    raise rundir.unconfirmed_error(model_dir, e) from e
+  if ckpt.chief:
+    rundir.confirm_record(model_dir)
+  return epoch
+
+
 class Controller:
   """Runs epochs of a `StepRunner` with every loop feature, once.
 
@@ -219,7 +234,7 @@ class Controller:
       PreemptedError: SIGTERM arrived (`watcher`); a checkpoint was saved.
     """
     ckpt = self.o.checkpointer
-    initial_epoch = ckpt.restore_latest() if ckpt else 0
+    initial_epoch = _restore(ckpt) if ckpt else 0
     progress = ckpt.progress if ckpt else ckpt_lib.Progress()
     self._check_resume_point(progress, initial_epoch, steps_per_epoch)
     if initial_epoch >= epochs:
