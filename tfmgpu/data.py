@@ -147,6 +147,11 @@ class StreamedDataset(Protocol):
   def to_arrays(self) -> Arrays:
     """Both splits read into memory."""
 
+  def explain_read_error(self, error: Exception) -> Exception:
+    """An error that reading the files raised while training or evaluating
+    (e.g. a `tf.errors.DataLossError`), explained: naming the damaged
+    file; `error` itself when nothing more is known."""
+
 
 _REGISTRY: dict[str, DatasetEntry] = {}
 
@@ -576,10 +581,13 @@ def _keras_dataset(name: str) -> Callable[..., Arrays]:
 
 @register_dataset("tfrecord", "TFRecord shards written by scripts/"
                   "write_tfrecords.py, streamed (pass path='DIR/*.tfrecord').",
-                  options=("path", "seed"), streamed=True)
-def _tfrecord(path: str | None = None, seed: int = 0) -> StreamedDataset:
+                  options=("path", "seed", "skip_damaged_shards"),
+                  streamed=True)
+def _tfrecord(path: str | None = None, seed: int = 0,
+              skip_damaged_shards: bool | None = None) -> StreamedDataset:
   from tfmgpu import tfrecord  # pylint: disable=g-import-not-at-top
-  return tfrecord.open_source(path, seed=seed)
+  return tfrecord.open_source(path, seed=seed,
+                              skip_damaged_shards=skip_damaged_shards)
 
 
 @register_dataset("stdlib_text", "Byte-level language modelling on ~500 KB of "
