@@ -110,6 +110,10 @@ _INPUT_MODE = flags.DEFINE_enum(
     "tf.data.Dataset on CPU replicas is read once on the host and split in "
     "the step, unless tf_data (TF's distributed iterator).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
+_SKIP_DAMAGED_SHARDS = flags.DEFINE_bool(
+    "skip_damaged_shards", False, "--dataset=tfrecord: read every shard "
+    "through first and train without the damaged ones (logged); off, a "
+    "damaged shard stops the run, naming it.")
 _SCHEDULE = flags.DEFINE_enum(
     "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.")
 _RECOMPUTE = flags.DEFINE_bool(
@@ -207,7 +211,8 @@ def config_from_flags() -> config_lib.TrainConfig:
       model_dir=_MODEL_DIR.value,
       checkpoint_every_steps=_CHECKPOINT_EVERY_STEPS.value,
       checkpoint_every_s=_CHECKPOINT_EVERY_S.value,
-      seed=_SEED.value, schedule=_SCHEDULE.value, recompute=_RECOMPUTE.value,
+      seed=_SEED.value, skip_damaged_shards=_SKIP_DAMAGED_SHARDS.value,
+      schedule=_SCHEDULE.value, recompute=_RECOMPUTE.value,
       verbose=_VERBOSE.value)
 
 
