@@ -127,6 +127,10 @@ _CLUSTER_RESOLVER = flags.DEFINE_enum(
 _VARIABLE_SHARDS = flags.DEFINE_integer(
     "variable_shards", None, "'parameter_server': split each variable over "
     "this many parameter servers.", lower_bound=1)
+_CONNECT_TIMEOUT_S = flags.DEFINE_float(
+    "connect_timeout_s", None, "'parameter_server': seconds the coordinator "
+    "waits for every ps and worker task to listen before it stops with an "
+    "error naming the missing ones (default 300).", lower_bound=0.001)
 _PARAMETER_DEVICE = flags.DEFINE_string(
     "parameter_device", None, "'central_storage': where the variables live "
     "(default /cpu:0).")
@@ -194,6 +198,7 @@ def config_from_flags() -> config_lib.TrainConfig:
       communication=_COMMUNICATION.value,
       cluster_resolver=_CLUSTER_RESOLVER.value,
       variable_shards=_VARIABLE_SHARDS.value,
+      connect_timeout_s=_CONNECT_TIMEOUT_S.value,
       parameter_device=_PARAMETER_DEVICE.value, tpu=_TPU.value,
       model=_MODEL.value, model_size=_MODEL_SIZE.value,
       dataset=data.DATASET.value,
