@@ -279,3 +279,29 @@ def test_an_unreadable_record_is_named(tmp_path):
       r"run record \(.+\)\. Fix it, or delete it to record this run's "
       r"settings anew \(the checkpoints are kept\)\.")):
     rundir.open_run(str(tmp_path), _record())
+
+
+def test_a_full_disk_at_lock_time_says_disk_full(tmp_path, monkeypatch):
+  """Issue 29 item 5: it was reported as "no flock support"."""
+  import errno  # pylint: disable=g-import-not-at-top
+
+  def no_space(fd, data, offset):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(os, "pwrite", no_space)
+  with pytest.raises(rundir.RunDirError) as full:
+    rundir.RunLock(str(tmp_path)).acquire()
+  assert str(full.value) == (
+      f"model_dir={str(tmp_path)!r} cannot be locked: disk full while writing "
+      f"{tmp_path / rundir.LOCK_NAME} (No space left on device): free space "
+      "on that filesystem (or write elsewhere) and run the same command again.")
+  monkeypatch.undo()
+  rundir.RunLock(str(tmp_path)).acquire().release()  # Nothing held.
+
+
+def test_opening_a_run_dir_removes_what_a_killed_save_left(tmp_path):
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True).stdout
+  left = tmp_path / f".model.keras.tmp-{int(dead)}.keras"
+  left.write_bytes(b"a whole model")
+  rundir.open_run(str(tmp_path), _record()).release()
+  assert not left.exists()

@@ -186,7 +186,11 @@ def _take(path: str) -> int:
     if not same:
       os.close(fd)
       continue
-    _replace_stale(fd, path)
+    try:
+      _replace_stale(fd, path)
+    except OSError:  # A full disk while writing who holds it: let it go.
+      os.close(fd)
+      raise
     return fd
   raise RunDirError(f"Could not take the lock {path}: it kept being replaced.")
 
@@ -242,6 +246,9 @@ class RunLock:
       try:
         _HELD[key] = [_take(self.path), 1]
       except OSError as e:  # No write permission, no locks on this mount ...
+        if files.is_disk_full(e):
+          raise RunDirError(f"model_dir={self.model_dir!r} cannot be locked: "
+                            f"{files.describe_os_error(e, self.path)}") from e
         raise RunDirError(
             f"model_dir={self.model_dir!r} cannot be locked: {self.path} "
             f"({e.strerror or e}). Use a directory on a writable local or "
@@ -484,7 +491,9 @@ def open_run(model_dir: str, record: Mapping[str, Any], *,
     model_dir: the run directory.
     record: this run's (`record_of(config)`).
     chief: this process writes the run's outputs: it creates the directory,
-      takes the lock and writes the record. Other workers only compare.
+      takes the lock, deletes temporary files that a killed run left
+      (`files.remove_stale_temporaries`) and writes the record. Other
+      workers only compare.
 
   Returns:
     The `RunLock` (held by the chief): release it when the run ends.
@@ -496,6 +505,7 @@ def open_run(model_dir: str, record: Mapping[str, Any], *,
   lock = RunLock(model_dir)
   if chief:
     lock.acquire()
+    files.remove_stale_temporaries(model_dir)  # Of a run killed at a rename.
   try:
     check_record(model_dir, record, write=chief)
   except BaseException:
