@@ -326,7 +326,8 @@ def test_training_on_flipped_bytes_names_the_shard_and_skips_it_if_asked(
   with flagsaver.flagsaver(**run, model_dir=str(tmp_path / "a")):
     assert train.main(["train"]) == 1
   line = _error_line(capsys)
-  assert line.startswith(f"error: TFRecord shard {shard} is damaged: record ")
+  assert line.startswith(f"error: TFRecord shard {shard} is damaged: the "
+                         "record at byte ")
   assert "train without it: --skip_damaged_shards" in line
   with flagsaver.flagsaver(**run, model_dir=str(tmp_path / "b"),
                            skip_damaged_shards=True):

@@ -229,12 +229,12 @@ def _size_problem(path: str, entry: dict[str, Any]) -> str | None:
   return None
 
 
-def _data_loss_why(error: Exception, records_before: int) -> str:
+def _data_loss_why(error: Exception) -> str:
   where = re.search(r"(corrupted|truncated) record at (\d+)", str(error))
-  what = where.group(1) if where else "damaged"
-  at = f" at byte {where.group(2)}" if where else ""
-  return (f"record {records_before + 1} or one soon after is {what}{at} "
-          f"({type(error).__name__}: the file was cut or its bytes changed)")
+  what = (f"the record at byte {where.group(2)} is {where.group(1)}" if where
+          else "a record is damaged")
+  return (f"{what} ({type(error).__name__}: the file was cut or its bytes "
+          "changed)")
 
 
 def _count_problem(count: int, expected: int) -> str | None:
@@ -252,7 +252,7 @@ def scan_shard(path: str, expected: int) -> str | None:
     for batch in tf.data.TFRecordDataset(path).batch(4096):
       count += int(batch.shape[0])
   except tf.errors.DataLossError as e:
-    return _data_loss_why(e, count)
+    return _data_loss_why(e)
   return _count_problem(count, expected)
 
 
@@ -489,7 +489,7 @@ class TFRecordSource:
           ys.append(y.numpy())
           count += len(y)
       except tf.errors.DataLossError as e:
-        raise DamagedShardError(path, _data_loss_why(e, count)) from None
+        raise DamagedShardError(path, _data_loss_why(e)) from None
       problem = _count_problem(count, expected)
       if problem:
         raise DamagedShardError(path, problem)
