@@ -17,7 +17,7 @@ small wrapper, `_HARNESS`, adds a Keras callback to the run and then runs
 -e inject=...`) and a full disk (a small tmpfs in a private mount namespace,
 `unshare -rm`). Cases whose tool is missing are listed as skipped.
 
-  python scripts/fault_table.py            # everything (~10 min on 2 cores)
+  python scripts/fault_table.py            # everything (~13 min on 2 cores)
   python scripts/fault_table.py --quick    # without the cluster cases
 
 Prints a Markdown table and the line
