@@ -7,7 +7,7 @@ r"""Writes a registry dataset as TFRecord shards, for `--dataset=tfrecord`.
 
 Writes `train-0000i-of-0000N.tfrecord` and `test-...` shards (one
 `tf.train.Example` per example: raw `x` and `y` bytes) and `tfrecord.json`
-(shapes, dtypes, class count, each shard's example count) into a new
+(shapes, dtypes, class count, each shard's example count and size) into a new
 directory beside `--output_dir`, then renames it into place: the output is
 all old or all new, never torn. Format: `tfmgpu/datasets/tfrecord.py`.
 """

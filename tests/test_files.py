@@ -6,6 +6,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -138,3 +139,32 @@ def test_by_name_a_failed_write_keeps_the_previous_file(tmp_path):
     files.write_atomically_by_name(path, disk_full)
   assert open(path, "rb").read() == b"old"
   assert _listing(tmp_path) == ["m.keras"]
+
+
+def _dead_pid() -> int:
+  child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                         capture_output=True, text=True, check=True)
+  return int(child.stdout)
+
+
+def test_whole_files_left_by_a_kill_before_the_rename_are_cleaned(tmp_path):
+  """Issue 29 item 5: a SIGKILL between naming the complete temporary file
+  and the rename left it forever; the next write in the directory (or a
+  run opening its run directory) deletes those whose writer is gone."""
+  dead, hexa = _dead_pid(), "0123456789abcdef" * 2
+  old = time.time() - 7200
+  left = {f".tmp-{dead}-{hexa}": None,  # A predictions file, this version.
+          f".tmp-{hexa}": old,  # An older version's name (no PID).
+          f".model.keras.tmp-{dead}.keras": None,  # A model saved aside.
+          # This PID runs, but started after the file: a reused PID.
+          f".tmp-{os.getpid()}-{hexa[::-1]}": old}
+  kept = {f".tmp-{os.getpid()}-{hexa}": None,  # A live writer's.
+          ".tmp-notours": None, "notes.txt": None}
+  for name, mtime in {**left, **kept}.items():
+    (tmp_path / name).write_bytes(b"whole")
+    if mtime:
+      os.utime(tmp_path / name, (mtime, mtime))
+  files.write_atomically(str(tmp_path / "p.npy"), lambda f: f.write(b"x"))
+  remaining = set(os.listdir(tmp_path))
+  assert remaining >= set(kept) | {"p.npy"}
+  assert not remaining & set(left)

@@ -80,6 +80,45 @@ def test_a_resume_refuses_other_settings_and_applies_a_new_learning_rate(
   assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()
 
 
+def test_without_run_json_a_wrong_model_names_the_mismatch_and_writes_nothing(
+    tmp_path, capsys):
+  """Issue 29 item 3: run.json deleted (what its own error advises) and a
+  wrong --model: a clear error, and no record naming the wrong model, so
+  the right command resumes afterwards and records itself."""
+  model_dir = str(tmp_path / "run")
+  with flagsaver.flagsaver(**TINY, model_dir=model_dir):
+    assert train.main(["train"]) == 0
+  record = tmp_path / "run" / rundir.RECORD_NAME
+  record.unlink()
+  capsys.readouterr()
+  with flagsaver.flagsaver(**{**TINY, "model": "convnet"}, model_dir=model_dir):
+    assert train.main(["train"]) == 1
+  line = _error_line(capsys)
+  assert line.startswith(f"error: model_dir={model_dir!r} has no run.json, "
+                         "and its checkpoints do not restore into this run "
+                         "(model='convnet', ")
+  assert "ckpt-1 (Received incompatible tensor" in line
+  assert "run again with the --model" in line
+  assert not record.exists()
+  with flagsaver.flagsaver(**{**TINY, "epochs": 2}, model_dir=model_dir):
+    assert train.main(["train"]) == 0
+  assert json.loads(record.read_text())["model"] == "mlp"
+
+
+def test_a_blank_run_json_beside_checkpoints_is_refused(tmp_path, capsys):
+  """Issue 29 item 3: `{}` let --seed=1 continue seed 0's checkpoints."""
+  model_dir = str(tmp_path / "run")
+  with flagsaver.flagsaver(**TINY, model_dir=model_dir):
+    assert train.main(["train"]) == 0
+  (tmp_path / "run" / rundir.RECORD_NAME).write_text("{}")
+  capsys.readouterr()
+  with flagsaver.flagsaver(**TINY, model_dir=model_dir, seed=1):
+    assert train.main(["train"]) == 1
+  line = _error_line(capsys)
+  assert "run.json is {}: it names none of the settings" in line
+  assert "Delete it to resume" in line
+
+
 def test_a_live_run_keeps_a_second_one_out(tmp_path, capsys):
   model_dir = str(tmp_path / "run")
   holder = subprocess.Popen(
@@ -230,3 +269,68 @@ def test_npz_labels_are_checked_before_training(tmp_path, capsys):
                      r"labels"):
     data.load_dataset("npz", path=_npz(tmp_path / "f.npz",
                                        y_train=np.full(64, 0.5)))
+
+
+# ------------------------------------------------------- damaged TFRecords
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, digits_arrays):
+  """The digits as 4 shards per split (copied before damage)."""
+  from tfmgpu.datasets import tfrecord  # pylint: disable=g-import-not-at-top
+  directory = tmp_path_factory.mktemp("tfr") / "digits"
+  tfrecord.write_shards(digits_arrays, str(directory), num_shards=4)
+  return directory
+
+
+def _damaged_copy(shards, tmp_path, name: str, content) -> str:
+  import shutil  # pylint: disable=g-import-not-at-top
+  copy = tmp_path / "shards"
+  shutil.copytree(shards, copy)
+  data = (copy / name).read_bytes()
+  (copy / name).write_bytes(content(data))
+  return str(copy / name)
+
+
+def _flip(data: bytes) -> bytes:
+  middle = len(data) // 2
+  return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 8]) + (
+      data[middle + 8:])
+
+
+@pytest.mark.parametrize("how,content", [
+    ("emptied", lambda data: b""),
+    ("cut mid-record", lambda data: data[:len(data) * 2 // 3]),
+    ("flipped bytes", _flip)])
+def test_predict_on_a_damaged_shard_names_it(shards, tmp_path, capsys,
+                                             model_path, how, content):
+  """Issue 29 item 1: predict exited 0 with rows missing, or a traceback."""
+  shard = _damaged_copy(shards, tmp_path, "test-00001-of-00004.tfrecord",
+                        content)
+  with flagsaver.flagsaver(model_path=[model_path], strategy="default",
+                           dataset="tfrecord",
+                           data_path=f"{tmp_path}/shards/*.tfrecord"):
+    assert predict.main(["predict"]) == 1
+  line = _error_line(capsys)
+  assert line.startswith(f"error: TFRecord shard {shard} is damaged: "), line
+  assert "--skip_damaged_shards" not in line
+
+
+def test_training_on_flipped_bytes_names_the_shard_and_skips_it_if_asked(
+    shards, tmp_path, capsys, caplog):
+  """Issue 29 item 1: a raw DataLossError traceback in training."""
+  shard = _damaged_copy(shards, tmp_path, "train-00002-of-00004.tfrecord",
+                        _flip)
+  run = dict(TINY, dataset="tfrecord",
+             data_path=f"{tmp_path}/shards/*.tfrecord")
+  with flagsaver.flagsaver(**run, model_dir=str(tmp_path / "a")):
+    assert train.main(["train"]) == 1
+  line = _error_line(capsys)
+  assert line.startswith(f"error: TFRecord shard {shard} is damaged: the "
+                         "record at byte ")
+  assert "train without it: --skip_damaged_shards" in line
+  with flagsaver.flagsaver(**run, model_dir=str(tmp_path / "b"),
+                           skip_damaged_shards=True):
+    assert train.main(["train"]) == 0
+  assert f"Skipping damaged TFRecord shard {shard}" in caplog.text
+  assert "Reading 3 train files (3000 examples), 4 test files" in caplog.text

@@ -154,7 +154,7 @@ def test_the_record_holds_the_run(tmp_path):
   assert {k: record[k] for k in rundir.FIXED} == {
       "model": "mlp", "model_size": None, "optimizer": "adam",
       "global_batch_size": 64, "seed": 0, "dataset": "digits",
-      "placement": "data_parallel"}
+      "placement": "data_parallel", "micro_batches": None}
   assert (record["learning_rate"], record["epochs"]) == (2e-3, 2)
   assert set(record["versions"]) == {"tfmgpu", "tensorflow", "keras"}
   assert rundir.record_of(TrainConfig(strategy="pipeline", num_stages=3))[
@@ -225,6 +225,53 @@ def test_other_workers_compare_but_never_write(tmp_path):
     rundir.open_run(str(tmp_path), _record(seed=2), chief=False)
 
 
+def test_a_change_of_micro_batches_is_refused(tmp_path):
+  """Issue 29 item 3: micro-batches decide a pipeline's arithmetic."""
+  def pipeline(micro_batches):
+    return rundir.record_of(TrainConfig(
+        strategy="pipeline", model="mlp", micro_batches=micro_batches))
+  assert pipeline(4)["micro_batches"] == 4
+  rundir.open_run(str(tmp_path), pipeline(4)).release()
+  _with_checkpoint(tmp_path)
+  with pytest.raises(rundir.RunRecordMismatchError,
+                     match=r"micro_batches: 4 -> 2 \(--micro_batches\)"):
+    rundir.open_run(str(tmp_path), pipeline(2))
+  rundir.open_run(str(tmp_path), pipeline(4)).release()
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_a_missing_record_is_written_only_after_a_restore(tmp_path, caplog,
+                                                          content):
+  """No (or an empty) run.json beside checkpoints: nothing is written until
+  `confirm_record` (a checkpoint restored); a failed restore forgets it."""
+  _with_checkpoint(tmp_path)
+  path = tmp_path / rundir.RECORD_NAME
+  if content is not None:
+    path.write_text(content)
+  rundir.open_run(str(tmp_path), _record(model="convnet")).release()
+  assert "checkpoints but no run.json" in caplog.text
+  assert not path.exists() or path.read_text() == content
+  error = rundir.unconfirmed_error(str(tmp_path), RuntimeError("unreadable"))
+  assert isinstance(error, rundir.RunDirError)
+  assert "do not restore into this run (model='convnet'" in str(error)
+  assert rundir.confirm_record(str(tmp_path)) is None  # Forgotten.
+  assert not path.exists() or path.read_text() == content
+  rundir.open_run(str(tmp_path), _record()).release()
+  assert rundir.confirm_record(str(tmp_path)) == str(path)
+  assert json.loads(path.read_text())["model"] == "mlp"
+  other = RuntimeError("x")
+  assert rundir.unconfirmed_error(str(tmp_path), other) is other
+
+
+def test_a_blank_record_beside_checkpoints_is_refused(tmp_path):
+  _with_checkpoint(tmp_path)
+  (tmp_path / rundir.RECORD_NAME).write_text("{}")
+  with pytest.raises(rundir.RunDirError, match=(
+      r"run.json is \{\}: it names none of the settings \(model, .*"
+      r"Delete it to resume")):
+    rundir.open_run(str(tmp_path), _record(seed=1))
+
+
 def test_an_unreadable_record_is_named(tmp_path):
   (tmp_path / rundir.RECORD_NAME).write_text("{not json")
   with pytest.raises(rundir.RunDirError, match=(
@@ -232,3 +279,29 @@ def test_an_unreadable_record_is_named(tmp_path):
       r"run record \(.+\)\. Fix it, or delete it to record this run's "
       r"settings anew \(the checkpoints are kept\)\.")):
     rundir.open_run(str(tmp_path), _record())
+
+
+def test_a_full_disk_at_lock_time_says_disk_full(tmp_path, monkeypatch):
+  """Issue 29 item 5: it was reported as "no flock support"."""
+  import errno  # pylint: disable=g-import-not-at-top
+
+  def no_space(fd, data, offset):
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(os, "pwrite", no_space)
+  with pytest.raises(rundir.RunDirError) as full:
+    rundir.RunLock(str(tmp_path)).acquire()
+  assert str(full.value) == (
+      f"model_dir={str(tmp_path)!r} cannot be locked: disk full while writing "
+      f"{tmp_path / rundir.LOCK_NAME} (No space left on device): free space "
+      "on that filesystem (or write elsewhere) and run the same command again.")
+  monkeypatch.undo()
+  rundir.RunLock(str(tmp_path)).acquire().release()  # Nothing held.
+
+
+def test_opening_a_run_dir_removes_what_a_killed_save_left(tmp_path):
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True).stdout
+  left = tmp_path / f".model.keras.tmp-{int(dead)}.keras"
+  left.write_bytes(b"a whole model")
+  rundir.open_run(str(tmp_path), _record()).release()
+  assert not left.exists()

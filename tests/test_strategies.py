@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import tfmgpu
 from tfmgpu import strategies
+from tfmgpu.strategies import options as options_lib
 
 DATA_PARALLEL = ("default", "one_device", "mirrored", "multi_worker_mirrored",
                  "parameter_server", "central_storage", "tpu")
@@ -118,6 +119,33 @@ def test_parameter_server_without_cluster(monkeypatch):
   with pytest.raises(ValueError, match=r"parameter_server needs a cluster with "
                      r"'ps' and 'worker' jobs.*launch_local_cluster"):
     tfmgpu.get_strategy("parameter_server")
+
+
+def test_parameter_server_gives_up_on_a_task_that_never_listens(monkeypatch):
+  """Issue 29 item 2: a worker dead before the coordinator connects made
+  TF's connect wait forever; now a bounded wait names it."""
+  import socket  # pylint: disable=g-import-not-at-top
+  listening = socket.socket()
+  listening.bind(("127.0.0.1", 0))
+  listening.listen()
+  closed = socket.socket()
+  closed.bind(("127.0.0.1", 0))  # Bound, not listening: refused.
+  ps, dead = (f"127.0.0.1:{s.getsockname()[1]}" for s in (listening, closed))
+  monkeypatch.setenv("TF_CONFIG", json.dumps({
+      "cluster": {"chief": ["127.0.0.1:1"], "ps": [ps],
+                  "worker": [ps, dead]},
+      "task": {"type": "chief", "index": 0}}))
+  try:
+    with pytest.raises(RuntimeError, match=(
+        rf"parameter_server: worker:1 \({dead}: Connection refused\) did not "
+        r"come up within connect_timeout_s=1 s, so the coordinator stops.*"
+        r"--connect_timeout_s sets the wait")):
+      tfmgpu.get_strategy("parameter_server", connect_timeout_s=1)
+  finally:
+    listening.close()
+    closed.close()
+  with pytest.raises(ValueError, match=r"connect_timeout_s=0 must be > 0"):
+    options_lib.ParameterServerOptions(connect_timeout_s=0)
 
 
 @pytest.mark.parametrize("devices,choice,expected", [

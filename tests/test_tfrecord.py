@@ -345,3 +345,82 @@ def test_cli_trains_on_eight_shards_to_the_accuracy(digits_dir, tmp_path):
                              out.stdout).group(1))
   assert accuracy >= 0.93, out.stdout
   print(f"tfrecord CLI test accuracy {accuracy:.4f}")
+
+
+# ----------------------------------------------------------- damaged shards
+
+def _damage(path, how: str, records: int) -> None:
+  """Damages a shard of `records` records of one size (issue 29 item 1)."""
+  data = path.read_bytes()
+  record = len(data) // records
+  if how == "deleted":
+    path.unlink()
+  elif how == "emptied":
+    path.write_bytes(b"")
+  elif how == "cut at a record boundary":
+    path.write_bytes(data[:len(data) - record])
+  elif how == "cut mid-record":
+    path.write_bytes(data[:len(data) - record // 2])
+  else:  # Flipped bytes: the same size, a bad checksum.
+    middle = len(data) // 2
+    path.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[
+        middle:middle + 4]) + data[middle + 4:])
+
+
+@pytest.mark.parametrize("how", ["deleted", "emptied", "cut at a record "
+                                 "boundary", "cut mid-record"])
+def test_a_missing_or_cut_shard_is_named_before_reading(tmp_path, how, caplog):
+  tfrecord.write_shards(small_arrays(), str(tmp_path / "s"), num_shards=4)
+  shard = tmp_path / "s" / "train-00001-of-00004.tfrecord"
+  _damage(shard, how, records=10)
+  for skip, offer in ((None, False), (False, True)):
+    with pytest.raises(tfrecord.DamagedShardError) as damaged:
+      tfrecord.open_source(f"{tmp_path}/s/*.tfrecord", skip_damaged_shards=skip)
+    message = str(damaged.value)
+    assert message.startswith(f"TFRecord shard {shard} is damaged: it is ")
+    assert "write_tfrecords.py" in message
+    assert ("--skip_damaged_shards" in message) == offer
+  source = tfrecord.open_source(str(tmp_path / "s"), skip_damaged_shards=True)
+  assert [os.path.basename(f) for f in source.train.files] == [
+      "train-00000-of-00004.tfrecord", "train-00002-of-00004.tfrecord",
+      "train-00003-of-00004.tfrecord"]
+  assert source.train.num_examples == 30
+  assert f"Skipping damaged TFRecord shard {shard}" in caplog.text
+  assert "30 examples" in caplog.text
+  # A glob that does not ask for the shard does not see it.
+  tfrecord.open_source(f"{tmp_path}/s/*-0000[023]-of-*.tfrecord")
+
+
+def test_flipped_bytes_are_found_by_reading_and_named(tmp_path):
+  tfrecord.write_shards(small_arrays(), str(tmp_path / "s"), num_shards=4)
+  shard = tmp_path / "s" / "train-00002-of-00004.tfrecord"
+  _damage(shard, "flipped", records=10)
+  source = tfrecord.open_source(str(tmp_path / "s"))  # The size is right.
+  with pytest.raises(tfrecord.DamagedShardError, match=(
+      rf"shard {re.escape(str(shard))} is damaged: the record at byte \d+ "
+      r"is corrupted \(DataLossError")):
+    source.to_arrays()
+  explained = source.explain_read_error(tf.errors.DataLossError(None, None, "x"))
+  assert isinstance(explained, tfrecord.DamagedShardError)
+  assert explained.path == str(shard) and "--skip_damaged_shards" in str(
+      explained)
+  skipped = tfrecord.open_source(str(tmp_path / "s"), skip_damaged_shards=True)
+  assert str(shard) not in skipped.train.files
+  assert skipped.to_arrays().x_train.shape[0] == 30
+
+
+def test_an_old_sidecar_without_sizes_is_checked_by_counting(tmp_path):
+  """Shards written before the sidecar listed sizes: reading counts."""
+  tfrecord.write_shards(small_arrays(), str(tmp_path / "s"), num_shards=2)
+  sidecar = tmp_path / "s" / "tfrecord.json"
+  meta = json.loads(sidecar.read_text())
+  for entries in meta["splits"].values():
+    for entry in entries:
+      del entry["bytes"]
+  sidecar.write_text(json.dumps(meta))
+  shard = tmp_path / "s" / "test-00001-of-00002.tfrecord"
+  _damage(shard, "cut at a record boundary", records=6)
+  with pytest.raises(tfrecord.DamagedShardError, match=(
+      rf"{re.escape(str(shard))} is damaged: it holds 5 records, "
+      r"tfrecord.json lists 6")):
+    tfrecord.open_source(str(tmp_path / "s")).to_arrays()

@@ -66,6 +66,8 @@ class TrainConfig:
     cluster_resolver: `tf_config` or `slurm`.
     variable_shards: `parameter_server`: split each variable over this many
       parameter servers.
+    connect_timeout_s: `parameter_server`: how long the coordinator waits
+      for the ps and worker tasks to listen (`None`: 300 s).
     parameter_device: `central_storage`: where the variables live.
     tpu: `tpu`: the TPU's name or address (`""`: this VM's).
     model: a registered model name, or your builder as
@@ -110,6 +112,9 @@ class TrainConfig:
       every N global steps / every N seconds, not only per epoch (`None`:
       per epoch only).
     seed: weights and data order.
+    skip_damaged_shards: `tfrecord`: read every shard through before
+      training and leave out the damaged ones, logged (off: a damaged shard
+      stops the run, naming it).
     num_stages, partition, split_points: model/pipeline parallelism.
     micro_batches, schedule, recompute: pipeline parallelism.
     data_parallel, tensor_parallel, tensor_rules: hybrid layouts: data-
@@ -133,6 +138,7 @@ class TrainConfig:
   communication: str = "auto"
   cluster_resolver: str = "tf_config"
   variable_shards: int | None = None
+  connect_timeout_s: float | None = None
   parameter_device: str | None = None
   tpu: str = ""
   model: str = "convnet"
@@ -159,6 +165,7 @@ class TrainConfig:
   checkpoint_every_steps: int | None = None
   checkpoint_every_s: float | None = None
   seed: int = 0
+  skip_damaged_shards: bool = False
   num_stages: int = 2
   partition: str = "balanced"
   split_points: tuple[str, ...] | None = None
@@ -212,6 +219,9 @@ class TrainConfig:
     if self.dataset == "tfrecord" and not self.data_path:
       raise ValueError("dataset='tfrecord' needs data_path='DIR/*.tfrecord' "
                        "(shards written by scripts/write_tfrecords.py).")
+    if self.skip_damaged_shards and self.dataset != "tfrecord":
+      raise ValueError(f"skip_damaged_shards=True applies to dataset="
+                       f"'tfrecord' only, not dataset={self.dataset!r}.")
 
   def _check_layout_sizes(self, distribution: Any) -> None:
     """`data_parallel` / `tensor_parallel` / `tensor_rules` given to a
@@ -323,7 +333,8 @@ class TrainConfig:
   def dataset_options(self) -> dict[str, Any]:
     """The options of `data.load_dataset(self.dataset, ...)` this config sets."""
     entry = data_lib.dataset_entry(self.dataset)
-    values = {"path": self.data_path, "seed": self.seed}
+    values = {"path": self.data_path, "seed": self.seed,
+              "skip_damaged_shards": self.skip_damaged_shards}
     options = {k: v for k, v in values.items()
                if k in entry.options and v is not None}
     options.update(models_lib.dataset_options(self.model, self.model_size,

@@ -6,7 +6,11 @@ temporary file behind. On Linux the aside file is anonymous (`O_TMPFILE`):
 it has no name until it is complete, so even SIGKILL leaves nothing. The new
 file gets the mode a plain `open(path, "w")` would give (0666 less the
 umask), not the 0600 of `tempfile.mkstemp`. `write_atomically_by_name` does
-the same for a writer that needs a file name (Keras' `model.save`).
+the same for a writer that needs a file name (Keras' `model.save`). A SIGKILL between naming the
+complete file and the rename leaves it whole under a hidden name with the
+writer's PID; `remove_stale_temporaries` (called by the next write in the
+directory, and for a run directory when a run opens it) deletes those
+whose writer is gone.
 
 `describe_os_error` turns an `OSError` into one sentence naming the path
 and what to do; a full disk says "disk full".
@@ -18,8 +22,12 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import time
 import uuid
 from typing import BinaryIO, Callable
+
+from absl import logging
 
 # errnos that mean "no room": a full filesystem or an exhausted quota.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -67,6 +75,68 @@ def describe_os_error(error: OSError, path: str | None = None) -> str:
   return f"cannot write {path} ({why}): check the path and its permissions."
 
 
+# Temporary files of a writer: `.tmp-PID-HEX` (`write_atomically`; older
+# versions wrote `.tmp-HEX`) and `.NAME.tmp-PID.keras` (a model saved aside).
+_TEMPORARY = re.compile(
+    r"^\.(?:tmp-(?:(?P<pid>\d+)-)?[0-9a-f]{32}|.+\.tmp-(?P<kpid>\d+)\.keras)$")
+
+
+def _process_start(pid: int) -> float | None:
+  """When process `pid` started (seconds since the epoch), `None` if it does
+  not run (or this is not Linux)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+      boot = next(int(line.split()[1]) for line in f
+                  if line.startswith("btime"))
+  except (OSError, ValueError, IndexError, StopIteration):
+    return None
+  return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _is_stale(name: str, mtime: float) -> bool:
+  """A temporary file whose writer is gone: its PID does not run, or runs
+  but started after the file was written (a reused PID). A name without a
+  PID (an older tfmgpu's) is stale when it is older than this process."""
+  match = _TEMPORARY.match(name)
+  if not match or not os.path.isdir("/proc/self"):
+    return False  # Not ours, or no way to ask about processes here.
+  pid = match.group("pid") or match.group("kpid")
+  started = _process_start(int(pid) if pid else os.getpid())
+  if started is None:
+    return pid is not None  # Its writer no longer runs.
+  return mtime < started - 1.0
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+  """Deletes the whole-but-unnamed files that writers killed before their
+  final rename left in `directory` (see `_is_stale`); logs and returns them.
+  Never raises: cleaning is best effort."""
+  removed = []
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return removed
+  for name in names:
+    path = os.path.join(directory, name)
+    try:
+      if _TEMPORARY.match(name) and _is_stale(name, os.stat(path).st_mtime):
+        os.remove(path)
+        removed.append(path)
+    except OSError:
+      continue
+  if removed:
+    logging.warning("Removed %d temporary file(s) that a killed run left "
+                    "before its final rename: %s.", len(removed),
+                    ", ".join(removed))
+  return removed
+
+
+def _temporary_name(directory: str) -> str:
+  return os.path.join(directory, f".tmp-{os.getpid()}-{uuid.uuid4().hex}")
+
+
 def _open_aside(directory: str) -> tuple[int, str | None]:
   """An anonymous file in `directory` (Linux), else a named hidden one.
 
@@ -79,7 +149,7 @@ def _open_aside(directory: str) -> tuple[int, str | None]:
     except OSError as e:
       if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
         raise  # A full disk, no permission, ...: the same for a named file.
-  name = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+  name = _temporary_name(directory)
   return os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), name
 
 
@@ -110,6 +180,7 @@ def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> str:
   """
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
+  remove_stale_temporaries(directory)
   fd, name = _open_aside(directory)
   try:
     with os.fdopen(fd, "wb", closefd=False) as f:
@@ -117,7 +188,7 @@ def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> str:
       f.flush()
       os.fsync(fd)
     if name is None:  # O_TMPFILE's mode 0666 took the umask, as open() does.
-      name = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+      name = _temporary_name(directory)
       _link_anonymous(fd, name)  # Named only when complete.
     os.replace(name, path)
     name = None

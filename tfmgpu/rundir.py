@@ -13,14 +13,17 @@ too) and released when the run ends, also on `PreemptedError` (exit 42).
 In a cluster only the chief takes it.
 
 **Record.** `run.json` records what a run is: model, optimizer, global
-batch, seed, dataset, placement, learning rate, epochs, and the versions of
-tfmgpu, TensorFlow and Keras. It is written (atomically) when a directory
+batch, seed, dataset, placement (and a pipeline's micro-batches), learning
+rate, epochs, and the versions of tfmgpu, TensorFlow and Keras. It is written (atomically) when a directory
 is first used. A resume compares: a change of what the checkpoints depend
 on (`FIXED`) is refused with one line per field, `old -> new`
 (`RunRecordMismatchError`); a change of what may change (`CHANGEABLE`:
 learning rate, epochs, steps per epoch, loss, metrics) is applied and logged, and the
 record updated. A directory without checkpoints holds no run yet: its
-record is simply rewritten.
+record is simply rewritten. A directory with checkpoints but no record
+(deleted, or an empty file) gets one only after a checkpoint restores into
+the run (`confirm_record`, called by the training loop); a record naming
+none of the settings (`{}`) is refused.
 
 Importing this module imports nothing heavy (no TensorFlow).
 """
@@ -47,10 +50,13 @@ LOCK_NAME = "run.lock"
 RECORD_NAME = "run.json"
 # What checkpoints depend on: never changed by a resume.
 FIXED = ("model", "model_size", "optimizer", "global_batch_size", "seed",
-         "dataset", "placement")
+         "dataset", "placement", "micro_batches")
 # What a resume may change: applied from then on, and logged.
 CHANGEABLE = ("learning_rate", "epochs", "steps_per_epoch", "loss", "metrics")
 _FLAG_OF = {"placement": "strategy"}  # The flag that sets a record field.
+# Chief's records waiting for a checkpoint to restore (run.json was missing):
+# real path of the model_dir -> the record to write then.
+_UNCONFIRMED: dict[str, dict[str, Any]] = {}
 _CHECKPOINT = re.compile(r"^ckpt-\d+[._]")
 
 
@@ -219,7 +225,11 @@ def _take(path: str) -> int:
     if not same:
       os.close(fd)
       continue
-    _replace_stale(fd, path)
+    try:
+      _replace_stale(fd, path)
+    except OSError:  # A full disk while writing who holds it: let it go.
+      os.close(fd)
+      raise
     return fd
   raise RunDirError(f"Could not take the lock {path}: it kept being replaced.")
 
@@ -275,6 +285,9 @@ class RunLock:
       try:
         _HELD[key] = [_take(self.path), 1]
       except OSError as e:  # No write permission, no locks on this mount ...
+        if files.is_disk_full(e):
+          raise RunDirError(f"model_dir={self.model_dir!r} cannot be locked: "
+                            f"{files.describe_os_error(e, self.path)}") from e
         raise RunDirError(
             f"model_dir={self.model_dir!r} cannot be locked: {self.path} "
             f"({e.strerror or e}). Use a directory on a writable local or "
@@ -336,6 +349,14 @@ def _placement(config: Any) -> str:
   return f"{config.strategy} ({', '.join(shape)})" if shape else config.strategy
 
 
+def _micro_batches(config: Any) -> int | None:
+  """Micro-batches per step of a placement that splits the batch (they
+  decide its arithmetic), else `None`."""
+  if not config.is_placement:
+    return None
+  return getattr(config.options, "micro_batches", None)
+
+
 def record_of(config: Any) -> dict[str, Any]:
   """The record of a `TrainConfig`: what `run.json` holds."""
   return {
@@ -344,6 +365,7 @@ def record_of(config: Any) -> dict[str, Any]:
       "optimizer": config.optimizer,
       "global_batch_size": config.global_batch_size, "seed": config.seed,
       "dataset": config.dataset, "placement": _placement(config),
+      "micro_batches": _micro_batches(config),
       "learning_rate": config.learning_rate, "epochs": config.epochs,
       "steps_per_epoch": config.steps_per_epoch,
       "loss": getattr(config, "loss", None),
@@ -355,7 +377,7 @@ def record_of(config: Any) -> dict[str, Any]:
 
 
 def read_record(model_dir: str) -> dict[str, Any] | None:
-  """The record in `model_dir` (`None` if it has none).
+  """The record in `model_dir` (`None` if it has none, or an empty file).
 
   Raises:
     RunDirError: `run.json` exists but does not read as a record.
@@ -363,11 +385,18 @@ def read_record(model_dir: str) -> dict[str, Any] | None:
   path = os.path.join(model_dir, RECORD_NAME)
   try:
     with open(path, encoding="utf-8") as f:
-      record = json.load(f)
+      text = f.read()
   except FileNotFoundError:
     return None
   except (OSError, ValueError) as e:
-    record = e
+    text, record = None, e
+  if text is not None:
+    if not text.strip():
+      return None  # Emptied (a kill while writing it): no record.
+    try:
+      record = json.loads(text)
+    except ValueError as e:
+      record = e
   if not isinstance(record, dict):
     raise RunDirError(
         f"{path} is not a readable run record ({record}). Fix it, or delete "
@@ -399,6 +428,11 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
                  write: bool = True) -> list[str]:
   """Compares `record` with the directory's; writes or updates `run.json`.
 
+  When the directory holds checkpoints but no record (`run.json` deleted or
+  an empty file), what they depend on is unknown: the record is written
+  only once a checkpoint has restored (`confirm_record`), so a run whose
+  model or layout cannot read them leaves no record naming it.
+
   Args:
     model_dir: the run directory.
     record: this run's (`record_of(config)`).
@@ -410,18 +444,20 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
   Raises:
     RunRecordMismatchError: a `FIXED` field differs while the directory
       holds checkpoints.
-    RunDirError: `run.json` does not read.
+    RunDirError: `run.json` does not read, or names none of the settings
+      the checkpoints depend on (e.g. `{}`).
   """
   old = read_record(model_dir)
   now = datetime.datetime.now().isoformat(timespec="seconds")
-  if old is None or not has_checkpoints(model_dir):
-    if old is None and has_checkpoints(model_dir):
-      logging.warning("%s has checkpoints but no %s (an older tfmgpu wrote "
-                      "it): recording this run's settings.", model_dir,
-                      RECORD_NAME)
+  if not has_checkpoints(model_dir):
     if write:
       write_record(model_dir, {**record, "created": now})
     return []
+  if old is None:
+    _await_restore(model_dir, {**record, "created": now}, write)
+    return []
+  if not any(f in old for f in FIXED):
+    raise RunDirError(_blank_record(model_dir, old))
   fixed = [f for f in FIXED if f in old and old[f] != record.get(f)]
   if fixed:
     raise RunRecordMismatchError(_mismatch(model_dir, old, record, fixed))
@@ -437,6 +473,55 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
   return changed
 
 
+def _blank_record(model_dir: str, old: Mapping[str, Any]) -> str:
+  path = os.path.join(model_dir, RECORD_NAME)
+  return (f"{path} is {json.dumps(old)[:80]}: it names none of the settings "
+          f"({', '.join(FIXED)}) that the checkpoints in "
+          f"{os.path.join(model_dir, 'checkpoints')} depend on, so this run "
+          "cannot be checked against them. Delete it to resume: the newest "
+          "checkpoint must then restore into this run's model before a new "
+          "record is written; or use a new --model_dir to start another run.")
+
+
+def _await_restore(model_dir: str, record: dict[str, Any],
+                   write: bool) -> None:
+  """No record beside checkpoints: write one only after a restore."""
+  logging.warning(
+      "%s has checkpoints but no %s: the settings they were trained with are "
+      "unknown. This run's model and layout are checked by restoring the "
+      "newest checkpoint, and %s is written only after it restores; its "
+      "seed, dataset and batch size cannot be checked.", model_dir,
+      RECORD_NAME, RECORD_NAME)
+  if write:
+    _UNCONFIRMED[os.path.realpath(model_dir)] = record
+
+
+def confirm_record(model_dir: str) -> str | None:
+  """Writes the record that waited for a checkpoint to restore (see
+  `check_record`); returns its path, or `None` if none waited."""
+  record = _UNCONFIRMED.pop(os.path.realpath(model_dir), None)
+  return write_record(model_dir, record) if record is not None else None
+
+
+def unconfirmed_error(model_dir: str, error: Exception) -> Exception:
+  """`error` (no checkpoint restored) explained when `model_dir` has no
+  record: the run's settings, not the checkpoints, may be what is wrong.
+  Forgets the waiting record: it is never written."""
+  record = _UNCONFIRMED.pop(os.path.realpath(model_dir), None)
+  if record is None:
+    return error
+  settings = ", ".join(f"{f}={record.get(f)!r}" for f in FIXED
+                       if record.get(f) is not None)
+  reasons = "; ".join(getattr(error, "reasons", ())) or str(error)
+  return RunDirError(
+      f"model_dir={model_dir!r} has no {RECORD_NAME}, and its checkpoints do "
+      f"not restore into this run ({settings}): {reasons}. They are most "
+      "likely of another model or layout: run again with the --model, "
+      "--model_size and --strategy (and its stage options) they were "
+      f"trained with ({RECORD_NAME} is written once one restores), or use a "
+      "new --model_dir to start another run.")
+
+
 def open_run(model_dir: str, record: Mapping[str, Any], *,
              chief: bool = True) -> RunLock:
   """Prepares `model_dir` for a run: lock (chief), then record.
@@ -445,7 +530,9 @@ def open_run(model_dir: str, record: Mapping[str, Any], *,
     model_dir: the run directory.
     record: this run's (`record_of(config)`).
     chief: this process writes the run's outputs: it creates the directory,
-      takes the lock and writes the record. Other workers only compare.
+      takes the lock, deletes temporary files that a killed run left
+      (`files.remove_stale_temporaries`) and writes the record. Other
+      workers only compare.
 
   Returns:
     The `RunLock` (held by the chief): release it when the run ends.
@@ -457,6 +544,7 @@ def open_run(model_dir: str, record: Mapping[str, Any], *,
   lock = RunLock(model_dir)
   if chief:
     lock.acquire()
+    files.remove_stale_temporaries(model_dir)  # Of a run killed at a rename.
   try:
     check_record(model_dir, record, write=chief)
   except BaseException:

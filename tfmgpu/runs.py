@@ -18,6 +18,7 @@ from typing import Any, Callable
 from absl import logging
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfmgpu import data as data_lib
 from tfmgpu import devices as devices_lib
@@ -328,6 +329,18 @@ def run_training(config: TrainConfig, *,
 def _fit_and_test(trainer: Trainer, config: TrainConfig,
                   data: "data_lib.Arrays | data_lib.StreamedDataset",
                   strategy) -> tuple[TrainResult, dict[str, float]]:
+  """`_fit_and_test_once`; a damaged file of a streamed dataset is named."""
+  try:
+    return _fit_and_test_once(trainer, config, data, strategy)
+  except tf.errors.DataLossError as e:
+    if isinstance(data, data_lib.Arrays):
+      raise
+    raise data.explain_read_error(e) from None
+
+
+def _fit_and_test_once(trainer: Trainer, config: TrainConfig,
+                       data: "data_lib.Arrays | data_lib.StreamedDataset",
+                       strategy) -> tuple[TrainResult, dict[str, float]]:
   """Trains, then evaluates on the test split: in-memory arrays, or a
   streamed dataset's dataset functions (read from its files as they train)."""
   batch = config.global_batch_size

@@ -115,6 +115,10 @@ _INPUT_MODE = flags_lib.define_choice(
     "the step, unless tf_data (TF's distributed iterator).",
     module_name=__name__)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
+_SKIP_DAMAGED_SHARDS = flags.DEFINE_bool(
+    "skip_damaged_shards", False, "--dataset=tfrecord: read every shard "
+    "through first and train without the damaged ones (logged); off, a "
+    "damaged shard stops the run, naming it.")
 _SCHEDULE = flags_lib.define_choice(
     "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.",
     module_name=__name__)
@@ -131,6 +135,10 @@ _CLUSTER_RESOLVER = flags_lib.define_choice(
 _VARIABLE_SHARDS = flags.DEFINE_integer(
     "variable_shards", None, "'parameter_server': split each variable over "
     "this many parameter servers.", lower_bound=1)
+_CONNECT_TIMEOUT_S = flags.DEFINE_float(
+    "connect_timeout_s", None, "'parameter_server': seconds the coordinator "
+    "waits for every ps and worker task to listen before it stops with an "
+    "error naming the missing ones (default 300).", lower_bound=0.001)
 _PARAMETER_DEVICE = flags.DEFINE_string(
     "parameter_device", None, "'central_storage': where the variables live "
     "(default /cpu:0).")
@@ -201,6 +209,7 @@ def config_from_flags() -> config_lib.TrainConfig:
       communication=_COMMUNICATION.value,
       cluster_resolver=_CLUSTER_RESOLVER.value,
       variable_shards=_VARIABLE_SHARDS.value,
+      connect_timeout_s=_CONNECT_TIMEOUT_S.value,
       parameter_device=_PARAMETER_DEVICE.value, tpu=_TPU.value,
       model=_MODEL.value, model_size=_MODEL_SIZE.value,
       dataset=data.DATASET.value,
@@ -218,7 +227,8 @@ def config_from_flags() -> config_lib.TrainConfig:
       model_dir=_MODEL_DIR.value,
       checkpoint_every_steps=_CHECKPOINT_EVERY_STEPS.value,
       checkpoint_every_s=_CHECKPOINT_EVERY_S.value,
-      seed=_SEED.value, schedule=_SCHEDULE.value, recompute=_RECOMPUTE.value,
+      seed=_SEED.value, skip_damaged_shards=_SKIP_DAMAGED_SHARDS.value,
+      schedule=_SCHEDULE.value, recompute=_RECOMPUTE.value,
       verbose=_VERBOSE.value)
 
 

@@ -98,6 +98,28 @@ def test_the_lock_is_released_after_a_preemption(digits, tmp_path):
   rundir.RunLock(str(tmp_path)).acquire().release()  # Free for the rerun.
 
 
+def test_a_sigterm_in_the_last_steps_stops_with_the_save_it_announced(
+    digits, tmp_path, caplog):
+  """Issue 29 item 5: SIGTERM after the last step's boundary check logged
+  "saving a checkpoint ..., then stopping" and then finished (exit 0)."""
+  class SigtermAtTheLastStep(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+      self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+      if (self.epoch, batch) == (FIT["epochs"] - 1, FIT["steps_per_epoch"] - 1):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+  with pytest.raises(checkpoints.PreemptedError, match=(
+      r"Saved .*ckpt-2 at global step 12 \(the end of epoch 2\)\. Run the "
+      r"same command again to finish: training is done")):
+    make_trainer(tmp_path, callbacks=[SigtermAtTheLastStep()]).fit(
+        *digits, **FIT)
+  assert "then stopping" in caplog.text
+  result = make_trainer(tmp_path).fit(*digits, **FIT)  # The rerun finishes.
+  assert (result.initial_epoch, result.steps) == (2, 0)
+
+
 # ------------------------------------------------------- learning rate
 
 

@@ -135,6 +135,11 @@ class StreamedDataset(Protocol):
   def to_arrays(self) -> Arrays:
     """Both splits read into memory."""
 
+  def explain_read_error(self, error: Exception) -> Exception:
+    """An error that reading the files raised while training or evaluating
+    (e.g. a `tf.errors.DataLossError`), explained: naming the damaged
+    file; `error` itself when nothing more is known."""
+
 
 _REGISTRY: dict[str, DatasetEntry] = {}
 

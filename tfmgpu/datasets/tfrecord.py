@@ -8,7 +8,7 @@ The format (`write_shards` writes it, `open_source` reads it):
   array.
 * `DIR/tfrecord.json`, the sidecar: dtype and shape of `x` and `y`, the
   number of classes, and for each split its files with their example
-  counts. Shapes live here, not in every record: static shapes for the
+  counts and sizes in bytes. Shapes live here, not in every record: static shapes for the
   model and the batches, and `steps_per_epoch` without a counting pass.
 
 A `TFRecordSource` turns a glob of such files into dataset functions
@@ -41,9 +41,11 @@ Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -163,7 +165,8 @@ def _write_split(directory: str, split: str, x: np.ndarray, y: np.ndarray,
         writer.write(serialize_example(x[r], y[r]))
     with open(path, "rb") as f:
       os.fsync(f.fileno())
-    entries.append({"file": name, "examples": int(len(rows))})
+    entries.append({"file": name, "examples": int(len(rows)),
+                    "bytes": os.path.getsize(path)})
   return entries
 
 
@@ -188,6 +191,69 @@ def _swap_in(partial: str, directory: str) -> None:
   files.fsync_directory(os.path.dirname(directory))
   if old:
     shutil.rmtree(old)
+
+
+# ------------------------------------------------------------------ damage
+
+SKIP_HINT = ("or train without it: --skip_damaged_shards "
+             "(TFRecordSource(skip_damaged_shards=True))")
+
+
+class DamagedShardError(ValueError):
+  """A TFRecord shard is missing, shorter than its sidecar says, or fails
+  its checksums. The message names the file and what to do.
+
+  Attributes:
+    path: the shard.
+  """
+
+  def __init__(self, path: str, why: str, *, offer_skip: bool = False):
+    self.path, self.why = path, why
+    fix = (f"Restore it, or rewrite the shards with python "
+           f"scripts/write_tfrecords.py")
+    super().__init__(f"TFRecord shard {path} is damaged: {why}. {fix}"
+                     + (f"; {SKIP_HINT}." if offer_skip else "."))
+
+
+def _size_problem(path: str, entry: dict[str, Any]) -> str | None:
+  """Why `path` cannot be the shard `entry` lists, from its size alone."""
+  if not os.path.exists(path):
+    return (f"it is missing ({SIDECAR} lists it with {entry['examples']} "
+            "examples)")
+  size, listed = os.path.getsize(path), entry.get("bytes")
+  if listed is not None and size != listed:
+    return (f"it is {size} bytes, {SIDECAR} lists {listed} bytes "
+            f"({entry['examples']} examples): it was cut or changed")
+  if size == 0 and entry["examples"]:
+    return f"it is empty ({SIDECAR} lists {entry['examples']} examples)"
+  return None
+
+
+def _data_loss_why(error: Exception) -> str:
+  where = re.search(r"(corrupted|truncated) record at (\d+)", str(error))
+  what = (f"the record at byte {where.group(2)} is {where.group(1)}" if where
+          else "a record is damaged")
+  return (f"{what} ({type(error).__name__}: the file was cut or its bytes "
+          "changed)")
+
+
+def _count_problem(count: int, expected: int) -> str | None:
+  if count == expected:
+    return None
+  return (f"it holds {count} records, {SIDECAR} lists {expected}: it was cut "
+          "or changed")
+
+
+def scan_shard(path: str, expected: int) -> str | None:
+  """Reads every record of `path` (checksums included); why it is damaged,
+  or `None` when it holds `expected` intact records."""
+  count = 0
+  try:
+    for batch in tf.data.TFRecordDataset(path).batch(4096):
+      count += int(batch.shape[0])
+  except tf.errors.DataLossError as e:
+    return _data_loss_why(e)
+  return _count_problem(count, expected)
 
 
 # ------------------------------------------------------------------- reading
@@ -405,17 +471,39 @@ class TFRecordSource:
         block, seed=tf.stack([seeds[0], seeds[1] * 1_000_003 + i]))).unbatch()
 
   def read_split(self, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """All examples of `split` (`"train"` or `"test"`) in file order, in memory."""
+    """All examples of `split` (`"train"` or `"test"`) in file order, in memory.
+
+    Raises:
+      DamagedShardError: a file fails its checksums or holds another number
+        of records than the sidecar lists.
+    """
     checks.check_choice("split", split, SPLITS)
-    files = getattr(self, split).files
+    part = getattr(self, split)
     xs, ys = [np.zeros((0, *self.input_shape), self.x_spec[0])], [
         np.zeros((0, *self.y_spec[1]), self.y_spec[0])]
-    if files:
-      for x, y in tf.data.TFRecordDataset(list(files)).batch(4096).map(
-          self.parse):
-        xs.append(x.numpy())
-        ys.append(y.numpy())
+    for path, expected in zip(part.files, part.counts):
+      count = 0
+      try:
+        for x, y in tf.data.TFRecordDataset(path).batch(4096).map(self.parse):
+          xs.append(x.numpy())
+          ys.append(y.numpy())
+          count += len(y)
+      except tf.errors.DataLossError as e:
+        raise DamagedShardError(path, _data_loss_why(e)) from None
+      problem = _count_problem(count, expected)
+      if problem:
+        raise DamagedShardError(path, problem)
     return np.concatenate(xs), np.concatenate(ys)
+
+  def explain_read_error(self, error: Exception) -> Exception:
+    """A `DataLossError` of training or evaluation, as the damaged shard:
+    reads each file through to find it (`error` itself if none is)."""
+    for part in (self.train, self.test):
+      for path, expected in zip(part.files, part.counts):
+        why = scan_shard(path, expected)
+        if why:
+          return DamagedShardError(path, why, offer_skip=True)
+    return error
 
   def to_arrays(self) -> data_lib.Arrays:
     """Both splits read into memory (`data.load_dataset("tfrecord", ...)`)."""
@@ -500,9 +588,11 @@ class TrainStream:
 # ------------------------------------------------------------------ opening
 
 def open_source(path: str | None, *, seed: int = 0,
-                shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
-                ) -> TFRecordSource:
+                shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+                skip_damaged_shards: bool | None = None) -> TFRecordSource:
   """The TFRecord shards matched by `path`, with their sidecar.
+
+  Each listed shard `path` matches must exist with its listed size.
 
   Args:
     path: a glob (`"DIR/*.tfrecord"`, `"DIR/train-*"`) or a directory (all
@@ -510,34 +600,46 @@ def open_source(path: str | None, *, seed: int = 0,
       the `tfrecord.json` that `write_shards` wrote.
     seed: fixes the training order.
     shuffle_buffer: records per input pipeline's shuffle buffer.
+    skip_damaged_shards: `True`: also read every matched shard through
+      (checksums included) and leave out the damaged ones, each logged.
+      `False` (training): a damaged shard is an error that offers this
+      option. `None` (reading, e.g. predict): an error without the offer.
 
   Raises:
     ValueError: no path, a sidecar that does not describe the files, or no
       training shard matched.
+    DamagedShardError: a shard is missing, cut or changed.
     FileNotFoundError: nothing matched, or the sidecar is missing.
   """
   files = _matched_files(path)
   directory = os.path.dirname(files[0])
   meta = read_sidecar(directory)
-  listed = {os.path.join(directory, e["file"]): e["examples"]
-            for split in SPLITS for e in meta["splits"].get(split, [])}
-  unknown = [os.path.basename(f) for f in files if f not in listed]
+  entries = {os.path.join(directory, e["file"]): e
+             for split in SPLITS for e in meta["splits"].get(split, [])}
+  unknown = [os.path.basename(f) for f in files if f not in entries]
   if unknown:
     raise ValueError(
         f"data_path={path!r} matches files that {directory}/{SIDECAR} does not "
         f"list: {', '.join(unknown[:5])}. Match only the shards written "
         "with it (e.g. 'DIR/*-of-*.tfrecord'), or rewrite the directory.")
-  matched = set(files)
-  splits = {}
-  for split in SPLITS:
-    paths = [os.path.join(directory, e["file"])
-             for e in meta["splits"].get(split, [])]
-    paths = [p for p in paths if p in matched]
-    splits[split] = Split(tuple(paths), tuple(listed[p] for p in paths))
+  wanted = [p for p in entries if p in files or fnmatch.fnmatch(
+      p, _pattern(path))]
+  damaged = _damaged(wanted, entries, scan=skip_damaged_shards is True)
+  if damaged and not skip_damaged_shards:
+    first = next(iter(damaged))
+    raise DamagedShardError(first, damaged[first],
+                            offer_skip=skip_damaged_shards is False)
+  splits = {split: _split_of([
+      p for p in (os.path.join(directory, e["file"])
+                  for e in meta["splits"].get(split, []))
+      if p in wanted and p not in damaged], entries) for split in SPLITS}
+  if damaged:
+    _log_skipped(damaged, splits)
   if not splits["train"].files:
     raise ValueError(f"data_path={path!r} matches no training shard "
-                     f"({SPLITS[0]}-*.tfrecord); match them too, e.g. "
-                     f"'{directory}/*.tfrecord'.")
+                     f"({SPLITS[0]}-*.tfrecord)"
+                     + (" that is intact" if damaged else "")
+                     + f"; match them too, e.g. '{directory}/*.tfrecord'.")
   features = meta["features"]
   return TFRecordSource(
       name=meta["name"], train=splits["train"], test=splits["test"],
@@ -545,6 +647,38 @@ def open_source(path: str | None, *, seed: int = 0,
       y_spec=(features["y"]["dtype"], tuple(features["y"]["shape"])),
       num_classes=int(meta["num_classes"]), seed=seed,
       shuffle_buffer=shuffle_buffer)
+
+
+def _pattern(path: str) -> str:
+  """The absolute glob `path` stands for (a directory: its `*.tfrecord`)."""
+  return os.path.abspath(os.path.join(path, "*.tfrecord") if os.path.isdir(
+      path) else path)
+
+
+def _split_of(paths: list[str], entries: dict[str, dict[str, Any]]) -> Split:
+  return Split(tuple(paths), tuple(entries[p]["examples"] for p in paths))
+
+
+def _damaged(paths: list[str], entries: dict[str, dict[str, Any]], *,
+             scan: bool) -> dict[str, str]:
+  """Shard -> why it is damaged: by size; with `scan`, also by reading."""
+  damaged = {}
+  for p in paths:
+    why = _size_problem(p, entries[p])
+    if why is None and scan:
+      why = scan_shard(p, entries[p]["examples"])
+    if why is not None:
+      damaged[p] = why
+  return damaged
+
+
+def _log_skipped(damaged: dict[str, str], splits: dict[str, Split]) -> None:
+  for p, why in damaged.items():
+    logging.warning("Skipping damaged TFRecord shard %s (--skip_damaged_shards)"
+                    ": %s.", p, why)
+  logging.warning("Reading %s after skipping %d damaged shard(s).", ", ".join(
+      f"{len(splits[s].files)} {s} files ({splits[s].num_examples} examples)"
+      for s in SPLITS), len(damaged))
 
 
 def _matched_files(path: str | None) -> list[str]:
@@ -603,7 +737,8 @@ def read_sidecar(directory: str) -> dict[str, Any]:
 
 @data_lib.register_dataset(
     "tfrecord", "TFRecord shards written by scripts/write_tfrecords.py, "
-    "streamed (pass path='DIR/*.tfrecord').", options=("path", "seed"),
-    streamed=True)
-def _tfrecord(path: str | None = None, seed: int = 0) -> TFRecordSource:
-  return open_source(path, seed=seed)
+    "streamed (pass path='DIR/*.tfrecord').",
+    options=("path", "seed", "skip_damaged_shards"), streamed=True)
+def _tfrecord(path: str | None = None, seed: int = 0,
+              skip_damaged_shards: bool | None = None) -> TFRecordSource:
+  return open_source(path, seed=seed, skip_damaged_shards=skip_damaged_shards)

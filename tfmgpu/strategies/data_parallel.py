@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 
 from tfmgpu import checks
+from tfmgpu import ports
 from tfmgpu._lazy import LazyModule
 from tfmgpu.strategies import registry
 from tfmgpu.strategies import resolvers
@@ -192,6 +193,27 @@ class MultiWorkerMirrored(DataParallel):
     return strategy
 
 
+def _wait_for_servers(spec: dict[str, Any], timeout_s: float) -> None:
+  """Every ps and worker task listens within `timeout_s`, or an error:
+  TensorFlow's connect waits forever for a task that died before it.
+
+  Raises:
+    RuntimeError: tasks that did not listen in time (named, with why).
+  """
+  tasks = {f"{job}:{i}": address for job in ("ps", "worker")
+           for i, address in enumerate(spec.get(job, ()))}
+  missing = ports.wait_until_listening(tasks, timeout_s, log=logging.info)
+  if missing:
+    named = ", ".join(f"{name} ({tasks[name]}: {why})"
+                      for name, why in missing.items())
+    raise RuntimeError(
+        f"parameter_server: {named} "
+        f"did not come up within connect_timeout_s={timeout_s:g} s, so the "
+        "coordinator stops instead of waiting forever for it. Check that "
+        "task's log (it may have died), then run the job again; "
+        "--connect_timeout_s sets the wait.")
+
+
 @registry.register
 class ParameterServer(DataParallel):
   """`ParameterServerStrategy`, for the coordinator (the "chief" task).
@@ -222,6 +244,7 @@ class ParameterServer(DataParallel):
           f"cluster ({spec or 'empty: TF_CONFIG is unset'}) lacks "
           f"{', '.join(missing)}. Start one with "
           "scripts/launch_local_cluster.py --num_ps=1, or set TF_CONFIG.")
+    _wait_for_servers(spec, options.connect_timeout_s)
     shards = options.variable_shards
     partitioner = (tf.distribute.experimental.partitioners
                    .FixedShardsPartitioner(shards) if shards else None)

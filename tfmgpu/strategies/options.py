@@ -104,13 +104,20 @@ class ParameterServerOptions:
     cluster_resolver: `tf_config`, `slurm`, or a `ClusterResolver`.
     variable_shards: split each variable over this many parameter servers
       (`FixedShardsPartitioner`); `None` keeps variables whole.
+    connect_timeout_s: how long the coordinator waits for every ps and
+      worker task to listen before it gives up (TensorFlow's own connect
+      would wait forever for a task that died). Defaults to `300`.
   """
   cluster_resolver: Any = "tf_config"
   variable_shards: int | None = None
+  connect_timeout_s: float = 300.0
 
   def __post_init__(self):
     checks.check_positive("variable_shards", self.variable_shards,
                           allow_none=True)
+    if not self.connect_timeout_s > 0:
+      raise ValueError(f"connect_timeout_s={self.connect_timeout_s!r} must "
+                       "be > 0 seconds.")
 
 
 @dataclasses.dataclass(frozen=True)

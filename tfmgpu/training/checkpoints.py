@@ -49,6 +49,7 @@ import os
 import re
 import shutil
 import tempfile
+from typing import Sequence
 
 from absl import logging
 import keras
@@ -105,7 +106,15 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
 
 
 class UnreadableCheckpointError(RuntimeError):
-  """Checkpoints exist but none of them reads back."""
+  """Checkpoints exist but none of them reads back.
+
+  Attributes:
+    reasons: `"ckpt-2 (why)"` for each checkpoint tried, newest first.
+  """
+
+  def __init__(self, message: str, reasons: Sequence[str] = ()):
+    super().__init__(message)
+    self.reasons = tuple(reasons)
 
 
 _STATE = "checkpoint"  # TF's state file: which checkpoints a directory holds.
@@ -324,7 +333,7 @@ class Checkpointer:
         f"No checkpoint in {self.chief_directory} reads back: "
         f"{'; '.join(skipped)} (files: {', '.join(files)}). Not training "
         "from scratch over them: restore the directory from a copy, or move "
-        "it aside to start a new run.")
+        "it aside to start a new run.", skipped)
 
   def save(self, epoch: int, *, step: int | None = None,
            epoch_step: int = 0) -> str:

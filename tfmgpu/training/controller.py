@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -21,6 +22,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmgpu import rundir
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import progress as progress_lib
@@ -115,16 +117,20 @@ def non_finite_message(sums: StepSums, *, first_step: int, epoch: int,
 
 def preempted_error(checkpointer: ckpt_lib.Checkpointer, checkpoint: str, *,
                     who: str, global_step: int, epoch: int, epoch_step: int,
-                    steps_per_epoch: int) -> ckpt_lib.PreemptedError:
-  """The one `PreemptedError` for a checkpoint saved on SIGTERM."""
+                    steps_per_epoch: int, last: bool = False
+                    ) -> ckpt_lib.PreemptedError:
+  """The one `PreemptedError` for a checkpoint saved on SIGTERM (`last`:
+  after the last epoch)."""
   if not checkpointer.chief:  # Name the chief's copy, which is kept.
     checkpoint = checkpointer.chief_path(checkpoint)
   where = (f"{epoch_step} of {steps_per_epoch} steps into epoch {epoch + 1}"
            if epoch_step else f"the end of epoch {epoch}")
+  then = ("resume from there" if not last else "finish: training is done, "
+          "it evaluates and saves the model")
   return ckpt_lib.PreemptedError(
       f"Preempted: SIGTERM reached {who}. Saved {checkpoint} at global step "
-      f"{global_step} ({where}). Run the same command again to resume from "
-      f"there (python -m tfmgpu.train exits with code "
+      f"{global_step} ({where}). Run the same command again to {then} "
+      f"(python -m tfmgpu.train exits with code "
       f"{ckpt_lib.EXIT_PREEMPTED}).", checkpoint=checkpoint, step=global_step)
 
 
@@ -188,6 +194,19 @@ class LoopOptions:
   checkpoint_every_s: float | None = None
 
 
+def _restore(ckpt: ckpt_lib.Checkpointer) -> int:
+  """`ckpt.restore_latest()`; then the run directory's record, if it waited
+  for a checkpoint to restore (`rundir.confirm_record`), is written."""
+  model_dir = os.path.dirname(ckpt.chief_directory)
+  try:
+    epoch = ckpt.restore_latest()
+  except ckpt_lib.UnreadableCheckpointError as e:
+    raise rundir.unconfirmed_error(model_dir, e) from e
+  if ckpt.chief:
+    rundir.confirm_record(model_dir)
+  return epoch
+
+
 class Controller:
   """Runs epochs of a `StepRunner` with every loop feature, once.
 
@@ -220,7 +239,7 @@ class Controller:
       PreemptedError: SIGTERM arrived (`watcher`); a checkpoint was saved.
     """
     ckpt = self.o.checkpointer
-    initial_epoch = ckpt.restore_latest() if ckpt else 0
+    initial_epoch = _restore(ckpt) if ckpt else 0
     progress = ckpt.progress if ckpt else ckpt_lib.Progress()
     self._check_resume_point(progress, initial_epoch, steps_per_epoch)
     if initial_epoch >= epochs:
@@ -240,8 +259,11 @@ class Controller:
       first = progress.epoch_step if epoch == initial_epoch else 0
       logs = self._run_epoch(epoch, epochs, first, steps_per_epoch, callbacks)
       self._finish_epoch(epoch, epochs, logs, callbacks)
-      if watcher and epoch + 1 < epochs and watcher.stop_requested():
-        self._preempt(epoch + 1, 0, steps_per_epoch, self.last_checkpoint)
+      # Also after the last epoch: "saving a checkpoint ..., then stopping"
+      # was logged, so the run stops (42) rather than going on to evaluate.
+      if watcher and watcher.stop_requested():
+        self._preempt(epoch + 1, 0, steps_per_epoch, self.last_checkpoint,
+                      last=epoch + 1 >= epochs)
       if self.o.model.stop_training:
         logging.info("A callback stopped training after epoch %d.", epoch + 1)
         break
@@ -362,7 +384,7 @@ class Controller:
       tf.summary.scalar("train/examples_per_sec", rate)
 
   def _preempt(self, epoch: int, epoch_step: int, steps_per_epoch: int,
-               checkpoint: str | None) -> None:
+               checkpoint: str | None, last: bool = False) -> None:
     self.o.summary_writer.flush()
     if self.runner.coordinator_only:
       who = "the coordinator"
@@ -370,7 +392,8 @@ class Controller:
       who = "this process" if self.watcher.received else "another worker"
     raise preempted_error(
         self.o.checkpointer, checkpoint, who=who, global_step=self.global_step,
-        epoch=epoch, epoch_step=epoch_step, steps_per_epoch=steps_per_epoch)
+        epoch=epoch, epoch_step=epoch_step, steps_per_epoch=steps_per_epoch,
+        last=last)
 
   def _finish_epoch(self, epoch: int, epochs: int, logs: dict[str, float],
                     callbacks) -> None:
