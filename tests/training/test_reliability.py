@@ -242,8 +242,8 @@ def test_a_pipeline_resumed_with_other_micro_batches_ends_as_uninterrupted(
 
   The resumed run ends where both uninterrupted runs do, to float rounding
   (a new layout sums the gradient in a new order). On the convnet over
-  exact-zero backgrounds any 1e-8 change (this one, or scaling the weights
-  of an uninterrupted run by 1 + 1e-8 at step 12) can later flip a ReLU or
+  exact-zero backgrounds any 1e-8 change (this one, or a relative noise of
+  1e-8 on the weights of an uninterrupted run at step 12) can later flip a ReLU or
   max-pool winner that Adam turns into a full step: there the runs part by
   1e-3..1e-1 after 5 epochs however the change came (docs/reliability.md).
   """
