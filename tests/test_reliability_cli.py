@@ -230,3 +230,39 @@ def test_npz_labels_are_checked_before_training(tmp_path, capsys):
                      r"labels"):
     data.load_dataset("npz", path=_npz(tmp_path / "f.npz",
                                        y_train=np.full(64, 0.5)))
+
+
+# ------------------------------------------ errors before TensorFlow loads
+
+
+def _cli_without_tensorflow(module, *args, cwd):
+  """Runs `python -m module args`; returns its one `error:` line, checking
+  that TensorFlow was never imported (`-X importtime` lists each import)."""
+  out = subprocess.run(
+      [sys.executable, "-X", "importtime", "-m", module, *args], cwd=cwd,
+      capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert not re.search(r"\|\s*tensorflow$", out.stderr, re.M), (
+      "TensorFlow was imported before the error")
+  return [l for l in out.stderr.splitlines() if l.startswith("error: ")]
+
+
+def test_errors_that_need_no_tensorflow_come_before_it(tmp_path):
+  """Issue 29 item 6: each took 5-23 s of TF loading first."""
+  (tmp_path / "a_file").write_text("")
+  assert _cli_without_tensorflow(
+      "tfmgpu.train", "--model_dir=a_file", cwd=tmp_path) == [
+          "error: model_dir='a_file' is a regular file, not a directory. Give "
+          "a directory: a new path, or the model_dir of the run to resume."]
+  lock = rundir.RunLock(str(tmp_path / "held")).acquire()
+  try:
+    held = _cli_without_tensorflow("tfmgpu.train", "--model_dir=held",
+                                   cwd=tmp_path)
+  finally:
+    lock.release()
+  assert len(held) == 1 and "is in use by a live run" in held[0]
+  assert _cli_without_tensorflow(
+      "tfmgpu.predict", "--model_path=nope.keras", cwd=tmp_path) == [
+          "error: model_path='nope.keras' does not exist. Train one with "
+          "`python -m tfmgpu.train --model_dir=DIR` (it saves "
+          "DIR/model.keras)."]

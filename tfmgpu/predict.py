@@ -61,6 +61,12 @@ def main(argv: list[str]) -> int:
     if problem:  # Said now, not after every row is predicted.
       print(f"error: {problem}", file=sys.stderr)
       return 1
+  missing = [p for p in _MODEL_PATH.value if not os.path.exists(p)]
+  if missing:  # Said before TensorFlow loads (inference.load_model's words).
+    print(f"error: model_path={missing[0]!r} does not exist. Train one with "
+          "`python -m tfmgpu.train --model_dir=DIR` (it saves "
+          "DIR/model.keras).", file=sys.stderr)
+    return 1
   flags_lib.quiet_tensorflow()
   try:
     predictor, x, y = _prepare()
