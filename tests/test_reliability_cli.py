@@ -6,6 +6,7 @@ change and applies what it may."""
 import errno
 import json
 import logging
+import os
 import re
 import selectors
 import subprocess
@@ -266,3 +267,50 @@ def test_errors_that_need_no_tensorflow_come_before_it(tmp_path):
           "error: model_path='nope.keras' does not exist. Train one with "
           "`python -m tfmgpu.train --model_dir=DIR` (it saves "
           "DIR/model.keras)."]
+
+
+# ------------------------------------------- run.json names files absolutely
+
+LOADER = '''
+import numpy as np
+
+
+def load():
+  rng = np.random.default_rng(0)
+  def split(n):
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int32)
+  return split(128), split(40)
+'''
+
+
+def test_predict_finds_the_users_loader_from_another_directory(
+    tmp_path, capsys, caplog, monkeypatch):
+  """Issue 29 item 10: `run.json` recorded `loader.py:load` as given, so
+  `predict` from another directory failed on a `--dataset` nobody gave."""
+  caplog.set_level(logging.INFO)
+  (tmp_path / "code").mkdir()
+  (tmp_path / "code" / "loader.py").write_text(LOADER)
+  loader = str(tmp_path / "code" / "loader.py")
+  monkeypatch.chdir(tmp_path / "code")
+  with flagsaver.flagsaver(**TINY, dataset="loader.py:load",
+                           model_dir="../run"):
+    assert train.main(["train"]) == 0
+  record = json.loads((tmp_path / "run" / rundir.RECORD_NAME).read_text())
+  assert record["dataset"] == f"{loader}:load"
+  with flagsaver.flagsaver(**{**TINY, "epochs": 2}, dataset="loader.py:load",
+                           model_dir="../run"):
+    assert train.main(["train"]) == 0  # The same file: a resume.
+  monkeypatch.chdir(tmp_path)
+  capsys.readouterr()
+  with flagsaver.flagsaver(model_path=[str(tmp_path / "run")]):
+    assert predict.main(["predict"]) == 0
+  assert re.search(r"predicted\s+40 rows", capsys.readouterr().out)
+  assert f"dataset='{loader}:load' (data_path=None): from " in caplog.text
+  os.remove(loader)
+  with flagsaver.flagsaver(model_path=[str(tmp_path / "run")]):
+    assert predict.main(["predict"]) == 1
+  assert _error_line(capsys).endswith(
+      f"(dataset='{loader}:load' is what "
+      f"{tmp_path / 'run' / rundir.RECORD_NAME} records for this model; give "
+      "--dataset (and --data_path) to predict on other rows.)")
