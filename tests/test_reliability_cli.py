@@ -263,6 +263,13 @@ def test_errors_that_need_no_tensorflow_come_before_it(tmp_path):
     lock.release()
   assert len(held) == 1 and "is in use by a live run" in held[0]
   assert _cli_without_tensorflow(
+      "tfmgpu.train", "--strategy=pipeline", "--model=mlp", "--num_stages=9",
+      "--model_dir=stages", cwd=tmp_path) == [
+          "error: num_stages=9 but model 'mlp' has only 4 cuttable block(s) "
+          "(one per layer call; a stage needs at least one). Use "
+          "num_stages<=4."]
+  assert not (tmp_path / "stages").exists()
+  assert _cli_without_tensorflow(
       "tfmgpu.predict", "--model_path=nope.keras", cwd=tmp_path) == [
           "error: model_path='nope.keras' does not exist. Train one with "
           "`python -m tfmgpu.train --model_dir=DIR` (it saves "
