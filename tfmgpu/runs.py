@@ -360,8 +360,10 @@ def _summary(config: TrainConfig, placement: strategies_lib.Placement,
   history = result.history
   nan = float("nan")
   test_metrics = {k: v for k, v in test.items() if k not in ("loss", "count")}
-  trained = test_metrics or [k for k in history if k not in (
-      "loss", "examples_per_sec") and not k.startswith("val_")]
+  no_test = not test_metrics and np.isnan(test["loss"])  # No test split.
+  trained = test_metrics if not no_test else [
+      k for k in history if k not in ("loss", "examples_per_sec")
+      and not k.startswith("val_")]
   train_metrics = {k: history[k][-1] if history.get(k) else nan
                    for k in trained}
   chosen = placement.distribution.name  # `auto` names what it chose.
