@@ -669,6 +669,37 @@ def model_dir_not_a_directory(t: Table) -> None:
 
 
 @bad_input
+def errors_before_tensorflow(t: Table) -> None:
+  """Errors that need no TensorFlow come before it (#29 item 6): each took
+  5-23 s of loading TF first; 3 s leaves room for a loaded machine."""
+  held = t.dir("held")
+  lock = subprocess.Popen(
+      [PY, "-c", "import sys; from tfmgpu import rundir; "
+       "rundir.RunLock(sys.argv[1]).acquire(); print(flush=True); "
+       "sys.stdin.readline()", held], env=ENV, text=True,
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+  lock.stdout.readline()  # Held.
+  cases = (
+      ("a held run.lock", ["-m", "tfmgpu.train", *BASE,
+                           f"--model_dir={held}"], "in use by a live run"),
+      ("--num_stages=9 for mlp's 4 blocks",
+       ["-m", "tfmgpu.train", *BASE, "--strategy=pipeline", "--num_stages=9",
+        f"--model_dir={t.dir('stages')}"], "Use num_stages<=4"),
+      ("--model_path that does not exist",
+       ["-m", "tfmgpu.predict", f"--model_path={t.dir('none.keras')}"],
+       "does not exist"))
+  try:
+    for case, args, needle in cases:
+      start = time.monotonic()
+      ok, outcome = clear_error(run([PY, *args]), needle)
+      seconds = time.monotonic() - start
+      t.add("bad input", f"{case}: said before TensorFlow loads (#29 item 6)",
+            ok and seconds < 3, f"{outcome} in {seconds:.1f} s")
+  finally:
+    lock.communicate("", timeout=TIMEOUT_S)
+
+
+@bad_input
 def changed_settings_on_resume(t: Table) -> None:
   d = t.dir("changed")
   train(d, "--epochs=1")

@@ -383,11 +383,11 @@ def test_predict_cli_reads_the_dataset_of_the_run_and_fits_its_windows(
   from tfmgpu import predict as predict_cli  # pylint: disable=g-import-not-at-top
   from tfmgpu import rundir  # pylint: disable=g-import-not-at-top
   from tfmgpu.config import TrainConfig  # pylint: disable=g-import-not-at-top
-  assert predict_cli._recorded_dataset(str(tmp_path)) == "digits"  # pylint: disable=protected-access
+  assert predict_cli._recorded_dataset(str(tmp_path))[0] == "digits"  # pylint: disable=protected-access
   rundir.write_record(str(tmp_path), rundir.record_of(TrainConfig(model="gpt")))
   model_file = str(tmp_path / "model.keras")
-  assert predict_cli._recorded_dataset(model_file) == "stdlib_text"  # pylint: disable=protected-access
-  assert predict_cli._recorded_dataset(str(tmp_path)) == "stdlib_text"  # pylint: disable=protected-access
+  assert predict_cli._recorded_dataset(model_file)[0] == "stdlib_text"  # pylint: disable=protected-access
+  assert predict_cli._recorded_dataset(str(tmp_path))[0] == "stdlib_text"  # pylint: disable=protected-access
   gpt = models.build_model("gpt", input_shape=(32,), num_classes=256)
   assert predict_cli._options_for_model("stdlib_text", gpt) == {"seq_len": 32}  # pylint: disable=protected-access
   assert predict_cli._options_for_model("digits", gpt) == {}  # pylint: disable=protected-access

@@ -49,3 +49,26 @@ def test_user_model_fn_and_unknown_name():
   with pytest.raises(ValueError, match=r"mixed_precision='fp8' is unknown"):
     models.build_model("mlp", input_shape=(2,), num_classes=2,
                        mixed_precision="fp8")
+
+
+@pytest.mark.parametrize("name, size, shape, classes", [
+    ("convnet", None, (28, 28, 1), 10), ("mlp", None, (28, 28, 1), 10),
+    ("deep_mlp", None, (28, 28, 1), 10),
+    ("small_resnet", None, (28, 28, 1), 10), ("gpt", "tiny", (32,), 256),
+    ("gpt", "mini", (32,), 256)])
+def test_declared_block_counts_are_the_built_models(name, size, shape,
+                                                    classes):
+  """The counts that refuse too many stages before TensorFlow loads
+  (`models.cuttable_blocks`) are those the partitioner finds."""
+  from tfmgpu.parallel import cost  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import graph  # pylint: disable=g-import-not-at-top
+  options = {"size": size} if size else {}
+  model = models.build_model(name, input_shape=shape, num_classes=classes,
+                             seed=0, **options)
+  blocks = cost.model_blocks(graph.ModelGraph(model))
+  assert models.cuttable_blocks(name, size) == len(blocks)
+
+
+def test_models_without_a_declared_count_are_checked_when_built():
+  assert models.cuttable_blocks("resnet50") is None
+  assert models.cuttable_blocks("path/to/file.py:build") is None

@@ -6,6 +6,7 @@ change and applies what it may."""
 import errno
 import json
 import logging
+import os
 import re
 import selectors
 import subprocess
@@ -334,3 +335,93 @@ def test_training_on_flipped_bytes_names_the_shard_and_skips_it_if_asked(
     assert train.main(["train"]) == 0
   assert f"Skipping damaged TFRecord shard {shard}" in caplog.text
   assert "Reading 3 train files (3000 examples), 4 test files" in caplog.text
+
+
+# ------------------------------------------ errors before TensorFlow loads
+
+
+def _cli_without_tensorflow(module, *args, cwd):
+  """Runs `python -m module args`; returns its one `error:` line, checking
+  that TensorFlow was never imported (`-X importtime` lists each import)."""
+  out = subprocess.run(
+      [sys.executable, "-X", "importtime", "-m", module, *args], cwd=cwd,
+      capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert not re.search(r"\|\s*tensorflow$", out.stderr, re.M), (
+      "TensorFlow was imported before the error")
+  return [l for l in out.stderr.splitlines() if l.startswith("error: ")]
+
+
+def test_errors_that_need_no_tensorflow_come_before_it(tmp_path):
+  """Issue 29 item 6: each took 5-23 s of TF loading first."""
+  (tmp_path / "a_file").write_text("")
+  assert _cli_without_tensorflow(
+      "tfmgpu.train", "--model_dir=a_file", cwd=tmp_path) == [
+          "error: model_dir='a_file' is a regular file, not a directory. Give "
+          "a directory: a new path, or the model_dir of the run to resume."]
+  lock = rundir.RunLock(str(tmp_path / "held")).acquire()
+  try:
+    held = _cli_without_tensorflow("tfmgpu.train", "--model_dir=held",
+                                   cwd=tmp_path)
+  finally:
+    lock.release()
+  assert len(held) == 1 and "is in use by a live run" in held[0]
+  assert _cli_without_tensorflow(
+      "tfmgpu.train", "--strategy=pipeline", "--model=mlp", "--num_stages=9",
+      "--model_dir=stages", cwd=tmp_path) == [
+          "error: num_stages=9 but model 'mlp' has only 4 cuttable block(s) "
+          "(one per layer call; a stage needs at least one). Use "
+          "num_stages<=4."]
+  assert not (tmp_path / "stages").exists()
+  assert _cli_without_tensorflow(
+      "tfmgpu.predict", "--model_path=nope.keras", cwd=tmp_path) == [
+          "error: model_path='nope.keras' does not exist. Train one with "
+          "`python -m tfmgpu.train --model_dir=DIR` (it saves "
+          "DIR/model.keras)."]
+
+
+# ------------------------------------------- run.json names files absolutely
+
+LOADER = '''
+import numpy as np
+
+
+def load():
+  rng = np.random.default_rng(0)
+  def split(n):
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int32)
+  return split(128), split(40)
+'''
+
+
+def test_predict_finds_the_users_loader_from_another_directory(
+    tmp_path, capsys, caplog, monkeypatch):
+  """Issue 29 item 10: `run.json` recorded `loader.py:load` as given, so
+  `predict` from another directory failed on a `--dataset` nobody gave."""
+  caplog.set_level(logging.INFO)
+  (tmp_path / "code").mkdir()
+  (tmp_path / "code" / "loader.py").write_text(LOADER)
+  loader = str(tmp_path / "code" / "loader.py")
+  monkeypatch.chdir(tmp_path / "code")
+  with flagsaver.flagsaver(**TINY, dataset="loader.py:load",
+                           model_dir="../run"):
+    assert train.main(["train"]) == 0
+  record = json.loads((tmp_path / "run" / rundir.RECORD_NAME).read_text())
+  assert record["dataset"] == f"{loader}:load"
+  with flagsaver.flagsaver(**{**TINY, "epochs": 2}, dataset="loader.py:load",
+                           model_dir="../run"):
+    assert train.main(["train"]) == 0  # The same file: a resume.
+  monkeypatch.chdir(tmp_path)
+  capsys.readouterr()
+  with flagsaver.flagsaver(model_path=[str(tmp_path / "run")]):
+    assert predict.main(["predict"]) == 0
+  assert re.search(r"predicted\s+40 rows", capsys.readouterr().out)
+  assert f"dataset='{loader}:load' (data_path=None): from " in caplog.text
+  os.remove(loader)
+  with flagsaver.flagsaver(model_path=[str(tmp_path / "run")]):
+    assert predict.main(["predict"]) == 1
+  assert _error_line(capsys).endswith(
+      f"(dataset='{loader}:load' is what "
+      f"{tmp_path / 'run' / rundir.RECORD_NAME} records for this model; give "
+      "--dataset (and --data_path) to predict on other rows.)")

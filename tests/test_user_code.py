@@ -273,6 +273,58 @@ def test_a_regression_run_reports_the_users_loss_and_metrics(module_file,
   assert summary.train_metrics["mae"] < 2.0  # It learnt (targets' sd ~2.3).
 
 
+TF_DATA_MODULE = '''
+import numpy as np
+import tensorflow as tf
+
+
+def _arrays(n, seed):
+  x = np.random.default_rng(seed).normal(size=(n, 8)).astype(np.float32)
+  return x, ((x[:, 0] > 0) + 2 * (x[:, 1] > 0)).astype(np.int32)
+
+
+def dataset():
+  return tf.data.Dataset.from_tensor_slices(_arrays(128, 0)).batch(32)
+
+
+def dataset_fn():
+  def fn(context):
+    return tf.data.Dataset.from_tensor_slices(_arrays(128, 0)).batch(
+        context.get_per_replica_batch_size(32))
+  return fn
+
+
+def with_test():
+  test = tf.data.Dataset.from_tensor_slices(_arrays(64, 1)).batch(32)
+  return dataset(), test
+'''
+
+
+def test_a_loader_may_return_a_tf_data_dataset_or_a_dataset_function(
+    tmp_path):
+  """Issue 29 item 9: `--dataset=file.py:fn` takes what `Trainer.fit` does:
+  a `tf.data.Dataset` of global batches, a dataset function, or a
+  `(train, test)` pair of them; each trains the same weights."""
+  from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
+  path = tmp_path / "tf_data_user.py"
+  path.write_text(TF_DATA_MODULE)
+  summaries = {}
+  for fn in ("dataset", "dataset_fn", "with_test"):
+    summaries[fn] = runs.run_training(TrainConfig(
+        strategy="mirrored", num_replicas=2, model="mlp",
+        dataset=f"{path}:{fn}", epochs=2, verbose=0,
+        model_dir=str(tmp_path / fn)))
+  assert {s.weights_digest for s in summaries.values()} == {
+      summaries["dataset"].weights_digest}
+  assert summaries["dataset"].result.steps == 8  # 4 batches, 2 epochs.
+  assert 0 <= summaries["with_test"].test_accuracy <= 1
+  assert "test loss              none (the loader gave no test split)" in (
+      str(summaries["dataset"]))
+  arrays = data.load_dataset(f"{path}:with_test")  # What predict reads.
+  assert (arrays.input_shape, arrays.num_classes) == ((8,), 4)
+  assert (len(arrays.x_train), len(arrays.x_test)) == (128, 64)
+
+
 @pytest.mark.slow
 def test_the_readme_command_trains_the_example_module(tmp_path, parsed_flags,
                                                       capsys, monkeypatch):

@@ -30,6 +30,8 @@ from tfmgpu.datasets.registry import StreamedDataset
 from tfmgpu.datasets.registry import unregister_dataset
 from tfmgpu.datasets.registry import USER_LOADER_CALL
 from tfmgpu.datasets.registry import user_arrays
+from tfmgpu.datasets.registry import user_datasets
+from tfmgpu.datasets.registry import UserDatasets
 
 __all__ = [
     "Arrays", "available_datasets", "Baseline", "cache_dir", "check_dataset",
@@ -37,7 +39,7 @@ __all__ = [
     "DatasetUnavailableError", "default_metrics", "epoch_indices",
     "epoch_order", "load_dataset", "open_dataset", "register_dataset",
     "StreamedDataset", "unregister_dataset", "USER_LOADER_CALL",
-    "user_arrays"]
+    "user_arrays", "user_datasets", "UserDatasets"]
 
 
 # ------------------------------------------------------- input pipeline

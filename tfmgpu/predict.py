@@ -19,6 +19,7 @@ import types
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from tfmgpu import files
 from tfmgpu import flags as flags_lib
@@ -69,6 +70,12 @@ def main(argv: list[str]) -> int:
     if problem:  # Said now, not after every row is predicted.
       print(f"error: {problem}", file=sys.stderr)
       return 1
+  missing = [p for p in _MODEL_PATH.value if not os.path.exists(p)]
+  if missing:  # Said before TensorFlow loads (inference.load_model's words).
+    print(f"error: model_path={missing[0]!r} does not exist. Train one with "
+          "`python -m tfmgpu.train --model_dir=DIR` (it saves "
+          "DIR/model.keras).", file=sys.stderr)
+    return 1
   flags_lib.quiet_tensorflow()
   try:
     predictor, x, y = _prepare()
@@ -113,9 +120,10 @@ def check_output(path: str) -> str | None:
   return None
 
 
-def _recorded_dataset(model_path: str) -> str:
-  """The dataset the run that saved `model_path` trained on (its
-  `run.json`, beside the model or in the run directory), else `digits`."""
+def _recorded_dataset(model_path: str) -> tuple[str, str | None, str | None]:
+  """The dataset (and data path) the run that saved `model_path` trained
+  on, and the `run.json` (beside the model or in the run directory) that
+  says so; else `digits`, `None`, `None`."""
   from tfmgpu import config as config_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu import rundir  # pylint: disable=g-import-not-at-top
   directory = (model_path if os.path.isdir(model_path)
@@ -124,8 +132,37 @@ def _recorded_dataset(model_path: str) -> str:
     record = rundir.read_record(directory) or {}
   except rundir.RunDirError:
     record = {}
-  dataset = record.get("dataset")
-  return dataset if isinstance(dataset, str) else config_lib.DEFAULT_DATASET
+  dataset, path = record.get("dataset"), record.get("data_path")
+  if not isinstance(dataset, str):
+    return config_lib.DEFAULT_DATASET, None, None
+  return (dataset, path if isinstance(path, str) else None,
+          os.path.join(directory, rundir.RECORD_NAME))
+
+
+def _load_rows(models):
+  """The rows `--dataset` (else the model's run.json) names, as `Arrays`.
+
+  Raises:
+    ValueError, FileNotFoundError: the dataset does not load; for a dataset
+      read from run.json, the message says so.
+  """
+  from tfmgpu import data as data_lib  # pylint: disable=g-import-not-at-top
+  name, path, record = data.DATASET.value, data.DATA_PATH.value, None
+  if not name:
+    name, recorded_path, record = _recorded_dataset(_MODEL_PATH.value[0])
+    path = path or recorded_path
+    if record:
+      logging.info("dataset=%r (data_path=%r): from %s.", name, path, record)
+  options = {"path": path} if path else {}
+  options.update(_options_for_model(name, models[0]))
+  try:
+    return data_lib.load_dataset(name, **options)
+  except (ValueError, FileNotFoundError) as e:
+    if not record:
+      raise
+    raise type(e)(f"{e} (dataset={name!r} is what {record} records for "
+                  "this model; give --dataset (and --data_path) to predict "
+                  "on other rows.)") from e
 
 
 def _options_for_model(dataset: str, model) -> dict:
@@ -141,7 +178,6 @@ def _options_for_model(dataset: str, model) -> dict:
 
 def _prepare():
   """Devices, the models placed for serving, and the rows to predict."""
-  from tfmgpu import data as data_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
   from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
@@ -155,10 +191,7 @@ def _prepare():
   options = distribution.options_from(
       types.SimpleNamespace(**values, **stages.values()))
   model, strategy = distribution.serve(models, options)
-  name = data.DATASET.value or _recorded_dataset(_MODEL_PATH.value[0])
-  options = {"path": data.DATA_PATH.value} if data.DATA_PATH.value else {}
-  options.update(_options_for_model(name, models[0]))
-  arrays = data_lib.load_dataset(name, **options)
+  arrays = _load_rows(models)
   x, y = ((arrays.x_test, arrays.y_test) if _SPLIT.value == "test"
           else (arrays.x_train, arrays.y_train))
   predictor = inference.Predictor(

@@ -45,6 +45,7 @@ from typing import Any, Mapping
 from absl import logging
 
 from tfmgpu import files
+from tfmgpu import user_code
 
 LOCK_NAME = "run.lock"
 RECORD_NAME = "run.json"
@@ -357,9 +358,28 @@ def _micro_batches(config: Any) -> int | None:
   return getattr(config.options, "micro_batches", None)
 
 
+# Settings that may name the user's files: recorded as absolute paths.
+_PATHS = ("model", "dataset", "loss", "metrics", "data_path")
+
+
+def _resolved(record: dict[str, Any]) -> dict[str, Any]:
+  """`record` with the user's files named absolutely (relative ones, as an
+  older tfmgpu recorded them, from the current directory, as it read them),
+  so that `predict` finds them from any directory."""
+  def resolve(value: Any) -> Any:
+    if isinstance(value, list):
+      return [resolve(v) for v in value]
+    return user_code.resolvable(value)
+  resolved = {k: resolve(v) if k in _PATHS else v for k, v in record.items()}
+  path = resolved.get("data_path")
+  if isinstance(path, str) and "://" not in path:  # Not gs://, s3://, ...
+    resolved["data_path"] = os.path.abspath(path)
+  return resolved
+
+
 def record_of(config: Any) -> dict[str, Any]:
   """The record of a `TrainConfig`: what `run.json` holds."""
-  return {
+  return _resolved({
       "model": config.model,
       "model_size": getattr(config, "model_size", None),
       "optimizer": config.optimizer,
@@ -373,7 +393,7 @@ def record_of(config: Any) -> dict[str, Any]:
                   is not None else None),  # As JSON reads it back.
       "strategy": config.strategy, "data_path": config.data_path,
       "versions": versions(),
-  }
+  })
 
 
 def read_record(model_dir: str) -> dict[str, Any] | None:
@@ -401,7 +421,7 @@ def read_record(model_dir: str) -> dict[str, Any] | None:
     raise RunDirError(
         f"{path} is not a readable run record ({record}). Fix it, or delete "
         "it to record this run's settings anew (the checkpoints are kept).")
-  return record
+  return _resolved(record)
 
 
 def write_record(model_dir: str, record: Mapping[str, Any]) -> str:

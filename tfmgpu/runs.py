@@ -108,7 +108,9 @@ class RunSummary:
     rows = [("strategy", self.strategy), *named, *self.layout,
             *self._training_rows(),
             (_label("test", self.test_metrics),
-             _values(self.test_loss, self.test_metrics)),
+             _values(self.test_loss, self.test_metrics) if self.test_metrics
+             or not np.isnan(self.test_loss)
+             else "none (the loader gave no test split)"),
             *self._baseline_rows(),
             ("wall time", f"{self.seconds:.1f} s"),
             ("checkpoints", self.checkpoint or "none"),
@@ -327,7 +329,8 @@ def run_training(config: TrainConfig, *,
 
 
 def _fit_and_test(trainer: Trainer, config: TrainConfig,
-                  data: "data_lib.Arrays | data_lib.StreamedDataset",
+                  data: "data_lib.Arrays | data_lib.StreamedDataset | "
+                  "data_lib.UserDatasets",
                   strategy) -> tuple[TrainResult, dict[str, float]]:
   """`_fit_and_test_once`; a damaged file of a streamed dataset is named."""
   try:
@@ -339,11 +342,18 @@ def _fit_and_test(trainer: Trainer, config: TrainConfig,
 
 
 def _fit_and_test_once(trainer: Trainer, config: TrainConfig,
-                       data: "data_lib.Arrays | data_lib.StreamedDataset",
+                       data: "data_lib.Arrays | data_lib.StreamedDataset | "
+                       "data_lib.UserDatasets",
                        strategy) -> tuple[TrainResult, dict[str, float]]:
-  """Trains, then evaluates on the test split: in-memory arrays, or a
-  streamed dataset's dataset functions (read from its files as they train)."""
+  """Trains, then evaluates on the test split: in-memory arrays, a
+  streamed dataset's dataset functions (read from its files as they train),
+  or a user loader's `tf.data` datasets (no test split: a NaN loss)."""
   batch = config.global_batch_size
+  if isinstance(data, data_lib.UserDatasets):  # The dataset sets the batch.
+    result = trainer.fit(data.train, epochs=config.epochs,
+                         steps_per_epoch=config.steps_per_epoch)
+    return result, (trainer.evaluate(data.test) if data.test is not None
+                    else {"loss": float("nan")})  # No test split given.
   if isinstance(data, data_lib.Arrays):
     result = trainer.fit(
         data.x_train, data.y_train, epochs=config.epochs,
@@ -370,8 +380,12 @@ def _summary(config: TrainConfig, placement: strategies_lib.Placement,
   history = result.history
   nan = float("nan")
   test_metrics = {k: v for k, v in test.items() if k not in ("loss", "count")}
+  no_test = not test_metrics and np.isnan(test["loss"])  # No test split.
+  trained = test_metrics if not no_test else [
+      k for k in history if k not in ("loss", "examples_per_sec")
+      and not k.startswith("val_")]
   train_metrics = {k: history[k][-1] if history.get(k) else nan
-                   for k in test_metrics}
+                   for k in trained}
   chosen = placement.distribution.name  # `auto` names what it chose.
   return RunSummary(
       strategy=(config.strategy if chosen == config.strategy

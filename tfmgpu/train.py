@@ -247,14 +247,21 @@ def main(argv: list[str]) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  flags_lib.quiet_tensorflow(tensorflow_logs=_VERBOSE.value >= 2)
+  # TF loads only when a step needs it, so that the checks that need none
+  # (the run directory, its lock, the stage count) answer in a blink.
+  flags_lib.prepare_quiet_tensorflow(tensorflow_logs=_VERBOSE.value >= 2)
+  if role.runs_server:
+    flags_lib.load_tensorflow()
   cluster.run_server_if_needed(role)  # Parameter-server ps/worker: serves.
+  if names_user_code(config):  # The user's module may import TF: quietly.
+    flags_lib.load_tensorflow()
   try:  # The user's `module:function` code, imported before any run dir.
     config.check_user_code()
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   if _PLAN_ONLY.value:
+    flags_lib.load_tensorflow()
     from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
     try:
       print(runs.describe_plan(config))
@@ -284,6 +291,7 @@ def _train_in_run_dir(config: config_lib.TrainConfig,
       print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
       return code
     try:
+      flags_lib.load_tensorflow()
       code = _train(config)
       return code
     finally:
@@ -291,6 +299,13 @@ def _train_in_run_dir(config: config_lib.TrainConfig,
   finally:
     if code:
       rundir.remove_unused(created)
+
+
+def names_user_code(config: config_lib.TrainConfig) -> bool:
+  """Whether `config` names the user's `module:function` code (whose
+  import may import TensorFlow)."""
+  return any(user_code.is_reference(v) for v in (
+      config.model, config.dataset, config.loss, *(config.metrics or ())))
 
 
 def open_run_dir(config: config_lib.TrainConfig, role: cluster.TaskRole

@@ -98,6 +98,18 @@ def parse_reference(what: str, value: str) -> Reference:
   return ref
 
 
+def resolvable(value: Any) -> Any:
+  """`value` with a file reference's path made absolute
+  (`path/to/file.py:fn` -> `/cwd/path/to/file.py:fn`), so that it names the
+  same file from any directory (`run.json`); anything else unchanged."""
+  if not is_reference(value):
+    return value
+  module, _, attribute = value.rpartition(":")
+  if not Reference(module.strip(), attribute.strip()).is_file:
+    return value
+  return f"{os.path.abspath(module.strip())}:{attribute.strip()}"
+
+
 def check_reference(what: str, value: str, call: Call | None = None
                     ) -> Reference:
   """Checks `value` without importing it (before TensorFlow loads).

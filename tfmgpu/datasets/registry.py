@@ -12,12 +12,17 @@ Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from tfmgpu import checks
 from tfmgpu import user_code
+from tfmgpu._lazy import LazyModule
+
+tf = LazyModule("tensorflow")
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -229,8 +234,10 @@ def _user_entry(name: str) -> DatasetEntry:
   """An entry for the user's loader `name` (imported and checked)."""
   loader = user_code.load_function("dataset", name, USER_LOADER_CALL)
 
-  def load(**options) -> Arrays:
-    return user_arrays(name, loader(**options))
+  def load(**options) -> "Arrays | UserDatasets":
+    loaded = loader(**options)
+    datasets = user_datasets(name, loaded)
+    return datasets if datasets is not None else user_arrays(name, loaded)
 
   return DatasetEntry(
       name, f"your loader {name}", load, offline=True,
@@ -273,6 +280,97 @@ def user_arrays(name: str, loaded: Any) -> Arrays:
   return Arrays(name, *parts, num_classes=_class_count(parts[1], parts[3]))
 
 
+def _is_dataset_or_fn(value: Any) -> bool:
+  """A `tf.data.Dataset` or a dataset function (TF is loaded if a loader
+  returned a dataset; a plain callable is taken for a dataset function)."""
+  loaded = sys.modules.get("tensorflow")
+  return callable(value) or (loaded is not None
+                             and isinstance(value, loaded.data.Dataset))
+
+
+def user_datasets(name: str, loaded: Any) -> "UserDatasets | None":
+  """A user loader's `tf.data` result as `UserDatasets` (`None`: not one).
+
+  Args:
+    name: the loader, for messages and the name.
+    loaded: a `tf.data.Dataset` of `(x, y[, sample_weight])` global
+      batches, a dataset function `fn(input_context)` of per-replica
+      batches (as `Trainer.fit` takes them), or a pair `(train, test)` of
+      them (`test` may be `None`).
+  """
+  if _is_dataset_or_fn(loaded):
+    return UserDatasets(name, loaded)
+  if (isinstance(loaded, (tuple, list)) and len(loaded) == 2
+      and _is_dataset_or_fn(loaded[0])
+      and (loaded[1] is None or _is_dataset_or_fn(loaded[1]))):
+    return UserDatasets(name, loaded[0], loaded[1])
+  return None
+
+
+class UserDatasets:
+  """What a user's loader returned as `tf.data`: a training dataset (or
+  dataset function) and an optional test one, trained on as `Trainer.fit`
+  takes them (the dataset sets the batch).
+
+  Args:
+    name: the loader reference.
+    train: a `tf.data.Dataset` of global batches, or a dataset function.
+    test: the same for the test split, or `None`.
+  """
+
+  def __init__(self, name: str, train: Any, test: Any = None):
+    self.name, self.train, self.test = name, train, test
+    spec = self._dataset(train).element_spec
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+      raise ValueError(
+          f"dataset={name!r} returned a dataset of {spec}; its elements must "
+          "be (x, y) or (x, y, sample_weight) batches.")
+    self.input_shape = tf.nest.map_structure(
+        lambda t: tuple(t.shape[1:]), spec[0])
+    self.num_classes = self._class_count(spec[1])
+
+  @staticmethod
+  def _dataset(data: Any):
+    """`data` as a `tf.data.Dataset` (a dataset function called with one
+    input pipeline's context)."""
+    if isinstance(data, tf.data.Dataset):
+      return data
+    return data(tf.distribute.InputContext())
+
+  def _class_count(self, spec: Any) -> int | None:
+    """`max(y) + 1` over the training labels (one pass; the first 100
+    batches of an infinite dataset), or `None` for other targets."""
+    if not (isinstance(spec, tf.TensorSpec) and spec.dtype.is_integer and (
+        spec.shape.rank == 1 or (spec.shape.rank == 2 and spec.shape[1] == 1))):
+      return None
+    labels = self._dataset(self.train).map(lambda *e: tf.reduce_max(e[1]))
+    if labels.cardinality() == tf.data.INFINITE_CARDINALITY:
+      labels = labels.take(100)
+      logging.info("dataset=%r is infinite: num_classes from the labels of "
+                   "its first 100 batches.", self.name)
+    top = int(labels.reduce(tf.constant(-1, spec.dtype), tf.maximum))
+    return top + 1 if top >= 0 else None
+
+  def to_arrays(self) -> Arrays:
+    """Both splits read into memory (the training one as test when the
+    loader gave none); for `predict`."""
+    def read(data):
+      batches = list(self._dataset(data).as_numpy_iterator())
+      joined = [tf.nest.map_structure(lambda *a: np.concatenate(a), *part)
+                for part in zip(*batches)]
+      return joined[0], joined[1]
+    (x, y), test = read(self.train), (None if self.test is None
+                                      else read(self.test))
+    x_test, y_test = test or (x, y)
+    return Arrays(self.name, x, y, x_test, y_test,
+                  num_classes=self.num_classes)
+
+  def __repr__(self) -> str:
+    test = "" if self.test is None else ", a test dataset"
+    return (f"UserDatasets({self.name!r}: input {self.input_shape}, "
+            f"{self.num_classes} classes{test})")
+
+
 def _leaf_list(x: Any) -> list[np.ndarray]:
   leaves: list[np.ndarray] = []
   _map_leaves(leaves.append, x)
@@ -308,9 +406,9 @@ def load_dataset(name: str = "digits", **options) -> Arrays:
     ValueError: unknown name (lists the available ones) or bad option.
     DatasetUnavailableError: a download is needed and failed.
   """
-  entry = dataset_entry(name)
-  loaded = entry.loader(**options)
-  return loaded.to_arrays() if entry.streamed else loaded
+  loaded = dataset_entry(name).loader(**options)
+  # A streamed dataset, or a user's loader's tf.data datasets: read whole.
+  return loaded if isinstance(loaded, Arrays) else loaded.to_arrays()
 
 
 def open_dataset(name: str = "digits", **options) -> "Arrays | StreamedDataset":

@@ -76,25 +76,46 @@ _ABSL_BANNER = "WARNING: All log messages before absl::InitializeLog()"
 
 
 def quiet_tensorflow(*, tensorflow_logs: bool = False) -> None:
-  """Keeps TensorFlow's own log messages out of CLI output; call before TF loads.
+  """Keeps TensorFlow's own log messages out of CLI output and loads it.
 
-  Quiet (the default): sets `TF_CPP_MIN_LOG_LEVEL=3` unless the user set it
-  (C++ INFO, WARNING and ERROR lines such as a CPU host's `failed call to
-  cuInit` are hidden; real failures still surface as Python exceptions),
-  keeps TF's Python INFO records (`Sharding callback duration` after every
-  checkpoint) and a known tf.data warning out, and imports TensorFlow with
-  its start-up records below that level filtered from stderr. Either way the
-  start-up lines are printed once: `import tensorflow` loads two copies of
-  TF's runtime (`libtensorflow_framework.so.2` and the profiler's
-  `_pywrap_profiler_plugin.so`), each of which logs them.
+  `prepare_quiet_tensorflow`, then `load_tensorflow`: call before TF loads.
+  A CLI with checks that need no TensorFlow calls the two apart, so that
+  its errors come before the seconds TF takes to load.
 
   Args:
     tensorflow_logs: leave TF's logging at its defaults (`--verbose=2`),
       only dropping the repeated start-up lines.
   """
+  prepare_quiet_tensorflow(tensorflow_logs=tensorflow_logs)
+  load_tensorflow()
+
+
+def prepare_quiet_tensorflow(*, tensorflow_logs: bool = False) -> None:
+  """Sets up the quiet of `quiet_tensorflow` without importing TensorFlow.
+
+  Quiet (the default): sets `TF_CPP_MIN_LOG_LEVEL=3` unless the user set it
+  (C++ INFO, WARNING and ERROR lines such as a CPU host's `failed call to
+  cuInit` are hidden; real failures still surface as Python exceptions),
+  and keeps TF's Python INFO records (`Sharding callback duration` after
+  every checkpoint) and a known tf.data warning out. Nothing is imported:
+  `load_tensorflow` (or the first import of TF after this call, unfiltered)
+  loads it when a command gets that far.
+
+  Args:
+    tensorflow_logs: leave TF's logging at its defaults (`--verbose=2`).
+  """
   if not tensorflow_logs:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     _quiet_python_logs()
+
+
+def load_tensorflow() -> None:
+  """Imports TensorFlow with its start-up records below
+  `TF_CPP_MIN_LOG_LEVEL` filtered from stderr, and its start-up lines
+  printed once: `import tensorflow` loads two copies of TF's runtime
+  (`libtensorflow_framework.so.2` and the profiler's
+  `_pywrap_profiler_plugin.so`), each of which logs them. Does nothing
+  when TensorFlow is loaded already."""
   _import_tensorflow_filtered(_min_log_level())
 
 

@@ -22,6 +22,7 @@ from tfmgpu.models.registry import available_models
 from tfmgpu.models.registry import build_model
 from tfmgpu.models.registry import check_model
 from tfmgpu.models.registry import check_model_size
+from tfmgpu.models.registry import cuttable_blocks
 from tfmgpu.models.registry import dataset_options
 from tfmgpu.models.registry import default_dataset
 from tfmgpu.models.registry import default_size

@@ -13,7 +13,8 @@ keras = LazyModule("keras")
 
 
 @register_model("convnet", "Classic 28x28 digit net: Conv(10,5)-pool-"
-                "Conv(20,5)-pool-Dense(50)-Dense(10).")
+                "Conv(20,5)-pool-Dense(50)-Dense(10).",
+                blocks=lambda size: 7)
 def convnet(input_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
   """The classic digit convnet (LeNet-like), as a Sequential model."""
   layers = keras.layers
@@ -29,7 +30,8 @@ def convnet(input_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
   ], name="convnet")
 
 
-@register_model("mlp", "Two hidden layers of 256 units.")
+@register_model("mlp", "Two hidden layers of 256 units.",
+                blocks=lambda size: 4)
 def mlp(input_shape: tuple[int, ...], num_classes: int, *,
         width: int = 256, depth: int = 2) -> "keras.Model":
   """Flatten, `depth` ReLU Dense layers of `width` units, then the logits."""

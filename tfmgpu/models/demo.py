@@ -18,7 +18,8 @@ keras = LazyModule("keras")
 
 
 @register_model("deep_mlp", "Eight hidden layers of 256 units: deep enough "
-                "to split into 2-8 stages (model/pipeline parallelism).")
+                "to split into 2-8 stages (model/pipeline parallelism).",
+                blocks=lambda size: 10)
 def deep_mlp(input_shape: tuple, num_classes: int, *, depth: int = 8,
              width: int = 256, name: str = "deep_mlp") -> "keras.Model":
   """A chain of `depth` ReLU Dense layers: every layer boundary is a cut point.
@@ -47,7 +48,7 @@ def deep_mlp(input_shape: tuple, num_classes: int, *, depth: int = 8,
 
 
 @register_model("small_resnet", "A small convolutional ResNet (residual "
-                "blocks are never cut inside).")
+                "blocks are never cut inside).", blocks=lambda size: 34)
 def small_resnet(input_shape: tuple, num_classes: int, *, blocks: int = 4,
                  filters: int = 16, name: str = "small_resnet"
                  ) -> "keras.Model":

@@ -62,6 +62,12 @@ CONTEXTS: dict[str, int] = {"tiny": 64, "mini": 64, "gpt2_small": 1024,
                             "gpt2_xl": 1024}
 
 
+def cuttable_blocks(size: str | None) -> int:
+  """Cuttable blocks of a `gpt` of `size` (no dropout): the embeddings and
+  the position add, 7 per transformer block, the final norm and logits."""
+  return 7 * SIZES[size or DEFAULT_SIZE].num_layers + 4
+
+
 def text_options(size: str | None) -> dict[str, int]:
   """`stdlib_text`'s options for a size: `{"seq_len": CONTEXTS[size]}`."""
   return {"seq_len": CONTEXTS.get(size or DEFAULT_SIZE, CONTEXTS[DEFAULT_SIZE])}
@@ -211,7 +217,7 @@ def _inputs(input_shape: Any) -> tuple[Any, Any, Any, int]:
                 "attention; sizes tiny .. gpt2_xl via --model_size; reads "
                 "stdlib_text unless --dataset is given).",
                 sizes=tuple(SIZES), dataset="stdlib_text",
-                dataset_options=text_options)
+                dataset_options=text_options, blocks=cuttable_blocks)
 def gpt(input_shape: Any, num_classes: int, *, size: str = DEFAULT_SIZE,
         name: str = "gpt", **overrides: Any) -> "keras.Model":
   """A GPT: embeddings, `num_layers` causal transformer blocks, logits.

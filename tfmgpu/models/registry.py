@@ -48,6 +48,7 @@ class ModelEntry:
   sizes: tuple[str, ...] = ()
   dataset: str | None = None
   dataset_options: Callable[[str | None], dict] | None = None
+  blocks: Callable[[str | None], int] | None = None
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
@@ -55,7 +56,8 @@ _REGISTRY: dict[str, ModelEntry] = {}
 
 def register_model(name: str, description: str, *,
                    sizes: tuple[str, ...] = (), dataset: str | None = None,
-                   dataset_options: Callable[[str | None], dict] | None = None):
+                   dataset_options: Callable[[str | None], dict] | None = None,
+                   blocks: Callable[[str | None], int] | None = None):
   """Decorator registering `builder(input_shape, num_classes, **kw)` as `name`.
 
   Args:
@@ -67,14 +69,28 @@ def register_model(name: str, description: str, *,
       names none (e.g. `gpt`: `stdlib_text`).
     dataset_options: `fn(size) -> options` of that dataset for a size
       (`None`: the size's default); pure Python, no TensorFlow.
+    blocks: `fn(size) -> int`, the cuttable blocks of the built model at
+      its default options (`tfmgpu.parallel.cost.model_blocks`: at most
+      that many stages), so that too many stages are refused before
+      TensorFlow loads; pure Python. `None`: known once built.
   """
   def decorate(builder: ModelFn) -> ModelFn:
     if name in _REGISTRY:
       raise ValueError(f"model name {name!r} is already registered.")
     _REGISTRY[name] = ModelEntry(name, description, builder, tuple(sizes),
-                                 dataset, dataset_options)
+                                 dataset, dataset_options, blocks)
     return builder
   return decorate
+
+
+def cuttable_blocks(model: Any, size: str | None = None) -> int | None:
+  """The cuttable blocks of registered `model` at `size` (its declared
+  count), without building it; `None` for a model that declares none or
+  for the user's own builder."""
+  entry = _REGISTRY.get(model) if isinstance(model, str) else None
+  if entry is None or entry.blocks is None:
+    return None
+  return entry.blocks(size)
 
 
 def default_dataset(model: str, fallback: str) -> str:

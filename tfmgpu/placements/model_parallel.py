@@ -186,6 +186,7 @@ class ModelParallel(registry.Distribution):
   def check_config(self, config: Any) -> None:
     options = self.options_from(config)
     check_layout_config(config, options, self.micro_batches_of(options))
+    check_stage_count(config, options)
 
   def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
     o = placement.options
@@ -230,6 +231,24 @@ def check_layout_config(config: Any, options: Any,
         f"data_parallel={replicas} x stages={options.stages} x "
         f"tensor_parallel={options.tensor_parallel}. Use --virtual_devices="
         f"{needed}, or smaller sizes.")
+
+
+def check_stage_count(config: Any, options: Any) -> None:
+  """More stages than a registered model has cuttable blocks, refused
+  before TensorFlow loads (as `parallel.partition` would once it is built).
+
+  Raises:
+    ValueError: `num_stages` above the model's declared block count.
+  """
+  if options.split_points:
+    return
+  from tfmgpu import models  # pylint: disable=g-import-not-at-top
+  blocks = models.cuttable_blocks(config.model, config.model_size)
+  if blocks is not None and options.num_stages > blocks:
+    raise ValueError(
+        f"num_stages={options.num_stages} but model {config.model!r} has "
+        f"only {blocks} cuttable block(s) (one per layer call; a stage "
+        f"needs at least one). Use num_stages<={blocks}.")
 
 
 def layout_of(options: Any, micro_batches: int | None) -> Any:
