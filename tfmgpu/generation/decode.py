@@ -1,0 +1,156 @@
+"""The decode loop: prefill once, then one compiled step per token.
+
+The loop follows keras_hub's `CausalLM.generate`: every row of a batch is
+at the same position `index`; a row whose prompt is longer keeps its own
+token there, the others get the sampled one. A step reads the token at
+`index - 1`, writes its keys and values into the cache and chooses the
+token at `index`. The state (token buffer, masks, cache) has the same
+shapes at every step and `index` is a tensor, so the step traces once per
+request shape.
+
+Under a `tf.distribute.Strategy` the rows are split over the replicas and
+each replica runs the step on its own rows and cache (`strategy.run`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfmgpu.generation import samplers
+
+State = dict[str, Any]
+
+
+def initial_state(prompt_ids: np.ndarray, lengths: np.ndarray, rows:
+                  np.ndarray, width: int, max_new_tokens: int) -> State:
+  """The state before prefill (no cache yet) for these rows, as numpy.
+
+  Args:
+    prompt_ids: `(B, P)` int32 prompts, right-padded.
+    lengths: `(B,)` each prompt's length (>= 1).
+    rows: `(B,)` each row's index in the whole request (for seeding).
+    width: the token buffer's width (the longest prompt + new tokens).
+    max_new_tokens: new tokens per row at most.
+  """
+  batch, prompt_width = prompt_ids.shape
+  tokens = np.zeros((batch, width), np.int32)
+  tokens[:, :prompt_width] = prompt_ids
+  prompt = np.arange(width)[None, :] < lengths[:, None]
+  return {"tokens": tokens, "prompt": prompt, "filled": prompt.copy(),
+          "done": np.zeros(batch, bool), "rows": rows.astype(np.int32),
+          "ends": (lengths + max_new_tokens).astype(np.int32)}
+
+
+def prefill_function(adapter: Any, prompt_width: int) -> Callable[..., Any]:
+  """`prefill(state) -> state` with the cache of the prompts written."""
+
+  def prefill(state: State) -> State:
+    tokens = state["tokens"]
+    cache = adapter.empty_cache(tokens.shape[0], tokens.shape[1])
+    cache = adapter.prefill(tokens[:, :prompt_width], cache)
+    return dict(state, cache=cache)
+
+  return prefill
+
+
+def step_function(adapter: Any, sampling: samplers.Sampling,
+                  stop_token_ids: Sequence[int] | None
+                  ) -> Callable[..., State]:
+  """`step(state, index, seed) -> state`: fills position `index` of every
+  row that is neither in its prompt nor done."""
+  stops = tf.constant(list(stop_token_ids or []), tf.int32)
+
+  def step(state: State, index: tf.Tensor, seed: tf.Tensor) -> State:
+    tokens = state["tokens"]
+    logits, cache = adapter.step(tf.gather(tokens, index - 1, axis=1),
+                                 state["cache"], index - 1)
+    chosen = samplers.next_tokens(logits, sampling, seed, state["rows"], index)
+    write = tf.logical_not(tf.gather(state["prompt"], index, axis=1)
+                           | state["done"])
+    at = tf.equal(tf.range(tokens.shape[1]), index)[None, :] & write[:, None]
+    tokens = tf.where(at, chosen[:, None], tokens)
+    stopped = tf.reduce_any(tf.equal(chosen[:, None], stops[None, :]), -1)
+    done = state["done"] | (write & (stopped | (index + 1 >= state["ends"])))
+    return dict(state, tokens=tokens, filled=state["filled"] | at, done=done,
+                cache=cache)
+
+  return step
+
+
+class Runner:
+  """Runs prefill and steps on one device, or on each replica's rows.
+
+  Args:
+    strategy: `None` (the current device), or a `tf.distribute.Strategy`
+      whose replicas each take a contiguous share of the rows.
+    jit_compile: compile the per-replica step with XLA.
+
+  Attributes:
+    traces: how many times the per-replica step was traced.
+  """
+
+  def __init__(self, strategy: tf.distribute.Strategy | None,
+               jit_compile: bool):
+    self.strategy = strategy
+    self.jit_compile = jit_compile
+    self.traces = 0
+    self._steps: dict[Any, Callable[..., Any]] = {}
+
+  @property
+  def replicas(self) -> int:
+    return self.strategy.num_replicas_in_sync if self.strategy else 1
+
+  def compiled_step(self, key: Any, make: Callable[[], Callable]
+                    ) -> Callable[..., Any]:
+    """The compiled step for `key` (sampler, stops), made once."""
+    if key not in self._steps:
+      step = make()
+
+      def counted(state, index, seed):
+        self.traces += 1  # Runs only while tracing.
+        return step(state, index, seed)
+
+      inner = tf.function(counted, jit_compile=self.jit_compile)
+      self._steps[key] = (inner if self.strategy is None else tf.function(
+          lambda s, i, k: self.strategy.run(inner, args=(s, i, k))))
+    return self._steps[key]
+
+  def place(self, state: State) -> Any:
+    """`state` as tensors, split by rows over the replicas."""
+    if self.strategy is None:
+      return tf.nest.map_structure(tf.convert_to_tensor, state)
+    share = len(state["tokens"]) // self.replicas
+
+    def part(context):
+      r = context.replica_id_in_sync_group
+      return tf.nest.map_structure(
+          lambda a: tf.convert_to_tensor(a[r * share:(r + 1) * share]), state)
+
+    return self.strategy.experimental_distribute_values_from_function(part)
+
+  def prefill(self, fn: Callable[[State], State], state: Any) -> Any:
+    if self.strategy is None:
+      return tf.function(fn)(state)
+    return tf.function(lambda s: self.strategy.run(fn, args=(s,)))(state)
+
+  def local(self, value: Any) -> np.ndarray:
+    """A per-replica value's rows joined, in replica order, as numpy."""
+    if self.strategy is None:
+      return value.numpy()
+    return np.concatenate([v.numpy() for v in
+                           self.strategy.experimental_local_results(value)])
+
+
+def steps(runner: Runner, step: Callable[..., Any], state: Any, first: int,
+          width: int, seed: int, stop_early: bool) -> Iterator[Any]:
+  """Runs the step for positions `first .. width - 1`, yielding the state
+  after each; ends early once every row is done when `stop_early`."""
+  seed = tf.constant(seed, tf.int32)
+  for index in range(first, width):
+    state = step(state, tf.constant(index, tf.int32), seed)
+    yield state
+    if stop_early and runner.local(state["done"]).all():
+      return
