@@ -64,7 +64,10 @@ def test_decode_step_traces_once_for_a_whole_generation(gpt):
   generator = generation.Generator(gpt)
   generator.generate(_prompts(), max_new_tokens=10)
   generator.generate(_prompts(), max_new_tokens=10)  # Same shapes again.
+  streamed = [tokens for tokens, _ in generator.stream(
+      _prompts(), max_new_tokens=10)]  # One position per call.
   assert generator.traces == 1
+  assert len(streamed) == 1 + (8 + 10 - 2)  # Prefill, then each position.
 
 
 def test_stop_token_ends_a_row_and_is_kept(gpt):

@@ -88,7 +88,7 @@ class Generator:
     Args and Raises: as `generate`.
     """
     for state, index, _ in self._run(inputs, max_new_tokens, sampling,
-                                     stop_token_ids):
+                                     stop_token_ids, each=True):
       tokens = self._runner.local(state["tokens"])[:, index]
       written = self._runner.local(state["filled"])[:, index]
       prompt = self._runner.local(state["prompt"])[:, index]
@@ -101,13 +101,14 @@ class Generator:
     """See `tfmgpu.generate` (the module function)."""
     state, rows = None, 0
     for state, _, rows in self._run(inputs, max_new_tokens, sampling,
-                                    stop_token_ids):
+                                    stop_token_ids, each=False):
       pass
     return {"token_ids": self._runner.local(state["tokens"])[:rows],
             "padding_mask": self._runner.local(state["filled"])[:rows]}
 
-  def _run(self, inputs, max_new_tokens, sampling, stop_token_ids):
-    """Yields `(state, index, rows)` after prefill, then after each step."""
+  def _run(self, inputs, max_new_tokens, sampling, stop_token_ids, each):
+    """Yields `(state, index, rows)` after prefill, then after each position
+    (`each`) or once at the end."""
     request = prompts_lib.read(inputs, max_new_tokens,
                                self.adapter.max_positions,
                                self._runner.replicas)
@@ -124,11 +125,11 @@ class Generator:
     yield state, request.first - 1, request.rows
     key = (sampling.sampler, sampling.k, sampling.p, sampling.temperature,
            stops)
-    step = runner.compiled_step(key, lambda: decode.step_function(
-        self.adapter, sampling, stops))
-    for index, state in enumerate(decode.steps(
-        runner, step, state, request.first, request.width, seed,
-        stop_early=bool(stops)), start=request.first):
+    advance = runner.compiled_loop(key, lambda: decode.loop_function(
+        decode.step_function(self.adapter, sampling, stops), bool(stops)))
+    for index, state in decode.positions(
+        runner, advance, state, request.first, request.width, seed,
+        each=each, stop_early=bool(stops)):
       yield state, index, request.rows
 
 

@@ -80,16 +80,44 @@ def step_function(adapter: Any, sampling: samplers.Sampling,
   return step
 
 
+def loop_function(step: Callable[..., State], stop_early: bool
+                  ) -> Callable[..., State]:
+  """`advance(state, index, stop, seed) -> state`: the step for positions
+  `index .. stop - 1` in a `tf.while_loop`, ending early once every row is
+  done when `stop_early`.
+
+  The position is a loop variable, never a constant of the compiled code:
+  XLA would compile a function again for each value of an argument that an
+  op needs as a constant (keras_hub's position slices do), so even one
+  position per call runs in this loop.
+  """
+
+  def advance(state: State, index: tf.Tensor, stop: tf.Tensor,
+              seed: tf.Tensor) -> State:
+    def going(i, s):
+      more = i < stop
+      return more & ~tf.reduce_all(s["done"]) if stop_early else more
+
+    def body(i, s):
+      return i + 1, step(s, i, seed)
+
+    _, state = tf.while_loop(going, body, (index, state))
+    return state
+
+  return advance
+
+
 class Runner:
-  """Runs prefill and steps on one device, or on each replica's rows.
+  """Runs prefill and the decode loop on one device, or on each replica's
+  rows.
 
   Args:
     strategy: `None` (the current device), or a `tf.distribute.Strategy`
       whose replicas each take a contiguous share of the rows.
-    jit_compile: compile the per-replica step with XLA.
+    jit_compile: compile the per-replica decode loop with XLA.
 
   Attributes:
-    traces: how many times the per-replica step was traced.
+    traces: how many times a per-replica decode loop was traced.
   """
 
   def __init__(self, strategy: tf.distribute.Strategy | None,
@@ -97,26 +125,26 @@ class Runner:
     self.strategy = strategy
     self.jit_compile = jit_compile
     self.traces = 0
-    self._steps: dict[Any, Callable[..., Any]] = {}
+    self._loops: dict[Any, Callable[..., Any]] = {}
 
   @property
   def replicas(self) -> int:
     return self.strategy.num_replicas_in_sync if self.strategy else 1
 
-  def compiled_step(self, key: Any, make: Callable[[], Callable]
+  def compiled_loop(self, key: Any, make: Callable[[], Callable]
                     ) -> Callable[..., Any]:
-    """The compiled step for `key` (sampler, stops), made once."""
-    if key not in self._steps:
-      step = make()
+    """The compiled decode loop for `key` (sampler, stops), made once."""
+    if key not in self._loops:
+      advance = make()
 
-      def counted(state, index, seed):
+      def counted(state, index, stop, seed):
         self.traces += 1  # Runs only while tracing.
-        return step(state, index, seed)
+        return advance(state, index, stop, seed)
 
       inner = tf.function(counted, jit_compile=self.jit_compile)
-      self._steps[key] = (inner if self.strategy is None else tf.function(
-          lambda s, i, k: self.strategy.run(inner, args=(s, i, k))))
-    return self._steps[key]
+      self._loops[key] = (inner if self.strategy is None else tf.function(
+          lambda *args: self.strategy.run(inner, args=args)))
+    return self._loops[key]
 
   def place(self, state: State) -> Any:
     """`state` as tensors, split by rows over the replicas."""
@@ -144,13 +172,20 @@ class Runner:
                            self.strategy.experimental_local_results(value)])
 
 
-def steps(runner: Runner, step: Callable[..., Any], state: Any, first: int,
-          width: int, seed: int, stop_early: bool) -> Iterator[Any]:
-  """Runs the step for positions `first .. width - 1`, yielding the state
-  after each; ends early once every row is done when `stop_early`."""
+def positions(runner: Runner, advance: Callable[..., Any], state: Any,
+              first: int, width: int, seed: int, *, each: bool,
+              stop_early: bool) -> Iterator[tuple[int, Any]]:
+  """Decodes positions `first .. width - 1`, yielding `(index, state)`:
+  after each position when `each` (one call per position, for streaming),
+  else once after one call for them all. Ends early once every row is
+  done when `stop_early`."""
   seed = tf.constant(seed, tf.int32)
+  if not each:
+    yield width - 1, advance(state, tf.constant(first), tf.constant(width),
+                             seed)
+    return
   for index in range(first, width):
-    state = step(state, tf.constant(index, tf.int32), seed)
-    yield state
+    state = advance(state, tf.constant(index), tf.constant(index + 1), seed)
+    yield index, state
     if stop_early and runner.local(state["done"]).all():
       return
