@@ -190,3 +190,52 @@ def test_keras_hub_greedy_equals_its_own_generate(name):
   lengths = prompts["padding_mask"].sum(axis=1)
   expected = [list(row[:n + new]) for row, n in zip(theirs, lengths)]
   assert _rows(out) == expected
+
+
+# ------------------------------------------------------- the CLI
+
+@pytest.fixture(scope="module")
+def byte_gpt_path(tmp_path_factory):
+  """A tiny byte-level gpt (vocabulary 256) saved as .keras."""
+  model = models.build_model("gpt", input_shape=(16,), num_classes=256,
+                             seed=2)
+  path = str(tmp_path_factory.mktemp("gen") / "model.keras")
+  model.save(path)
+  return path, model
+
+
+def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
+    byte_gpt_path, parsed_flags, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  path, model = byte_gpt_path
+  with flagsaver.flagsaver(model_path=[path], prompt="def ",
+                           max_new_tokens=20, strategy="default"):
+    assert generate.main(["generate"]) == 0
+  out = capsys.readouterr()
+  # 4 + 20 tokens > the 16 positions: the last 8 start the second window.
+  expected = list(b"def ")
+  for context, new in ((expected, 12), (None, 8)):
+    context = expected[-8:] if context is None else context
+    tokens = tfmgpu.generate(model, np.array([context]), max_new_tokens=new)
+    expected += list(tokens["token_ids"][0, len(context):])
+  assert out.out.rstrip("\n") == bytes(expected).decode("utf-8", "replace")
+  assert "20 tokens in" in out.err
+
+
+def test_cli_needs_a_prompt(byte_gpt_path, parsed_flags):
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt=None,
+                           prompt_ids=None):
+    with pytest.raises(app.UsageError, match="--prompt"):
+      generate.main(["generate"])
+
+
+def test_generate_is_the_cli_module_and_the_function(gpt):
+  import types  # pylint: disable=g-import-not-at-top
+  assert isinstance(tfmgpu.generate, types.ModuleType)
+  assert callable(tfmgpu.generate.main)
+  out = tfmgpu.generate(gpt, np.ones((1, 3), np.int32), max_new_tokens=2)
+  assert out["token_ids"].shape == (1, 5)
