@@ -120,8 +120,9 @@ class Generator:
                                  np.arange(len(request.lengths)),
                                  request.width, max_new_tokens)
     runner = self._runner
-    state = runner.prefill(decode.prefill_function(
-        self.adapter, request.token_ids.shape[1]), runner.place(state))
+    width = request.token_ids.shape[1]
+    state = runner.prefill(width, lambda: decode.prefill_function(
+        self.adapter, width), runner.place(state))
     yield state, request.first - 1, request.rows
     key = (sampling.sampler, sampling.k, sampling.p, sampling.temperature,
            stops)

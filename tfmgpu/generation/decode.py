@@ -126,6 +126,7 @@ class Runner:
     self.jit_compile = jit_compile
     self.traces = 0
     self._loops: dict[Any, Callable[..., Any]] = {}
+    self._prefills: dict[Any, Callable[..., Any]] = {}
 
   @property
   def replicas(self) -> int:
@@ -159,10 +160,16 @@ class Runner:
 
     return self.strategy.experimental_distribute_values_from_function(part)
 
-  def prefill(self, fn: Callable[[State], State], state: Any) -> Any:
-    if self.strategy is None:
-      return tf.function(fn)(state)
-    return tf.function(lambda s: self.strategy.run(fn, args=(s,)))(state)
+  def prefill(self, key: Any, make: Callable[[], Callable[[State], State]],
+              state: Any) -> Any:
+    """`state` with its cache written, by the prefill for `key` (the
+    prompt width), compiled once."""
+    if key not in self._prefills:
+      fn = make()
+      self._prefills[key] = (tf.function(fn) if self.strategy is None else
+                             tf.function(lambda s: self.strategy.run(
+                                 fn, args=(s,))))
+    return self._prefills[key](state)
 
   def local(self, value: Any) -> np.ndarray:
     """A per-replica value's rows joined, in replica order, as numpy."""

@@ -48,7 +48,9 @@ def stream_tokens(generator: "api.Generator", prompt: Sequence[int], *,
         tokens[-keep:])
     if limit is not None:
       context = context[-(limit - 1):]
-    room = left if limit is None else min(left, limit - len(context))
+    # A full window even when fewer tokens are left (the stream is left
+    # early): every window after the first has one shape, traced once.
+    room = left if limit is None else limit - len(context)
     seed = None if sampling.seed is None else sampling.seed + window
     for new, written in generator.stream(
         np.asarray([context], np.int32), max_new_tokens=room,
@@ -60,6 +62,6 @@ def stream_tokens(generator: "api.Generator", prompt: Sequence[int], *,
       tokens.append(token)
       left -= 1
       yield token
-      if token in stops:
+      if token in stops or not left:
         return
     window += 1
