@@ -170,13 +170,19 @@ def _hub_lm(name):
         vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
         intermediate_dim=32, max_sequence_length=32)
     return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
-  backbone = keras_hub.models.LlamaBackbone(
+  if name == "gemma":
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=4,
+        num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+        head_dim=8)
+    return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+  backbone = keras_hub.models.LlamaBackbone(  # Grouped-query, rotary.
       vocabulary_size=64, num_layers=2, num_query_heads=4,
       num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
   return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
 def test_keras_hub_greedy_equals_its_own_generate(name):
   lm = _hub_lm(name)
   new = 8
@@ -221,6 +227,23 @@ def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
     expected += list(tokens["token_ids"][0, len(context):])
   assert out.out.rstrip("\n") == bytes(expected).decode("utf-8", "replace")
   assert "20 tokens in" in out.err
+
+
+@pytest.mark.slow
+def test_cli_in_a_process_of_its_own(byte_gpt_path, tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+  out = subprocess.run(
+      [sys.executable, "-m", "tfmgpu.generate",
+       f"--model_path={byte_gpt_path[0]}", "--prompt=import ",
+       "--max_new_tokens=5", "--strategy=default"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.startswith("import ")
+  assert "5 tokens in" in out.stderr
 
 
 def test_cli_needs_a_prompt(byte_gpt_path, parsed_flags):
