@@ -26,14 +26,18 @@ def _prompts(vocab=VOCAB, width=8, lengths=(5, 2, 8)):
   return {"token_ids": (ids * mask).astype(np.int32), "padding_mask": mask}
 
 
-def _no_cache_loop(model, prompts, new_tokens):
-  """Greedy tokens by re-reading the whole prefix at every position."""
+def _no_cache_loop(model, prompts, new_tokens, with_mask=False):
+  """Greedy tokens by re-reading the whole prefix at every position (and
+  the mask of its real tokens, for a model that takes one)."""
   rows = []
   for ids, mask in zip(prompts["token_ids"], prompts["padding_mask"]):
     sequence = list(ids[mask])
     for _ in range(new_tokens):
       x = np.zeros((1, CONTEXT), np.int32)
       x[0, :len(sequence)] = sequence
+      if with_mask:
+        real = (np.arange(CONTEXT) < len(sequence)).astype(np.int32)
+        x = {"tokens": x, "padding_mask": real[None]}
       logits = np.asarray(model(x, training=False))
       sequence.append(int(np.argmax(logits[0, len(sequence) - 1])))
     rows.append(sequence)
@@ -114,6 +118,18 @@ def test_mirrored_x2_equals_unplaced_greedy_and_seeded(gpt):
                              strategy=strategy, **options)
     for key in ("token_ids", "padding_mask"):
       np.testing.assert_array_equal(spread[key], alone[key])
+
+
+def test_a_gpt_with_a_padding_mask_input_and_one_device():
+  model = models.build_model(
+      "gpt", input_shape={"tokens": (CONTEXT,), "padding_mask": (CONTEXT,)},
+      num_classes=VOCAB, seed=4)
+  prompts = _prompts()
+  expected = _no_cache_loop(model, prompts, 4, with_mask=True)
+  assert _rows(tfmgpu.generate(model, prompts, max_new_tokens=4)) == expected
+  placed = tfmgpu.generate(model, prompts, max_new_tokens=4,
+                           strategy="one_device")
+  assert _rows(placed) == expected
 
 
 def test_rows_split_differently_get_the_same_seeded_tokens(gpt):

@@ -70,9 +70,11 @@ class Generator:
     self.adapter = adapter_for(model)
     if isinstance(strategy, str):
       strategy = strategies_lib.get_strategy(strategy)
+    device = None
     if strategy is not None and strategy.num_replicas_in_sync == 1:
-      strategy = None  # One replica: run the step directly.
-    self._runner = decode.Runner(strategy, jit_compile)
+      device = strategy.extended.worker_devices[0]  # E.g. one_device's.
+      strategy = None  # One replica: run the step directly, there.
+    self._runner = decode.Runner(strategy, jit_compile, device=device)
 
   @property
   def traces(self) -> int:

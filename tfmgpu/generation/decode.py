@@ -115,14 +115,16 @@ class Runner:
     strategy: `None` (the current device), or a `tf.distribute.Strategy`
       whose replicas each take a contiguous share of the rows.
     jit_compile: compile the per-replica decode loop with XLA.
+    device: where to run without a strategy (`None`: TF's choice).
 
   Attributes:
     traces: how many times a per-replica decode loop was traced.
   """
 
   def __init__(self, strategy: tf.distribute.Strategy | None,
-               jit_compile: bool):
+               jit_compile: bool, device: str | None = None):
     self.strategy = strategy
+    self.device = device
     self.jit_compile = jit_compile
     self.traces = 0
     self._loops: dict[Any, Callable[..., Any]] = {}
@@ -143,9 +145,21 @@ class Runner:
         return advance(state, index, stop, seed)
 
       inner = tf.function(counted, jit_compile=self.jit_compile)
-      self._loops[key] = (inner if self.strategy is None else tf.function(
-          lambda *args: self.strategy.run(inner, args=args)))
+      self._loops[key] = (self._on_device(inner) if self.strategy is None
+                          else tf.function(lambda *args: self.strategy.run(
+                              inner, args=args)))
     return self._loops[key]
+
+  def _on_device(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` called under `tf.device(self.device)` when one is set."""
+    if self.device is None:
+      return fn
+
+    def placed(*args):
+      with tf.device(self.device):
+        return fn(*args)
+
+    return placed
 
   def place(self, state: State) -> Any:
     """`state` as tensors, split by rows over the replicas."""
@@ -166,7 +180,8 @@ class Runner:
     prompt width), compiled once."""
     if key not in self._prefills:
       fn = make()
-      self._prefills[key] = (tf.function(fn) if self.strategy is None else
+      self._prefills[key] = (self._on_device(tf.function(fn))
+                             if self.strategy is None else
                              tf.function(lambda s: self.strategy.run(
                                  fn, args=(s,))))
     return self._prefills[key](state)
