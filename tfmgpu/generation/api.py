@@ -45,23 +45,33 @@ def adapter_for(model: Any) -> Any:
       "those (build one with tfmgpu.build_model('gpt', ...)).")
 
 
+def _device_of(strategy: tf.distribute.Strategy) -> str | None:
+  """The device of a one-replica strategy; `None` for TF's default
+  strategy, which has none (TF places ops)."""
+  try:
+    return strategy.extended.worker_devices[0]
+  except RuntimeError:  # "unsupported by default tf.distribute.Strategy".
+    return None
+
+
 class Generator:
   """Compiled generation for one model and device setup.
 
-  Holds the model's cache adapter and its compiled steps (one per sampler
-  and stop tokens), so repeated requests of the same shape do not retrace.
+  Holds the model's cache adapter and its compiled decode loops (one per
+  sampler and stop tokens), so repeated requests of the same shape do not
+  retrace.
 
   Args:
     model: tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced.
     strategy: `None` (one device), a registered name (e.g. `"mirrored"`)
       or a `tf.distribute.Strategy`: the request rows are split over its
       replicas.
-    jit_compile: compile each replica's decode step with XLA. Defaults to
+    jit_compile: compile each replica's decode loop with XLA. Defaults to
       `True`.
 
   Attributes:
-    traces: how many times a decode step was traced (one per request shape
-      and sampler, not per token).
+    traces: how many times a decode loop was traced (one per request shape
+      and sampler, not per token; streamed or not).
   """
 
   def __init__(self, model: Any, *, strategy: Any = None,
@@ -72,8 +82,8 @@ class Generator:
       strategy = strategies_lib.get_strategy(strategy)
     device = None
     if strategy is not None and strategy.num_replicas_in_sync == 1:
-      device = strategy.extended.worker_devices[0]  # E.g. one_device's.
-      strategy = None  # One replica: run the step directly, there.
+      device = _device_of(strategy)  # E.g. one_device's.
+      strategy = None  # One replica: run the loop directly, there.
     self._runner = decode.Runner(strategy, jit_compile, device=device)
 
   @property
@@ -84,17 +94,19 @@ class Generator:
              sampling: samplers.Sampling = samplers.Sampling(),
              stop_token_ids: Sequence[int] | None = None
              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yields `(tokens (B,), written (B,) bool)` after each position: the
-    token each row got there, and whether it is new (not its prompt's).
+    """Yields `(tokens (B,), written (B,) bool)` after each position (one
+    compiled call each): the token each row got there, and whether it is
+    new (not its prompt's). The first is the last position of the shortest
+    prompt (nothing new), read before any decoding.
 
     Args and Raises: as `generate`.
     """
-    for state, index, _ in self._run(inputs, max_new_tokens, sampling,
-                                     stop_token_ids, each=True):
-      tokens = self._runner.local(state["tokens"])[:, index]
-      written = self._runner.local(state["filled"])[:, index]
-      prompt = self._runner.local(state["prompt"])[:, index]
-      yield tokens, written & ~prompt
+    for state, index, rows in self._run(inputs, max_new_tokens, sampling,
+                                        stop_token_ids, each=True):
+      local = self._runner.local
+      tokens = local(state["tokens"])[:rows, index]
+      written = local(state["filled"])[:rows, index]
+      yield tokens, written & ~local(state["prompt"])[:rows, index]
 
   def generate(self, inputs: Any, *, max_new_tokens: int,
                sampling: samplers.Sampling = samplers.Sampling(),
