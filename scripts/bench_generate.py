@@ -123,14 +123,19 @@ def main() -> None:
   parser.add_argument("--batches", default="1,32")
   parser.add_argument("--new_tokens", type=int, default=128)
   parser.add_argument("--prompt_len", type=int, default=16)
+  parser.add_argument("--models", default="hub,gpt",
+                      help="hub (keras_hub GPT-2), gpt (tfmgpu's), or both")
   args = parser.parse_args()
   context = args.prompt_len + args.new_tokens
   print(f"{args.new_tokens} new tokens after {args.prompt_len}, greedy, one "
         f"device ({LAYERS} layers, width {WIDTH}, vocab {VOCAB})")
   print(f"{'model':10} {'batch':>5} {'path':20} {'tokens/s':>10} "
         f"{'ms/position':>12} {'vs tfmgpu':>9} {'same tokens':>11}")
+  chosen = args.models.split(",")
   for name, build, hub in (("GPT2 (hub)", _hub_model, True),
                            ("gpt mini", _gpt_model, False)):
+    if ("hub" if hub else "gpt") not in chosen:
+      continue
     model = build(context)
     for batch in (int(b) for b in args.batches.split(",")):
       prompt = np.random.RandomState(batch).randint(

@@ -39,6 +39,9 @@ def stream_tokens(generator: "api.Generator", prompt: Sequence[int], *,
   tokens = [int(t) for t in prompt]
   if not tokens:
     raise ValueError("prompt is empty: give at least one token.")
+  if int(max_new_tokens) < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive "
+                     "int, e.g. 200.")
   limit = generator.adapter.max_positions
   keep = max(1, limit // 2) if limit else None
   left, window = int(max_new_tokens), 0
