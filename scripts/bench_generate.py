@@ -13,8 +13,8 @@ after a `--prompt_len`-token prompt:
 The models (random weights, greedy): a keras_hub `GPT2CausalLM` and
 tfmgpu's `gpt`, both the shape of `gpt`'s `mini` size (4 layers, width
 128, 4 heads) over 256 byte tokens. Each path runs twice to warm up, then
-the median of three runs is timed. Greedy tokens of the cached paths are checked
-equal to the others' before timing.
+three rounds call every path in turn; each path's median is shown, and
+whether its new tokens equal `tfmgpu.generate`'s.
 
   python scripts/bench_generate.py                 # batch 1 and 32
   python scripts/bench_generate.py --batches=1 --new_tokens=64
@@ -51,17 +51,22 @@ def _gpt_model(context: int):
                             size="mini", seed=0)
 
 
-def _timed(fn, runs: int = 3):
-  """`(median seconds, output)` of `runs` calls after two warm-up calls
-  (the first compiles; keras_hub's generate is slower on its second)."""
-  fn()
-  fn()
-  times = []
-  for _ in range(runs):
-    start = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)), out
+def _timed(paths: dict, rounds: int = 3) -> dict:
+  """`{name: (median seconds, output)}`: every path called twice to warm up
+  (the first compiles; keras_hub's generate is slower on its second), then
+  `rounds` rounds calling each path once in turn, so a busy moment of the
+  machine falls on every path alike."""
+  for fn in paths.values():
+    fn()
+    fn()
+  times = {name: [] for name in paths}
+  outs = {}
+  for _ in range(rounds):
+    for name, fn in paths.items():
+      start = time.perf_counter()
+      outs[name] = fn()
+      times[name].append(time.perf_counter() - start)
+  return {name: (float(np.median(times[name])), outs[name]) for name in paths}
 
 
 def _new_tokens(ids: np.ndarray, prompt_len: int, new: int) -> np.ndarray:
@@ -92,30 +97,26 @@ def _no_cache(model, forward, prompt: np.ndarray, new: int, hub: bool):
 
 def _rows(model, prompt, new, hub):
   """(name, seconds, new tokens) of every path for one model and batch."""
-  import tfmgpu  # pylint: disable=g-import-not-at-top
   from tfmgpu import generation  # pylint: disable=g-import-not-at-top
   prompt_len = prompt.shape[1]
   generator = generation.Generator(model)
-  rows = []
-  seconds, out = _timed(lambda: generator.generate(prompt,
-                                                   max_new_tokens=new))
-  rows.append(("tfmgpu.generate", seconds,
-               _new_tokens(out["token_ids"], prompt_len, new)))
-  seconds, _ = _timed(lambda: list(generator.stream(prompt,
-                                                    max_new_tokens=new)))
-  rows.append(("tfmgpu stream", seconds, rows[0][2]))
+  forward = _forward(model, hub)
+  paths = {
+      "tfmgpu.generate": lambda: generator.generate(
+          prompt, max_new_tokens=new)["token_ids"],
+      "tfmgpu stream": lambda: np.concatenate(
+          [prompt] + [t[:, None] for t, _ in generator.stream(
+              prompt, max_new_tokens=new)][1:], axis=1),
+  }
   if hub:
     wide = {"token_ids": np.pad(prompt, [(0, 0), (0, new)]),
             "padding_mask": np.arange(prompt_len + new)[None, :]
                             < prompt_len + np.zeros((len(prompt), 1))}
-    seconds, out = _timed(lambda: model.generate(wide, stop_token_ids=None))
-    rows.append(("keras_hub generate", seconds,
-                 _new_tokens(out["token_ids"], prompt_len, new)))
-  forward = _forward(model, hub)
-  seconds, out = _timed(lambda: _no_cache(model, forward, prompt, new, hub))
-  rows.append(("no-cache loop", seconds, _new_tokens(out, prompt_len, new)))
-  del tfmgpu
-  return rows
+    paths["keras_hub generate"] = lambda: model.generate(
+        wide, stop_token_ids=None)["token_ids"]
+  paths["no-cache loop"] = lambda: _no_cache(model, forward, prompt, new, hub)
+  return [(name, seconds, _new_tokens(out, prompt_len, new))
+          for name, (seconds, out) in _timed(paths).items()]
 
 
 def main() -> None:
