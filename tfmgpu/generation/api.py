@@ -21,7 +21,7 @@ from tfmgpu.generation import prompts as prompts_lib
 from tfmgpu.generation import samplers
 
 
-def adapter_for(model: Any) -> Any:
+def adapter_for(model: Any) -> decode.CacheAdapter:
   """The cache adapter of `model`: `GPTCache` or `HubCache`.
 
   Raises:

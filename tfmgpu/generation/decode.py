@@ -1,20 +1,23 @@
-"""The decode loop: prefill once, then one compiled step per token.
+"""The decode loop: prefill once, then one compiled step per position.
 
 The loop follows keras_hub's `CausalLM.generate`: every row of a batch is
 at the same position `index`; a row whose prompt is longer keeps its own
 token there, the others get the sampled one. A step reads the token at
 `index - 1`, writes its keys and values into the cache and chooses the
 token at `index`. The state (token buffer, masks, cache) has the same
-shapes at every step and `index` is a tensor, so the step traces once per
-request shape.
+shapes at every step and `index` is a loop variable, so the loop traces
+once per request shape, whether it runs every position in one call or
+one position per call (streaming).
 
-Under a `tf.distribute.Strategy` the rows are split over the replicas and
-each replica runs the step on its own rows and cache (`strategy.run`).
+A model joins through a `CacheAdapter` (`gpt_cache.GPTCache`,
+`hub_cache.HubCache`). Under a `tf.distribute.Strategy` the rows are split
+over the replicas and each replica runs the loop on its own rows and cache
+(`strategy.run`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -22,6 +25,28 @@ import tensorflow as tf
 from tfmgpu.generation import samplers
 
 State = dict[str, Any]
+Cache = tuple[tf.Tensor, ...]
+
+
+class CacheAdapter(Protocol):
+  """What the loop needs of a model: an empty cache, a prefill, a step.
+
+  Attributes:
+    max_positions: the longest sequence the model reads (`None`: no limit).
+    vocab: the logits' width.
+  """
+  max_positions: int | None
+  vocab: int
+
+  def empty_cache(self, batch: int, length: int) -> Cache:
+    """Zero keys and values for `batch` rows of `length` positions."""
+
+  def prefill(self, token_ids: tf.Tensor, cache: Cache) -> Cache:
+    """`cache` with the keys/values of positions `[0, T)` of `token_ids`."""
+
+  def step(self, token: tf.Tensor, cache: Cache, index: tf.Tensor
+           ) -> tuple[tf.Tensor, Cache]:
+    """`(logits (B, vocab), cache)` of one token per row at `index`."""
 
 
 def initial_state(prompt_ids: np.ndarray, lengths: np.ndarray, rows:
@@ -44,7 +69,7 @@ def initial_state(prompt_ids: np.ndarray, lengths: np.ndarray, rows:
           "ends": (lengths + max_new_tokens).astype(np.int32)}
 
 
-def prefill_function(adapter: Any, prompt_width: int) -> Callable[..., Any]:
+def prefill_function(adapter: CacheAdapter, prompt_width: int) -> Callable[..., Any]:
   """`prefill(state) -> state` with the cache of the prompts written."""
 
   def prefill(state: State) -> State:
@@ -56,7 +81,7 @@ def prefill_function(adapter: Any, prompt_width: int) -> Callable[..., Any]:
   return prefill
 
 
-def step_function(adapter: Any, sampling: samplers.Sampling,
+def step_function(adapter: CacheAdapter, sampling: samplers.Sampling,
                   stop_token_ids: Sequence[int] | None
                   ) -> Callable[..., State]:
   """`step(state, index, seed) -> state`: fills position `index` of every

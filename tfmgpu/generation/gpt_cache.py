@@ -31,7 +31,8 @@ def is_gpt(model: Any) -> bool:
 
 
 class GPTCache:
-  """Cached decoding of a `gpt` built by `tfmgpu.models.gpt`.
+  """Cached decoding of a `gpt` built by `tfmgpu.models.gpt` (a
+  `decode.CacheAdapter`).
 
   Args:
     model: the functional `gpt` (unplaced).

@@ -23,7 +23,8 @@ def is_causal_lm(model: Any) -> bool:
 
 
 class HubCache:
-  """Cached decoding of a keras_hub `CausalLM` (GPT-2, Llama, Gemma, ...).
+  """Cached decoding of a keras_hub `CausalLM` (GPT-2, Llama, Gemma, ...),
+  a `decode.CacheAdapter`.
 
   Args:
     model: the task model (its preprocessor, if any, is not used: inputs
