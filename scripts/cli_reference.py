@@ -24,10 +24,11 @@ END = "<!-- cli-reference:end -->"
 
 # (CLI module, heading) in the order they appear in the README, after the
 # flags the CLIs share.
-SHARED_HEADING = "Shared by `train`, `predict` and `bench`"
+SHARED_HEADING = "Shared by `train`, `predict`, `generate` and `bench`"
 SECTIONS = (
     ("tfmgpu.train", "`python -m tfmgpu.train`"),
     ("tfmgpu.predict", "`python -m tfmgpu.predict`"),
+    ("tfmgpu.generate", "`python -m tfmgpu.generate`"),
     ("tfmgpu.bench", "`python -m tfmgpu.bench`"),
     ("tfmgpu.doctor", "`python -m tfmgpu.doctor`"),
     ("tfmgpu.launch", "`python -m tfmgpu.launch ... -- COMMAND`"),

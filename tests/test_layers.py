@@ -47,6 +47,7 @@ LAYERS = {
     # 3 services
     "tfmgpu/cluster": 3,
     "tfmgpu/diagnostics": 3,
+    "tfmgpu/generation": 3,
     "tfmgpu/inference": 3,
     "tfmgpu/launcher": 3,
     "tfmgpu/placements": 3,
@@ -59,6 +60,7 @@ LAYERS = {
     "tfmgpu/bench": 6,
     "tfmgpu/doctor": 6,
     "tfmgpu/flags": 6,
+    "tfmgpu/generate": 6,
     "tfmgpu/launch": 6,
     "tfmgpu/predict": 6,
     "tfmgpu/train": 6,

@@ -30,6 +30,8 @@ _EXPORTS = {
     "Trainer": "tfmgpu.training.loop",
     "predict": "tfmgpu.predict",  # The CLI module, callable as the function.
     "Predictor": "tfmgpu.inference",
+    "generate": "tfmgpu.generate",  # The CLI module, callable as the function.
+    "Generator": "tfmgpu.generation",
     "export_saved_model": "tfmgpu.inference",
     "load_model": "tfmgpu.inference",
     "plan_stages": "tfmgpu.parallel.partition",
@@ -62,7 +64,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tfmgpu' has no attribute {name!r}")
   module = importlib.import_module(_EXPORTS[name])
   if module.__name__ == f"{__name__}.{name}":
-    return module  # A submodule of the same name (`tfmgpu.predict`).
+    return module  # A submodule of the same name (`tfmgpu.predict`, ...).
   value = getattr(module, _RENAMED.get(name, name))
   globals()[name] = value
   return value

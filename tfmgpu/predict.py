@@ -26,16 +26,15 @@ from tfmgpu import flags as flags_lib
 from tfmgpu.flags import data
 from tfmgpu.flags import devices
 from tfmgpu.flags import execution
+from tfmgpu.flags import serving
 from tfmgpu.flags import stages
 from tfmgpu.flags import strategy as strategy_flags
 from tfmgpu.flags import cli
 
-for _group in (strategy_flags, devices, data, execution, stages):
+for _group in (strategy_flags, devices, data, execution, stages, serving):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
-_MODEL_PATH = flags.DEFINE_list(
-    "model_path", None, "A .keras file or SavedModel directory (several, "
-    "comma-separated, for --strategy=branch_parallel). Required.")
+_MODEL_PATH = serving.MODEL_PATH
 _OUTPUT = flags.DEFINE_string(
     "output", None, "Write predictions (float32) to this .npy file; a model "
     "with several outputs writes one .npz of named arrays instead.")

@@ -1,0 +1,280 @@
+"""`tfmgpu.generate`: KV-cached decoding equals a loop without a cache and
+keras_hub's own `generate`; seeded sampling repeats; data parallelism gives
+the unplaced tokens; the decode step traces once."""
+
+import numpy as np
+import pytest
+
+import tfmgpu
+from tfmgpu import generation
+from tfmgpu import models
+
+VOCAB = 50
+CONTEXT = 24
+
+
+@pytest.fixture(scope="module")
+def gpt():
+  return models.build_model("gpt", input_shape=(CONTEXT,), num_classes=VOCAB,
+                            seed=3)
+
+
+def _prompts(vocab=VOCAB, width=8, lengths=(5, 2, 8)):
+  """Right-padded prompts of different lengths (keras_hub's form)."""
+  ids = np.random.RandomState(0).randint(1, vocab, (len(lengths), width))
+  mask = np.arange(width)[None, :] < np.array(lengths)[:, None]
+  return {"token_ids": (ids * mask).astype(np.int32), "padding_mask": mask}
+
+
+def _no_cache_loop(model, prompts, new_tokens, with_mask=False):
+  """Greedy tokens by re-reading the whole prefix at every position (and
+  the mask of its real tokens, for a model that takes one)."""
+  rows = []
+  for ids, mask in zip(prompts["token_ids"], prompts["padding_mask"]):
+    sequence = list(ids[mask])
+    for _ in range(new_tokens):
+      x = np.zeros((1, CONTEXT), np.int32)
+      x[0, :len(sequence)] = sequence
+      if with_mask:
+        real = (np.arange(CONTEXT) < len(sequence)).astype(np.int32)
+        x = {"tokens": x, "padding_mask": real[None]}
+      logits = np.asarray(model(x, training=False))
+      sequence.append(int(np.argmax(logits[0, len(sequence) - 1])))
+    rows.append(sequence)
+  return rows
+
+
+def _rows(out):
+  return [list(ids[mask]) for ids, mask in zip(out["token_ids"],
+                                              out["padding_mask"])]
+
+
+def test_gpt_greedy_equals_a_loop_without_cache(gpt):
+  prompts = _prompts()
+  out = tfmgpu.generate(gpt, prompts, max_new_tokens=7)
+  assert out["token_ids"].shape == (3, 8 + 7)
+  assert _rows(out) == _no_cache_loop(gpt, prompts, 7)
+  assert out["padding_mask"].sum(axis=1).tolist() == [5 + 7, 2 + 7, 8 + 7]
+
+
+def test_token_array_is_all_prompt(gpt):
+  ids = _prompts(lengths=(8, 8))["token_ids"]
+  out = tfmgpu.generate(gpt, ids, max_new_tokens=3)
+  np.testing.assert_array_equal(out["token_ids"][:, :8], ids)
+  assert out["padding_mask"].all()
+
+
+def test_decode_step_traces_once_for_a_whole_generation(gpt):
+  generator = generation.Generator(gpt)
+  generator.generate(_prompts(), max_new_tokens=10)
+  generator.generate(_prompts(), max_new_tokens=10)  # Same shapes again.
+  streamed = [tokens for tokens, _ in generator.stream(
+      _prompts(), max_new_tokens=10)]  # One position per call.
+  assert generator.traces == 1
+  assert len(streamed) == 1 + (8 + 10 - 2)  # Prefill, then each position.
+
+
+def test_stop_token_ends_a_row_and_is_kept(gpt):
+  prompts = _prompts()
+  free = tfmgpu.generate(gpt, prompts, max_new_tokens=6)
+  stop = int(free["token_ids"][0, 5 + 2])  # Row 0's third new token.
+  out = tfmgpu.generate(gpt, prompts, max_new_tokens=6, stop_token_ids=[stop])
+  row = _rows(out)[0]
+  assert row == _rows(free)[0][:row.index(stop, 5) + 1]
+  assert not out["token_ids"][0, len(row):].any()
+
+
+@pytest.mark.parametrize("sampler,options", [
+    ("top_k", {"k": 5}), ("top_p", {"p": 0.8}),
+    ("random", {"temperature": 0.7})])
+def test_a_seed_gives_the_same_tokens_twice(gpt, sampler, options):
+  prompts = _prompts()
+  first = tfmgpu.generate(gpt, prompts, max_new_tokens=8, sampler=sampler,
+                          seed=11, **options)
+  again = tfmgpu.generate(gpt, prompts, max_new_tokens=8, sampler=sampler,
+                          seed=11, **options)
+  other = tfmgpu.generate(gpt, prompts, max_new_tokens=8, sampler=sampler,
+                          seed=12, **options)
+  np.testing.assert_array_equal(first["token_ids"], again["token_ids"])
+  assert (first["token_ids"] != other["token_ids"]).any()
+  greedy = tfmgpu.generate(gpt, prompts, max_new_tokens=8)
+  assert (first["token_ids"] != greedy["token_ids"]).any()
+
+
+def test_top_k_draws_only_among_the_k_most_likely(gpt):
+  prompts = _prompts(lengths=(8,))
+  out = tfmgpu.generate(gpt, prompts, max_new_tokens=1, sampler="top_k", k=3,
+                        seed=0, temperature=5.0)
+  logits = np.asarray(gpt(np.pad(prompts["token_ids"], [(0, 0), (0, 16)])))
+  assert out["token_ids"][0, 8] in np.argsort(logits[0, 7])[-3:]
+
+
+def test_mirrored_x2_equals_unplaced_greedy_and_seeded(gpt):
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  prompts = _prompts()  # 3 rows over 2 replicas: one padded row.
+  for options in ({}, {"sampler": "top_k", "k": 5, "seed": 4}):
+    alone = tfmgpu.generate(gpt, prompts, max_new_tokens=6, **options)
+    spread = tfmgpu.generate(gpt, prompts, max_new_tokens=6,
+                             strategy=strategy, **options)
+    for key in ("token_ids", "padding_mask"):
+      np.testing.assert_array_equal(spread[key], alone[key])
+
+
+def test_a_gpt_with_a_padding_mask_input_and_one_device():
+  model = models.build_model(
+      "gpt", input_shape={"tokens": (CONTEXT,), "padding_mask": (CONTEXT,)},
+      num_classes=VOCAB, seed=4)
+  prompts = _prompts()
+  expected = _no_cache_loop(model, prompts, 4, with_mask=True)
+  assert _rows(tfmgpu.generate(model, prompts, max_new_tokens=4)) == expected
+  placed = tfmgpu.generate(model, prompts, max_new_tokens=4,
+                           strategy="one_device")
+  assert _rows(placed) == expected
+
+
+def test_rows_split_differently_get_the_same_seeded_tokens(gpt):
+  prompts = _prompts()
+  whole = tfmgpu.generate(gpt, prompts, max_new_tokens=6, sampler="top_k",
+                          k=8, seed=5)
+  # Row 1 alone has index 0: seeds are keyed by the request's row index,
+  # so compare a request whose row order is kept (rows 0-1 of the three).
+  first_two = {k: v[:2] for k, v in prompts.items()}
+  part = tfmgpu.generate(gpt, first_two, max_new_tokens=6, sampler="top_k",
+                         k=8, seed=5)
+  assert _rows(part) == _rows(whole)[:2]
+
+
+@pytest.mark.parametrize("inputs,match", [
+    ({"token_ids": np.ones((1, 4), np.int32),
+      "padding_mask": np.array([[1, 0, 1, 0]], bool)}, "right-padded"),
+    ({"tokens": np.ones((1, 4), np.int32)}, "keys"),
+    (np.ones((1, 4), np.float32), "integer"),
+])
+def test_bad_inputs_are_named(gpt, inputs, match):
+  with pytest.raises(ValueError, match=match):
+    tfmgpu.generate(gpt, inputs, max_new_tokens=2)
+
+
+def test_bad_options_are_named(gpt):
+  ids = np.ones((1, 4), np.int32)
+  with pytest.raises(ValueError, match="more than the model's 24"):
+    tfmgpu.generate(gpt, ids, max_new_tokens=21)
+  with pytest.raises(ValueError, match="k=None must be a positive int"):
+    tfmgpu.generate(gpt, ids, max_new_tokens=2, sampler="top_k")
+  with pytest.raises(ValueError, match="sampler='beam' is unknown"):
+    tfmgpu.generate(gpt, ids, max_new_tokens=2, sampler="beam")
+  with pytest.raises(ValueError, match="max_new_tokens=0"):
+    tfmgpu.generate(gpt, ids, max_new_tokens=0)
+
+
+def test_a_placed_model_is_refused_with_the_way_out(gpt, cpu_devices):
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  placed = hybrid.build_layout(gpt, hybrid.Layout(stages=2),
+                               devices=cpu_devices[:2])
+  with pytest.raises(ValueError, match="to_unsplit"):
+    tfmgpu.generate(placed, np.ones((1, 4), np.int32), max_new_tokens=2)
+
+
+# ------------------------------------------------------- keras_hub models
+
+def _hub_lm(name):
+  keras_hub = pytest.importorskip("keras_hub")
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(1)
+  if name == "gpt2":
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=32)
+    return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+  if name == "gemma":
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=4,
+        num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+        head_dim=8)
+    return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+  backbone = keras_hub.models.LlamaBackbone(  # Grouped-query, rotary.
+      vocabulary_size=64, num_layers=2, num_query_heads=4,
+      num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+  return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
+def test_keras_hub_greedy_equals_its_own_generate(name):
+  lm = _hub_lm(name)
+  new = 8
+  prompts = _prompts(vocab=64)
+  out = tfmgpu.generate(lm, prompts, max_new_tokens=new)
+  # keras_hub fills every position after each prompt up to the input's
+  # width: give it room, compare each row's first `new` new tokens.
+  wide = {k: np.pad(v, [(0, 0), (0, 16)]) for k, v in prompts.items()}
+  lm.compile(sampler="greedy")
+  theirs = lm.generate(wide, stop_token_ids=None)["token_ids"]
+  lengths = prompts["padding_mask"].sum(axis=1)
+  expected = [list(row[:n + new]) for row, n in zip(theirs, lengths)]
+  assert _rows(out) == expected
+
+
+# ------------------------------------------------------- the CLI
+
+@pytest.fixture(scope="module")
+def byte_gpt_path(tmp_path_factory):
+  """A tiny byte-level gpt (vocabulary 256) saved as .keras."""
+  model = models.build_model("gpt", input_shape=(16,), num_classes=256,
+                             seed=2)
+  path = str(tmp_path_factory.mktemp("gen") / "model.keras")
+  model.save(path)
+  return path, model
+
+
+def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
+    byte_gpt_path, parsed_flags, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  path, model = byte_gpt_path
+  with flagsaver.flagsaver(model_path=[path], prompt="def ",
+                           max_new_tokens=20, strategy="default"):
+    assert generate.main(["generate"]) == 0
+  out = capsys.readouterr()
+  # 4 + 20 tokens > the 16 positions: the last 8 start the second window.
+  expected = list(b"def ")
+  for context, new in ((expected, 12), (None, 8)):
+    context = expected[-8:] if context is None else context
+    tokens = tfmgpu.generate(model, np.array([context]), max_new_tokens=new)
+    expected += list(tokens["token_ids"][0, len(context):])
+  assert out.out.rstrip("\n") == bytes(expected).decode("utf-8", "replace")
+  assert "20 tokens in" in out.err
+
+
+@pytest.mark.slow
+def test_cli_in_a_process_of_its_own(byte_gpt_path, tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+  out = subprocess.run(
+      [sys.executable, "-m", "tfmgpu.generate",
+       f"--model_path={byte_gpt_path[0]}", "--prompt=import ",
+       "--max_new_tokens=5", "--strategy=default"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.startswith("import ")
+  assert "5 tokens in" in out.stderr
+
+
+def test_cli_needs_a_prompt(byte_gpt_path, parsed_flags):
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt=None,
+                           prompt_ids=None):
+    with pytest.raises(app.UsageError, match="--prompt"):
+      generate.main(["generate"])
+
+
+def test_generate_is_the_cli_module_and_the_function(gpt):
+  import types  # pylint: disable=g-import-not-at-top
+  assert isinstance(tfmgpu.generate, types.ModuleType)
+  assert callable(tfmgpu.generate.main)
+  out = tfmgpu.generate(gpt, np.ones((1, 3), np.int32), max_new_tokens=2)
+  assert out["token_ids"].shape == (1, 5)

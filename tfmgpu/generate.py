@@ -1,0 +1,151 @@
+r"""Generate text with a trained causal LM: `python -m tfmgpu.generate`.
+
+Examples:
+  python -m tfmgpu.generate --model_path=runs/X/model.keras \
+      --prompt="import " --max_new_tokens=200
+  python -m tfmgpu.generate --model_path=lm.keras --prompt_ids=1,5,9 \
+      --sampler=top_k --top_k=40 --sample_seed=1
+
+A `gpt` trained on `stdlib_text` reads bytes: `--prompt` is text and the
+new tokens print as text as they come. Other models take `--prompt_ids`
+and print token ids. Past the model's context, generation goes on in
+windows (the last half of the context becomes the next prompt).
+"""
+
+from __future__ import annotations
+
+import codecs
+import sys
+import time
+import types
+
+from absl import app
+from absl import flags
+
+from tfmgpu import flags as flags_lib
+from tfmgpu.flags import devices
+from tfmgpu.flags import serving
+from tfmgpu.flags import strategy as strategy_flags
+
+for _group in (strategy_flags, devices, serving):
+  flags.adopt_module_key_flags(_group)  # `--help` lists them too.
+
+_PROMPT = flags.DEFINE_string(
+    "prompt", None, "Text to continue (byte-level models: one token per "
+    "UTF-8 byte).")
+_PROMPT_IDS = flags.DEFINE_list(
+    "prompt_ids", None, "Token ids to continue, e.g. 1,5,9 (instead of "
+    "--prompt).")
+_MAX_NEW_TOKENS = flags.DEFINE_integer(
+    "max_new_tokens", 200, "Tokens to write at most.", lower_bound=1)
+_SAMPLER = flags.DEFINE_enum(
+    "sampler", "greedy", ["greedy", "top_k", "top_p", "random"],
+    "How the next token is chosen.")
+_TOP_K = flags.DEFINE_integer("top_k", 40, "k of --sampler=top_k.",
+                              lower_bound=1)
+_TOP_P = flags.DEFINE_float("top_p", 0.9, "p of --sampler=top_p.")
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", 1.0, "Divides the logits before sampling (not greedy).")
+_SAMPLE_SEED = flags.DEFINE_integer(
+    "sample_seed", None, "Seed of the sampler: the same seed writes the same "
+    "text. Defaults to a fresh one.")
+_STOP_TOKEN_IDS = flags.DEFINE_list(
+    "stop_token_ids", None, "Stop after any of these token ids.")
+
+BYTE_VOCAB = 256
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  if not serving.MODEL_PATH.value or len(serving.MODEL_PATH.value) != 1:
+    raise app.UsageError("--model_path is required: one .keras file, e.g. "
+                         "runs/X/model.keras from python -m tfmgpu.train "
+                         "--model_dir=runs/X.")
+  if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
+    raise app.UsageError('Give one of --prompt="text" or --prompt_ids=1,2,3.')
+  flags_lib.quiet_tensorflow()
+  try:
+    generator, as_text = _prepare()
+    prompt = _prompt_tokens(as_text)
+    return _write(generator, prompt, as_text)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+
+
+def _prepare():
+  """Devices, the model and its `Generator`; whether it reads bytes."""
+  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generation  # pylint: disable=g-import-not-at-top
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
+  values = strategy_flags.values()
+  distribution = strategies_lib.lookup(values.pop("strategy"))
+  devices_lib.configure_virtual_devices(
+      devices.VIRTUAL_DEVICES.value,
+      intra_op_threads=distribution.intra_op_threads)
+  model = inference.load_model(serving.MODEL_PATH.value[0])
+  options = distribution.options_from(types.SimpleNamespace(**values))
+  model, strategy = distribution.serve([model], options)
+  generator = generation.Generator(model, strategy=strategy)
+  return generator, generator.adapter.vocab == BYTE_VOCAB
+
+
+def _prompt_tokens(as_text: bool) -> list[int]:
+  if _PROMPT_IDS.value is not None:
+    try:
+      return [int(t) for t in _PROMPT_IDS.value]
+    except ValueError as e:
+      raise ValueError(f"--prompt_ids={','.join(_PROMPT_IDS.value)} must be "
+                       "integer token ids, e.g. 1,5,9.") from e
+  if not as_text:
+    raise ValueError("--prompt is text, and this model's vocabulary is not "
+                     f"bytes ({BYTE_VOCAB} tokens): give --prompt_ids.")
+  return list(_PROMPT.value.encode("utf-8"))
+
+
+def _write(generator, prompt: list[int], as_text: bool) -> int:
+  """Prints the prompt, then each new token as it comes, then the rate."""
+  from tfmgpu import generation  # pylint: disable=g-import-not-at-top
+  sampling = generation.Sampling(
+      _SAMPLER.value, k=_TOP_K.value, p=_TOP_P.value,
+      temperature=_TEMPERATURE.value, seed=_SAMPLE_SEED.value)
+  stops = [int(t) for t in _STOP_TOKEN_IDS.value or []]
+  decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+  show = ((lambda ids: decoder.decode(bytes(ids))) if as_text
+          else (lambda ids: "".join(f"{t} " for t in ids)))
+  sys.stdout.write(show(prompt))
+  count, start = 0, time.perf_counter()
+  for token in generation.stream_tokens(
+      generator, prompt, max_new_tokens=_MAX_NEW_TOKENS.value,
+      sampling=sampling, stop_token_ids=stops):
+    sys.stdout.write(show([token]))
+    sys.stdout.flush()
+    count += 1
+  seconds = time.perf_counter() - start
+  sys.stdout.write(decoder.decode(b"", final=True) if as_text else "")
+  print(f"\n[{count} tokens in {seconds:.2f} s: {count / seconds:,.1f} "
+        "tokens/s, compile included]", file=sys.stderr)
+  return 0
+
+
+def run() -> None:
+  """Console-script entry point (`tfmgpu-generate`)."""
+  app.run(main)
+
+
+class _CliAndFunction(types.ModuleType):
+  """`tfmgpu.generate` names both this CLI module and the public function
+  `tfmgpu.generation.generate`: calling it generates and `.main` runs the
+  CLI."""
+
+  def __call__(self, *args, **kwargs):
+    from tfmgpu import generation  # pylint: disable=g-import-not-at-top
+    return generation.generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CliAndFunction
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,18 @@
+"""Text generation from causal language models, with a KV cache.
+
+`generate` continues prompts with tfmgpu's `gpt` or a keras_hub
+`CausalLM`: the prompt is read once, then one compiled decode step per
+token (`decode`), on one device or with the rows spread over a strategy's
+replicas. Modules: `api` (the entry points), `prompts` (reading a
+request), `decode` (the loop), `samplers`, and the cache adapters
+`gpt_cache` and `hub_cache`.
+"""
+
+from tfmgpu.generation.api import adapter_for
+from tfmgpu.generation.api import generate
+from tfmgpu.generation.api import Generator
+from tfmgpu.generation.samplers import Sampling
+from tfmgpu.generation.streaming import stream_tokens
+
+__all__ = ["adapter_for", "generate", "Generator", "Sampling",
+           "stream_tokens"]

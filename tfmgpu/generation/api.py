@@ -1,0 +1,204 @@
+"""`generate`: text from a causal language model, with a KV cache.
+
+Takes tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced, on one device or
+with its request rows spread over a `tf.distribute.Strategy`'s replicas.
+"""
+
+from __future__ import annotations
+
+import secrets
+import weakref
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfmgpu import strategies as strategies_lib
+from tfmgpu.generation import decode
+from tfmgpu.generation import gpt_cache
+from tfmgpu.generation import hub_cache
+from tfmgpu.generation import prompts as prompts_lib
+from tfmgpu.generation import samplers
+
+
+def adapter_for(model: Any) -> decode.CacheAdapter:
+  """The cache adapter of `model`: `GPTCache` or `HubCache`.
+
+  Raises:
+    ValueError: a placed model (generation runs unplaced or data-parallel
+      for now), or a model that is neither a `gpt` nor a keras_hub
+      `CausalLM`.
+  """
+  if getattr(model, "places_itself", False) or hasattr(model, "to_unsplit"):
+    raise ValueError(
+        f"model {getattr(model, 'name', model)!r} is placed over devices "
+        f"({type(model).__name__}); generation runs unplaced or data-parallel "
+        "for now. Generate with its unsplit model, `model.to_unsplit()`, and "
+        "strategy='mirrored' to spread the requests over devices.")
+  if hub_cache.is_causal_lm(model):
+    return hub_cache.HubCache(model)
+  if gpt_cache.is_gpt(model):
+    return gpt_cache.GPTCache(model)
+  raise ValueError(
+      f"model {getattr(model, 'name', model)!r} ({type(model).__name__}) is "
+      "neither tfmgpu's gpt nor a keras_hub CausalLM: generate takes one of "
+      "those (build one with tfmgpu.build_model('gpt', ...)).")
+
+
+def _device_of(strategy: tf.distribute.Strategy) -> str | None:
+  """The device of a one-replica strategy; `None` for TF's default
+  strategy, which has none (TF places ops)."""
+  try:
+    return strategy.extended.worker_devices[0]
+  except RuntimeError:  # "unsupported by default tf.distribute.Strategy".
+    return None
+
+
+class Generator:
+  """Compiled generation for one model and device setup.
+
+  Holds the model's cache adapter and its compiled decode loops (one per
+  sampler and stop tokens), so repeated requests of the same shape do not
+  retrace.
+
+  Args:
+    model: tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced.
+    strategy: `None` (one device), a registered name (e.g. `"mirrored"`)
+      or a `tf.distribute.Strategy`: the request rows are split over its
+      replicas.
+    jit_compile: compile each replica's decode loop with XLA. Defaults to
+      `True`.
+
+  Attributes:
+    traces: how many times a decode loop was traced (one per request shape
+      and sampler, not per token; streamed or not).
+  """
+
+  def __init__(self, model: Any, *, strategy: Any = None,
+               jit_compile: bool = True):
+    self.model = model
+    self.adapter = adapter_for(model)
+    if isinstance(strategy, str):
+      strategy = strategies_lib.get_strategy(strategy)
+    device = None
+    if strategy is not None and strategy.num_replicas_in_sync == 1:
+      device = _device_of(strategy)  # E.g. one_device's.
+      strategy = None  # One replica: run the loop directly, there.
+    self._runner = decode.Runner(strategy, jit_compile, device=device)
+
+  @property
+  def traces(self) -> int:
+    return self._runner.traces
+
+  def stream(self, inputs: Any, *, max_new_tokens: int,
+             sampling: samplers.Sampling = samplers.Sampling(),
+             stop_token_ids: Sequence[int] | None = None
+             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yields `(tokens (B,), written (B,) bool)` after each position (one
+    compiled call each): the token each row got there, and whether it is
+    new (not its prompt's). The first is the last position of the shortest
+    prompt (nothing new), read before any decoding.
+
+    Args and Raises: as `generate`.
+    """
+    for state, index, rows in self._run(inputs, max_new_tokens, sampling,
+                                        stop_token_ids, each=True):
+      local = self._runner.local
+      tokens = local(state["tokens"])[:rows, index]
+      written = local(state["filled"])[:rows, index]
+      yield tokens, written & ~local(state["prompt"])[:rows, index]
+
+  def generate(self, inputs: Any, *, max_new_tokens: int,
+               sampling: samplers.Sampling = samplers.Sampling(),
+               stop_token_ids: Sequence[int] | None = None
+               ) -> dict[str, np.ndarray]:
+    """See `tfmgpu.generate` (the module function)."""
+    state, rows = None, 0
+    for state, _, rows in self._run(inputs, max_new_tokens, sampling,
+                                    stop_token_ids, each=False):
+      pass
+    return {"token_ids": self._runner.local(state["tokens"])[:rows],
+            "padding_mask": self._runner.local(state["filled"])[:rows]}
+
+  def _run(self, inputs, max_new_tokens, sampling, stop_token_ids, each):
+    """Yields `(state, index, rows)` after prefill, then after each position
+    (`each`) or once at the end."""
+    request = prompts_lib.read(inputs, max_new_tokens,
+                               self.adapter.max_positions,
+                               self._runner.replicas)
+    seed = sampling.seed
+    if seed is None:
+      seed = 0 if sampling.sampler == "greedy" else secrets.randbelow(2**30)
+    stops = tuple(int(t) for t in stop_token_ids or ())
+    state = decode.initial_state(request.token_ids, request.lengths,
+                                 np.arange(len(request.lengths)),
+                                 request.width, max_new_tokens)
+    runner = self._runner
+    width = request.token_ids.shape[1]
+    state = runner.prefill(width, lambda: decode.prefill_function(
+        self.adapter, width), runner.place(state))
+    yield state, request.first - 1, request.rows
+    key = (sampling.sampler, sampling.k, sampling.p, sampling.temperature,
+           stops)
+    advance = runner.compiled_loop(key, lambda: decode.loop_function(
+        decode.step_function(self.adapter, sampling, stops), bool(stops)))
+    for index, state in decode.positions(
+        runner, advance, state, request.first, request.width, seed,
+        each=each, stop_early=bool(stops)):
+      yield state, index, request.rows
+
+
+_GENERATORS: "weakref.WeakKeyDictionary[Any, dict]" = (
+    weakref.WeakKeyDictionary())
+
+
+def generate(model: Any, inputs: Any, *, max_new_tokens: int,
+             sampler: str = "greedy", k: int | None = None,
+             p: float | None = None, temperature: float = 1.0,
+             seed: int | None = None,
+             stop_token_ids: Sequence[int] | None = None,
+             strategy: Any = None) -> dict[str, np.ndarray]:
+  """Continues each prompt by up to `max_new_tokens` tokens, with a KV cache.
+
+  The prompts are read once (prefill), then one compiled decode step per
+  position fills every row (it traces once per request shape). The
+  compiled steps are kept per model and strategy (see `Generator`).
+
+  Args:
+    model: tfmgpu's `gpt` or a keras_hub `CausalLM` (its preprocessor is not
+      used), unplaced.
+    inputs: keras_hub's form `{"token_ids": (B, T) int, "padding_mask":
+      (B, T) bool}` (prompts of different lengths, right-padded), or a
+      `(B, T)` token array whose tokens are all prompt (`(T,)`: one row).
+    max_new_tokens: new tokens per row at most (>= 1).
+    sampler: `"greedy"`, `"top_k"`, `"top_p"` or `"random"`.
+    k: the `k` of `top_k`.
+    p: the `p` of `top_p`.
+    temperature: divides the logits before sampling (not greedy).
+    seed: an int: the same seed gives the same tokens, however the rows
+      are split over replicas. Defaults to a fresh one per call.
+    stop_token_ids: a row ends after any of these tokens (kept in its
+      output). Defaults to none: every row gets `max_new_tokens`.
+    strategy: `None` (one device), a registered name such as
+      `"mirrored"`, or a `tf.distribute.Strategy`: rows are split over its
+      replicas.
+
+  Returns:
+    keras_hub's output form: `{"token_ids": (B, W) int32, "padding_mask":
+    (B, W) bool}`, `W` the longest prompt plus `max_new_tokens`: each row's
+    prompt, then its new tokens, then zeros where `padding_mask` is False.
+
+  Raises:
+    ValueError: a placed or unsupported model, inputs that are not right-
+      padded prompts, a sequence longer than the model's positions, or bad
+      sampler options.
+  """
+  sampling = samplers.Sampling(sampler, k=k, p=p, temperature=temperature,
+                               seed=seed)
+  key = strategy if isinstance(strategy, str) or strategy is None else id(
+      strategy)
+  cache = _GENERATORS.setdefault(model, {})
+  if key not in cache:
+    cache[key] = Generator(model, strategy=strategy)
+  return cache[key].generate(inputs, max_new_tokens=max_new_tokens,
+                             sampling=sampling, stop_token_ids=stop_token_ids)

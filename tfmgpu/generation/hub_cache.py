@@ -1,0 +1,69 @@
+"""keras_hub `CausalLM` models through their own cache contract.
+
+A keras_hub causal LM decodes with `call_with_cache(token_ids, cache,
+cache_update_index)`, returning `(logits, hidden_states, cache)`; its
+cache is one tensor `(B, num_layers, 2, length, kv_heads, head_dim)`
+(`kv_heads` is the key/value head count under grouped-query attention).
+This adapter gives it the interface of `gpt_cache.GPTCache`: the prompt is
+written once (`prefill`), then one token per `step`, at a position given
+as a tensor, so a compiled step never retraces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+
+def is_causal_lm(model: Any) -> bool:
+  """Whether `model` follows keras_hub's `CausalLM` cache contract."""
+  return (callable(getattr(model, "call_with_cache", None))
+          and getattr(model, "backbone", None) is not None)
+
+
+class HubCache:
+  """Cached decoding of a keras_hub `CausalLM` (GPT-2, Llama, Gemma, ...),
+  a `decode.CacheAdapter`.
+
+  Args:
+    model: the task model (its preprocessor, if any, is not used: inputs
+      are token ids).
+
+  Attributes:
+    max_positions: the backbone's `max_sequence_length` (learned position
+      embeddings), or `None` (rotary: no fixed limit).
+    vocab: the logits' width.
+  """
+
+  def __init__(self, model: Any):
+    self.model = model
+    backbone = model.backbone
+    self.num_layers = int(backbone.num_layers)
+    heads = getattr(backbone, "num_query_heads", None) or backbone.num_heads
+    self.kv_heads = int(getattr(backbone, "num_key_value_heads", None)
+                        or heads)
+    self.head_dim = int(getattr(backbone, "head_dim", None)
+                        or backbone.hidden_dim // heads)
+    positions = getattr(backbone, "max_sequence_length", None)
+    self.max_positions = int(positions) if positions else None
+    self.vocab = int(backbone.vocabulary_size)
+    self.dtype = model.compute_dtype
+
+  def empty_cache(self, batch: int, length: int) -> tuple[tf.Tensor]:
+    """The zero cache of `length` positions, as a 1-tuple."""
+    return (tf.zeros((batch, self.num_layers, 2, length, self.kv_heads,
+                      self.head_dim), self.dtype),)
+
+  def prefill(self, token_ids: tf.Tensor, cache: tuple[tf.Tensor]
+              ) -> tuple[tf.Tensor]:
+    """The cache with the keys/values of positions `[0, T)` written."""
+    _, _, written = self.model.call_with_cache(token_ids, cache[0], 0)
+    return (written,)
+
+  def step(self, token: tf.Tensor, cache: tuple[tf.Tensor], index: tf.Tensor
+           ) -> tuple[tf.Tensor, tuple[tf.Tensor]]:
+    """`(logits (B, vocab), cache)` of one token per row at `index`."""
+    logits, _, written = self.model.call_with_cache(
+        token[:, None], cache[0], index)
+    return logits[:, 0, :], (written,)

@@ -1,0 +1,122 @@
+"""Choosing the next token from logits: greedy, top-k, top-p, temperature.
+
+Every sampler is a pure function of `(logits, seed, rows, position)`: its
+randomness comes from TF's stateless random ops keyed by the seed, the
+row's index in the whole request and the position being filled, so one
+seed gives the same tokens twice, however the rows are split over
+replicas or batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+SAMPLERS = ("greedy", "top_k", "top_p", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How the next token is chosen (validated on construction).
+
+  Attributes:
+    sampler: `greedy` (the most likely token), `top_k` (one of the `k` most
+      likely), `top_p` (from the smallest set whose probability reaches
+      `p`), or `random` (from the whole distribution).
+    k: for `top_k`, a positive int.
+    p: for `top_p`, in (0, 1].
+    temperature: logits are divided by it before sampling (not greedy).
+    seed: an int; `None` draws one at random for each `generate` call.
+  """
+  sampler: str = "greedy"
+  k: int | None = None
+  p: float | None = None
+  temperature: float = 1.0
+  seed: int | None = None
+
+  def __post_init__(self):
+    if self.sampler not in SAMPLERS:
+      raise ValueError(f"sampler={self.sampler!r} is unknown. Choose one of "
+                       f"{', '.join(SAMPLERS)}.")
+    if self.sampler == "top_k" and (
+        not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
+      raise ValueError(f"k={self.k!r} must be a positive int for "
+                       "sampler='top_k', e.g. k=40.")
+    if self.sampler == "top_p" and (
+        self.p is None or not 0.0 < float(self.p) <= 1.0):
+      raise ValueError(f"p={self.p!r} must be in (0, 1] for "
+                       "sampler='top_p', e.g. p=0.9.")
+    if not float(self.temperature) > 0.0:
+      raise ValueError(f"temperature={self.temperature!r} must be > 0, e.g. "
+                       "1.0 (greedy ignores it).")
+    if self.seed is not None and (not isinstance(self.seed, int)
+                                  or isinstance(self.seed, bool)):
+      raise ValueError(f"seed={self.seed!r} must be an int or None.")
+
+
+def row_seeds(seed: tf.Tensor, rows: tf.Tensor, position: tf.Tensor
+              ) -> tf.Tensor:
+  """`(B, 2)` int32 stateless seeds, one per row, from (seed, row, position)."""
+  rows = tf.cast(rows, tf.int32)
+  position = tf.cast(position, tf.int32) + tf.zeros_like(rows)
+  base = tf.stack([tf.cast(seed, tf.int32) + tf.zeros_like(rows), rows], -1)
+  # Mixes in the position without collisions between (row, position) pairs.
+  return tf.stack([base[:, 0] * 1000003 + position, base[:, 1]], -1)
+
+
+def _gumbel_choice(logits: tf.Tensor, seeds: tf.Tensor) -> tf.Tensor:
+  """One draw per row from softmax(logits): the argmax of logits + Gumbel
+  noise, each row's noise from its own seed."""
+  vocab = tf.shape(logits)[-1]
+
+  def noise(seed):
+    u = tf.random.stateless_uniform([vocab], seed, minval=1e-20, maxval=1.0)
+    return -tf.math.log(-tf.math.log(u))
+
+  gumbel = tf.map_fn(noise, seeds, fn_output_signature=tf.float32)
+  return tf.argmax(logits + gumbel, axis=-1, output_type=tf.int32)
+
+
+def _top_k_logits(logits: tf.Tensor, k: int) -> tf.Tensor:
+  """Logits outside each row's `k` largest set to -inf."""
+  k = min(k, logits.shape[-1])
+  kth = tf.math.top_k(logits, k=k).values[:, -1:]
+  return tf.where(logits < kth, tf.fill(tf.shape(logits), -float("inf")),
+                  logits)
+
+
+def _top_p_logits(logits: tf.Tensor, p: float) -> tf.Tensor:
+  """Logits outside each row's nucleus (the most likely tokens whose
+  probability first reaches `p`) set to -inf."""
+  ranked = tf.sort(logits, axis=-1, direction="DESCENDING")
+  before = tf.cumsum(tf.nn.softmax(ranked, axis=-1), axis=-1, exclusive=True)
+  kept = tf.reduce_sum(tf.cast(before < p, tf.int32), -1)  # At least 1.
+  cutoff = tf.gather(ranked, kept[:, None] - 1, batch_dims=1)
+  return tf.where(logits < cutoff, tf.fill(tf.shape(logits), -float("inf")),
+                  logits)
+
+
+def next_tokens(logits: tf.Tensor, sampling: Sampling, seed: tf.Tensor,
+                rows: tf.Tensor, position: tf.Tensor) -> tf.Tensor:
+  """The chosen token of each row, `(B,)` int32.
+
+  Args:
+    logits: `(B, vocab)` scores of the next token.
+    sampling: the sampler and its options.
+    seed: a scalar int tensor (ignored by `greedy`).
+    rows: `(B,)` each row's index in the whole request.
+    position: the scalar position being filled.
+
+  Returns:
+    `(B,)` int32 token ids.
+  """
+  logits = tf.cast(logits, tf.float32)
+  if sampling.sampler == "greedy":
+    return tf.argmax(logits, axis=-1, output_type=tf.int32)
+  logits = logits / float(sampling.temperature)
+  if sampling.sampler == "top_k":
+    logits = _top_k_logits(logits, sampling.k)
+  elif sampling.sampler == "top_p":
+    logits = _top_p_logits(logits, float(sampling.p))
+  return _gumbel_choice(logits, row_seeds(seed, rows, position))
