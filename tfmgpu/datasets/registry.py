@@ -12,10 +12,10 @@ Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 from typing import Any, Callable, Protocol
 
+from absl import logging
 import numpy as np
 
 from tfmgpu import checks

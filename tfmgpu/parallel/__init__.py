@@ -8,18 +8,18 @@ only modules listed before it):
   of each layer, and the bytes crossing each cut;
 * `plan`: the `StagePlan`: which layers go to which device, with their
   costs, printable, with a per-device memory estimate;
-* `partition`: `plan_stages`, the exact balanced split of the blocks into
-  stages (`min_max_partition`);
+* `microbatch`: splitting a batch, adding micro-batch gradients and losses;
 * `placed`: the base class of every placement, a model whose parts each run
   their backward on their own device, and its shared helpers;
 * `shared`: weights several layers hold (tied embeddings): found, kept one
   variable in every copy, their gradients summed over every use;
+* `partition`: `plan_stages`, the exact balanced split of the blocks into
+  stages (`min_max_partition`);
 * `inspection`: `op_placements`, the device every op of a traced function
   asks for (to check placement);
 * `staged`: `StagedModel`, model parallelism along a stage plan;
 * `schedule`: pipeline schedules (GPipe, 1F1B): each stage's task order;
 * `timeline`: a pipelined step's timeline: simulated, summarised, drawn;
-* `microbatch`: splitting a batch, adding micro-batch gradients and losses;
 * `pipeline_step`: the ops of one pipelined training step, in schedule order;
 * `pipeline`: `PipelinedModel`, micro-batches streamed through the stages;
 * `branches`: `BranchParallel`, parallel sub-models on one input;
