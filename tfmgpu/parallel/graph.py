@@ -206,13 +206,13 @@ def _reachable_nodes(model: keras.Model, model_inputs, model_outputs):
   return found, aliases, inlined
 
 
-def _operations(model: keras.Model, inlined: dict[int, Any]) -> list[Any]:
+def _ops_inlined(model: keras.Model, inlined: dict[int, Any]) -> list[Any]:
   """The model's operations in its own order, an inlined nested model's
   spliced in where it is called."""
   # Functional models list bare ops (keras.ops.*) with their layers.
   ops = []
   for op in _compat.model_operations(model):
-    ops.extend(_operations(op, inlined) if id(op) in inlined else [op])
+    ops.extend(_ops_inlined(op, inlined) if id(op) in inlined else [op])
   return ops
 
 
@@ -220,7 +220,7 @@ def _topological_order(model: keras.Model, found: dict[int, Any],
                        canon: Callable[[Any], Any],
                        inlined: dict[int, Any]) -> list[Any]:
   """Kahn's algorithm, ties broken by the model's own layer order."""
-  order = {id(l): i for i, l in enumerate(_operations(model, inlined))}
+  order = {id(l): i for i, l in enumerate(_ops_inlined(model, inlined))}
   producers = {id(t): k for k, n in found.items() for t in n.output_tensors}
   users: dict[int, list[int]] = {k: [] for k in found}
   missing = {}

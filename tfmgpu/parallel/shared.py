@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
@@ -121,7 +122,7 @@ def _replace_variable(layer: keras.layers.Layer, old: Any, new: Any) -> None:
     ValueError: `old` is still among `layer.weights` (held somewhere this
       cannot reach, such as a list attribute).
   """
-  for sub in layer._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
+  for sub in _compat.flatten_layers(layer):
     tracker = getattr(sub, "_tracker", None)
     if tracker is None:
       continue
