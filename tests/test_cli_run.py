@@ -5,7 +5,7 @@ import sys
 from absl import flags
 import pytest
 
-from tfmgpu import train  # pylint: disable=unused-import  (defines the flags)
+from tfmgpu import train  # noqa: F401  (defines the flags)
 from tfmgpu.flags import cli
 
 

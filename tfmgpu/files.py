@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import time
 import uuid
 from typing import BinaryIO, Callable
 

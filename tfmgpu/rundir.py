@@ -14,16 +14,16 @@ In a cluster only the chief takes it.
 
 **Record.** `run.json` records what a run is: model, optimizer, global
 batch, seed, dataset, placement (and a pipeline's micro-batches), learning
-rate, epochs, and the versions of tfmgpu, TensorFlow and Keras. It is written (atomically) when a directory
-is first used. A resume compares: a change of what the checkpoints depend
-on (`FIXED`) is refused with one line per field, `old -> new`
-(`RunRecordMismatchError`); a change of what may change (`CHANGEABLE`:
-learning rate, epochs, steps per epoch, loss, metrics) is applied and logged, and the
-record updated. A directory without checkpoints holds no run yet: its
-record is simply rewritten. A directory with checkpoints but no record
-(deleted, or an empty file) gets one only after a checkpoint restores into
-the run (`confirm_record`, called by the training loop); a record naming
-none of the settings (`{}`) is refused.
+rate, epochs, and the versions of tfmgpu, TensorFlow and Keras. It is
+written (atomically) when a directory is first used. A resume compares: a
+change of what the checkpoints depend on (`FIXED`) is refused with one line
+per field, `old -> new` (`RunRecordMismatchError`); a change of what may
+change (`CHANGEABLE`: learning rate, epochs, steps per epoch, loss, metrics)
+is applied and logged, and the record updated. A directory without
+checkpoints holds no run yet: its record is simply rewritten. A directory
+with checkpoints but no record (deleted, or an empty file) gets one only
+after a checkpoint restores into the run (`confirm_record`, called by the
+training loop); a record naming none of the settings (`{}`) is refused.
 
 Importing this module imports nothing heavy (no TensorFlow).
 """

@@ -209,8 +209,8 @@ class DamagedShardError(ValueError):
 
   def __init__(self, path: str, why: str, *, offer_skip: bool = False):
     self.path, self.why = path, why
-    fix = (f"Restore it, or rewrite the shards with python "
-           f"scripts/write_tfrecords.py")
+    fix = ("Restore it, or rewrite the shards with python "
+           "scripts/write_tfrecords.py")
     super().__init__(f"TFRecord shard {path} is damaged: {why}. {fix}"
                      + (f"; {SKIP_HINT}." if offer_skip else "."))
 

@@ -58,6 +58,7 @@ __all__ = [
     "available_models",
     "build_model",
     "check_model",
+    "cuttable_blocks",
     "check_model_size",
     "classic",
     "custom_objects",
