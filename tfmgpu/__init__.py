@@ -57,7 +57,15 @@ def _submodules() -> list[str]:
                 if not m.name.startswith("_"))
 
 
+# Modules that moved into `tfmgpu.datasets`: `from tfmgpu import tfrecord`
+# still finds them.
+_MOVED = {"tfrecord": "tfmgpu.datasets.tfrecord",
+          "text": "tfmgpu.datasets.text"}
+
+
 def __getattr__(name: str) -> Any:
+  if name in _MOVED:
+    return importlib.import_module(_MOVED[name])
   if name not in _EXPORTS:
     if name in _submodules():  # `tfmgpu.models.custom_objects()` works
       return importlib.import_module(f"{__name__}.{name}")  # after import.

@@ -18,7 +18,15 @@ _INTERVAL_S = 0.1  # Rewrites of a terminal line at most this often.
 def is_interactive(stream: IO[str]) -> bool:
   """`stream` shows a rewritten line as one line: a terminal or a notebook."""
   isatty = getattr(stream, "isatty", None)
-  return bool(isatty and isatty()) or "ipykernel" in sys.modules
+  return bool(isatty and isatty()) or _in_notebook_kernel()
+
+
+def _in_notebook_kernel() -> bool:
+  """Running inside a Jupyter kernel (not merely with ipykernel imported,
+  as a test runner that executes notebooks has it)."""
+  ipython = sys.modules.get("IPython")
+  shell = ipython.get_ipython() if ipython is not None else None
+  return getattr(shell, "kernel", None) is not None
 
 
 def format_logs(logs: Mapping[str, float], rate: float | None = None) -> str:
