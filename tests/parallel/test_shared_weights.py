@@ -119,8 +119,9 @@ def _fit(model, x, y):
 
 def _assert_layers_equal(placed, reference):
   """Every weighted layer of `placed` (unsplit form) equals `reference`'s."""
+  by_name = {l.name: l for l in reference._flatten_layers()}  # pylint: disable=protected-access  (nested layers too)
   for name, layer in placed.weighted_layers().items():
-    want = reference.get_layer(name).get_weights()
+    want = by_name[name].get_weights()
     got = layer.get_weights()
     assert len(got) == len(want), name
     for g, w in zip(got, want):
