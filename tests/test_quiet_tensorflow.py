@@ -107,3 +107,23 @@ def test_verbose_2_shows_tensorflow_logs_once(tmp_path):
   assert records, text[-3000:]  # TF's own start-up lines are shown...
   assert len(records) == len(set(records)), records  # ...once each.
   assert text.count("absl::InitializeLog") <= 1
+
+
+@pytest.mark.parametrize("level, noisy", [(None, False), ("0", True)])
+def test_import_tfmgpu_quiets_tf_start_up_unless_the_user_set_a_level(
+    level, noisy):
+  """Issue 29 item 11: `import tfmgpu` then TF printed a red `E0000 ...
+  cuInit` line on CPU hosts; a user's own level is kept."""
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  if level is not None:
+    env["TF_CPP_MIN_LOG_LEVEL"] = level
+  out = subprocess.run(
+      [sys.executable, "-c", "import tfmgpu, tensorflow as tf; "
+       "print(tf.constant(1).numpy())"],
+      capture_output=True, text=True, env=env, timeout=300, check=True)
+  assert out.stdout.strip() == "1"
+  if noisy:  # The user's level 0: TF's lines, as TF prints them.
+    assert re.search(r"^[IEW]\d{4} [\d:.]+ +\d+ \S+\.cc:\d+\] ",
+                     out.stderr, re.M), out.stderr
+  else:  # No E or W line (TF prints its I lines before it reads the level).
+    assert not CPP_ERROR_OR_WARNING.search(out.stderr), out.stderr

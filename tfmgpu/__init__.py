@@ -8,10 +8,19 @@ only when something needs it.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
+
+# TF's C++ start-up lines (a CPU host's red `E0000 ... failed call to
+# cuInit`, oneDNN and CUDA notes) are noise for a library user as for the
+# CLIs: hidden unless the user set TF_CPP_MIN_LOG_LEVEL themselves (it is
+# read once, when TensorFlow loads, so only before that).
+if "tensorflow" not in sys.modules:
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 _EXPORTS = {
     "DeviceConfigurationError": "tfmgpu.devices",
