@@ -19,8 +19,12 @@ __version__ = "0.1.0"
 # cuInit`, oneDNN and CUDA notes) are noise for a library user as for the
 # CLIs: hidden unless the user set TF_CPP_MIN_LOG_LEVEL themselves (it is
 # read once, when TensorFlow loads, so only before that).
-if "tensorflow" not in sys.modules:
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# `tfmgpu.flags.prepare_quiet_tensorflow` takes the default back for
+# `--verbose=2` (TF's own logs shown).
+QUIETED_TF_LOGS = ("tensorflow" not in sys.modules
+                   and "TF_CPP_MIN_LOG_LEVEL" not in os.environ)
+if QUIETED_TF_LOGS:
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
 _EXPORTS = {
     "DeviceConfigurationError": "tfmgpu.devices",

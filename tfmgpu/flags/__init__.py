@@ -26,6 +26,7 @@ from typing import Sequence
 
 from absl import flags
 
+import tfmgpu
 from tfmgpu import checks
 
 
@@ -107,6 +108,8 @@ def prepare_quiet_tensorflow(*, tensorflow_logs: bool = False) -> None:
   if not tensorflow_logs:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     _quiet_python_logs()
+  elif tfmgpu.QUIETED_TF_LOGS and "tensorflow" not in sys.modules:
+    os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)  # `import tfmgpu`'s quiet.
 
 
 def load_tensorflow() -> None:
