@@ -1,4 +1,4 @@
-"""CLI output without TensorFlow's own chatter (tfmgpu.flags.quiet_tensorflow)."""
+"""CLI output without TensorFlow's own chatter (tfmgpu.tf_logs)."""
 
 import logging
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tfmgpu import flags as flags_lib
+from tfmgpu import tf_logs
 
 # A line of TF's C++ logging: `E0000 00:00:1796258865.469782   29897
 # cuda_platform.cc:52] failed call to cuInit: ...` (tfmgpu's own absl lines
@@ -30,15 +30,15 @@ STARTUP = (BANNER + ONEDNN + CUDART + PY_WARNING + CUINIT
 
 
 def test_quiet_keeps_only_what_is_not_tf_logging():
-  assert flags_lib.filter_startup_log(STARTUP, 3) == PY_WARNING
+  assert tf_logs.filter_startup_log(STARTUP, 3) == PY_WARNING
 
 
 def test_error_level_keeps_errors_once():
-  assert flags_lib.filter_startup_log(STARTUP, 2) == PY_WARNING + CUINIT
+  assert tf_logs.filter_startup_log(STARTUP, 2) == PY_WARNING + CUINIT
 
 
 def test_default_level_prints_the_startup_lines_once():
-  assert flags_lib.filter_startup_log(STARTUP, 0) == (
+  assert tf_logs.filter_startup_log(STARTUP, 0) == (
       BANNER + ONEDNN + CUDART + PY_WARNING + CUINIT)
 
 
@@ -50,10 +50,10 @@ def test_tensorflow_info_records_are_dropped_and_others_kept():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   saver = os.path.join(os.path.dirname(tf.__file__), "python", "checkpoint",
                        "functional_saver.py")
-  keep = flags_lib._TensorFlowInfoFilter().filter  # pylint: disable=protected-access
+  keep = tf_logs._TensorFlowInfoFilter().filter  # pylint: disable=protected-access
   assert not keep(_record(saver, logging.INFO))
   assert keep(_record(saver, logging.WARNING))
-  assert keep(_record(flags_lib.__file__, logging.INFO))
+  assert keep(_record(tf_logs.__file__, logging.INFO))
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_log_level(monkeypatch, user_value, tensorflow_logs, expected):
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
   else:
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", user_value)
-  flags_lib.quiet_tensorflow(tensorflow_logs=tensorflow_logs)
+  tf_logs.quiet_tensorflow(tensorflow_logs=tensorflow_logs)
   assert os.environ.get("TF_CPP_MIN_LOG_LEVEL") == expected
 
 

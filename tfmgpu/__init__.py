@@ -8,23 +8,16 @@ only when something needs it.
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
-import sys
 from typing import Any
+
+from tfmgpu import tf_logs as _tf_logs
 
 __version__ = "0.1.0"
 
-# TF's C++ start-up lines (a CPU host's red `E0000 ... failed call to
-# cuInit`, oneDNN and CUDA notes) are noise for a library user as for the
-# CLIs: hidden unless the user set TF_CPP_MIN_LOG_LEVEL themselves (it is
-# read once, when TensorFlow loads, so only before that).
-# `tfmgpu.flags.prepare_quiet_tensorflow` takes the default back for
-# `--verbose=2` (TF's own logs shown).
-QUIETED_TF_LOGS = ("tensorflow" not in sys.modules
-                   and "TF_CPP_MIN_LOG_LEVEL" not in os.environ)
-if QUIETED_TF_LOGS:
-  os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+# TF's C++ start-up lines are hidden unless the user set
+# TF_CPP_MIN_LOG_LEVEL (`tfmgpu.tf_logs`).
+_tf_logs.quiet_by_default()
 
 _EXPORTS = {
     "DeviceConfigurationError": "tfmgpu.devices",
