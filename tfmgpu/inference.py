@@ -31,18 +31,13 @@ from tfmgpu import checks
 from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.parallel import placed_model
 from tfmgpu.parallel import shared
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import resident
 
 PRECISIONS = ("float32", "bfloat16", "float16")
-
-
-def _is_placement(model: Any) -> bool:
-  """Staged/pipelined/branch models carry their own device placement."""
-  return bool(getattr(model, "places_itself", False)
-              or hasattr(model, "compute_loss_and_gradients"))
 
 
 def _built_in(model: keras.Model, strategy: tf.distribute.Strategy) -> bool:
@@ -125,7 +120,7 @@ def _prepare_model(model, strategy, precision: str):
                        f"cast; {model.path!r} is a SavedModel. Use "
                        "precision='float32' or its .keras file.")
     return model.under(strategy), strategy
-  if _is_placement(model):
+  if placed_model.is_placed(model):
     if precision != "float32":
       raise ValueError(f"precision={precision!r} is not supported for placed "
                        f"model {model.name!r}; use precision='float32'.")
@@ -556,8 +551,7 @@ def export_saved_model(model: Any, path: str) -> str:
   A staged or replicated model is exported unsplit, from a single-device
   copy, so the SavedModel holds plain variables.
   """
-  to_unsplit = getattr(model, "to_unsplit", None)
-  model = to_unsplit() if to_unsplit is not None else model
+  model = placed_model.unsplit_of(model)
   plain = _clone(model, strategy=tf.distribute.get_strategy())
   plain.export(path, format="tf_saved_model", verbose=False)
   return path

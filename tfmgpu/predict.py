@@ -222,10 +222,11 @@ def _are_class_scores(predictions, y) -> bool:
 def _report(predictor, predictions, y, seconds: float) -> int:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import placed_model  # pylint: disable=g-import-not-at-top
   rows = len(np.asarray(_first_output(predictions)))
   placed = getattr(predictor.model, "devices", None)
-  where = (f"on {len(placed)} devices" if getattr(
-      predictor.model, "places_itself", False) and placed else
+  where = (f"on {len(placed)} devices" if placed_model.is_placed(
+      predictor.model) and placed else
            f"{predictor.strategy.num_replicas_in_sync} replica(s)")
   print(f"predicted  {rows} rows with {strategy_flags.STRATEGY.value} "
         f"({where})")

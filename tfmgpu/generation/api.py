@@ -19,6 +19,7 @@ from tfmgpu.generation import gpt_cache
 from tfmgpu.generation import hub_cache
 from tfmgpu.generation import prompts as prompts_lib
 from tfmgpu.generation import samplers
+from tfmgpu.parallel import placed_model
 
 
 def adapter_for(model: Any) -> decode.CacheAdapter:
@@ -29,7 +30,7 @@ def adapter_for(model: Any) -> decode.CacheAdapter:
       for now), or a model that is neither a `gpt` nor a keras_hub
       `CausalLM`.
   """
-  if getattr(model, "places_itself", False) or hasattr(model, "to_unsplit"):
+  if placed_model.is_placed(model):
     raise ValueError(
         f"model {getattr(model, 'name', model)!r} is placed over devices "
         f"({type(model).__name__}); generation runs unplaced or data-parallel "

@@ -27,8 +27,6 @@ From the outside it is a Keras model: `compile`/`fit`/`evaluate`/`predict`,
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 from typing import Any, Sequence
 
@@ -36,116 +34,12 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import partition
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import plan as plan_lib
 from tfmgpu.parallel import shared as shared_lib
-
-
-@dataclasses.dataclass(frozen=True)
-class _ModelSpec:
-  """Enough to rebuild the unsplit model (a plain object: Keras won't track it)."""
-  cls: type
-  config: dict
-  layer_names: tuple[str, ...] = ()
-  shared: tuple[shared_lib.SharedWeight, ...] = ()
-
-  @classmethod
-  def of(cls, model: keras.Model) -> "_ModelSpec":
-    return cls(type(model), model.get_config(),
-               tuple(l.name for l in model.layers),
-               shared_lib.find_shared(model.layers))
-
-  def rebuild(self) -> keras.Model:
-    """A new model from the config, its layers named as the original's.
-
-    Keras' automatic config of a custom layer holds only the arguments its
-    constructor was given, so a layer Keras named gets a new name when
-    rebuilt; weights move between layouts by layer name.
-    """
-    # A copy: `Functional.from_config` consumes parts of the dict it gets,
-    # and the model must rebuild from the same config every call.
-    model = self.cls.from_config(copy.deepcopy(self.config))
-    if len(model.layers) == len(self.layer_names):
-      for layer, name in zip(model.layers, self.layer_names):
-        layer.name = name
-    # `from_config` of a plain functional model rebuilds a layer shared with
-    # a nested model twice: tie the copies again.
-    shared_lib.tie({l.name: l for l in model.layers}, self.shared,
-                   "rebuilt model")
-    return model
-
-
-def _weighted_layers(models: Sequence[keras.Model]) -> dict[str, Any]:
-  """`{name: layer}` for the layers (not bare ops) of `models` with
-  weights, and those of the models nested in them (a nested model's layers
-  are planned and placed one by one: `graph.ModelGraph`); an outer layer
-  keeps its name when a nested one has it too."""
-  found: dict[str, Any] = {}
-  level = [l for m in models for l in m.layers]
-  while level:
-    for layer in level:
-      if layer.weights:
-        found.setdefault(layer.name, layer)
-    level = [l for m in level if isinstance(m, keras.Model) for l in m.layers]
-  return found
-
-
-def _copy_weights(src: dict[str, Any], dst: dict[str, Any],
-                  names: Sequence[str], what: str) -> None:
-  for name in names:
-    if name not in src or name not in dst:
-      raise ValueError(
-          f"layer {name!r} with weights is missing from the {what} model; "
-          "both models must have the same architecture and layer names.")
-    try:
-      dst[name].set_weights(src[name].get_weights())
-    except ValueError as e:
-      raise ValueError(f"cannot copy the weights of layer {name!r}: {e} Are "
-                       "both models the same architecture?") from e
-
-
-def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
-  """A fresh, unbuilt copy of a layer (nested models are cloned whole)."""
-  if isinstance(layer, keras.Model):
-    try:
-      return keras.models.clone_model(layer, recursive=True)
-    except (ValueError, TypeError):
-      pass  # Subclassed: fall through to its config.
-  try:
-    clone = layer.__class__.from_config(layer.get_config())
-  except (NotImplementedError, TypeError, ValueError) as e:
-    raise ValueError(
-        f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
-        f"from its config ({e}); give it a get_config() that returns its "
-        "constructor arguments.") from e
-  clone.name = layer.name  # See `_ModelSpec.rebuild`.
-  return clone
-
-
-def _stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):
-  """`(structure of new keras.Inputs, {id(old tensor): new input})`.
-
-  Stage 0 takes the model's inputs as the model does (one tensor, a list or
-  a dict); a later stage takes the tensors crossing into it: one tensor, or
-  a list of them in `ModelGraph.crossing` order.
-  """
-  new_input = lambda t, name: keras.Input(shape=tuple(t.shape)[1:],
-                                          dtype=t.dtype, name=name)
-  if start == 0:
-    old = graph.input_structure
-    names = iter(t.name for t in tf.nest.flatten(old))
-    new = tf.nest.map_structure(lambda t: new_input(t, next(names)), old)
-  else:
-    old = graph.crossing(start)
-    new = [new_input(t, f"stage_{k}_input" if len(old) == 1 else
-                     f"stage_{k}_input_{i}") for i, t in enumerate(old)]
-    old, new = (old[0], new[0]) if len(old) == 1 else (old, new)
-  mapping = graph.tensor_map()  # Nested models' tensors stand for ours.
-  for o, n in zip(tf.nest.flatten(old), tf.nest.flatten(new)):
-    mapping[id(o)] = n
-  return new, mapping
 
 
 def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
@@ -154,7 +48,7 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
                  ) -> keras.Model:
   """Replays nodes `start:end` of `graph` with fresh layers, as a model.
 
-  Its inputs are the tensors crossing into the stage (`_stage_inputs`); its
+  Its inputs are the tensors crossing into the stage (`cloning.stage_inputs`); its
   outputs the tensors crossing out of it (one, or a list in
   `ModelGraph.crossing` order; tensors that skip the stage pass through),
   and for the last stage the model's outputs as the model returns them.
@@ -162,10 +56,10 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
   there. The original model is not touched (no new nodes on its layers).
   Each new layer is recorded in `clones` by name, if given.
   """
-  inputs, tensors = _stage_inputs(graph, start, k)
+  inputs, tensors = cloning.stage_inputs(graph, start, k)
   for node in graph.nodes[start:end]:
     args, kwargs = node.arguments.fill_in(tensors)
-    clone = _clone_layer(node.operation)
+    clone = cloning.clone_layer(node.operation)
     if clones is not None:
       clones[node.operation.name] = clone
     outputs = clone(*args, **kwargs)
@@ -243,49 +137,7 @@ def resolve_plan(model: keras.Model, plan: plan_lib.StagePlan | None,
   return plan
 
 
-class UnsplitWeights:
-  """Weights to and from the unsplit model, by layer name.
-
-  For a placed model whose layers keep the unsplit model's names and show
-  their weights in unsplit form: it provides `weighted_layers()` and
-  `_unsplit_spec` (a `_ModelSpec` of the unsplit model).
-  """
-
-  _unsplit_spec: _ModelSpec
-
-  def weighted_layers(self) -> dict[str, Any]:
-    raise NotImplementedError
-
-  def load_from(self, unsplit: keras.Model) -> None:
-    """Copies the weights of the unsplit model into this one."""
-    mine = self.weighted_layers()
-    _copy_weights(_weighted_layers([unsplit]), mine, list(mine), "unsplit")
-
-  def copy_weights_to(self, unsplit: keras.Model) -> None:
-    """Copies this model's weights into an unsplit model of the same
-    architecture."""
-    mine = self.weighted_layers()
-    _copy_weights(mine, _weighted_layers([unsplit]), list(mine), "unsplit")
-
-  def to_unsplit(self, *, device: str | None = None,
-                 custom_objects: dict[str, Any] | None = None) -> keras.Model:
-    """Rebuilds the unsplit model (on `device`) holding this one's weights.
-
-    Args:
-      device: where the new model's variables go. Defaults to the current
-        device scope.
-      custom_objects: custom layer classes, if the model uses any.
-
-    Returns:
-      A new, unsplit model.
-    """
-    spec = self._unsplit_spec
-    place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
-             else contextlib.nullcontext())
-    with place, keras.saving.custom_object_scope(custom_objects or {}):
-      model = spec.rebuild()
-    self.copy_weights_to(model)
-    return model
+UnsplitWeights = cloning.UnsplitWeights  # Its home before `cloning`.
 
 
 class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
@@ -340,7 +192,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
     self.stage_devices = tuple(devices)
     self.stages = stages
     source = model if unsplit is None else unsplit
-    self._unsplit_spec = _ModelSpec.of(source)
+    self._unsplit_spec = cloning.ModelSpec.of(source)
     # The unsplit model's output names key per-output losses and metrics.
     self.unsplit_output_names = graph_lib.output_names(source)
     self.load_from(model)
@@ -479,4 +331,4 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
   def weighted_layers(self) -> dict[str, Any]:
     """`{name: layer}` of the stages' layers with weights (layer names are
     the unsplit model's; split layers give their weights in unsplit form)."""
-    return _weighted_layers(self.stages)
+    return cloning.weighted_layers(self.stages)

@@ -53,10 +53,10 @@ import tensorflow as tf
 
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import choices
+from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import shared as shared_lib
-from tfmgpu.parallel import staged
 
 KINDS = choices.TENSOR_KINDS
 GPT_RULES: dict[str, str] = dict(choices.TENSOR_RULES_GPT)
@@ -757,8 +757,8 @@ def tensor_parallel(model: keras.Model,
   split = keras.Model(*_replay(graph, kinds, devices_of, clones),
                       name=model.name)
   shared_lib.tie(clones, weights, "tensor-parallel model")
-  mine = staged._weighted_layers([split])  # pylint: disable=protected-access
-  staged._copy_weights(staged._weighted_layers([model]), mine, list(mine),  # pylint: disable=protected-access
+  mine = cloning.weighted_layers([split])
+  cloning.copy_weights(cloning.weighted_layers([model]), mine, list(mine),
                        "unsplit")
   return split
 
@@ -793,7 +793,7 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
   """`(inputs, outputs)` of `graph` replayed with fresh layers, the ones
   in `kinds` split; the fresh copies of the others go in `clones`."""
   scattered = _scattered(graph, kinds, devices_of)
-  inputs, tensors = staged._stage_inputs(graph, 0, 0)  # pylint: disable=protected-access
+  inputs, tensors = cloning.stage_inputs(graph, 0, 0)
   for node in graph.nodes:
     layer = node.operation
     args, kwargs = node.arguments.fill_in(tensors)
@@ -805,7 +805,7 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
           scattered_input=producer.name in scattered,
           gather=layer.name not in scattered)
     else:
-      new = clones[layer.name] = staged._clone_layer(layer)  # pylint: disable=protected-access
+      new = clones[layer.name] = cloning.clone_layer(layer)
     outputs = new(*args, **kwargs)
     if layer.name in scattered:  # One tensor before, its T pieces now.
       tensors[id(node.output_tensors[0])] = outputs
@@ -816,7 +816,7 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
                                       graph.output_structure)
 
 
-class TensorParallelModel(staged.UnsplitWeights,
+class TensorParallelModel(cloning.UnsplitWeights,
                           placed.PerDeviceGradientModel):
   """A Keras model whose large layers are split over `T` devices.
 
@@ -862,7 +862,7 @@ class TensorParallelModel(staged.UnsplitWeights,
     self.tensor_parallel = len(self.devices)
     with tf.device(self.devices[0]):
       self.model = tensor_parallel(model, self.devices, rules=rules)
-    self._unsplit_spec = staged._ModelSpec.of(model)  # pylint: disable=protected-access
+    self._unsplit_spec = cloning.ModelSpec.of(model)
     # The unsplit model's output names (a dict's keys) key per-output losses.
     self.unsplit_output_names = graph_lib.output_names(model)
     self.built = True
@@ -903,4 +903,4 @@ class TensorParallelModel(staged.UnsplitWeights,
   def weighted_layers(self) -> dict[str, Any]:
     """`{name: layer}` of the layers with weights (split layers give their
     weights in unsplit form)."""
-    return staged._weighted_layers([self.model])  # pylint: disable=protected-access
+    return cloning.weighted_layers([self.model])

@@ -57,6 +57,7 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu import files
+from tfmgpu.parallel import placed_model
 from tfmgpu.training import portable
 
 # Exit code of `python -m tfmgpu.train` when SIGTERM stopped training after a
@@ -235,7 +236,7 @@ class Checkpointer:
     # A placed model's weights are also saved by layer name in unsplit form,
     # so the checkpoint restores into any layout (`portable`).
     view = ({portable.VIEW: portable.PortableView(model)}
-            if getattr(model, "places_itself", False) else {})
+            if placed_model.is_placed(model) else {})
     self._objects = dict(model=model, optimizer=optimizer, epoch=self.epoch,
                          epoch_step=self.epoch_step, step=self.step)
     self._has_view = bool(view)

@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu.parallel import placed_model
 
 VIEW = "layout_weights"  # The view's name in a tfmgpu checkpoint.
 
@@ -99,7 +100,7 @@ def restore_weights(model: keras.Model, path: str) -> keras.Model:
     tf.train.Checkpoint(**{VIEW: view}).read(path).expect_partial()
     missing = view.missing()
   else:  # A plain model's checkpoint: read it through the unsplit model.
-    unsplit = model.to_unsplit() if hasattr(model, "to_unsplit") else model
+    unsplit = placed_model.unsplit_of(model)
     status = tf.train.Checkpoint(model=unsplit).read(path).expect_partial()
     try:
       status.assert_existing_objects_matched()

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from tfmgpu.parallel import placed_model
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import objectives
 
@@ -84,7 +85,7 @@ def make_gradients_fn(model: keras.Model,
     return loss_value, y_pred, tape.gradient(target,
                                              model.trainable_variables)
 
-  if hasattr(model, "compute_loss_and_gradients"):
+  if placed_model.is_placed(model):
     if jit_compile:
       raise ValueError(
           f"jit_compile=True is not supported for {type(model).__name__}: XLA "

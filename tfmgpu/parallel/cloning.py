@@ -1,0 +1,187 @@
+"""Rebuilding a model's layers elsewhere: what every split of a model needs.
+
+A split (stages, tensor shards, a keras_hub model cut in two) rebuilds the
+layers of a built model under other device scopes and moves weights
+between the split and the unsplit model by layer name:
+
+* `ModelSpec`: enough to rebuild the unsplit model (its class and config,
+  its layer names, the weights its layers share).
+* `clone_layer`: a fresh, unbuilt copy of one layer, named as the original.
+* `stage_inputs`: new `keras.Input`s standing for the tensors that enter a
+  replayed part of a `graph.ModelGraph`.
+* `weighted_layers` and `copy_weights`: weights by layer name, nested
+  models looked into.
+* `UnsplitWeights`: the mixin that gives a placed model `load_from`,
+  `copy_weights_to` and `to_unsplit` (`placed_model.UnsplitForm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import graph as graph_lib
+from tfmgpu.parallel import shared as shared_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Enough to rebuild the unsplit model (a plain object: Keras won't track it)."""
+  cls: type
+  config: dict
+  layer_names: tuple[str, ...] = ()
+  shared: tuple[shared_lib.SharedWeight, ...] = ()
+
+  @classmethod
+  def of(cls, model: keras.Model) -> "ModelSpec":
+    return cls(type(model), model.get_config(),
+               tuple(l.name for l in model.layers),
+               shared_lib.find_shared(model.layers))
+
+  def rebuild(self) -> keras.Model:
+    """A new model from the config, its layers named as the original's.
+
+    Keras' automatic config of a custom layer holds only the arguments its
+    constructor was given, so a layer Keras named gets a new name when
+    rebuilt; weights move between layouts by layer name.
+    """
+    # A copy: `Functional.from_config` consumes parts of the dict it gets,
+    # and the model must rebuild from the same config every call.
+    model = self.cls.from_config(copy.deepcopy(self.config))
+    if len(model.layers) == len(self.layer_names):
+      for layer, name in zip(model.layers, self.layer_names):
+        layer.name = name
+    # `from_config` of a plain functional model rebuilds a layer shared with
+    # a nested model twice: tie the copies again.
+    shared_lib.tie({l.name: l for l in model.layers}, self.shared,
+                   "rebuilt model")
+    return model
+
+
+def weighted_layers(models: Sequence[keras.Model]) -> dict[str, Any]:
+  """`{name: layer}` for the layers (not bare ops) of `models` with
+  weights, and those of the models nested in them (a nested model's layers
+  are planned and placed one by one: `graph.ModelGraph`); an outer layer
+  keeps its name when a nested one has it too."""
+  found: dict[str, Any] = {}
+  level = [l for m in models for l in m.layers]
+  while level:
+    for layer in level:
+      if layer.weights:
+        found.setdefault(layer.name, layer)
+    level = [l for m in level if isinstance(m, keras.Model) for l in m.layers]
+  return found
+
+
+def copy_weights(src: dict[str, Any], dst: dict[str, Any],
+                 names: Sequence[str], what: str) -> None:
+  """`dst[name].set_weights(src[name].get_weights())` for each of `names`.
+
+  Raises:
+    ValueError: a layer missing from either side, or weights that do not
+      fit (`what` names the other model in the message).
+  """
+  for name in names:
+    if name not in src or name not in dst:
+      raise ValueError(
+          f"layer {name!r} with weights is missing from the {what} model; "
+          "both models must have the same architecture and layer names.")
+    try:
+      dst[name].set_weights(src[name].get_weights())
+    except ValueError as e:
+      raise ValueError(f"cannot copy the weights of layer {name!r}: {e} Are "
+                       "both models the same architecture?") from e
+
+
+def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
+  """A fresh, unbuilt copy of a layer (nested models are cloned whole)."""
+  if isinstance(layer, keras.Model):
+    try:
+      return keras.models.clone_model(layer, recursive=True)
+    except (ValueError, TypeError):
+      pass  # Subclassed: fall through to its config.
+  try:
+    clone = layer.__class__.from_config(layer.get_config())
+  except (NotImplementedError, TypeError, ValueError) as e:
+    raise ValueError(
+        f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
+        f"from its config ({e}); give it a get_config() that returns its "
+        "constructor arguments.") from e
+  clone.name = layer.name  # See `ModelSpec.rebuild`.
+  return clone
+
+
+def stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):
+  """New inputs for replaying `graph` from node `start` (stage `k`):
+  `(structure of new keras.Inputs, {id(old tensor): new input})`.
+
+  Stage 0 takes the model's inputs as the model does (one tensor, a list or
+  a dict); a later stage takes the tensors crossing into it: one tensor, or
+  a list of them in `ModelGraph.crossing` order.
+  """
+  new_input = lambda t, name: keras.Input(shape=tuple(t.shape)[1:],
+                                          dtype=t.dtype, name=name)
+  if start == 0:
+    old = graph.input_structure
+    names = iter(t.name for t in tf.nest.flatten(old))
+    new = tf.nest.map_structure(lambda t: new_input(t, next(names)), old)
+  else:
+    old = graph.crossing(start)
+    new = [new_input(t, f"stage_{k}_input" if len(old) == 1 else
+                     f"stage_{k}_input_{i}") for i, t in enumerate(old)]
+    old, new = (old[0], new[0]) if len(old) == 1 else (old, new)
+  mapping = graph.tensor_map()  # Nested models' tensors stand for ours.
+  for o, n in zip(tf.nest.flatten(old), tf.nest.flatten(new)):
+    mapping[id(o)] = n
+  return new, mapping
+
+
+class UnsplitWeights:
+  """Weights to and from the unsplit model, by layer name.
+
+  For a placed model whose layers keep the unsplit model's names and show
+  their weights in unsplit form: it provides `weighted_layers()` and
+  `_unsplit_spec` (a `ModelSpec` of the unsplit model).
+  """
+
+  _unsplit_spec: ModelSpec
+
+  def weighted_layers(self) -> dict[str, Any]:
+    raise NotImplementedError
+
+  def load_from(self, unsplit: keras.Model) -> None:
+    """Copies the weights of the unsplit model into this one."""
+    mine = self.weighted_layers()
+    copy_weights(weighted_layers([unsplit]), mine, list(mine), "unsplit")
+
+  def copy_weights_to(self, unsplit: keras.Model) -> None:
+    """Copies this model's weights into an unsplit model of the same
+    architecture."""
+    mine = self.weighted_layers()
+    copy_weights(mine, weighted_layers([unsplit]), list(mine), "unsplit")
+
+  def to_unsplit(self, *, device: str | None = None,
+                 custom_objects: dict[str, Any] | None = None) -> keras.Model:
+    """Rebuilds the unsplit model (on `device`) holding this one's weights.
+
+    Args:
+      device: where the new model's variables go. Defaults to the current
+        device scope.
+      custom_objects: custom layer classes, if the model uses any.
+
+    Returns:
+      A new, unsplit model.
+    """
+    spec = self._unsplit_spec
+    place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
+             else contextlib.nullcontext())
+    with place, keras.saving.custom_object_scope(custom_objects or {}):
+      model = spec.rebuild()
+    self.copy_weights_to(model)
+    return model

@@ -1,0 +1,62 @@
+"""What callers may ask of a placed model: the `PlacedModel` protocol.
+
+A placed model (`StagedModel`, `PipelinedModel`, `BranchParallel`,
+`TensorParallelModel`, `ReplicatedModel`: every
+`tfmgpu.parallel.placed.PerDeviceGradientModel`) routes its own work to its
+devices: the Trainer calls its `compute_loss_and_gradients` (each part's
+backward on that part's device), serving calls it as is, outside any
+data-parallel strategy, and checkpoints also save its weights by layer
+name. `is_placed` is the one way to ask "is this a placed model".
+
+A placed model whose layers keep the unsplit model's names also has an
+unsplit form (`UnsplitForm`: `to_unsplit`, `copy_weights_to`,
+`load_from`); `unsplit_of` gives the model to save, export or restore a
+plain checkpoint into.
+
+Imports neither TensorFlow nor Keras: any layer can ask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PlacedModel(Protocol):
+  """A Keras model whose parts live on several devices.
+
+  Attributes:
+    places_itself: `True`: it routes its own work to its devices.
+  """
+
+  places_itself: bool
+
+  def compute_loss_and_gradients(self, x: Any, y: Any,
+                                 loss_fn: Callable[[Any, Any], Any], *,
+                                 scale_regularization: Any = None
+                                 ) -> tuple[Any, Any, list[Any]]:
+    """`(loss, y_pred, grads)`, each part's backward on its device."""
+
+
+@runtime_checkable
+class UnsplitForm(Protocol):
+  """A placed model that moves its weights to and from the unsplit model."""
+
+  def to_unsplit(self, **kwargs: Any) -> Any:
+    """A new unsplit model holding this one's weights."""
+
+  def copy_weights_to(self, unsplit: Any) -> None:
+    """Copies this model's weights into an unsplit model."""
+
+  def load_from(self, unsplit: Any) -> None:
+    """Copies an unsplit model's weights into this one."""
+
+
+def is_placed(model: Any) -> bool:
+  """Whether `model` is a placed model (`PlacedModel`) that says so."""
+  return isinstance(model, PlacedModel) and model.places_itself is True
+
+
+def unsplit_of(model: Any) -> Any:
+  """`model.to_unsplit()` for a model with an unsplit form, else `model`."""
+  return model.to_unsplit() if isinstance(model, UnsplitForm) else model
