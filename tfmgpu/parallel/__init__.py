@@ -2,6 +2,8 @@
 only modules listed before it):
 
 * `choices`: the partition criteria and schedule names (no TensorFlow);
+* `placed_model`: the `PlacedModel` protocol and `is_placed`, what callers
+  may ask of a placed model (no TensorFlow);
 * `graph`: a Keras model's layer calls in topological order and the tensors
   that cross a cut before any of them (activations, skip tensors, inputs);
 * `cost`: the cost model: parameter bytes, forward FLOPs and activation bytes
@@ -13,6 +15,8 @@ only modules listed before it):
   their backward on their own device, and its shared helpers;
 * `shared`: weights several layers hold (tied embeddings): found, kept one
   variable in every copy, their gradients summed over every use;
+* `cloning`: rebuilding a model's layers elsewhere: `ModelSpec`,
+  `clone_layer`, `stage_inputs`, weights by layer name, `UnsplitWeights`;
 * `partition`: `plan_stages`, the exact balanced split of the blocks into
   stages (`min_max_partition`);
 * `inspection`: `op_placements`, the device every op of a traced function
