@@ -24,7 +24,7 @@ import errno
 import os
 import re
 import uuid
-from typing import BinaryIO, Callable
+from typing import Any, BinaryIO, Callable
 
 from absl import logging
 
@@ -224,3 +224,19 @@ def write_atomically_by_name(path: str, write: Callable[[str], None],
       os.remove(name)
   fsync_directory(directory)
   return path
+
+
+def save_keras_model(model: Any, path: str) -> str:
+  """`model.save(path)` (a `.keras` file) written aside and renamed into
+  place (`write_atomically_by_name`): a kill or a full disk leaves the
+  previous `path` whole, never a torn one. Returns `path`.
+
+  Raises:
+    OSError: the save failed, naming `path`.
+  """
+  try:
+    return write_atomically_by_name(path, model.save, suffix=".keras")
+  except OSError as e:
+    if e.filename is None:  # Keras' zip writer names no file: name it.
+      raise OSError(e.errno, e.strerror or str(e), path) from e
+    raise

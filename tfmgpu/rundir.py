@@ -334,30 +334,6 @@ def versions() -> dict[str, str]:
   return found
 
 
-def _placement(config: Any) -> str:
-  """`"data_parallel"` (any strategy, any replicas) or the placement's
-  name and the options that shape its checkpoints."""
-  if not config.is_placement:
-    return "data_parallel"
-  options = config.options
-  shape = [f"{name}={getattr(options, name)}"
-           for name in ("num_stages", "partition", "split_points")
-           if getattr(options, name, None) is not None]
-  # Hybrid sizes, named only when used (records of plain layouts unchanged).
-  shape += [f"{name}={getattr(options, name)}"
-            for name in ("data_parallel", "tensor_parallel", "tensor_rules")
-            if getattr(options, name, None) not in (None, 1)]
-  return f"{config.strategy} ({', '.join(shape)})" if shape else config.strategy
-
-
-def _micro_batches(config: Any) -> int | None:
-  """Micro-batches per step of a placement that splits the batch (they
-  decide its arithmetic), else `None`."""
-  if not config.is_placement:
-    return None
-  return getattr(config.options, "micro_batches", None)
-
-
 # Settings that may name the user's files: recorded as absolute paths.
 _PATHS = ("model", "dataset", "loss", "metrics", "data_path")
 
@@ -378,14 +354,16 @@ def _resolved(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def record_of(config: Any) -> dict[str, Any]:
-  """The record of a `TrainConfig`: what `run.json` holds."""
+  """The record of a `TrainConfig`: what `run.json` holds (its
+  distribution records what shapes the checkpoints: `Distribution.record`)."""
+  layout = config.distribution.record(config.options)
   return _resolved({
       "model": config.model,
       "model_size": getattr(config, "model_size", None),
       "optimizer": config.optimizer,
       "global_batch_size": config.global_batch_size, "seed": config.seed,
-      "dataset": config.dataset, "placement": _placement(config),
-      "micro_batches": _micro_batches(config),
+      "dataset": config.dataset, "placement": layout["placement"],
+      "micro_batches": layout["micro_batches"],
       "learning_rate": config.learning_rate, "epochs": config.epochs,
       "steps_per_epoch": config.steps_per_epoch,
       "loss": getattr(config, "loss", None),

@@ -22,13 +22,11 @@ import tensorflow as tf
 
 from tfmgpu import data as data_lib
 from tfmgpu import devices as devices_lib
-from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.config import TrainConfig
-from tfmgpu.placements import auto as auto_placement
-from tfmgpu.placements import model_parallel
+from tfmgpu.placements import base as placements_base
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import parameter_server as ps_lib
 from tfmgpu.training.loop import Trainer
@@ -141,60 +139,27 @@ def weights_digest(model: keras.Model) -> str:
 
 def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
                   ) -> str:
-  """The stage plan and its per-device memory table (a pipeline's
-  micro-batches, schedule and recomputation included), without training;
-  for `auto`, the layouts it weighs and the one it chooses."""
+  """What `--plan_only` prints: the distribution's plan (`plan_text`: the
+  stage plan and its per-device memory table, a pipeline's micro-batches,
+  schedule and recomputation included; for `auto`, the layouts it weighs
+  and the one it chooses), else the stage plan the stage options ask for;
+  without training."""
+  distribution = config.distribution
   devices_lib.configure_virtual_devices(
-      config.virtual_devices,
-      intra_op_threads=config.distribution.intra_op_threads)
+      config.virtual_devices, intra_op_threads=distribution.intra_op_threads)
   if arrays is None:  # A streamed dataset gives its shapes without reading.
     arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
-  model = model_parallel.build_for_plan(lambda: models_lib.build_model(
+  model = placements_base.build_for_plan(lambda: models_lib.build_model(
       config.model, input_shape=arrays.input_shape,
       num_classes=arrays.num_classes, seed=config.seed,
       **config.model_options()))
-  if config.strategy == "auto":  # The layouts weighed and the one chosen.
-    return auto_placement.choose(model, config.options).table()
-  if getattr(config.options, "hybrid", False):
-    return _describe_layout(config, model)
-  stage_options = model_parallel.StageOptions(
-      num_stages=config.num_stages, partition=config.partition,
-      split_points=config.split_points)
-  planned = model_parallel.planned_devices(stage_options.stages)
-  plan = model_parallel.plan_for(model, stage_options, devices=planned,
-                                input_shape=arrays.input_shape)
-  options = config.options  # Pipelines: micro-batches, schedule, recompute.
-  table = plan.memory_table(
-      config.global_batch_size, optimizer=config.optimizer,
-      micro_batches=getattr(options, "micro_batches", 1),
-      schedule=getattr(options, "schedule", "gpipe"),
-      recompute=getattr(options, "recompute", False))
-  lines = [str(plan), "", table]
-  if planned:
-    lines.append(f"(A plan for {len(planned)} devices; this machine has "
-                 f"{len(devices_lib.accelerator_devices())}.)")
-  return "\n".join(lines)
-
-
-def _describe_layout(config: TrainConfig, model: Any) -> str:
-  """A hybrid layout's stage plan, per-device memory and bytes sent per
-  step for each kind of parallelism, and its step projected on an 8-GPU
-  host (`tfmgpu.parallel.accounting`)."""
-  from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
-  options = config.options
-  micro = getattr(config.distribution, "micro_batches_of",
-                  lambda o: None)(options)
-  layout = model_parallel.layout_of(options, micro)
-  names = (model_parallel.planned_devices(layout.num_devices) or
-           devices_lib.accelerator_devices())[:layout.stages * layout.tensor]
-  plan = (model_parallel.plan_for(model, options, names[::layout.tensor])
-          if layout.stages > 1 else None)
-  account = accounting.account(
-      model, layout, global_batch_size=config.global_batch_size,
-      optimizer=config.optimizer, partition=config.partition,
-      rules=model_parallel.tensor_rules(options), devices=names, plan=plan)
-  table = accounting.format_layout_table(account, "dgx_a100")
-  return table if plan is None else f"{plan}\n\n{table}"
+  run = dict(global_batch_size=config.global_batch_size,
+             optimizer=config.optimizer, input_shape=arrays.input_shape)
+  text = distribution.plan_text(model, config.options, **run)
+  if text is None:  # No plan of its own: the stage options' plan.
+    stages = strategies_lib.lookup("model_parallel")
+    text = stages.plan_text(model, stages.options_from(config), **run)
+  return text
 
 
 def start_devices(config: TrainConfig,
@@ -315,7 +280,8 @@ def run_training(config: TrainConfig, *,
     result, test = _fit_and_test(trainer, config, arrays, placement.strategy)
     saved = None
     if ckpt_lib.is_chief(placement.strategy):
-      saved = save_model(placement.model, os.path.join(model_dir, "model.keras"))
+      saved = placement.distribution.save_model(
+          placement.model, os.path.join(model_dir, "model.keras"))
   finally:
     trainer.close()
   return _summary(config, placement, result, test, model_dir=model_dir,
@@ -404,38 +370,14 @@ def _summary(config: TrainConfig, placement: strategies_lib.Placement,
       layout=placement.distribution.describe(placement))
 
 
-def _save_aside(model: keras.Model, path: str) -> None:
-  """`model.save(path)` through a temporary file in the same directory.
+def save_model(model: keras.Model, path: str,
+               distribution: strategies_lib.Distribution | None = None) -> str:
+  """Saves servable `.keras` file(s) as `distribution` does (default: the
+  plain model); returns what to pass to `--model_path`.
 
-  The file is fsynced and renamed over `path`, and the directory fsynced: a
-  kill or a full disk leaves the previous `path` whole, never a torn one.
+  A placed model is saved unsplit; branch-parallel members one file each
+  (`model.branch0.keras`, ...). Each file is written aside and renamed
+  into place, so an existing file is replaced whole or not at all.
   """
-  try:
-    files.write_atomically_by_name(path, model.save, suffix=".keras")
-  except OSError as e:
-    if e.filename is None:  # Keras' zip writer names no file: name it.
-      raise OSError(e.errno, e.strerror or str(e), path) from e
-    raise
-
-
-def save_model(model: keras.Model, path: str) -> str:
-  """Saves servable `.keras` file(s); returns what to pass to `--model_path`.
-
-  A staged or pipelined model is saved unsplit. Branch-parallel members are
-  saved one file each (`model.branch0.keras`, ...), which
-  `python -m tfmgpu.predict --strategy=branch_parallel --model_path=a,b`
-  serves side by side. Each file is written aside and renamed into place
-  (`_save_aside`), so an existing file is replaced whole or not at all.
-  """
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  branches = getattr(model, "branches", None)
-  if branches is not None:
-    stem = path[:-len(".keras")] if path.endswith(".keras") else path
-    paths = [f"{stem}.branch{i}.keras" for i in range(len(branches))]
-    for branch, branch_path in zip(branches, paths):
-      _save_aside(branch, branch_path)
-    return ",".join(paths)
-  to_unsplit = getattr(model, "to_unsplit", None)
-  servable = to_unsplit() if to_unsplit is not None else model
-  _save_aside(servable, path)
-  return path
+  return (distribution or strategies_lib.Distribution()).save_model(model,
+                                                                    path)

@@ -22,7 +22,10 @@ from absl import logging
 from tfmgpu import checks
 from tfmgpu.parallel import links
 from tfmgpu.parallel.choices import PARTITION_CHOICES
+from tfmgpu import settings
+from tfmgpu.placements import base
 from tfmgpu.placements import model_parallel
+from tfmgpu.settings import setting
 from tfmgpu.strategies import registry
 
 
@@ -35,15 +38,25 @@ class AutoOptions:
       `links.DEFAULT_DEVICE_MEMORY_GB` (16).
     link: a named link between devices (`links.LINK_CHOICES`); `auto`:
       `pcie4` between GPUs, `cpu` between logical CPUs.
-    global_batch_size: examples per step.
-    optimizer: the optimizer whose slots the memory estimate counts.
+    global_batch_size: examples per step (a run's own setting).
+    optimizer: the optimizer whose slots the memory estimate counts (a
+      run's own setting).
     partition: what stage splits balance.
   """
-  device_memory_gb: float | None = None
-  link: str = "auto"
+  device_memory_gb: float | None = setting(
+      None, "'auto': memory budget per device in GB; no layout whose "
+      "estimate exceeds it is chosen. Default: "
+      f"{links.DEFAULT_DEVICE_MEMORY_GB:g}.", lower_bound=0.001)
+  link: str = setting(
+      "auto", "'auto': the link between devices, for predicted transfer and "
+      "all-reduce times (nominal GB/s: "
+      + ", ".join(f"{k} {v:g}" for k, v in links.LINK_GBPS.items())
+      + "); auto: pcie4 between GPUs, cpu between logical CPUs.",
+      choices=links.LINK_CHOICES)
   global_batch_size: int = 64
   optimizer: str = "adam"
-  partition: str = "balanced"
+  partition: str = settings.with_default(model_parallel.StageOptions,
+                                         "partition", "balanced")
 
   def __post_init__(self):
     if self.device_memory_gb is not None and not self.device_memory_gb > 0:
@@ -115,14 +128,21 @@ class Auto(registry.Distribution):
 
   def place(self, options: AutoOptions, build: Callable[[], Any], *,
             strategy: Any = None, seed: int = 0) -> registry.Placement:
-    plan = choose(model_parallel.build_for_plan(build), options)
+    plan = choose(base.build_for_plan(build), options)
     print(plan.table(), flush=True)  # Next to the stage plan runs prints.
     chosen, chosen_options = resolve(plan, options)
     return chosen.place(chosen_options, build, strategy=strategy, seed=seed)
 
   def serve(self, models: Sequence[Any], options: AutoOptions
             ) -> tuple[Any, Any]:
-    plan = choose(model_parallel.one_model(self.name, models), options)
+    plan = choose(base.one_model(self.name, models), options)
     logging.info("%s", plan.table())
     chosen, chosen_options = resolve(plan, options)
     return chosen.serve(models, chosen_options)
+
+  def plan_text(self, model: Any, options: AutoOptions, *,
+                global_batch_size: int, optimizer: str,
+                input_shape: Any = None) -> str:
+    """The layouts weighed and the one chosen."""
+    del global_batch_size, optimizer, input_shape  # The options have them.
+    return choose(model, options).table()

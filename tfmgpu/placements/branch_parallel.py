@@ -13,6 +13,8 @@ from typing import Any, Callable, Sequence
 
 from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
+from tfmgpu import settings
+from tfmgpu.placements import base
 from tfmgpu.placements import model_parallel
 from tfmgpu.strategies import registry
 
@@ -29,7 +31,8 @@ class BranchOptions:
     num_stages: branches to train (one device each); the CLI's
       `--num_stages`.
   """
-  num_stages: int = 2
+  num_stages: int = settings.with_default(model_parallel.StageOptions,
+                                          "num_stages", 2)
 
   def __post_init__(self):
     checks.check_positive("num_stages", self.num_stages)
@@ -62,7 +65,7 @@ class BranchParallelPlacement(registry.Distribution):
     members = []
     for i in range(n):
       keras.utils.set_random_seed(seed + i)
-      members.append(model_parallel.build_unsplit(build))
+      members.append(base.build_unsplit(build))
     model = branches.BranchParallel(members, devices=devices[:n],
                                     combine="mean")
     return registry.Placement(tf.distribute.get_strategy(), devices[:n],
@@ -73,11 +76,21 @@ class BranchParallelPlacement(registry.Distribution):
     return [(row[0], f"{row[1]} (num_stages={placement.options.num_stages}: "
              "one independently initialised member each, averaged)")]
 
+  def save_model(self, model: Any, path: str) -> str:
+    """Saves each branch, one file each (`model.branch0.keras`, ...), which
+    `python -m tfmgpu.predict --strategy=branch_parallel --model_path=a,b`
+    serves side by side; returns the paths, comma-separated."""
+    stem = path[:-len(".keras")] if path.endswith(".keras") else path
+    paths = [f"{stem}.branch{i}.keras" for i in range(len(model.branches))]
+    for branch, branch_path in zip(model.branches, paths):
+      super().save_model(branch, branch_path)
+    return ",".join(paths)
+
   def serve(self, models: Sequence[Any], options: Any) -> tuple[Any, Any]:
     from tfmgpu.parallel import branches  # pylint: disable=g-import-not-at-top
     del options
     if len(models) < 2:
       raise ValueError("branch_parallel serves 2+ models side by side (one "
                        f"model path per branch); got {len(models)}.")
-    model_parallel.keras_models_only(self.name, models)
+    base.keras_models_only(self.name, models)
     return branches.BranchParallel(list(models), combine="mean"), None

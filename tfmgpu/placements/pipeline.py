@@ -8,10 +8,12 @@ micro-batches and applied once, so training equals unsplit training.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from tfmgpu import checks
 from tfmgpu.parallel.choices import SCHEDULE_CHOICES
 from tfmgpu.placements import model_parallel
+from tfmgpu.settings import setting
 from tfmgpu.strategies import registry
 
 
@@ -24,9 +26,12 @@ class PipelineOptions(model_parallel.StageOptions):
     schedule: `gpipe` or `1f1b`.
     recompute: recompute activations in the backward (less memory).
   """
-  micro_batches: int = 4
-  schedule: str = "gpipe"
-  recompute: bool = False
+  micro_batches: int = setting(4, "Micro-batches per step for 'pipeline'.",
+                               lower_bound=1)
+  schedule: str = setting("gpipe", "Pipeline schedule.",
+                          choices=SCHEDULE_CHOICES)
+  recompute: bool = setting(
+      False, "Pipeline: recompute activations in the backward.")
 
   def __post_init__(self):
     super().__post_init__()
@@ -48,7 +53,13 @@ class Pipeline(model_parallel.ModelParallel):
   Options = PipelineOptions
   concurrent_devices = True
 
-  micro_batches_of = staticmethod(lambda options: options.micro_batches)
+  def micro_batches(self, options: PipelineOptions) -> int:
+    return options.micro_batches
+
+  def layout(self, options: PipelineOptions) -> Any:
+    return dataclasses.replace(super().layout(options),
+                               schedule=options.schedule,
+                               recompute=options.recompute)
 
   def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
     from tfmgpu.parallel import schedule  # pylint: disable=g-import-not-at-top

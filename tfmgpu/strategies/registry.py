@@ -26,9 +26,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import os
 from typing import Any, Callable, ClassVar, Sequence
 
 from tfmgpu import checks
+from tfmgpu import files
+from tfmgpu import settings
 from tfmgpu._lazy import LazyModule
 
 tf = LazyModule("tensorflow")
@@ -161,12 +164,45 @@ class Distribution:
     `strategy` `None` when the model places itself."""
     raise NotImplementedError
 
+  def micro_batches(self, options: Any) -> int | None:
+    """Micro-batches each global batch is split into (`None`: not split)."""
+    del options
+    return None
+
+  def save_model(self, model: Any, path: str) -> str:
+    """Saves the trained `model` servable; returns what `--model_path`
+    takes. The file is written aside and renamed into place, so an
+    existing one is replaced whole or not at all."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return files.save_keras_model(model, path)
+
+  # ------------------------------------------------------------- reports
+
   def describe(self, placement: Placement) -> list[tuple[str, str]]:
     """Rows for a run's summary: what the devices hold."""
     devices = ", ".join(placement.devices)
     count = (placement.strategy.num_replicas_in_sync
              if self.layout == "replicas" else len(placement.devices))
     return [(self.layout, f"{count} on {devices}")]
+
+  def record(self, options: Any) -> dict[str, Any]:
+    """What `run.json` records of this distribution: `placement` (what
+    shapes the checkpoints: `data_parallel` for any data-parallel strategy
+    and replica count, else the name and the options declared with
+    `record=`) and `micro_batches` (they decide the batch arithmetic)."""
+    if self.kind is not Kind.PLACEMENT:
+      return {"placement": "data_parallel", "micro_batches": None}
+    shape = ", ".join(f"{k}={v}" for k, v in settings.recorded(options))
+    return {"placement": f"{self.name} ({shape})" if shape else self.name,
+            "micro_batches": self.micro_batches(options)}
+
+  def plan_text(self, model: Any, options: Any, *, global_batch_size: int,
+                optimizer: str, input_shape: Any = None) -> str | None:
+    """What `--plan_only` prints for `model` (built with weight shapes
+    only); `None`: no plan of its own (a run prints the stage plan its
+    stage options ask for)."""
+    del model, options, global_batch_size, optimizer, input_shape
+    return None
 
   def __repr__(self) -> str:
     return f"<{type(self).__name__} {self.name!r} ({self.kind.value})>"
