@@ -4,22 +4,31 @@ The CLI turns flags into a `TrainConfig` once; notebooks build one with
 keyword arguments. Validation happens here, in `__post_init__`, so both
 paths get the same clear errors. Importing this module does not import
 TensorFlow.
+
+Every setting is declared once (`tfmgpu.settings.setting`): a run's own in
+`RunSettings`, a distribution's in its `Options` dataclass. `TrainConfig`
+is made from them (`make_train_config`): `RunSettings` plus one field per
+option of every registered distribution, with the run's default; the CLI
+flags are made from the same declarations (`tfmgpu.flags`). Adding an
+option is one field of an `Options` dataclass: register a plugin's
+distribution before this module is imported to give it its fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Any
 
 from tfmgpu import checks
 from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
+from tfmgpu import settings
 from tfmgpu import user_code
-from tfmgpu.parallel import links
-from tfmgpu.placements import model_parallel
-from tfmgpu.placements import pipeline
+from tfmgpu.settings import setting
 from tfmgpu.training.choices import COMPRESSION_CHOICES
+from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
 from tfmgpu.training.choices import INPUT_MODE_CHOICES
 from tfmgpu.training.optimizers import OPTIMIZER_CHOICES
 
@@ -32,152 +41,128 @@ class ConfigRuleError(ValueError):
   batch that the pipeline's micro-batches do not divide)."""
 
 
-# Options of distributions other than the run's are checked too, so a typo
-# never waits for the strategy that reads it.
 DEFAULT_DATASET = "digits"  # For models that name no dataset of their own.
 
-_STRATEGY_CHOICES = {
-    "cross_device_ops": strategies_lib.CROSS_DEVICE_OPS_CHOICES,
-    "single_replica": strategies_lib.SINGLE_REPLICA_CHOICES,
-    "communication": strategies_lib.COMMUNICATION_CHOICES,
-    "cluster_resolver": tuple(strategies_lib.CLUSTER_RESOLVERS),
-    "partition": model_parallel.PARTITION_CHOICES,
-    "schedule": pipeline.SCHEDULE_CHOICES,
-    "link": links.LINK_CHOICES,
-}
+
+def _model_help() -> str:
+  return (f"<{' | '.join(models_lib.available_models())}>, or your own "
+          f"builder as {user_code.FORMS}, called as build(input_shape, "
+          "num_classes) -> keras.Model (input_shape nested like the data's x "
+          "for several inputs).")
+
+
+def _model_size_help() -> str:
+  return ("A named size of --model, for models that have them: "
+          + "; ".join(f"{name}: <{' | '.join(sizes)}>"
+                      for name, sizes in models_lib.model_sizes().items())
+          + ". Default: the model's own (gpt: tiny).")
+
+
+def _dataset_help() -> str:
+  return (
+      f"<{' | '.join(data_lib.available_datasets())}>, or your own loader as "
+      f"{user_code.FORMS}, called as load() (with seed=/path= if it takes "
+      "them) and returning ((x_train, y_train), (x_test, y_test)) like "
+      "keras.datasets (x may be a dict of arrays), or what Trainer.fit "
+      "takes: a tf.data.Dataset of (x, y) batches, a dataset function, or a "
+      "(train, test) pair of them. Default: train: the model's own (gpt: "
+      "stdlib_text), else digits (real digits that ship offline); predict: "
+      "the dataset the model's run trained on (its run.json, which names "
+      "your files by absolute path), else digits.")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """One training run. Every field has a working default.
+class RunSettings:
+  """A run's own settings; `TrainConfig` adds every distribution's options.
 
-  Attributes:
-    strategy: a registered name (`tfmgpu.available_strategies()`).
-    virtual_devices: split the accelerator (GPU, else CPU) into this many
-      logical devices first; `None` leaves devices alone.
-    devices: explicit replica devices, e.g. `("/cpu:0", "/cpu:1")`.
-    num_gpus: use the first N GPUs.
-    num_replicas: use the first N accelerator devices.
-    cross_device_ops: `auto`, `nccl`, `hierarchical_copy`, `reduction_to_one`.
-    num_packs: gradient packs for all-reduce.
-    single_replica: `mirrored` with one replica on the default device uses
-      the `default` strategy (no wrapping overhead), or stays `mirrored`.
-    communication: multi-worker collectives: `auto`, `ring`, `nccl`.
-    cluster_resolver: `tf_config` or `slurm`.
-    variable_shards: `parameter_server`: split each variable over this many
-      parameter servers.
-    connect_timeout_s: `parameter_server`: how long the coordinator waits
-      for the ps and worker tasks to listen (`None`: 300 s).
-    parameter_device: `central_storage`: where the variables live.
-    tpu: `tpu`: the TPU's name or address (`""`: this VM's).
-    model: a registered model name, or your builder as
-      `"package.module:function"` / `"path/to/file.py:function"`, called as
-      `function(input_shape, num_classes) -> keras.Model` (see
-      `tfmgpu.models.registry`).
-    model_size: a named size of a model that has them (`gpt`: `tiny` ..
-      `gpt2_xl`), passed to its builder as `size=`; `None`: its default.
-    dataset: a registered dataset name (`data_path` for `npz`, a glob of
-      TFRecord shards for `tfrecord`, or a local copy of a downloadable
-      one), or your loader as a reference like `model`, returning
-      `((x_train, y_train), (x_test, y_test))` (see `data.user_arrays`).
-      `None`: the model's own dataset (`gpt`: `stdlib_text`, windows of
-      its size's context), else `digits`.
-    loss: a Keras loss name (e.g. `"mse"`) or your `fn(y_true, y_pred)` as
-      a reference; `None`: sparse categorical cross-entropy from logits.
-    metrics: Keras metric names (e.g. `("mae",)`), `bits_per_byte`,
-      `perplexity`, or references to `fn(y_true, y_pred)`; `None`: the
-      dataset's default metrics with the default loss (`accuracy`;
-      `stdlib_text`: `bits_per_byte`, `perplexity`, `accuracy`), none with
-      another loss.
-    global_batch_size: examples per step over all replicas.
-    epochs, steps_per_epoch: how long (`None`: one pass per epoch).
-    optimizer, learning_rate, clip_norm: the update (the clip applies to
-      the all-reduced gradient).
-    gradient_compression: all-reduce gradients in `float16`/`bfloat16`.
-    bytes_per_pack: all-reduce pack size (0: TF's default).
-    mixed_precision: `float32`, `mixed_float16` or `mixed_bfloat16`.
-    steps_per_execution: steps per `tf.function` call.
-    jit_compile: XLA-compile each replica's forward/backward.
-    fused_optimizer: update each variable with one fused kernel (Adam,
-      AdamW, SGD/momentum; same math as Keras).
-    input_mode: `auto`, `device` (training arrays held on each replica's
-      device, batches gathered there) or `tf_data`.
-    autotune: before training, time short runs of `input_mode`,
-      `steps_per_execution`, `jit_compile` and `gradient_compression` and
-      train with the fastest (`tfmgpu.training.autotune`; cached per
-      machine, model and replica count; one-host data-parallel runs only).
-    model_dir: checkpoints, summaries and the saved model; an existing one
-      is resumed. `None`: a new directory under `runs/`.
-    checkpoint_every_steps, checkpoint_every_s: also save a checkpoint
-      every N global steps / every N seconds, not only per epoch (`None`:
-      per epoch only).
-    seed: weights and data order.
-    skip_damaged_shards: `tfrecord`: read every shard through before
-      training and leave out the damaged ones, logged (off: a damaged shard
-      stops the run, naming it).
-    num_stages, partition, split_points: model/pipeline parallelism.
-    micro_batches, schedule, recompute: pipeline parallelism.
-    data_parallel, tensor_parallel, tensor_rules: hybrid layouts: data-
-      parallel copies of the stages, and the devices (and rules) each split
-      layer is sharded over (`tfmgpu.parallel.hybrid`).
-    device_memory_gb, link: what `auto` plans for: the memory budget per
-      device in GB (`None`: 16) and the named link between devices
-      (`tfmgpu.parallel.links`; `auto`: pcie4 between GPUs, cpu between
-      logical CPUs).
-    verbose: 1 for a progress line (plain off a terminal), 0 for one log
-      line per epoch.
+  Each field is declared once with `tfmgpu.settings.setting`: its help is
+  the CLI flag's and the line `TrainConfig`'s docstring gives it.
   """
-  strategy: str = "mirrored"
-  virtual_devices: int | None = None
-  devices: tuple[str, ...] | None = None
-  num_gpus: int | None = None
-  num_replicas: int | None = None
-  cross_device_ops: str = "auto"
-  num_packs: int = 1
-  single_replica: str = "default"
-  communication: str = "auto"
-  cluster_resolver: str = "tf_config"
-  variable_shards: int | None = None
-  connect_timeout_s: float | None = None
-  parameter_device: str | None = None
-  tpu: str = ""
-  model: str = "convnet"
-  model_size: str | None = None
-  dataset: str | None = None
-  data_path: str | None = None
-  loss: str | None = None
-  metrics: tuple[str, ...] | None = None
-  global_batch_size: int = 64
-  epochs: int = 5
-  steps_per_epoch: int | None = None
-  optimizer: str = "adam"
-  learning_rate: float = 2e-3
-  clip_norm: float | None = None
-  gradient_compression: str = "none"
-  bytes_per_pack: int = 0
-  mixed_precision: str = "float32"
-  steps_per_execution: int = 10
-  jit_compile: bool = False
-  fused_optimizer: bool = True
-  input_mode: str = "auto"
-  autotune: bool = False
-  model_dir: str | None = None
-  checkpoint_every_steps: int | None = None
-  checkpoint_every_s: float | None = None
-  seed: int = 0
-  skip_damaged_shards: bool = False
-  num_stages: int = 2
-  partition: str = "balanced"
-  split_points: tuple[str, ...] | None = None
-  micro_batches: int = 4
-  schedule: str = "gpipe"
-  recompute: bool = False
-  data_parallel: int = 1
-  tensor_parallel: int = 1
-  tensor_rules: str | None = None
-  device_memory_gb: float | None = None
-  link: str = "auto"
-  verbose: int = 1
+  strategy: str = setting(
+      "mirrored", "How to spread work over devices; see "
+      "tfmgpu.available_strategies().",
+      choices=lambda: list(strategies_lib.available_strategies()))
+  virtual_devices: int | None = setting(
+      None, "Split the GPU (else the CPU) into this many logical devices "
+      "first: simulates a multi-device host.", lower_bound=1)
+  model: str = setting("convnet", _model_help)
+  model_size: str | None = setting(None, _model_size_help)
+  dataset: str | None = setting(None, _dataset_help)
+  data_path: str | None = setting(
+      None, ".npz file (x_train, y_train, x_test, y_test) for "
+      "--dataset=npz, a glob of TFRecord shards for --dataset=tfrecord "
+      "(quoted: 'DIR/*.tfrecord'), or a local copy of a downloadable "
+      "dataset.")
+  loss: str | None = setting(
+      None, "A Keras loss name (e.g. mse, binary_crossentropy) or your "
+      f"fn(y_true, y_pred) as {user_code.FORMS}. Default: sparse categorical "
+      "cross-entropy from logits, which the built-in models output (by name, "
+      "sparse_categorical_crossentropy expects probabilities).")
+  metrics: tuple[str, ...] | None = setting(
+      None, "Keras metric names (e.g. accuracy,mae) or your "
+      "fn(y_true, y_pred) as references, comma-separated; reported per epoch "
+      "and in the summary; language models also take bits_per_byte and "
+      "perplexity (from logits). Default: the dataset's (accuracy; "
+      "stdlib_text: bits_per_byte,perplexity,accuracy) with the default "
+      "loss, none with --loss.")
+  global_batch_size: int = setting(
+      64, "Examples per step over all replicas.", lower_bound=1)
+  epochs: int = setting(5, "Epochs to train.", lower_bound=1)
+  steps_per_epoch: int | None = setting(
+      None, "Steps per epoch (default: one pass).", lower_bound=1)
+  optimizer: str = setting("adam", "Optimizer.", choices=OPTIMIZER_CHOICES)
+  learning_rate: float = setting(2e-3, "Learning rate.", lower_bound=0.0)
+  clip_norm: float | None = setting(
+      None, "Clip gradients to this global norm.")
+  gradient_compression: str = setting(
+      "none", "All-reduce gradients in 16 bits (half the bytes on the "
+      "wire).", choices=COMPRESSION_CHOICES)
+  bytes_per_pack: int = setting(
+      0, "All-reduce pack size in bytes (0: TF's default).", lower_bound=0)
+  mixed_precision: str = setting(
+      "float32", "Keras dtype policy; mixed_float16 adds loss scaling.",
+      choices=models_lib.MIXED_PRECISION_POLICIES)
+  steps_per_execution: int = setting(
+      10, "Steps per tf.function call.", lower_bound=1)
+  jit_compile: bool = setting(
+      False, "XLA-compile each replica's forward/backward.")
+  fused_optimizer: bool = setting(
+      True, "Update each variable with one fused kernel (adam, adamw, sgd, "
+      "momentum); false: Keras's per-op update.")
+  input_mode: str = setting(
+      "auto", "device: hold the training arrays on each replica's device "
+      "and gather batches there; tf_data: a tf.data pipeline; auto: device "
+      f"on one host when all replicas' copies take <= {DEVICE_DATA_MAX_MIB} "
+      "MiB. A tf.data.Dataset on CPU replicas is read once on the host and "
+      "split in the step, unless tf_data (TF's distributed iterator).",
+      choices=INPUT_MODE_CHOICES)
+  autotune: bool = setting(
+      False, "Before training, time short runs of input_mode, "
+      "steps_per_execution, jit_compile and gradient_compression and train "
+      "with the fastest (`tfmgpu.training.autotune`; cached per machine, "
+      "model and replica count; one-host data-parallel runs only).",
+      flag=False)  # Its flag is `tfmgpu.flags.autotune`'s (bench: on).
+  model_dir: str | None = setting(
+      None, "Checkpoints, TensorBoard summaries (the run's summary prints "
+      "the tensorboard --logdir command) and model.keras go here; an "
+      "existing directory is resumed. Default: a new "
+      "runs/<time>-<strategy>.")
+  checkpoint_every_steps: int | None = setting(
+      None, "Also save a checkpoint every N global steps, not only per "
+      "epoch (a kill then loses < N steps).", lower_bound=1)
+  checkpoint_every_s: float | None = setting(
+      None, "Also save a checkpoint every N seconds of training, not only "
+      "per epoch.", lower_bound=0.001)
+  seed: int = setting(0, "Seed for weights and data order.")
+  skip_damaged_shards: bool = setting(
+      False, "--dataset=tfrecord: read every shard through first and train "
+      "without the damaged ones (logged); off, a damaged shard stops the "
+      "run, naming it.")
+  verbose: int = setting(
+      1, "0: one log line per epoch; 1: a progress line (one plain line per "
+      "epoch when stdout is not a terminal); 2: that and TensorFlow's own "
+      "log messages (hidden otherwise, unless TF_CPP_MIN_LOG_LEVEL is set).",
+      lower_bound=0, upper_bound=2)
 
   def __post_init__(self):
     if isinstance(self.metrics, str):  # "mae,mse", as the flag takes it.
@@ -198,14 +183,13 @@ class TrainConfig:
           self.model, DEFAULT_DATASET))
     data_lib.check_dataset(self.dataset)
     self._check_objective()
-    checks.check_choice("optimizer", self.optimizer, OPTIMIZER_CHOICES)
-    checks.check_choice("mixed_precision", self.mixed_precision,
-                        models_lib.MIXED_PRECISION_POLICIES)
-    checks.check_choice("gradient_compression", self.gradient_compression,
-                        COMPRESSION_CHOICES)
-    checks.check_choice("input_mode", self.input_mode, INPUT_MODE_CHOICES)
-    for name, choices in _STRATEGY_CHOICES.items():
-      checks.check_choice(name, getattr(self, name), choices)
+    # Every declared choice, the options of distributions other than the
+    # run's too, so a typo never waits for the strategy that reads it.
+    for field in dataclasses.fields(self):
+      spec = settings.declared(field)
+      if spec is not None and spec.choices is not None:
+        checks.check_choice(field.name, getattr(self, field.name),
+                            spec.choice_list())
     self._check_numbers()
     self._check_layout_sizes(distribution)
     # The run's distribution checks its options and cross-field rules.
@@ -341,7 +325,7 @@ class TrainConfig:
                                               self.dataset))
     return options
 
-  def replace(self, **changes: Any) -> "TrainConfig":
+  def replace(self, **changes: Any) -> "RunSettings":
     """A copy with `changes` applied (and validated). A new `model` brings
     its own default dataset when this config's was the default one."""
     if "model" in changes:
@@ -352,3 +336,59 @@ class TrainConfig:
           models_lib.default_size(self.model)):
         changes["model_size"] = None
     return dataclasses.replace(self, **changes)
+
+
+def _option_fields(run_fields: set[str]) -> list[tuple[str, Any, Any]]:
+  """`(name, type, field)` for each option of the registered
+  distributions that is not a run setting, from its first declaration
+  (registration order), with the run's default.
+
+  Raises:
+    TypeError: an option nobody declared with `tfmgpu.settings.setting`.
+  """
+  found: dict[str, tuple[str, Any, Any]] = {}
+  undeclared: dict[str, str] = {}
+  for distribution in strategies_lib.registered().values():
+    for field, type_ in settings.fields_of(distribution.Options):
+      if field.name in run_fields or field.name in found:
+        continue
+      if settings.declared(field) is None:
+        undeclared.setdefault(field.name, distribution.name)
+        continue
+      found[field.name] = (field.name, type_, dataclasses.field(
+          default=settings.run_default(field), metadata=field.metadata))
+  missing = {n: d for n, d in undeclared.items() if n not in found}
+  if missing:
+    raise TypeError(
+        "Options without a declaration: " + ", ".join(
+            f"{n!r} of strategy {d!r}" for n, d in missing.items())
+        + ". Declare each with tfmgpu.settings.setting(default, help).")
+  return list(found.values())
+
+
+def _docstring(cls: type) -> str:
+  """`TrainConfig`'s docstring: one entry per field, from its help."""
+  lines = ["One training run. Every field has a working default.", "",
+           "Fields are declared once (`tfmgpu.settings.setting`): a run's own "
+           "in `RunSettings`, each distribution's options in its `Options`.",
+           "", "Attributes:"]
+  for field in dataclasses.fields(cls):
+    lines += textwrap.wrap(f"{field.name}: {settings.declared(field).help_text()}",
+                           76, initial_indent="  ", subsequent_indent="    ",
+                           break_on_hyphens=False, break_long_words=False)
+  return "\n".join(lines) + "\n"
+
+
+def make_train_config() -> type:
+  """The `TrainConfig` class of the distributions registered now:
+  `RunSettings` plus their options (see the module docstring)."""
+  run_fields = {f.name for f in dataclasses.fields(RunSettings)}
+  cls = dataclasses.make_dataclass(
+      "TrainConfig", _option_fields(run_fields), bases=(RunSettings,),
+      frozen=True)
+  cls.__module__ = __name__  # Pickled and shown as tfmgpu.config's.
+  cls.__doc__ = _docstring(cls)
+  return cls
+
+
+TrainConfig = make_train_config()

@@ -34,7 +34,8 @@ class Setting:
   """What one field declares beyond its name, type and default.
 
   Attributes:
-    help: one line or more for `--help`, the README and the docstring.
+    help: one line or more for `--help`, the README and the docstring (a
+      callable: read when the flag is made, for lists from a registry).
     choices: the allowed values (a callable: read when the flag is made).
     lower_bound, upper_bound: bounds of a number.
     run_default: the default of a run (`TrainConfig` and the flag) when it
@@ -43,13 +44,17 @@ class Setting:
       `placement`; `None`: not recorded.
     flag: whether a CLI flag exists for it.
   """
-  help: str
+  help: str | Callable[[], str]
   choices: Sequence[str] | Callable[[], Sequence[str]] | None = None
   lower_bound: float | None = None
   upper_bound: float | None = None
   run_default: Any = SAME
   record: Record | None = None
   flag: bool = True
+
+  def help_text(self) -> str:
+    """The help, read now."""
+    return self.help() if callable(self.help) else self.help
 
   def choice_list(self) -> list[str] | None:
     """The choices, read now (`None`: any value)."""
@@ -58,7 +63,7 @@ class Setting:
     return list(self.choices() if callable(self.choices) else self.choices)
 
 
-def setting(default: Any, help: str, *,  # pylint: disable=redefined-builtin
+def setting(default: Any, help: str | Callable[[], str], *,  # pylint: disable=redefined-builtin
             choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
             lower_bound: float | None = None,
             upper_bound: float | None = None,

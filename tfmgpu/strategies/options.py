@@ -1,8 +1,9 @@
 """The options dataclasses of the data-parallel distributions.
 
-Each field is also a `TrainConfig` field (and, where it makes sense, a CLI
-flag), so every option is reachable; each dataclass validates its values.
-Importing this module does not import TensorFlow.
+Each option is declared once (`tfmgpu.settings.setting`: help, choices,
+bounds, a run's default); `TrainConfig`'s field and the CLI flag are made
+from that declaration, so every option is reachable. Each dataclass
+validates its values. Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import dataclasses
 from typing import Any
 
 from tfmgpu import checks
+from tfmgpu import settings
+from tfmgpu.settings import setting
 from tfmgpu.strategies.replicas import CROSS_DEVICE_OPS_CHOICES
+from tfmgpu.strategies.resolvers import CLUSTER_RESOLVERS
 
 @dataclasses.dataclass(frozen=True)
 class DeviceOptions:
@@ -22,9 +26,13 @@ class DeviceOptions:
     num_gpus: the first N GPUs.
     num_replicas: the first N accelerator devices (GPUs, else logical CPUs).
   """
-  devices: tuple[str, ...] | None = None
-  num_gpus: int | None = None
-  num_replicas: int | None = None
+  devices: tuple[str, ...] | None = setting(
+      None, "Explicit replica devices, e.g. /gpu:0,/gpu:1.")
+  num_gpus: int | None = setting(None, "Use the first N GPUs.",
+                                 lower_bound=0)
+  num_replicas: int | None = setting(
+      None, "Use the first N accelerator devices (GPUs, else logical CPUs).",
+      lower_bound=1)
 
   def __post_init__(self):
     given = [n for n in ("devices", "num_gpus", "num_replicas")
@@ -52,9 +60,15 @@ class MirroredOptions(DeviceOptions):
       the same work without the wrapping overhead. tfmgpu's own runs
       (`TrainConfig`, the CLIs) choose `default`.
   """
-  cross_device_ops: str = "auto"
-  num_packs: int = 1
-  single_replica: str = "mirrored"
+  cross_device_ops: str = setting(
+      "auto", "All-reduce implementation for 'mirrored'; auto picks NCCL "
+      "only when every replica is a GPU.", choices=CROSS_DEVICE_OPS_CHOICES)
+  num_packs: int = setting(1, "Gradient packs for all-reduce.",
+                           lower_bound=1)
+  single_replica: str = setting(
+      "mirrored", "'mirrored' with one replica: 'default' skips "
+      "MirroredStrategy's overhead; 'mirrored' keeps it.",
+      choices=SINGLE_REPLICA_CHOICES, run_default="default")
 
   def __post_init__(self):
     super().__post_init__()
@@ -69,7 +83,8 @@ class MirroredOptions(DeviceOptions):
 class OneDeviceOptions:
   """Options of `one_device`: `devices`, at most one (default: the first
   accelerator)."""
-  devices: tuple[str, ...] | None = None
+  devices: tuple[str, ...] | None = settings.with_default(DeviceOptions,
+                                                          "devices", None)
 
   def __post_init__(self):
     if self.devices is not None and len(self.devices) != 1:
@@ -88,8 +103,12 @@ class MultiWorkerOptions:
     communication: collective implementation: `auto`, `ring`, `nccl`.
     cluster_resolver: `tf_config`, `slurm`, or a `ClusterResolver`.
   """
-  communication: str = "auto"
-  cluster_resolver: Any = "tf_config"
+  communication: str = setting(
+      "auto", "Collective implementation for 'multi_worker_mirrored'.",
+      choices=COMMUNICATION_CHOICES)
+  cluster_resolver: Any = setting(
+      "tf_config", "Where the cluster comes from for multi-worker "
+      "strategies.", choices=tuple(CLUSTER_RESOLVERS))
 
   def __post_init__(self):
     checks.check_choice("communication", self.communication,
@@ -108,9 +127,15 @@ class ParameterServerOptions:
       worker task to listen before it gives up (TensorFlow's own connect
       would wait forever for a task that died). Defaults to `300`.
   """
-  cluster_resolver: Any = "tf_config"
-  variable_shards: int | None = None
-  connect_timeout_s: float = 300.0
+  cluster_resolver: Any = settings.with_default(MultiWorkerOptions,
+                                                "cluster_resolver", "tf_config")
+  variable_shards: int | None = setting(
+      None, "'parameter_server': split each variable over this many "
+      "parameter servers.", lower_bound=1)
+  connect_timeout_s: float = setting(
+      300.0, "'parameter_server': seconds the coordinator waits for every "
+      "ps and worker task to listen before it stops with an error naming "
+      "the missing ones (default 300).", lower_bound=0.001, run_default=None)
 
   def __post_init__(self):
     checks.check_positive("variable_shards", self.variable_shards,
@@ -124,10 +149,12 @@ class ParameterServerOptions:
 class CentralStorageOptions(DeviceOptions):
   """Options of `central_storage`: the replica devices and
   `parameter_device`, where the variables live (default `/cpu:0`)."""
-  parameter_device: str | None = None
+  parameter_device: str | None = setting(
+      None, "'central_storage': where the variables live (default /cpu:0).")
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuOptions:
   """Options of `tpu`: `tpu`, the TPU's name or address (`""`: this VM's)."""
-  tpu: str = ""
+  tpu: str = setting(
+      "", "'tpu': the TPU's name or address (empty: this TPU VM's).")
