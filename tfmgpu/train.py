@@ -47,119 +47,15 @@ from tfmgpu.flags import planner
 from tfmgpu.flags import stages
 from tfmgpu.flags import strategy
 from tfmgpu.flags import cli
-from tfmgpu.placements import pipeline
-from tfmgpu.training.choices import COMPRESSION_CHOICES
-from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
-from tfmgpu.training.choices import INPUT_MODE_CHOICES
-from tfmgpu.training.optimizers import OPTIMIZER_CHOICES
 
 for _group in (strategy, devices, data, batch, execution, stages, planner,
                autotune):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
-_MODEL = flags.DEFINE_string(
-    "model", "convnet",
-    f"<{' | '.join(models_lib.available_models())}>, or your own builder as "
-    f"{user_code.FORMS}, called as build(input_shape, num_classes) -> "
-    "keras.Model (input_shape nested like the data's x for several inputs).")
-_MODEL_SIZE = flags.DEFINE_string(
-    "model_size", None, "A named size of --model, for models that have them: "
-    + "; ".join(f"{name}: <{' | '.join(sizes)}>"
-                for name, sizes in models_lib.model_sizes().items())
-    + ". Default: the model's own (gpt: tiny).")
-_LOSS = flags.DEFINE_string(
-    "loss", None, "A Keras loss name (e.g. mse, binary_crossentropy) or your "
-    f"fn(y_true, y_pred) as {user_code.FORMS}. Default: sparse categorical "
-    "cross-entropy from logits, which the built-in models output (by name, "
-    "sparse_categorical_crossentropy expects probabilities).")
-_METRICS = flags.DEFINE_list(
-    "metrics", None, "Keras metric names (e.g. accuracy,mae) or your "
-    "fn(y_true, y_pred) as references, comma-separated; reported per epoch "
-    "and in the summary; language models also take bits_per_byte and "
-    "perplexity (from logits). Default: the dataset's (accuracy; "
-    "stdlib_text: bits_per_byte,perplexity,accuracy) with the default loss, "
-    "none with --loss.")
-_EPOCHS = flags.DEFINE_integer("epochs", 5, "Epochs to train.", lower_bound=1)
-_STEPS_PER_EPOCH = flags.DEFINE_integer(
-    "steps_per_epoch", None, "Steps per epoch (default: one pass).",
-    lower_bound=1)
-_OPTIMIZER = flags_lib.define_choice(
-    "optimizer", "adam", list(OPTIMIZER_CHOICES), "Optimizer.",
-    module_name=__name__)
-_LEARNING_RATE = flags.DEFINE_float(
-    "learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
-_CLIP_NORM = flags.DEFINE_float(
-    "clip_norm", None, "Clip gradients to this global norm.")
-_GRADIENT_COMPRESSION = flags_lib.define_choice(
-    "gradient_compression", "none", list(COMPRESSION_CHOICES),
-    "All-reduce gradients in 16 bits (half the bytes on the wire).",
-    module_name=__name__)
-_BYTES_PER_PACK = flags.DEFINE_integer(
-    "bytes_per_pack", 0, "All-reduce pack size in bytes (0: TF's default).",
-    lower_bound=0)
-_MIXED_PRECISION = flags_lib.define_choice(
-    "mixed_precision", "float32", list(models_lib.MIXED_PRECISION_POLICIES),
-    "Keras dtype policy; mixed_float16 adds loss scaling.",
-    module_name=__name__)
-_JIT_COMPILE = flags.DEFINE_bool(
-    "jit_compile", False, "XLA-compile each replica's forward/backward.")
-_FUSED_OPTIMIZER = flags.DEFINE_bool(
-    "fused_optimizer", True, "Update each variable with one fused kernel "
-    "(adam, adamw, sgd, momentum); false: Keras's per-op update.")
-_INPUT_MODE = flags_lib.define_choice(
-    "input_mode", "auto", list(INPUT_MODE_CHOICES),
-    "device: hold the training arrays on each replica's device and gather "
-    "batches there; tf_data: a tf.data pipeline; auto: device on one host "
-    f"when all replicas' copies take <= {DEVICE_DATA_MAX_MIB} MiB. A "
-    "tf.data.Dataset on CPU replicas is read once on the host and split in "
-    "the step, unless tf_data (TF's distributed iterator).",
-    module_name=__name__)
-_SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
-_SKIP_DAMAGED_SHARDS = flags.DEFINE_bool(
-    "skip_damaged_shards", False, "--dataset=tfrecord: read every shard "
-    "through first and train without the damaged ones (logged); off, a "
-    "damaged shard stops the run, naming it.")
-_SCHEDULE = flags_lib.define_choice(
-    "schedule", "gpipe", list(pipeline.SCHEDULE_CHOICES), "Pipeline schedule.",
-    module_name=__name__)
-_RECOMPUTE = flags.DEFINE_bool(
-    "recompute", False, "Pipeline: recompute activations in the backward.")
-_COMMUNICATION = flags_lib.define_choice(
-    "communication", "auto", list(strategies_lib.COMMUNICATION_CHOICES),
-    "Collective implementation for 'multi_worker_mirrored'.",
-    module_name=__name__)
-_CLUSTER_RESOLVER = flags_lib.define_choice(
-    "cluster_resolver", "tf_config", list(strategies_lib.CLUSTER_RESOLVERS),
-    "Where the cluster comes from for multi-worker strategies.",
-    module_name=__name__)
-_VARIABLE_SHARDS = flags.DEFINE_integer(
-    "variable_shards", None, "'parameter_server': split each variable over "
-    "this many parameter servers.", lower_bound=1)
-_CONNECT_TIMEOUT_S = flags.DEFINE_float(
-    "connect_timeout_s", None, "'parameter_server': seconds the coordinator "
-    "waits for every ps and worker task to listen before it stops with an "
-    "error naming the missing ones (default 300).", lower_bound=0.001)
-_PARAMETER_DEVICE = flags.DEFINE_string(
-    "parameter_device", None, "'central_storage': where the variables live "
-    "(default /cpu:0).")
-_TPU = flags.DEFINE_string(
-    "tpu", "", "'tpu': the TPU's name or address (empty: this TPU VM's).")
-_MODEL_DIR = flags.DEFINE_string(
-    "model_dir", None, "Checkpoints, TensorBoard summaries (the run's "
-    "summary prints the tensorboard --logdir command) and model.keras go "
-    "here; an existing directory is resumed. Default: a new "
-    "runs/<time>-<strategy>.")
-_CHECKPOINT_EVERY_STEPS = flags.DEFINE_integer(
-    "checkpoint_every_steps", None, "Also save a checkpoint every N global "
-    "steps, not only per epoch (a kill then loses < N steps).", lower_bound=1)
-_CHECKPOINT_EVERY_S = flags.DEFINE_float(
-    "checkpoint_every_s", None, "Also save a checkpoint every N seconds of "
-    "training, not only per epoch.", lower_bound=0.001)
-_VERBOSE = flags.DEFINE_integer(
-    "verbose", 1, "0: one log line per epoch; 1: a progress line (one plain "
-    "line per epoch when stdout is not a terminal); 2: that and "
-    "TensorFlow's own log messages (hidden otherwise, unless "
-    "TF_CPP_MIN_LOG_LEVEL is set).", lower_bound=0, upper_bound=2)
+# Every other `TrainConfig` setting, made from its declaration.
+_FLAGS = flags_lib.define_settings(config_lib.TrainConfig,
+                                   module_name=__name__)
+_VERBOSE = _FLAGS["verbose"]
 _PLAN_ONLY = flags.DEFINE_bool(
     "plan_only", False, "Print the stage plan and memory estimate; no training.")
 
@@ -204,32 +100,7 @@ def _known_model_size(values) -> bool:
 def config_from_flags() -> config_lib.TrainConfig:
   """Turns the parsed flags into one validated `TrainConfig`."""
   return config_lib.TrainConfig(
-      **strategy.values(), **stages.values(), **planner.values(),
-      virtual_devices=devices.VIRTUAL_DEVICES.value,
-      communication=_COMMUNICATION.value,
-      cluster_resolver=_CLUSTER_RESOLVER.value,
-      variable_shards=_VARIABLE_SHARDS.value,
-      connect_timeout_s=_CONNECT_TIMEOUT_S.value,
-      parameter_device=_PARAMETER_DEVICE.value, tpu=_TPU.value,
-      model=_MODEL.value, model_size=_MODEL_SIZE.value,
-      dataset=data.DATASET.value,
-      data_path=data.DATA_PATH.value, loss=_LOSS.value,
-      metrics=_METRICS.value,
-      global_batch_size=batch.GLOBAL_BATCH_SIZE.value, epochs=_EPOCHS.value,
-      steps_per_epoch=_STEPS_PER_EPOCH.value, optimizer=_OPTIMIZER.value,
-      learning_rate=_LEARNING_RATE.value, clip_norm=_CLIP_NORM.value,
-      gradient_compression=_GRADIENT_COMPRESSION.value,
-      bytes_per_pack=_BYTES_PER_PACK.value,
-      mixed_precision=_MIXED_PRECISION.value,
-      steps_per_execution=execution.STEPS_PER_EXECUTION.value,
-      jit_compile=_JIT_COMPILE.value, fused_optimizer=_FUSED_OPTIMIZER.value,
-      input_mode=_INPUT_MODE.value, autotune=autotune.enabled(False),
-      model_dir=_MODEL_DIR.value,
-      checkpoint_every_steps=_CHECKPOINT_EVERY_STEPS.value,
-      checkpoint_every_s=_CHECKPOINT_EVERY_S.value,
-      seed=_SEED.value, skip_damaged_shards=_SKIP_DAMAGED_SHARDS.value,
-      schedule=_SCHEDULE.value, recompute=_RECOMPUTE.value,
-      verbose=_VERBOSE.value)
+      **flags_lib.config_values(config_lib.TrainConfig))
 
 
 def main(argv: list[str]) -> int:

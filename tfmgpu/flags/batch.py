@@ -1,7 +1,8 @@
 """`--global_batch_size`: examples per step over all replicas."""
 
-from absl import flags
+from tfmgpu import flags as flags_lib
+from tfmgpu.config import TrainConfig
 
-GLOBAL_BATCH_SIZE = flags.DEFINE_integer(
-    "global_batch_size", 64, "Examples per step over all replicas.",
-    lower_bound=1)
+_FLAGS = flags_lib.define_settings(TrainConfig, ["global_batch_size"],
+                                   module_name=__name__)
+GLOBAL_BATCH_SIZE = _FLAGS["global_batch_size"]

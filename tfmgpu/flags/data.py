@@ -3,23 +3,13 @@
 from absl import flags
 
 from tfmgpu import data as data_lib
-from tfmgpu import user_code
+from tfmgpu import flags as flags_lib
+from tfmgpu.config import TrainConfig
 
-DATASET = flags.DEFINE_string(
-    "dataset", None,
-    f"<{' | '.join(data_lib.available_datasets())}>, or your own loader as "
-    f"{user_code.FORMS}, called as load() (with seed=/path= if it takes "
-    "them) and returning ((x_train, y_train), (x_test, y_test)) like "
-    "keras.datasets (x may be a dict of arrays), or what Trainer.fit takes: "
-    "a tf.data.Dataset of (x, y) batches, a dataset function, or a (train, "
-    "test) pair of them. Default: train: the model's own (gpt: "
-    "stdlib_text), else digits (real digits that ship offline); predict: "
-    "the dataset the model's run trained on (its run.json, which names your "
-    "files by absolute path), else digits.")
-DATA_PATH = flags.DEFINE_string(
-    "data_path", None, ".npz file (x_train, y_train, x_test, y_test) for "
-    "--dataset=npz, a glob of TFRecord shards for --dataset=tfrecord "
-    "(quoted: 'DIR/*.tfrecord'), or a local copy of a downloadable dataset.")
+_FLAGS = flags_lib.define_settings(TrainConfig, ["dataset", "data_path"],
+                                   module_name=__name__)
+DATASET = _FLAGS["dataset"]
+DATA_PATH = _FLAGS["data_path"]
 
 
 @flags.validator("dataset")

@@ -1,7 +1,8 @@
 """`--virtual_devices`: split the GPU (else the CPU) into logical devices."""
 
-from absl import flags
+from tfmgpu import flags as flags_lib
+from tfmgpu.config import TrainConfig
 
-VIRTUAL_DEVICES = flags.DEFINE_integer(
-    "virtual_devices", None, "Split the GPU (else the CPU) into this many "
-    "logical devices first: simulates a multi-device host.", lower_bound=1)
+_FLAGS = flags_lib.define_settings(TrainConfig, ["virtual_devices"],
+                                   module_name=__name__)
+VIRTUAL_DEVICES = _FLAGS["virtual_devices"]

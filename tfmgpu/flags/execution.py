@@ -1,6 +1,8 @@
 """`--steps_per_execution`: steps (or batches) per `tf.function` call."""
 
-from absl import flags
+from tfmgpu import flags as flags_lib
+from tfmgpu.config import TrainConfig
 
-STEPS_PER_EXECUTION = flags.DEFINE_integer(
-    "steps_per_execution", 10, "Steps per tf.function call.", lower_bound=1)
+_FLAGS = flags_lib.define_settings(TrainConfig, ["steps_per_execution"],
+                                   module_name=__name__)
+STEPS_PER_EXECUTION = _FLAGS["steps_per_execution"]
