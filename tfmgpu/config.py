@@ -325,7 +325,7 @@ class RunSettings:
                                               self.dataset))
     return options
 
-  def replace(self, **changes: Any) -> "RunSettings":
+  def replace(self, **changes: Any) -> "TrainConfig":
     """A copy with `changes` applied (and validated). A new `model` brings
     its own default dataset when this config's was the default one."""
     if "model" in changes:

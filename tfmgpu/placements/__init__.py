@@ -2,7 +2,11 @@
 
 One module per placement, each registering one `Distribution`
 (`tfmgpu.strategies.registry`) that binds an engine of `tfmgpu.parallel` to
-training, serving and the run summary:
+training, serving, the run summary, `run.json` and `--plan_only`. `base`
+holds what they share: `LayoutOptions` and `LayoutPlacement` (place, serve,
+describe, check_config, plan_text, save_model of any data x stages x tensor
+layout), of which `model_parallel`, `pipeline` and `tensor_parallel` are
+presets, and the unsplit model's build on the host:
 
 * `model_parallel`: consecutive stages on separate devices (`StagedModel`).
 * `pipeline`: those stages fed micro-batches (`PipelinedModel`).

@@ -90,7 +90,7 @@ class LayoutPlacement(registry.Distribution):
 
   A preset sets the class attributes and `Options` (a `LayoutOptions`),
   and overrides what differs: `plan` (how the model is cut; `None`: not
-  cut), `micro_batches`, `layout`, `size_row`, `check_config`.
+  cut), `micro_batches`, `layout_of`, `size_row`, `check_config`.
   """
   kind = registry.Kind.PLACEMENT
   Options = LayoutOptions
@@ -105,7 +105,7 @@ class LayoutPlacement(registry.Distribution):
     del options
     return None
 
-  def layout(self, options: Any) -> Any:
+  def layout_of(self, options: Any) -> Any:
     """The `tfmgpu.parallel.hybrid.Layout` of `options`."""
     from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
     return hybrid.Layout(data=options.data_parallel, stages=options.stages,
@@ -130,7 +130,7 @@ class LayoutPlacement(registry.Distribution):
     if found is None:
       return None
     from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
-    return hybrid.stage_homes(self.layout(options).mesh(found)[0])
+    return hybrid.stage_homes(self.layout_of(options).mesh(found)[0])
 
   def plan(self, model: Any, options: Any, devices: Sequence[str] | None = None,
            *, input_shape: Any = None) -> Any:
@@ -142,7 +142,7 @@ class LayoutPlacement(registry.Distribution):
   def split(self, model: Any, plan: Any, options: Any) -> Any:
     """The placed model: `model` cut along `plan`, copied and sharded."""
     from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
-    return hybrid.build_layout(model, self.layout(options),
+    return hybrid.build_layout(model, self.layout_of(options),
                                devices=self.layout_devices(options),
                                plan=plan, rules=tensor_rules(options))
 
@@ -202,7 +202,7 @@ class LayoutPlacement(registry.Distribution):
     from tfmgpu import devices  # pylint: disable=g-import-not-at-top
     planned = planned_devices(options.stages)
     plan = self.plan(model, options, planned, input_shape=input_shape)
-    layout = self.layout(options)
+    layout = self.layout_of(options)
     table = plan.memory_table(
         global_batch_size, optimizer=optimizer,
         micro_batches=layout.micro_batches or 1, schedule=layout.schedule,
@@ -217,7 +217,7 @@ class LayoutPlacement(registry.Distribution):
                    optimizer: str) -> str:
     from tfmgpu import devices  # pylint: disable=g-import-not-at-top
     from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
-    layout = self.layout(options)
+    layout = self.layout_of(options)
     names = (planned_devices(layout.num_devices) or
              devices.accelerator_devices())[:layout.stages * layout.tensor]
     plan = (self.plan(model, options, names[::layout.tensor])

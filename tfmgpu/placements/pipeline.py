@@ -56,8 +56,8 @@ class Pipeline(model_parallel.ModelParallel):
   def micro_batches(self, options: PipelineOptions) -> int:
     return options.micro_batches
 
-  def layout(self, options: PipelineOptions) -> Any:
-    return dataclasses.replace(super().layout(options),
+  def layout_of(self, options: PipelineOptions) -> Any:
+    return dataclasses.replace(super().layout_of(options),
                                schedule=options.schedule,
                                recompute=options.recompute)
 
