@@ -6,7 +6,3 @@ from tfmgpu.config import TrainConfig
 _FLAGS = flags_lib.define_settings(TrainConfig, ["device_memory_gb", "link"],
                                    module_name=__name__)
 
-
-def values() -> dict:
-  """The group's parsed values, by option name."""
-  return flags_lib.values_of(_FLAGS)
