@@ -55,6 +55,8 @@ def test_a_toy_option_is_one_field_that_reaches_flag_config_and_options():
   assert cls().toy_knob == 3  # The declared default, without flags.
   with pytest.raises(flags.IllegalFlagValueError, match="toy_knob"):
     _parse(cls, "--toy_knob=0")
+  with pytest.raises(ValueError, match="toy_knob=0 must be a positive"):
+    cls(strategy="toy_pipeline", toy_knob=0)
 
 
 def test_an_undeclared_option_is_named():

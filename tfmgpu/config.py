@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import typing
 from typing import Any
 
 from tfmgpu import checks
@@ -171,6 +172,9 @@ class RunSettings:
     for name in ("devices", "split_points", "metrics"):
       if getattr(self, name) is not None:  # Lists from notebooks are fine.
         object.__setattr__(self, name, tuple(getattr(self, name)))
+    for name in ("devices", "split_points"):  # `--devices=`: none given.
+      if getattr(self, name) == ():
+        object.__setattr__(self, name, None)
     distribution = strategies_lib.lookup(self.strategy)
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     models_lib.check_model(self.model)  # The user's code: found, not run.
@@ -271,14 +275,14 @@ class RunSettings:
   def _check_numbers(self) -> None:
     if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
       raise ValueError(f"bytes_per_pack={self.bytes_per_pack!r} must be >= 0.")
-    for name in ("global_batch_size", "epochs", "num_packs",
-                 "steps_per_execution", "num_stages", "micro_batches",
-                 "data_parallel", "tensor_parallel"):
-      checks.check_positive(name, getattr(self, name))
-    for name in ("virtual_devices", "num_gpus", "num_replicas",
-                 "steps_per_epoch", "variable_shards",
-                 "checkpoint_every_steps"):
-      checks.check_positive(name, getattr(self, name), allow_none=True)
+    # Counts: the settings declared as integers of at least 1 (the flag's
+    # bound), and `num_gpus`, whose flag takes 0 but a run needs one.
+    for field, type_ in settings.fields_of(type(self)):
+      spec = settings.declared(field)
+      if (field.name == "num_gpus" or spec is not None
+          and spec.lower_bound == 1 and int in (type_, *typing.get_args(type_))):
+        checks.check_positive(field.name, getattr(self, field.name),
+                              allow_none=field.default is None)
     if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
       raise ValueError(f"checkpoint_every_s={self.checkpoint_every_s} must be "
                        "> 0 seconds (or None: save per epoch only).")

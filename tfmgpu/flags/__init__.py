@@ -157,6 +157,7 @@ def config_values(config: type,
 
 
 def values_of(holders: dict[str, flags.FlagHolder]) -> dict[str, Any]:
-  """`{name: value}` of parsed flags, lists as tuples (option values)."""
-  return {name: tuple(h.value) if isinstance(h.value, list) else h.value
-          for name, h in holders.items()}
+  """`{name: value}` of parsed flags, lists as tuples (an empty one, as
+  `--devices=` gives, as `None`): option values."""
+  return {name: (tuple(h.value) or None) if isinstance(h.value, list)
+          else h.value for name, h in holders.items()}
