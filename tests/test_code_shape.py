@@ -1,7 +1,9 @@
 """The shape rules of docs/architecture.md that a reader can check by eye,
 checked here: every function in tfmgpu/ is at most 60 lines, and every
 option of every registered strategy or placement is reachable from a
-`TrainConfig` (so from Python, and from the CLI through its flags)."""
+`TrainConfig` (so from Python, and from the CLI through its flags), and
+placed models and placements are asked through their declared contracts
+(`placed_model.is_placed`, `Distribution` methods), not with `getattr`."""
 
 from __future__ import annotations
 
@@ -48,3 +50,31 @@ def test_config_hands_each_distribution_its_own_options():
   assert TrainConfig(strategy="central_storage", parameter_device="/cpu:1"
                      ).options.parameter_device == "/cpu:1"
   assert TrainConfig(strategy="tpu", tpu="grpc://x").options.tpu == "grpc://x"
+
+
+# Attributes of placed models and placements that callers used to probe.
+_PROBED = {"places_itself", "to_unsplit", "compute_loss_and_gradients",
+           "branches", "hybrid", "micro_batches", "micro_batches_of",
+           "stages", "schedule", "recompute", "num_stages", "split_points",
+           "partition", "data_parallel", "tensor_parallel", "tensor_rules"}
+# Where they are declared; the benchmarks, which drive the engines' own
+# classes; and the Trainer's warning about overridden Keras steps
+# (training/loop.py), left to the Trainer's rewrite.
+_DECLARING = ("placements/", "parallel/", "strategies/registry.py",
+              "benchmarks/", "training/loop.py")
+
+
+def test_placements_are_asked_through_their_contracts():
+  probes = []
+  for path in sorted(PACKAGE.rglob("*.py")):
+    where = str(path.relative_to(PACKAGE))
+    if where.startswith(_DECLARING):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+          and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
+          and isinstance(node.args[1], ast.Constant)
+          and node.args[1].value in _PROBED):
+        probes.append(f"tfmgpu/{where}:{node.lineno} {node.func.id}(..., "
+                      f"{node.args[1].value!r})")
+  assert not probes, "Ask through the contracts:\n" + "\n".join(probes)
