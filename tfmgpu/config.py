@@ -212,13 +212,16 @@ class RunSettings:
                        f"'tfrecord' only, not dataset={self.dataset!r}.")
 
   def _check_layout_sizes(self, distribution: Any) -> None:
-    """`data_parallel` / `tensor_parallel` / `tensor_rules` given to a
-    strategy that does not take them: an error, not silently ignored."""
+    """A layout size (`data_parallel`, `tensor_parallel`, `tensor_rules`:
+    the options declared `record=Record.SIZE`) given to a strategy that
+    does not take it: an error, not silently ignored."""
     takes = {f.name for f in dataclasses.fields(distribution.Options)}
-    for name, unset in (("data_parallel", 1), ("tensor_parallel", 1),
-                        ("tensor_rules", None)):
+    for field in dataclasses.fields(self):
+      spec, name = settings.declared(field), field.name
+      if spec is None or spec.record is not settings.Record.SIZE:
+        continue
       value = getattr(self, name)
-      if value != unset and name not in takes:
+      if value != field.default and name not in takes:
         users = [d.name for d in strategies_lib.registered().values()
                  if name in {f.name for f in dataclasses.fields(d.Options)}]
         raise ValueError(
