@@ -33,6 +33,7 @@ from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import parameter_server as ps_lib
 from tfmgpu.training.loop import Trainer
 from tfmgpu.training.loop import TrainResult
+from tfmgpu.training.trainer_options import TrainerOptions
 
 
 @dataclasses.dataclass
@@ -216,22 +217,15 @@ def start_devices(config: TrainConfig,
 
 def make_trainer(config: TrainConfig, placement: strategies_lib.Placement, *,
                  model_dir: str, callbacks=()) -> Trainer:
-  """The Trainer for `placement` with the config's training settings."""
-  trainer_class = (ps_lib.ParameterServerTrainer
-                   if ps_lib.is_parameter_server(placement.strategy)
-                   else Trainer)
-  return trainer_class(
-      placement.model, strategy=placement.strategy, optimizer=config.optimizer,
-      learning_rate=config.learning_rate, clip_norm=config.clip_norm,
-      gradient_compression=config.gradient_compression,
-      bytes_per_pack=config.bytes_per_pack,
-      steps_per_execution=config.steps_per_execution,
-      jit_compile=config.jit_compile,
-      fused_optimizer=config.fused_optimizer, input_mode=config.input_mode,
-      model_dir=model_dir, callbacks=callbacks, verbose=config.verbose,
-      checkpoint_every_steps=config.checkpoint_every_steps,
-      checkpoint_every_s=config.checkpoint_every_s,
-      **dict(zip(("loss", "metrics"), config.loss_and_metrics())))
+  """The Trainer for `placement` with the config's training settings, run
+  as its distribution says (`Distribution.execution`)."""
+  loss, metrics = config.loss_and_metrics()
+  return Trainer(
+      placement.model, strategy=placement.strategy,
+      execution=placement.distribution.execution,
+      options=TrainerOptions.from_settings(
+          config, loss=loss, metrics=metrics, model_dir=model_dir,
+          callbacks=tuple(callbacks)))
 
 
 def _model_builder(config: TrainConfig, arrays: data_lib.Arrays,

@@ -58,7 +58,7 @@ def _train(strategy, initial, split: bool, rows: int = ROWS):
                     input_mode="auto" if split else "tf_data")
   trainer.fit(dataset, epochs=2)
   scores = trainer.evaluate(dataset)
-  assert (True in trainer._eval_fns) == split  # pylint: disable=protected-access
+  assert (True in trainer.evaluator.functions) == split  # pylint: disable=protected-access
   return model.get_weights(), scores
 
 

@@ -232,6 +232,7 @@ class ParameterServer(DataParallel):
   required_jobs = ("chief", "worker", "ps")
   slurm = False  # SLURM gives every task the same role.
   job_roles = {"chief": "the coordinator"}
+  execution = "coordinator"  # The Trainer's steps are scheduled on workers.
 
   def make_strategy(self, options: ParameterServerOptions
                     ) -> "tf.distribute.Strategy":

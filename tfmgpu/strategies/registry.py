@@ -93,6 +93,10 @@ class Distribution:
     job_roles: what a job does, where messages should say it.
     python_api: a placement's own Python class (`tfmgpu.PipelinedModel`),
       named when `get_strategy` is asked for the placement.
+    execution: how a `Trainer` runs its steps under it
+      (`tfmgpu.training.loop.EXECUTIONS`): `"sync"` (`strategy.run`), or
+      `"coordinator"` (steps scheduled on a parameter-server cluster's
+      workers).
   """
   name: ClassVar[str] = ""
   description: ClassVar[str] = ""
@@ -107,6 +111,7 @@ class Distribution:
   slurm: ClassVar[bool] = True
   job_roles: ClassVar[dict[str, str]] = {}
   python_api: ClassVar[str] = ""
+  execution: ClassVar[str] = "sync"
 
   # ------------------------------------------------------------ options
 
