@@ -284,8 +284,8 @@ def run_training(config: TrainConfig, *,
       checkpoint was saved in `model_dir` and a new call resumes from it.
   """
   start = time.perf_counter()
-  distribution = config.distribution  # Resolved once for the whole run.
-  options = distribution.options_from(config)
+  # Resolved once, when the config was made, for the whole run.
+  distribution, options = config.distribution, config.options
   strategy = start_devices(config, distribution, options)
   if arrays is None:
     arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())

@@ -183,10 +183,9 @@ class ModelParallel(registry.Distribution):
     plan = plan_for(model, options, stage_homes(options))
     return self.split(model, plan, options), None
 
-  def check_config(self, config: Any) -> None:
-    options = self.options_from(config)
-    check_layout_config(config, options, self.micro_batches_of(options))
-    check_stage_count(config, options)
+  def check_config(self, options: Any, run: registry.RunSettings) -> None:
+    check_layout_config(run, options, self.micro_batches_of(options))
+    check_stage_count(run, options)
 
   def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
     o = placement.options
@@ -203,12 +202,12 @@ class ModelParallel(registry.Distribution):
              + ", ".join(placement.devices))] + shared_rows
 
 
-def check_layout_config(config: Any, options: Any,
+def check_layout_config(run: registry.RunSettings, options: Any,
                         micro_batches: int | None = None) -> None:
   """Rules of a layout's sizes against the rest of a run's settings.
 
   Args:
-    config: the run's `TrainConfig`.
+    run: the run's other settings (global batch, virtual devices).
     options: the layout's options (`StageOptions` or the tensor placement's:
       `data_parallel`, `tensor_parallel`, `stages`, `devices_needed`).
     micro_batches: micro-batches per copy (a pipeline), else `None`.
@@ -222,9 +221,9 @@ def check_layout_config(config: Any, options: Any,
   what = [f"data_parallel={replicas}"] if replicas > 1 else []
   what += [f"micro_batches={micro}"] if micro_batches else []
   if what:
-    checks.check_divisible("global_batch_size", config.global_batch_size,
+    checks.check_divisible("global_batch_size", run.global_batch_size,
                            replicas * micro, " x ".join(what))
-  needed, have = options.devices_needed, config.virtual_devices
+  needed, have = options.devices_needed, run.virtual_devices
   if have is not None and have < needed:
     raise ValueError(
         f"virtual_devices={have} is fewer than the {needed} devices of "
@@ -233,7 +232,7 @@ def check_layout_config(config: Any, options: Any,
         f"{needed}, or smaller sizes.")
 
 
-def check_stage_count(config: Any, options: Any) -> None:
+def check_stage_count(run: registry.RunSettings, options: Any) -> None:
   """More stages than a registered model has cuttable blocks, refused
   before TensorFlow loads (as `parallel.partition` would once it is built).
 
@@ -243,10 +242,10 @@ def check_stage_count(config: Any, options: Any) -> None:
   if options.split_points:
     return
   from tfmgpu import models  # pylint: disable=g-import-not-at-top
-  blocks = models.cuttable_blocks(config.model, config.model_size)
+  blocks = models.cuttable_blocks(run.model, run.model_size)
   if blocks is not None and options.num_stages > blocks:
     raise ValueError(
-        f"num_stages={options.num_stages} but model {config.model!r} has "
+        f"num_stages={options.num_stages} but model {run.model!r} has "
         f"only {blocks} cuttable block(s) (one per layer call; a stage "
         f"needs at least one). Use num_stages<={blocks}.")
 

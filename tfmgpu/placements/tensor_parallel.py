@@ -65,13 +65,14 @@ class TensorParallel(registry.Distribution):
   concurrent_devices = True
   layout = "shards"
 
-  def check_config(self, config: Any) -> None:
-    if config.tensor_parallel < 2:
+  def check_config(self, options: TensorOptions,
+                   run: registry.RunSettings) -> None:
+    if options.tensor_parallel < 2:
       raise ValueError(
           f"strategy='tensor_parallel' with tensor_parallel="
-          f"{config.tensor_parallel} splits nothing: give "
+          f"{options.tensor_parallel} splits nothing: give "
           "--tensor_parallel=T (2 or more devices per split layer).")
-    model_parallel.check_layout_config(config, self.options_from(config))
+    model_parallel.check_layout_config(run, options)
 
   def split(self, model: Any, options: TensorOptions) -> Any:
     from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
