@@ -18,7 +18,6 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfmgpu import data as data_lib
 from tfmgpu.training import distributed
 from tfmgpu.training import feeds
 from tfmgpu.training import inputs
@@ -124,7 +123,7 @@ class Evaluator:
     if isinstance(source, inputs.DatasetFnData):
       return self.strategy.distribute_datasets_from_function(
           lambda ctx: inputs.with_mask(source.fn(ctx)))
-    data_lib.check_global_batch(global_batch_size,
+    inputs.check_global_batch(global_batch_size,
                                 self.strategy.num_replicas_in_sync)
     return inputs.distribute_arrays(
         self.strategy, source.padded(global_batch_size),
@@ -141,7 +140,7 @@ class Evaluator:
     key = (tuple(id(a) for a in tf.nest.flatten(source.data)),
            global_batch_size)
     if self.held is None or self.held[0] != key:
-      data_lib.check_global_batch(global_batch_size,
+      inputs.check_global_batch(global_batch_size,
                                   self.strategy.num_replicas_in_sync)
       if not resident.use_device_data(
           self.input_mode, self.strategy, source.data,

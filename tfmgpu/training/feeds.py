@@ -32,7 +32,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfmgpu import data as data_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import inputs
 from tfmgpu.training import resident
@@ -203,7 +202,7 @@ def _global_batch(source: inputs.InputData, global_batch_size: int | None,
   """The arrays' global batch (checked); `None` for a user's dataset."""
   if isinstance(source, inputs.ArrayData):
     global_batch_size = global_batch_size or DEFAULT_GLOBAL_BATCH
-    data_lib.check_global_batch(global_batch_size, replicas)
+    inputs.check_global_batch(global_batch_size, replicas)
     return global_batch_size
   if global_batch_size is not None:
     raise ValueError(

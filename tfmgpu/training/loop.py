@@ -185,7 +185,7 @@ class Trainer:
         an infinite dataset or one whose length TF does not know.
       validation_data: `(x_val, y_val[, sample_weight])`, a dataset or a
         dataset function, evaluated after each epoch (`val_` logs).
-      seed: fixes every epoch's shuffle order of arrays (`data.epoch_order`).
+      seed: fixes every epoch's shuffle order of arrays (`inputs.epoch_order`).
       shuffle: shuffle arrays each epoch (a dataset shuffles itself).
 
     Returns:

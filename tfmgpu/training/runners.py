@@ -17,7 +17,6 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from tfmgpu import data as data_lib
 from tfmgpu.training import feeds
 from tfmgpu.training import inputs
 from tfmgpu.training import resident
@@ -102,7 +101,7 @@ class SyncRunner:
     """The epoch's distributed dataset, from step `first_step` on (resume)."""
     # With `array_dataset_fn`'s interleaved sharding each global batch is a
     # contiguous slice of the epoch's order: the rest of it is the rest.
-    order = data_lib.epoch_indices(self.source.num_examples, seed=self.seed,
+    order = inputs.epoch_indices(self.source.num_examples, seed=self.seed,
                                    epoch=epoch, shuffle=self.shuffle)
     return inputs.distribute_arrays(
         self.strategy, self.source.data,
