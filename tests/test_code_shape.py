@@ -29,6 +29,16 @@ def test_every_function_is_at_most_60_lines():
   assert not long, "Functions over 60 lines:\n" + "\n".join(long)
 
 
+def test_the_trainer_stays_a_thin_front():
+  """Issue 25: the Trainer is a front over its runners, not a god object."""
+  source = (PACKAGE / "training" / "loop.py").read_text()
+  trainer = next(node for node in ast.parse(source).body
+                 if isinstance(node, ast.ClassDef) and node.name == "Trainer")
+  lines = trainer.end_lineno - trainer.lineno + 1
+  assert lines < 200, f"Trainer is {lines} lines"
+  assert len(source.splitlines()) < 320
+
+
 def test_every_registered_option_is_a_config_field():
   config_fields = {f.name for f in dataclasses.fields(TrainConfig)}
   unreachable = {

@@ -30,7 +30,6 @@ from tfmgpu.config import TrainConfig
 from tfmgpu.placements import auto as auto_placement
 from tfmgpu.placements import model_parallel
 from tfmgpu.training import checkpoints as ckpt_lib
-from tfmgpu.training import parameter_server as ps_lib
 from tfmgpu.training.loop import Trainer
 from tfmgpu.training.loop import TrainResult
 from tfmgpu.training.trainer_options import TrainerOptions
@@ -306,7 +305,7 @@ def run_training(config: TrainConfig, *,
   trainer = make_trainer(config, placement, model_dir=model_dir,
                          callbacks=callbacks)
   try:
-    result, test = _fit_and_test(trainer, config, arrays, placement.strategy)
+    result, test = _fit_and_test(trainer, config, arrays)
     saved = None
     if ckpt_lib.is_chief(placement.strategy):
       saved = save_model(placement.model, os.path.join(model_dir, "model.keras"))
@@ -324,11 +323,11 @@ def run_training(config: TrainConfig, *,
 
 def _fit_and_test(trainer: Trainer, config: TrainConfig,
                   data: "data_lib.Arrays | data_lib.StreamedDataset | "
-                  "data_lib.UserDatasets",
-                  strategy) -> tuple[TrainResult, dict[str, float]]:
+                  "data_lib.UserDatasets"
+                  ) -> tuple[TrainResult, dict[str, float]]:
   """`_fit_and_test_once`; a damaged file of a streamed dataset is named."""
   try:
-    return _fit_and_test_once(trainer, config, data, strategy)
+    return _fit_and_test_once(trainer, config, data)
   except tf.errors.DataLossError as e:
     if isinstance(data, data_lib.Arrays):
       raise
@@ -337,8 +336,8 @@ def _fit_and_test(trainer: Trainer, config: TrainConfig,
 
 def _fit_and_test_once(trainer: Trainer, config: TrainConfig,
                        data: "data_lib.Arrays | data_lib.StreamedDataset | "
-                       "data_lib.UserDatasets",
-                       strategy) -> tuple[TrainResult, dict[str, float]]:
+                       "data_lib.UserDatasets"
+                       ) -> tuple[TrainResult, dict[str, float]]:
   """Trains, then evaluates on the test split: in-memory arrays, a
   streamed dataset's dataset functions (read from its files as they train),
   or a user loader's `tf.data` datasets (no test split: a NaN loss)."""
@@ -355,8 +354,8 @@ def _fit_and_test_once(trainer: Trainer, config: TrainConfig,
         seed=config.seed)
     return result, trainer.evaluate(data.x_test, data.y_test,
                                     global_batch_size=batch)
-  stream = data.train_dataset_fn(
-      batch, independent_workers=ps_lib.is_parameter_server(strategy))
+  stream = data.train_dataset_fn(  # Workers that stream on their own.
+      batch, independent_workers=trainer.execution.streams)
   test = data.test_dataset_fn(batch)  # Before training: it checks the files.
   result = trainer.fit(stream, epochs=config.epochs, steps_per_epoch=(
       config.steps_per_epoch or data.steps_per_epoch(batch)))

@@ -29,6 +29,7 @@ from tfmgpu.training import execution as execution_lib
 from tfmgpu.training import inputs
 from tfmgpu.training import model_checks
 from tfmgpu.training import objectives
+from tfmgpu.training import optimizers
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import resident
 from tfmgpu.training import step as step_lib
@@ -47,26 +48,6 @@ EXECUTIONS: dict[str, type[execution_lib.SyncExecution]] = {
     "sync": execution_lib.SyncExecution,
     "coordinator": coordinator.CoordinatorExecution,
 }
-
-
-@contextlib.contextmanager
-def optimizer_on_model(model: keras.Model,
-                       optimizer: keras.optimizers.Optimizer):
-  """`model.optimizer` is `optimizer` while `fit` runs, as in Keras `fit`:
-  callbacks read and set it (`ReduceLROnPlateau`, `LearningRateScheduler`).
-  Restored after: the Trainer's optimizer does not all-reduce by itself
-  (`allreduce.take_over_aggregation`), so a later `model.fit` must not pick
-  it up."""
-  missing = object()
-  before = getattr(model, "optimizer", missing)
-  model.optimizer = optimizer
-  try:
-    yield
-  finally:
-    if before is missing:
-      del model.optimizer
-    else:
-      model.optimizer = before
 
 
 class Trainer:
@@ -88,12 +69,10 @@ class Trainer:
     strategy: the `tf.distribute.Strategy`; defaults to the current one.
     options: a `TrainerOptions` (optimizer, loss, metrics, input mode,
       model_dir, callbacks, ...). Defaults to `TrainerOptions()`.
-    execution: how steps run: `"sync"` (`strategy.run`), or
-      `"coordinator"` (a parameter-server cluster's; see
-      `ParameterServerTrainer`). Defaults to `"sync"`.
-    **settings: fields of `TrainerOptions` as keyword arguments
-      (`Trainer(model, learning_rate=1e-2, verbose=0)`), applied over
-      `options`.
+    execution: how steps run: `"sync"` (`strategy.run`) or `"coordinator"`
+      (parameter servers: `ParameterServerTrainer`). Defaults to `"sync"`.
+    **settings: `TrainerOptions` fields as keyword arguments, applied over
+      `options` (`Trainer(model, learning_rate=1e-2, verbose=0)`).
   """
 
   def __init__(self, model: keras.Model, *,
@@ -208,7 +187,7 @@ class Trainer:
         self._train_fn(plan.global_batch_size, plan.feed), plan, seed=seed,
         shuffle=shuffle)
     # The lock before the summary writer opens its file.
-    with self._hold_run_dir(), optimizer_on_model(self.model, self.optimizer):
+    with self._hold_run_dir(), optimizers.optimizer_on_model(self.model, self.optimizer):
       controller = Controller(runner, self._loop_options(
           plan.global_batch_size, validation_data))
       try:
