@@ -5,8 +5,9 @@ A runner is what the `Controller` (`tfmgpu.training.controller`) drives.
 (`tfmgpu.training.distributed`) once per call, feeding it batches as
 `tfmgpu.training.feeds` says: from a distributed `tf.data` iterator, from
 device-resident arrays (`tfmgpu.training.resident`), or from one host
-iterator whose global batches the function splits. The parameter-server runner lives beside its
-trainer in `tfmgpu.training.parameter_server`.
+iterator whose global batches the function splits. An execution
+(`tfmgpu.training.execution`) makes it; the parameter-server runner,
+`CoordinatorRunner`, lives in `tfmgpu.training.coordinator`.
 """
 
 from __future__ import annotations
