@@ -167,8 +167,7 @@ def plan_input(source: inputs.InputData, strategy: tf.distribute.Strategy, *,
   if streams:
     return InputPlan(source, global_batch_size, _streamed_steps(
         source, global_batch_size, steps_per_epoch))
-  full = (steps_in_one_pass(source.num_examples, epochs=epochs,
-                            global_batch_size=global_batch_size)
+  full = (_steps_in_one_pass(source.num_examples, global_batch_size)
           if isinstance(source, inputs.ArrayData)
           else _dataset_steps(source, strategy, steps_per_epoch))
   steps_per_epoch = steps_per_epoch or full
@@ -180,15 +179,12 @@ def plan_input(source: inputs.InputData, strategy: tf.distribute.Strategy, *,
   return InputPlan(source, global_batch_size, steps_per_epoch, feed, refusal)
 
 
-def steps_in_one_pass(num_examples: int, *, epochs: int,
-                      global_batch_size: int) -> int:
-  """Full global batches in one pass over the data; checks `epochs` too.
+def _steps_in_one_pass(num_examples: int, global_batch_size: int) -> int:
+  """Full global batches in one pass over the data.
 
   Raises:
-    ValueError: `epochs < 1`, or fewer examples than one global batch.
+    ValueError: fewer examples than one global batch.
   """
-  if epochs < 1:
-    raise ValueError(f"epochs={epochs} must be >= 1.")
   full = num_examples // global_batch_size
   if full < 1:
     raise ValueError(f"global_batch_size={global_batch_size} is larger than "
@@ -247,8 +243,8 @@ def _streamed_steps(source: inputs.InputData, global_batch_size: int | None,
                        "streamed endlessly by each worker: pass "
                        "steps_per_epoch=N.")
     return steps_per_epoch
-  return steps_per_epoch or steps_in_one_pass(
-      source.num_examples, epochs=1, global_batch_size=global_batch_size)
+  return steps_per_epoch or _steps_in_one_pass(source.num_examples,
+                                               global_batch_size)
 
 
 def _feed(source: inputs.InputData, strategy: tf.distribute.Strategy,
