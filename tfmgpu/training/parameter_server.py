@@ -55,5 +55,7 @@ class ParameterServerTrainer(Trainer):
           f"strategy={type(strategy).__name__}. Use tfmgpu.get_strategy("
           "'parameter_server') in the chief task, or Trainer for other "
           "strategies.")
-    kwargs.setdefault("execution", "coordinator")
-    super().__init__(model, strategy=strategy, **kwargs)
+    super().__init__(model, strategy=strategy, execution="coordinator",
+                     **kwargs)
+    self.coordinator = self.execution.coordinator  # As before: public.
+    self.num_workers = self.execution.num_workers

@@ -115,5 +115,6 @@ class TrainerOptions:
     unknown = sorted(set(settings) - set(names))
     if unknown:
       raise TypeError(f"Trainer got unknown argument(s) {', '.join(unknown)}."
-                      f" It takes: {', '.join(names)}.")
+                      f" Besides model, strategy, options and execution it takes the "
+                      f"TrainerOptions fields: {', '.join(names)}.")
     return dataclasses.replace(options or cls(), **settings)
