@@ -83,17 +83,19 @@ def test_offline_download_says_how_to_use_a_local_file(monkeypatch):
 
 
 def test_indivisible_global_batch_is_a_clear_error():
+  from tfmgpu.training import inputs  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match=r"global_batch_size=30 is not divisible "
                      r"by the 4 replicas of the strategy. Use a multiple of 4, "
                      r"e.g. 28 or 32."):
-    data.check_global_batch(30, 4)
-  assert data.check_global_batch(32, 4) == 8
+    inputs.check_global_batch(30, 4)
+  assert inputs.check_global_batch(32, 4) == 8
 
 
 def test_epoch_order_is_fixed_by_seed_and_epoch():
-  a, b = data.epoch_order(50, 1, 3), data.epoch_order(50, 1, 3)
+  from tfmgpu.training import inputs  # pylint: disable=g-import-not-at-top
+  a, b = inputs.epoch_order(50, 1, 3), inputs.epoch_order(50, 1, 3)
   np.testing.assert_array_equal(a, b)
-  assert not np.array_equal(a, data.epoch_order(50, 1, 4))
+  assert not np.array_equal(a, inputs.epoch_order(50, 1, 4))
   assert sorted(a) == list(range(50))
 
 
@@ -113,7 +115,7 @@ def test_sharded_pipelines_cover_each_global_batch():
   y = np.arange(40, dtype=np.int32)
   from tfmgpu.training import inputs  # pylint: disable=g-import-not-at-top
   fn = inputs.array_dataset_fn((x, y), global_batch_size=8,
-                               order=data.epoch_order(40, 3, 1),
+                               order=inputs.epoch_order(40, 3, 1),
                                drop_remainder=True)
   single = next(iter(fn(None)))[1].numpy()
   shards = [next(iter(fn(_Ctx(2, i, 2))))[1].numpy() for i in range(2)]

@@ -89,7 +89,7 @@ def test_kubeflow_tf_config_passes_the_checks_and_gives_the_roles(
   # Preflight also binds this task's port here: give it one that is free.
   port = free_port()
   tf_config = kubeflow_tf_config(job, index, port)
-  checked = cluster.preflight(config, environ={"TF_CONFIG": tf_config})
+  checked = cluster.preflight(config.cluster_target, environ={"TF_CONFIG": tf_config})
   assert (checked.name, checked.index) == (f"worker:{index}", index)
   # The same cluster through the local launcher reads the same way.
   launched = cluster.task_role(cluster_spec.tf_config_for(
@@ -110,5 +110,5 @@ def test_a_kubeflow_cluster_is_refused_by_a_one_host_strategy(job):
   with pytest.raises(ValueError, match=r"TF_CONFIG puts this process in a "
                      r"cluster \(task worker:0; worker: 2\) but "
                      r"strategy='mirrored' trains on one host"):
-    cluster.preflight(config, environ={
+    cluster.preflight(config.cluster_target, environ={
         "TF_CONFIG": kubeflow_tf_config(job, 0, free_port())})

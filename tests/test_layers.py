@@ -305,3 +305,31 @@ def later():
   assert layer_of("tfmgpu.launcher") == 3
   assert layer_of("tfmgpu.launch") == 6
   assert layer_of("tfmgpu.unknown_module") is None
+
+
+# The rooms the Trainer (`training/loop.py`) is a thin front over: its
+# settings, input plan, executions (runner and evaluator pairs), runners,
+# evaluator and controller. None imports the front.
+TRAINER_ROOMS = ("controller", "coordinator", "evaluation", "execution",
+                 "feeds", "inputs", "model_checks", "runners",
+                 "trainer_options")
+
+
+def test_the_trainer_is_a_front_over_its_rooms():
+  training = PACKAGE / "training"
+  fronts = {"tfmgpu.training.loop", "tfmgpu.training.parameter_server"}
+  upward = []
+  for name in TRAINER_ROOMS:
+    path = training / f"{name}.py"
+    upward += [f"{_where(path, i.line)}: imports {i.module}"
+               for i in tfmgpu_imports(path.read_text(),
+                                       f"tfmgpu.training.{name}")
+               if i.module in fronts]
+  assert not upward, "\n".join(upward)
+  # The front asks no object what kind it is: the execution is chosen once,
+  # by name, and the model's kind is `step.brings_own_backward`'s question.
+  tree = ast.parse((training / "loop.py").read_text())
+  asked = sorted({n.func.id for n in ast.walk(tree)
+                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id in ("isinstance", "getattr", "hasattr")})
+  assert not asked, f"training/loop.py calls {asked}"

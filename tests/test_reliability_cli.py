@@ -3,6 +3,7 @@
 it can be checked; the run directory's record refuses what a resume cannot
 change and applies what it may."""
 
+import dataclasses
 import errno
 import json
 import logging
@@ -162,18 +163,19 @@ def test_a_full_disk_is_one_error_line_naming_the_path(tmp_path, capsys,
 def test_only_the_chief_takes_the_lock_and_writes_the_record():
   spec = {"chief": ["a:1"], "worker": ["b:1"], "ps": ["c:1"]}
   role = lambda t, i=0, s=spec: cluster.TaskRole(t, i, s)
-  ps, mwms = (TrainConfig(strategy="parameter_server"),
-              TrainConfig(strategy="multi_worker_mirrored"))
+  ps, mwms = (TrainConfig(strategy="parameter_server").cluster_target,
+              TrainConfig(strategy="multi_worker_mirrored").cluster_target)
   assert cluster.writes_outputs(role("chief"), ps)
   assert not cluster.writes_outputs(role("worker"), ps)
   workers = {"worker": ["a:1", "b:1"]}
   assert cluster.writes_outputs(role("worker", 0, workers), mwms)
   assert not cluster.writes_outputs(role("worker", 1, workers), mwms)
-  slurm = mwms.replace(cluster_resolver="slurm")
+  slurm = dataclasses.replace(mwms, cluster_resolver="slurm")
   assert not cluster.writes_outputs(cluster.TaskRole(), slurm,
                                     {"SLURM_PROCID": "1"})
   assert cluster.writes_outputs(cluster.TaskRole(), slurm, {"SLURM_PROCID": "0"})
-  assert cluster.writes_outputs(cluster.TaskRole(), TrainConfig(),
+  assert cluster.writes_outputs(cluster.TaskRole(),
+                                TrainConfig().cluster_target,
                                 {"SLURM_PROCID": "3"})
 
 

@@ -66,7 +66,8 @@ def test_branch_parallel_says_where_its_branch_count_comes_from(
 
 def test_multi_worker_without_a_cluster_warns_that_it_trains_alone(caplog):
   with caplog.at_level(logging.WARNING):
-    role = cluster.preflight(TrainConfig(strategy="multi_worker_mirrored"), {})
+    role = cluster.preflight(
+        TrainConfig(strategy="multi_worker_mirrored").cluster_target, {})
   assert role.task_type is None
   assert re.search(r"strategy='multi_worker_mirrored' without TF_CONFIG or a "
                    r"SLURM job: this process trains alone", caplog.text)

@@ -31,6 +31,29 @@ def test_main_in_process_trains_and_saves(tmp_path, capsys):
   assert (tmp_path / "checkpoints" / "checkpoint").exists()
 
 
+def test_one_run_looks_the_strategy_up_once(tmp_path, monkeypatch):
+  """Issue 25: `--strategy` is resolved once per run, by the config, which
+  hands the distribution and its options down (the flag validators' early
+  check runs at parsing, before `main`)."""
+  from tfmgpu import strategies
+  from tfmgpu.strategies import registry
+  looked_up = []
+  lookup = registry.lookup
+
+  def counted(name):
+    looked_up.append(name)
+    return lookup(name)
+
+  with flagsaver.flagsaver(strategy="mirrored", num_replicas=2, model="mlp",
+                           epochs=1, steps_per_epoch=2, verbose=0,
+                           model_dir=str(tmp_path)):
+    with monkeypatch.context() as patch:
+      patch.setattr(registry, "lookup", counted)
+      patch.setattr(strategies, "lookup", counted)
+      assert train.main(["train"]) == 0
+  assert looked_up == ["mirrored"]
+
+
 def test_config_errors_become_usage_errors():
   from absl import app
   with flagsaver.flagsaver(strategy="mirrored", dataset="npz", data_path=None):

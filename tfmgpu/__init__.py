@@ -34,6 +34,7 @@ _EXPORTS = {
     "available_models": "tfmgpu.models",
     "build_model": "tfmgpu.models",
     "Trainer": "tfmgpu.training.loop",
+    "TrainerOptions": "tfmgpu.training.trainer_options",
     "predict": "tfmgpu.predict",  # The CLI module, callable as the function.
     "Predictor": "tfmgpu.inference",
     "generate": "tfmgpu.generate",  # The CLI module, callable as the function.

@@ -69,7 +69,20 @@ class TaskRole:
     return "ps" in self.cluster and self.task_type in ("ps", "worker")
 
 
-def writes_outputs(role: TaskRole, config: Any,
+@dataclasses.dataclass(frozen=True)
+class ClusterTarget:
+  """What a run asks of its cluster (`TrainConfig.cluster_target`).
+
+  Attributes:
+    distribution: the run's resolved strategy or placement.
+    cluster_resolver: where a joining strategy's cluster comes from:
+      `"tf_config"` or `"slurm"`.
+  """
+  distribution: strategies_lib.Distribution
+  cluster_resolver: str = "tf_config"
+
+
+def writes_outputs(role: TaskRole, target: ClusterTarget,
                    environ: Mapping[str, str] | None = None) -> bool:
   """Whether this task owns the run's outputs: checkpoints, model.keras, and
   the run directory's lock and record (`tfmgpu.rundir`).
@@ -82,8 +95,8 @@ def writes_outputs(role: TaskRole, config: Any,
       return role.task_type == "chief"
     return role.task_type == "worker" and role.index == 0
   environ = os.environ if environ is None else environ
-  if (config.cluster_resolver == "slurm"
-      and strategies_lib.lookup(config.strategy).joins_cluster):
+  if (target.cluster_resolver == "slurm"
+      and target.distribution.joins_cluster):
     return environ.get("SLURM_PROCID", "0") == "0"
   return True
 
@@ -138,12 +151,13 @@ def check_port_free(role: TaskRole) -> None:
           "(scripts/launch_local_cluster.py picks free ports).") from e
 
 
-def preflight(config: Any, environ: Mapping[str, str] | None = None
-              ) -> TaskRole:
-  """Checks the cluster against `config.strategy` before TensorFlow loads.
+def preflight(target: ClusterTarget,
+              environ: Mapping[str, str] | None = None) -> TaskRole:
+  """Checks the cluster against the run's strategy before TensorFlow loads.
 
   Args:
-    config: the run's `TrainConfig` (its `strategy` and `cluster_resolver`).
+    target: the run's strategy and cluster resolver
+      (`TrainConfig.cluster_target`).
     environ: where TF_CONFIG is read. Defaults to `os.environ`.
 
   Returns:
@@ -155,9 +169,9 @@ def preflight(config: Any, environ: Mapping[str, str] | None = None
       taken.
   """
   environ = os.environ if environ is None else environ
-  distribution = strategies_lib.lookup(config.strategy)
+  distribution = target.distribution
   name = distribution.name
-  if distribution.joins_cluster and config.cluster_resolver == "slurm":
+  if distribution.joins_cluster and target.cluster_resolver == "slurm":
     if not distribution.slurm:
       raise ValueError(
           f"strategy={name!r} with cluster_resolver='slurm' is not supported: "

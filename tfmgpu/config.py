@@ -22,6 +22,7 @@ import typing
 from typing import Any
 
 from tfmgpu import checks
+from tfmgpu import cluster
 from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
@@ -175,7 +176,11 @@ class RunSettings:
     for name in ("devices", "split_points"):  # `--devices=`: none given.
       if getattr(self, name) == ():
         object.__setattr__(self, name, None)
-    distribution = strategies_lib.lookup(self.strategy)
+    # Resolved once: `replace` hands a copy with the same strategy this
+    # config's distribution (see `_resolved`).
+    distribution = self.__dict__.get("_distribution") or strategies_lib.lookup(
+        self.strategy)
+    object.__setattr__(self, "_distribution", distribution)
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     models_lib.check_model(self.model)  # The user's code: found, not run.
     models_lib.check_model_size(self.model, self.model_size)
@@ -197,9 +202,9 @@ class RunSettings:
     self._check_numbers()
     self._check_layout_sizes(distribution)
     # The run's distribution checks its options and cross-field rules.
-    distribution.options_from(self)
+    object.__setattr__(self, "_options", distribution.options_from(self))
     try:
-      distribution.check_config(self)
+      distribution.check_config(self._options, self.run_facts)
     except ValueError as e:
       raise ConfigRuleError(str(e)) from None
     if self.dataset == "npz" and not self.data_path:
@@ -303,8 +308,9 @@ class RunSettings:
 
   @property
   def distribution(self) -> strategies_lib.Distribution:
-    """The registered strategy or placement this config names."""
-    return strategies_lib.lookup(self.strategy)
+    """The registered strategy or placement this config names (looked up
+    once, when the config is made)."""
+    return self._distribution
 
   @property
   def is_placement(self) -> bool:
@@ -313,8 +319,22 @@ class RunSettings:
 
   @property
   def options(self) -> Any:
-    """The distribution's typed options (its `Options` dataclass)."""
-    return self.distribution.options_from(self)
+    """The distribution's typed options (its `Options` dataclass), made
+    and checked once, when the config is made."""
+    return self._options
+
+  @property
+  def run_facts(self) -> strategies_lib.RunFacts:
+    """What the distribution's cross-field rules read besides its options."""
+    return strategies_lib.RunFacts(
+        global_batch_size=self.global_batch_size,
+        virtual_devices=self.virtual_devices, model=self.model,
+        model_size=self.model_size)
+
+  @property
+  def cluster_target(self) -> cluster.ClusterTarget:
+    """What this run asks of its cluster (`cluster.preflight`)."""
+    return cluster.ClusterTarget(self.distribution, self.cluster_resolver)
 
   def model_options(self) -> dict[str, Any]:
     """The options of `models.build_model(self.model, ...)` this config sets
@@ -342,7 +362,18 @@ class RunSettings:
       if "model_size" not in changes and self.model_size == (
           models_lib.default_size(self.model)):
         changes["model_size"] = None
-    return dataclasses.replace(self, **changes)
+    return self._resolved(**changes)
+
+  def _resolved(self, **changes: Any) -> "TrainConfig":
+    """`dataclasses.replace(self, **changes)`, keeping this config's
+    distribution when the strategy stays (no second registry lookup)."""
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    values.update(changes)
+    config = object.__new__(type(self))
+    if values["strategy"] == self.strategy:
+      object.__setattr__(config, "_distribution", self._distribution)
+    config.__init__(**values)  # pylint: disable=unnecessary-dunder-call
+    return config
 
 
 def _option_fields(run_fields: set[str]) -> list[tuple[str, Any, Any]]:

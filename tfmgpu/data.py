@@ -1,18 +1,16 @@
-"""Datasets by name (`tfmgpu.datasets`, re-exported) and batch arithmetic.
+"""Datasets by name (`tfmgpu.datasets`, re-exported).
 
 The registry, `Arrays` and the built-in datasets live in the
 `tfmgpu.datasets` package; this module keeps their names importable as
-`tfmgpu.data.*`. `tfmgpu.training.inputs` builds the per-replica pipeline
-(seeded shuffle, global batch, shard per input pipeline, prefetch).
+`tfmgpu.data.*`. Batch arithmetic (`check_global_batch`, `epoch_order`) and
+the per-replica pipeline (seeded shuffle, global batch, shard per input
+pipeline, prefetch) are `tfmgpu.training.inputs`'.
 
 Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from tfmgpu import checks
 from tfmgpu.datasets.cache import cache_dir
 from tfmgpu.datasets.registry import Arrays
 from tfmgpu.datasets.registry import available_datasets
@@ -35,41 +33,8 @@ from tfmgpu.datasets.registry import UserDatasets
 
 __all__ = [
     "Arrays", "available_datasets", "Baseline", "cache_dir", "check_dataset",
-    "check_global_batch", "check_labels", "dataset_entry", "DatasetEntry",
-    "DatasetUnavailableError", "default_metrics", "epoch_indices",
-    "epoch_order", "load_dataset", "open_dataset", "register_dataset",
-    "StreamedDataset", "unregister_dataset", "USER_LOADER_CALL",
-    "user_arrays", "user_datasets", "UserDatasets"]
-
-
-# ------------------------------------------------------- input pipeline
-
-def check_global_batch(global_batch_size: int, num_replicas: int,
-                       what: str = "the strategy") -> int:
-  """Returns the per-replica batch size, or raises a clear error.
-
-  Raises:
-    ValueError: not a positive multiple of `num_replicas`.
-  """
-  if global_batch_size < 1:
-    raise ValueError(f"global_batch_size={global_batch_size} must be >= 1.")
-  checks.check_divisible("global_batch_size", global_batch_size,
-                         num_replicas, f"the {num_replicas} replicas of {what}")
-  return global_batch_size // num_replicas
-
-
-def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-  """The example order of one epoch: a permutation fixed by (seed, epoch).
-
-  Deriving it from the epoch number (not from an iterator's state) makes a
-  resumed run see exactly the data an uninterrupted run would.
-  """
-  return np.random.default_rng([seed, epoch]).permutation(num_examples)
-
-
-def epoch_indices(num_examples: int, *, seed: int, epoch: int,
-                  shuffle: bool) -> np.ndarray:
-  """`epoch_order(num_examples, seed, epoch)` if `shuffle`, else input order."""
-  if shuffle:
-    return epoch_order(num_examples, seed, epoch)
-  return np.arange(num_examples)
+    "check_labels", "dataset_entry", "DatasetEntry",
+    "DatasetUnavailableError", "default_metrics", "load_dataset",
+    "open_dataset", "register_dataset", "StreamedDataset",
+    "unregister_dataset", "USER_LOADER_CALL", "user_arrays", "user_datasets",
+    "UserDatasets"]

@@ -28,9 +28,9 @@ from tfmgpu import strategies as strategies_lib
 from tfmgpu.config import TrainConfig
 from tfmgpu.placements import base as placements_base
 from tfmgpu.training import checkpoints as ckpt_lib
-from tfmgpu.training import parameter_server as ps_lib
 from tfmgpu.training.loop import Trainer
 from tfmgpu.training.loop import TrainResult
+from tfmgpu.training.trainer_options import TrainerOptions
 
 
 @dataclasses.dataclass
@@ -181,22 +181,15 @@ def start_devices(config: TrainConfig,
 
 def make_trainer(config: TrainConfig, placement: strategies_lib.Placement, *,
                  model_dir: str, callbacks=()) -> Trainer:
-  """The Trainer for `placement` with the config's training settings."""
-  trainer_class = (ps_lib.ParameterServerTrainer
-                   if ps_lib.is_parameter_server(placement.strategy)
-                   else Trainer)
-  return trainer_class(
-      placement.model, strategy=placement.strategy, optimizer=config.optimizer,
-      learning_rate=config.learning_rate, clip_norm=config.clip_norm,
-      gradient_compression=config.gradient_compression,
-      bytes_per_pack=config.bytes_per_pack,
-      steps_per_execution=config.steps_per_execution,
-      jit_compile=config.jit_compile,
-      fused_optimizer=config.fused_optimizer, input_mode=config.input_mode,
-      model_dir=model_dir, callbacks=callbacks, verbose=config.verbose,
-      checkpoint_every_steps=config.checkpoint_every_steps,
-      checkpoint_every_s=config.checkpoint_every_s,
-      **dict(zip(("loss", "metrics"), config.loss_and_metrics())))
+  """The Trainer for `placement` with the config's training settings, run
+  as its distribution says (`Distribution.execution`)."""
+  loss, metrics = config.loss_and_metrics()
+  return Trainer(
+      placement.model, strategy=placement.strategy,
+      execution=placement.distribution.execution,
+      options=TrainerOptions.from_settings(
+          config, loss=loss, metrics=metrics, model_dir=model_dir,
+          callbacks=tuple(callbacks)))
 
 
 def _model_builder(config: TrainConfig, arrays: data_lib.Arrays,
@@ -255,8 +248,8 @@ def run_training(config: TrainConfig, *,
       checkpoint was saved in `model_dir` and a new call resumes from it.
   """
   start = time.perf_counter()
-  distribution = config.distribution  # Resolved once for the whole run.
-  options = distribution.options_from(config)
+  # Resolved once, when the config was made, for the whole run.
+  distribution, options = config.distribution, config.options
   strategy = start_devices(config, distribution, options)
   if arrays is None:
     arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
@@ -277,7 +270,7 @@ def run_training(config: TrainConfig, *,
   trainer = make_trainer(config, placement, model_dir=model_dir,
                          callbacks=callbacks)
   try:
-    result, test = _fit_and_test(trainer, config, arrays, placement.strategy)
+    result, test = _fit_and_test(trainer, config, arrays)
     saved = None
     if ckpt_lib.is_chief(placement.strategy):
       saved = placement.distribution.save_model(
@@ -296,11 +289,11 @@ def run_training(config: TrainConfig, *,
 
 def _fit_and_test(trainer: Trainer, config: TrainConfig,
                   data: "data_lib.Arrays | data_lib.StreamedDataset | "
-                  "data_lib.UserDatasets",
-                  strategy) -> tuple[TrainResult, dict[str, float]]:
+                  "data_lib.UserDatasets"
+                  ) -> tuple[TrainResult, dict[str, float]]:
   """`_fit_and_test_once`; a damaged file of a streamed dataset is named."""
   try:
-    return _fit_and_test_once(trainer, config, data, strategy)
+    return _fit_and_test_once(trainer, config, data)
   except tf.errors.DataLossError as e:
     if isinstance(data, data_lib.Arrays):
       raise
@@ -309,8 +302,8 @@ def _fit_and_test(trainer: Trainer, config: TrainConfig,
 
 def _fit_and_test_once(trainer: Trainer, config: TrainConfig,
                        data: "data_lib.Arrays | data_lib.StreamedDataset | "
-                       "data_lib.UserDatasets",
-                       strategy) -> tuple[TrainResult, dict[str, float]]:
+                       "data_lib.UserDatasets"
+                       ) -> tuple[TrainResult, dict[str, float]]:
   """Trains, then evaluates on the test split: in-memory arrays, a
   streamed dataset's dataset functions (read from its files as they train),
   or a user loader's `tf.data` datasets (no test split: a NaN loss)."""
@@ -327,8 +320,8 @@ def _fit_and_test_once(trainer: Trainer, config: TrainConfig,
         seed=config.seed)
     return result, trainer.evaluate(data.x_test, data.y_test,
                                     global_batch_size=batch)
-  stream = data.train_dataset_fn(
-      batch, independent_workers=ps_lib.is_parameter_server(strategy))
+  stream = data.train_dataset_fn(  # Workers that stream on their own.
+      batch, independent_workers=trainer.execution.streams)
   test = data.test_dataset_fn(batch)  # Before training: it checks the files.
   result = trainer.fit(stream, epochs=config.epochs, steps_per_epoch=(
       config.steps_per_epoch or data.steps_per_epoch(batch)))

@@ -68,11 +68,17 @@ def _batch_divides(values) -> bool:
   """A data-parallel strategy's replica rule, as an early flag error (the
   other rules are the config's, checked in `main`)."""
   distribution = strategies_lib.lookup(values["strategy"])
-  if distribution.kind is strategies_lib.Kind.DATA_PARALLEL:
-    try:
-      distribution.check_config(types.SimpleNamespace(**values))
-    except ValueError as e:
-      raise flags.ValidationError(f"--{e}") from None
+  if distribution.kind is not strategies_lib.Kind.DATA_PARALLEL:
+    return True
+  try:  # Options it rejects are the config's to explain, in `main`.
+    options = distribution.options_from(types.SimpleNamespace(**values))
+  except ValueError:
+    return True
+  try:
+    distribution.check_config(options, strategies_lib.RunFacts(
+        values["global_batch_size"], values["virtual_devices"]))
+  except ValueError as e:
+    raise flags.ValidationError(f"--{e}") from None
   return True
 
 
@@ -114,7 +120,8 @@ def main(argv: list[str]) -> int:
   except ValueError as e:  # One bad setting: absl adds the usage line.
     raise app.UsageError(str(e)) from None
   try:
-    role = cluster.preflight(config)  # TF_CONFIG and ports, before TF loads.
+    # TF_CONFIG and ports, before TF loads.
+    role = cluster.preflight(config.cluster_target)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
@@ -150,7 +157,7 @@ def _train_in_run_dir(config: config_lib.TrainConfig,
   config = config.replace(
       model_dir=config.model_dir or rundir.default_model_dir(config.strategy))
   created = (rundir.missing_directories(config.model_dir)
-             if cluster.writes_outputs(role, config) else [])
+             if cluster.writes_outputs(role, config.cluster_target) else [])
   code = 1
   try:
     try:  # The run directory, before TF loads: usable, unlocked, same run.
@@ -186,7 +193,8 @@ def open_run_dir(config: config_lib.TrainConfig, role: cluster.TaskRole
   model_dir = config.model_dir or rundir.default_model_dir(config.strategy)
   config = config.replace(model_dir=model_dir)
   lock = rundir.open_run(model_dir, rundir.record_of(config),
-                         chief=cluster.writes_outputs(role, config))
+                         chief=cluster.writes_outputs(role,
+                                                      config.cluster_target))
   return config, lock
 
 

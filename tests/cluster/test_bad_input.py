@@ -90,20 +90,20 @@ PS_CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
 def test_preflight_errors(config, raw, match):
   environ = {} if raw is None else {"TF_CONFIG": raw}
   with pytest.raises(ValueError, match=match):
-    cluster.preflight(config, environ)
+    cluster.preflight(config.cluster_target, environ)
 
 
 def test_preflight_roles():
   port = free_port()
   spec = {"chief": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:2"],
           "ps": ["127.0.0.1:3"]}
-  chief = cluster.preflight(PS, {"TF_CONFIG": tf_config(spec, "chief")})
+  chief = cluster.preflight(PS.cluster_target, {"TF_CONFIG": tf_config(spec, "chief")})
   assert (chief.name, chief.runs_server) == ("chief:0", False)
   assert cluster.task_role(tf_config(spec, "ps")).runs_server
   assert cluster.task_role(tf_config(spec, "worker")).runs_server
   assert not cluster.task_role(tf_config(TWO_WORKERS, "worker", 1)).runs_server
-  assert cluster.preflight(MWMS, {}).name == "local"  # One-worker MWMS.
-  assert cluster.preflight(TrainConfig(), {}).task_type is None
+  assert cluster.preflight(MWMS.cluster_target, {}).name == "local"  # One-worker MWMS.
+  assert cluster.preflight(TrainConfig().cluster_target, {}).task_type is None
 
 
 def test_own_port_in_use(busy_port):

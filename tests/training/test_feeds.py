@@ -18,6 +18,7 @@ import tfmgpu
 from tfmgpu.parallel import inspection
 from tfmgpu.training import distributed
 from tfmgpu.training import feeds
+from tfmgpu.training import inputs
 from tfmgpu.training.loop import Trainer
 
 ROWS, BATCH = 61, 12  # The last batch has 1 row: 3 of 4 replicas get none.
@@ -58,7 +59,7 @@ def _train(strategy, initial, split: bool, rows: int = ROWS):
                     input_mode="auto" if split else "tf_data")
   trainer.fit(dataset, epochs=2)
   scores = trainer.evaluate(dataset)
-  assert (True in trainer._eval_fns) == split  # pylint: disable=protected-access
+  assert (True in trainer.evaluator.functions) == split  # pylint: disable=protected-access
   return model.get_weights(), scores
 
 
@@ -177,3 +178,32 @@ def test_one_iterator_on_the_host_feeds_each_replica_on_its_device(
   assert len(reads) == 1, reads
   matmuls = collections.Counter(p.device for p in ops if p.type == "MatMul")
   assert set(matmuls) == set(cpu_devices[:2]), matmuls
+
+
+def test_one_input_plan_checks_the_sizes_of_both_executions():
+  """Issue 25: the epochs/steps checks are written once, in
+  `feeds.plan_input`, for synchronous and streamed (parameter-server)
+  training."""
+  strategy = tf.distribute.get_strategy()
+  x, y = np.zeros((10, 2), np.float32), np.zeros(10, np.int32)
+  arrays = inputs.from_user(x, y)
+  plan = feeds.plan_input(arrays, strategy, input_mode="tf_data", epochs=1,
+                          global_batch_size=4, steps_per_epoch=None)
+  assert (plan.global_batch_size, plan.steps_per_epoch, plan.feed) == (
+      4, 2, feeds.ITERATOR)
+  streamed = feeds.plan_input(arrays, strategy, input_mode="auto", epochs=1,
+                              global_batch_size=4, steps_per_epoch=7,
+                              streams=True)
+  assert streamed.steps_per_epoch == 7  # Each worker streams endlessly.
+  for streams in (False, True):
+    for counts, match in (((0, None), r"epochs=0 must be >= 1"),
+                          ((1, 0), r"steps_per_epoch=0 must be >= 1")):
+      with pytest.raises(ValueError, match=match):
+        feeds.plan_input(arrays, strategy, input_mode="auto",
+                         epochs=counts[0], global_batch_size=4,
+                         steps_per_epoch=counts[1], streams=streams)
+  dataset = inputs.from_user(tf.data.Dataset.from_tensor_slices((x, y)).batch(4))
+  with pytest.raises(ValueError, match=r"each worker builds its own input"):
+    feeds.plan_input(dataset, strategy, input_mode="auto", epochs=1,
+                     global_batch_size=None, steps_per_epoch=2, streams=True)
+

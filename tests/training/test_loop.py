@@ -171,16 +171,16 @@ def test_evaluation_of_arrays_runs_on_data_held_on_the_devices(digits):
                      input_mode="tf_data")
   got = held.evaluate(x, y, global_batch_size=8)
   want = streamed.evaluate(x, y, global_batch_size=8)
-  assert held._resident_eval_fn is not None and not held._eval_fns  # pylint: disable=protected-access
-  assert streamed._resident_eval_fn is None  # pylint: disable=protected-access
+  assert held.evaluator.resident_function is not None and not held.evaluator.functions  # pylint: disable=protected-access
+  assert streamed.evaluator.resident_function is None  # pylint: disable=protected-access
   assert got["count"] == want["count"] == 101
   for k in ("loss", "accuracy"):
     assert got[k] == pytest.approx(want[k], rel=1e-6)
   # Validation data is copied once per fit and dropped after it.
   held.fit(x, y, epochs=2, global_batch_size=8, steps_per_epoch=2,
            validation_data=(x, y))
-  assert held._eval_held is None  # pylint: disable=protected-access
-  assert held._resident_eval_fn.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+  assert held.evaluator.held is None  # pylint: disable=protected-access
+  assert held.evaluator.resident_function.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
 
 
 def test_float16_gets_loss_scaling_and_trains(digits):

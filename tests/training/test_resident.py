@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfmgpu
-from tfmgpu import data, models
+from tfmgpu import models
 from tfmgpu.parallel import inspection
 from tfmgpu.training import feeds
 from tfmgpu.training import inputs
@@ -60,7 +60,7 @@ def test_epoch_table_matches_the_tf_data_batches(digits):
                      shuffle=True)
   dataset = inputs.distribute_arrays(
       strategy, (x, y), global_batch_size=BATCH,
-      order=data.epoch_order(len(x), 5, 1))
+      order=inputs.epoch_order(len(x), 5, 1))
   indices = strategy.experimental_local_results(table.index)
   for step, (_, labels) in zip(range(3), dataset):
     for r, got in enumerate(strategy.experimental_local_results(labels)):

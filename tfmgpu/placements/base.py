@@ -169,11 +169,10 @@ class LayoutPlacement(registry.Distribution):
 
   # ------------------------------------------------------- rules and reports
 
-  def check_config(self, config: Any) -> None:
-    options = self.options_from(config)
+  def check_config(self, options: Any, run: registry.RunFacts) -> None:
     check_layout_sizes(options, self.micro_batches(options),
-                       global_batch_size=config.global_batch_size,
-                       virtual_devices=config.virtual_devices)
+                       global_batch_size=run.global_batch_size,
+                       virtual_devices=run.virtual_devices)
 
   def size_row(self, placement: registry.Placement) -> tuple[str, str]:
     """The summary's first row of a copied or sharded layout."""

@@ -91,10 +91,10 @@ class ModelParallel(base.LayoutPlacement):
         devices=devices if devices is not None else self.stage_homes(options),
         check_devices=False, input_shape=input_shape)
 
-  def check_config(self, config: Any) -> None:
-    super().check_config(config)
-    check_stage_count(self.options_from(config), config.model,
-                      config.model_size)
+  def check_config(self, options: StageOptions,
+                   run: registry.RunFacts) -> None:
+    super().check_config(options, run)
+    check_stage_count(options, run.model, run.model_size)
 
   def size_row(self, placement: registry.Placement) -> tuple[str, str]:
     homes = ", ".join(placement.plan.devices) if placement.plan else "?"

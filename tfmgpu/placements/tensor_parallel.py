@@ -13,7 +13,6 @@ forward and once in the backward (`tfmgpu.parallel.tensor`). With
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from tfmgpu import settings
 from tfmgpu.placements import base
@@ -45,13 +44,14 @@ class TensorParallel(base.LayoutPlacement):
   layout = "shards"
   always_layout_devices = True
 
-  def check_config(self, config: Any) -> None:
-    if config.tensor_parallel < 2:
+  def check_config(self, options: TensorOptions,
+                   run: registry.RunFacts) -> None:
+    if options.tensor_parallel < 2:
       raise ValueError(
           f"strategy='tensor_parallel' with tensor_parallel="
-          f"{config.tensor_parallel} splits nothing: give "
+          f"{options.tensor_parallel} splits nothing: give "
           "--tensor_parallel=T (2 or more devices per split layer).")
-    super().check_config(config)
+    super().check_config(options, run)
 
   def size_row(self, placement: registry.Placement) -> tuple[str, str]:
     return ("shards",

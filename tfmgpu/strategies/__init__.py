@@ -27,6 +27,7 @@ from tfmgpu.strategies.registry import lookup
 from tfmgpu.strategies.registry import Placement
 from tfmgpu.strategies.registry import register
 from tfmgpu.strategies.registry import registered
+from tfmgpu.strategies.registry import RunFacts
 from tfmgpu.strategies.registry import unregister
 from tfmgpu.strategies.replicas import choose_cross_device_ops
 from tfmgpu.strategies.replicas import CROSS_DEVICE_OPS_CHOICES
@@ -42,7 +43,7 @@ __all__ = [
     "COMMUNICATION_CHOICES", "CROSS_DEVICE_OPS_CHOICES", "Distribution",
     "get_strategy", "in_multi_worker_mode", "Kind", "lookup",
     "make_cross_device_ops", "Placement", "register", "registered",
-    "replica_devices", "short_device", "SINGLE_REPLICA_CHOICES",
+    "replica_devices", "RunFacts", "short_device", "SINGLE_REPLICA_CHOICES",
     "unregister", "validate_tf_config"]
 
 

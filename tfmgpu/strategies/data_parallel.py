@@ -98,8 +98,8 @@ class Mirrored(DataParallel):
   needs = "2+ GPUs, or logical CPUs for testing"
   Options = MirroredOptions
 
-  def check_config(self, config: Any) -> None:
-    _check_batch_over_virtual_devices(self.name, config)
+  def check_config(self, options: Any, run: registry.RunFacts) -> None:
+    _check_batch_over_virtual_devices(self.name, options, run)
 
   def make_strategy(self, options: MirroredOptions) -> "tf.distribute.Strategy":
     replicas = select_replica_devices(options.devices, options.num_gpus,
@@ -127,18 +127,19 @@ class Mirrored(DataParallel):
     return super().place(options, build, strategy=strategy, seed=seed)
 
 
-def _check_batch_over_virtual_devices(name: str, config: Any) -> None:
-  """The global batch must divide by the replicas the config chooses (known
+def _check_batch_over_virtual_devices(name: str, options: Any,
+                                      run: registry.RunFacts) -> None:
+  """The global batch must divide by the replicas the options choose (known
   before TensorFlow loads when they are counted, not found)."""
-  if config.num_replicas:
-    n, why = config.num_replicas, ""
-  elif config.devices:
-    n, why = len(config.devices), ""
-  elif config.virtual_devices and config.num_gpus is None:
-    n, why = config.virtual_devices, f" (virtual_devices={config.virtual_devices})"
+  if options.num_replicas:
+    n, why = options.num_replicas, ""
+  elif options.devices:
+    n, why = len(options.devices), ""
+  elif run.virtual_devices and options.num_gpus is None:
+    n, why = run.virtual_devices, f" (virtual_devices={run.virtual_devices})"
   else:
     return
-  checks.check_divisible("global_batch_size", config.global_batch_size, n,
+  checks.check_divisible("global_batch_size", run.global_batch_size, n,
                          f"the {n} replicas of {name!r}{why}")
 
 
@@ -232,6 +233,7 @@ class ParameterServer(DataParallel):
   required_jobs = ("chief", "worker", "ps")
   slurm = False  # SLURM gives every task the same role.
   job_roles = {"chief": "the coordinator"}
+  execution = "coordinator"  # The Trainer's steps are scheduled on workers.
 
   def make_strategy(self, options: ParameterServerOptions
                     ) -> "tf.distribute.Strategy":
@@ -284,8 +286,8 @@ class CentralStorage(DataParallel):
   needs = "2+ GPUs (or logical CPUs)"
   Options = CentralStorageOptions
 
-  def check_config(self, config: Any) -> None:
-    _check_batch_over_virtual_devices(self.name, config)
+  def check_config(self, options: Any, run: registry.RunFacts) -> None:
+    _check_batch_over_virtual_devices(self.name, options, run)
 
   def make_strategy(self, options: CentralStorageOptions
                     ) -> "tf.distribute.Strategy":

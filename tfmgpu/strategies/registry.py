@@ -51,6 +51,24 @@ class NoOptions:
   """Options of a distribution that takes none."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+  """The settings of a run that a distribution's cross-field rules
+  (`Distribution.check_config`) read besides its own options.
+
+  Attributes:
+    global_batch_size: examples per step over all replicas.
+    virtual_devices: logical devices the accelerator is split into
+      (`None`: left alone).
+    model: the model's registered name or `module:function` reference.
+    model_size: its named size, if it has sizes.
+  """
+  global_batch_size: int
+  virtual_devices: int | None = None
+  model: str = ""
+  model_size: str | None = None
+
+
 @dataclasses.dataclass
 class Placement:
   """Where a run's model lives: its strategy, devices and the built model.
@@ -96,6 +114,10 @@ class Distribution:
     job_roles: what a job does, where messages should say it.
     python_api: a placement's own Python class (`tfmgpu.PipelinedModel`),
       named when `get_strategy` is asked for the placement.
+    execution: how a `Trainer` runs its steps under it
+      (`tfmgpu.training.loop.EXECUTIONS`): `"sync"` (`strategy.run`), or
+      `"coordinator"` (steps scheduled on a parameter-server cluster's
+      workers).
   """
   name: ClassVar[str] = ""
   description: ClassVar[str] = ""
@@ -110,6 +132,7 @@ class Distribution:
   slurm: ClassVar[bool] = True
   job_roles: ClassVar[dict[str, str]] = {}
   python_api: ClassVar[str] = ""
+  execution: ClassVar[str] = "sync"
 
   # ------------------------------------------------------------ options
 
@@ -137,9 +160,14 @@ class Distribution:
               if getattr(source, f.name, None) is not None}
     return self.Options(**values)
 
-  def check_config(self, config: Any) -> None:
-    """Cross-field rules this distribution adds to a run's config."""
-    del config
+  def check_config(self, options: Any, run: RunFacts) -> None:
+    """Cross-field rules between this distribution's `options` and the
+    rest of a run's settings (`run`).
+
+    Raises:
+      ValueError: a rule broken, naming the settings and the fix.
+    """
+    del options, run
 
   @property
   def intra_op_threads(self) -> int | None:

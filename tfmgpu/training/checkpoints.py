@@ -9,7 +9,7 @@ resumed run saves the end of epoch 3 as `ckpt-4`, not over `ckpt-3`). The
 position is read from inside the checkpoint (`Progress`), never from its
 name. A resumed run skips the steps already done in its first epoch, so with
 the same `global_batch_size` it sees exactly the data of an uninterrupted run
-(`data.epoch_order`), whatever the number of workers or replicas.
+(`inputs.epoch_order`), whatever the number of workers or replicas.
 
 Durability: a checkpoint's files and directory are fsynced before the
 `checkpoint` state file (itself written aside, fsynced and renamed) names it;

@@ -20,6 +20,11 @@ says who batches what (the Keras conventions):
   and shards by `input_context.input_pipeline_id` itself. → `DatasetFnData`.
 
 Anything else is refused with an error naming the argument and its type.
+
+Batch arithmetic lives here too: `check_global_batch` (a global batch over
+the replicas) and `epoch_order` (each epoch's order of arrays, fixed by the
+seed and the epoch, so that a resumed run reads what an uninterrupted one
+would).
 """
 
 from __future__ import annotations
@@ -32,9 +37,42 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmgpu import data as data_lib
+from tfmgpu import checks
 
 INFINITE = -1
+
+
+# ------------------------------------------------------ batch arithmetic
+
+def check_global_batch(global_batch_size: int, num_replicas: int,
+                       what: str = "the strategy") -> int:
+  """Returns the per-replica batch size, or raises a clear error.
+
+  Raises:
+    ValueError: not a positive multiple of `num_replicas`.
+  """
+  if global_batch_size < 1:
+    raise ValueError(f"global_batch_size={global_batch_size} must be >= 1.")
+  checks.check_divisible("global_batch_size", global_batch_size,
+                         num_replicas, f"the {num_replicas} replicas of {what}")
+  return global_batch_size // num_replicas
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+  """The example order of one epoch: a permutation fixed by (seed, epoch).
+
+  Deriving it from the epoch number (not from an iterator's state) makes a
+  resumed run see exactly the data an uninterrupted run would.
+  """
+  return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def epoch_indices(num_examples: int, *, seed: int, epoch: int,
+                  shuffle: bool) -> np.ndarray:
+  """`epoch_order(num_examples, seed, epoch)` if `shuffle`, else input order."""
+  if shuffle:
+    return epoch_order(num_examples, seed, epoch)
+  return np.arange(num_examples)
 
 
 def _as_structure(value: Any, what: str) -> Any:
@@ -281,7 +319,7 @@ def with_mask(dataset: tf.data.Dataset) -> tf.data.Dataset:
 def array_dataset_fn(data: tuple, *, global_batch_size: int,
                      order: np.ndarray | None, drop_remainder: bool,
                      repeat: bool = False):
-  """`fn(input_context)` over in-memory arrays (the order of `data.epoch_order`:
+  """`fn(input_context)` over in-memory arrays (the order of `epoch_order`:
   pipeline `i` takes every n-th row, batched per replica)."""
   if order is not None:
     data = tf.nest.map_structure(lambda a: a[order], data)
@@ -307,7 +345,7 @@ def distribute_arrays(strategy: tf.distribute.Strategy, data: tuple, *,
                       global_batch_size: int, order: np.ndarray | None = None,
                       drop_remainder: bool = True):
   """`array_dataset_fn(...)` distributed over `strategy`'s replicas."""
-  data_lib.check_global_batch(global_batch_size, strategy.num_replicas_in_sync)
+  check_global_batch(global_batch_size, strategy.num_replicas_in_sync)
   return strategy.distribute_datasets_from_function(array_dataset_fn(
       data, global_batch_size=global_batch_size, order=order,
       drop_remainder=drop_remainder))

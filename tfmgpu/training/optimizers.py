@@ -7,6 +7,7 @@ Importing this module does not import TensorFlow or Keras (the CLIs list
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 from tfmgpu._lazy import LazyModule
@@ -152,3 +153,23 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
     else:
       optimizer.build(model.trainable_variables)
   return optimizer
+
+
+@contextlib.contextmanager
+def optimizer_on_model(model: keras.Model,
+                       optimizer: keras.optimizers.Optimizer):
+  """`model.optimizer` is `optimizer` while `fit` runs, as in Keras `fit`:
+  callbacks read and set it (`ReduceLROnPlateau`, `LearningRateScheduler`).
+  Restored after: the Trainer's optimizer does not all-reduce by itself
+  (`allreduce.take_over_aggregation`), so a later `model.fit` must not pick
+  it up."""
+  missing = object()
+  before = getattr(model, "optimizer", missing)
+  model.optimizer = optimizer
+  try:
+    yield
+  finally:
+    if before is missing:
+      del model.optimizer
+    else:
+      model.optimizer = before

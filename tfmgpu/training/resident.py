@@ -22,7 +22,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from tfmgpu import data as data_lib
+from tfmgpu.training import inputs
 from tfmgpu.training.choices import DEVICE_DATA_MAX_MIB
 from tfmgpu.training.choices import INPUT_MODE_CHOICES
 
@@ -138,14 +138,14 @@ class DeviceData:
     path's consecutive per-replica batches do.
     """
     replicas = self.strategy.num_replicas_in_sync
-    data_lib.check_global_batch(global_batch_size, replicas)
+    inputs.check_global_batch(global_batch_size, replicas)
     if steps * global_batch_size > self.num_examples:
       raise ValueError(f"steps={steps} of global_batch_size="
                        f"{global_batch_size} need more than the "
                        f"{self.num_examples} examples held; use at most "
                        f"{self.num_examples // global_batch_size} steps or a "
                        "smaller batch.")
-    order = data_lib.epoch_indices(self.num_examples, seed=seed, epoch=epoch,
+    order = inputs.epoch_indices(self.num_examples, seed=seed, epoch=epoch,
                                    shuffle=shuffle)
     table = order[:steps * global_batch_size].astype(np.int32).reshape(
         steps, replicas, global_batch_size // replicas)

@@ -5,8 +5,9 @@ A runner is what the `Controller` (`tfmgpu.training.controller`) drives.
 (`tfmgpu.training.distributed`) once per call, feeding it batches as
 `tfmgpu.training.feeds` says: from a distributed `tf.data` iterator, from
 device-resident arrays (`tfmgpu.training.resident`), or from one host
-iterator whose global batches the function splits. The parameter-server runner lives beside its
-trainer in `tfmgpu.training.parameter_server`.
+iterator whose global batches the function splits. An execution
+(`tfmgpu.training.execution`) makes it; the parameter-server runner,
+`CoordinatorRunner`, lives in `tfmgpu.training.coordinator`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from tfmgpu import data as data_lib
 from tfmgpu.training import feeds
 from tfmgpu.training import inputs
 from tfmgpu.training import resident
@@ -102,7 +102,7 @@ class SyncRunner:
     """The epoch's distributed dataset, from step `first_step` on (resume)."""
     # With `array_dataset_fn`'s interleaved sharding each global batch is a
     # contiguous slice of the epoch's order: the rest of it is the rest.
-    order = data_lib.epoch_indices(self.source.num_examples, seed=self.seed,
+    order = inputs.epoch_indices(self.source.num_examples, seed=self.seed,
                                    epoch=epoch, shuffle=self.shuffle)
     return inputs.distribute_arrays(
         self.strategy, self.source.data,

@@ -33,6 +33,13 @@ def _uses_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
   return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+def brings_own_backward(model: keras.Model) -> bool:
+  """Whether `model` computes its own gradients, each part's on its own
+  device (`compute_loss_and_gradients`: staged, pipelined, tensor-split
+  and replicated models: `tfmgpu.parallel.placed_model.is_placed`)."""
+  return placed_model.is_placed(model)
+
+
 def make_gradients_fn(model: keras.Model,
                       optimizer: keras.optimizers.Optimizer, *,
                       global_batch_size: int | None,
@@ -85,7 +92,7 @@ def make_gradients_fn(model: keras.Model,
     return loss_value, y_pred, tape.gradient(target,
                                              model.trainable_variables)
 
-  if placed_model.is_placed(model):
+  if brings_own_backward(model):
     if jit_compile:
       raise ValueError(
           f"jit_compile=True is not supported for {type(model).__name__}: XLA "

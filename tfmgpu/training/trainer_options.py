@@ -1,0 +1,120 @@
+"""What a `Trainer` does besides its model and strategy: one frozen value.
+
+`TrainerOptions` gathers the optimizer, objective, execution and output
+settings that `tfmgpu.Trainer(...)` takes as keyword arguments (it builds
+one from them), so a run hands them over once
+(`TrainerOptions.from_settings(config, ...)`) instead of re-threading each.
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+  """A `Trainer`'s settings. Every field has a working default.
+
+  Attributes:
+    optimizer: a name (see `OPTIMIZER_CHOICES`) or a Keras optimizer.
+      Defaults to `"adam"`. Float16 models get a `LossScaleOptimizer`.
+    learning_rate: used with an optimizer name. Defaults to `1e-3`.
+    clip_norm: clip the all-reduced gradient to this global norm (Keras
+      would clip each replica's partial gradient). Defaults to `None`.
+    gradient_compression: `"none"`, `"float16"` or `"bfloat16"`: the dtype
+      gradients are all-reduced in (half the bytes). Defaults to `"none"`.
+    bytes_per_pack: all-reduce pack size in bytes (0: TF's default).
+    loss: a Keras loss: a name, a `keras.losses.Loss`, a function
+      `fn(y_true, y_pred)`, or a dict (by output name) or list of them for a
+      model with several outputs. Defaults to sparse categorical
+      cross-entropy from logits. See `tfmgpu.training.objectives`.
+    metrics: Keras metrics (names or `keras.metrics.Metric` objects), a list
+      for every output or a dict by output name. Defaults to
+      `["accuracy"]` with the default loss, none otherwise. Reduced from
+      summed states, exact across replicas, micro-batches and workers. As
+      in Keras, they ignore `sample_weight`.
+    loss_weights: per-output weights of the total loss (dict or list).
+    weighted_metrics: metrics weighted by `sample_weight`, given as
+      `metrics` (Keras' `compile(weighted_metrics=...)`); one named like an
+      unweighted metric is reported as `weighted_<name>`.
+    steps_per_execution: steps run per `tf.function` call. Defaults to `1`.
+    jit_compile: XLA-compile each replica's forward/backward.
+    fused_optimizer: when `optimizer` is a name, update each variable with
+      one fused kernel (`tfmgpu.training.fused`); an optimizer object is
+      used as given.
+    input_mode: `"device"` copies the training arrays to every replica's
+      device once and gathers each batch there (`tfmgpu.training.resident`);
+      `"tf_data"` reads them through a `tf.data` pipeline; `"auto"` (the
+      default) picks `"device"` on one host when all replicas' copies take
+      at most `resident.DEFAULT_MAX_BYTES`. Both give each replica the same
+      examples. For a `tf.data.Dataset`, `"auto"` reads it with one host
+      iterator and splits each batch in the step where the replicas are
+      CPUs (`tfmgpu.training.feeds`); `"tf_data"` keeps TF's distributed
+      iterator.
+    model_dir: where checkpoints and TensorBoard summaries go; `None` keeps
+      nothing. A directory with checkpoints is resumed from. While `fit`
+      runs, the chief holds the directory's lock (`tfmgpu.rundir`): a second
+      run on it refuses.
+    checkpoint_every_steps: also save a checkpoint every N global steps (at
+      the first call boundary reaching a multiple of N), not only per epoch.
+    checkpoint_every_s: also save a checkpoint once N seconds have passed
+      since the last save (agreed by every worker).
+    callbacks: Keras callbacks (epoch/batch hooks, `model.stop_training`).
+    verbose: 1 shows a progress line per epoch (plain off a terminal), 0
+      logs one line per epoch.
+
+  Raises:
+    ValueError: `steps_per_execution < 1`.
+  """
+  optimizer: Any = "adam"
+  learning_rate: float = 1e-3
+  clip_norm: float | None = None
+  gradient_compression: str = "none"
+  bytes_per_pack: int = 0
+  loss: Any = None
+  metrics: Any = None
+  loss_weights: Any = None
+  weighted_metrics: Any = None
+  steps_per_execution: int = 1
+  jit_compile: bool = False
+  fused_optimizer: bool = True
+  input_mode: str = "auto"
+  model_dir: str | None = None
+  checkpoint_every_steps: int | None = None
+  checkpoint_every_s: float | None = None
+  callbacks: Sequence[Any] = ()
+  verbose: int = 1
+
+  def __post_init__(self):
+    if self.steps_per_execution < 1:
+      raise ValueError(
+          f"steps_per_execution={self.steps_per_execution} must be >= 1.")
+    object.__setattr__(self, "callbacks", tuple(self.callbacks))
+
+  @classmethod
+  def from_settings(cls, source: Any, **overrides: Any) -> "TrainerOptions":
+    """The options a run's settings name (`source`: a `TrainConfig` or any
+    object with same-named attributes), `overrides` applied last."""
+    values = {f.name: getattr(source, f.name) for f in dataclasses.fields(cls)
+              if hasattr(source, f.name)}
+    values.update(overrides)
+    return cls(**values)
+
+  @classmethod
+  def of(cls, options: "TrainerOptions | None", settings: dict[str, Any]
+         ) -> "TrainerOptions":
+    """`options` (default ones if `None`) with `settings` (keyword
+    arguments of `Trainer`) applied.
+
+    Raises:
+      TypeError: a setting that is not a field, naming the fields.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+      raise TypeError(f"Trainer got unknown argument(s) {', '.join(unknown)}."
+                      f" Besides model, strategy, options and execution it takes the "
+                      f"TrainerOptions fields: {', '.join(names)}.")
+    return dataclasses.replace(options or cls(), **settings)
