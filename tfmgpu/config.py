@@ -62,6 +62,9 @@ class TrainConfig:
     num_packs: gradient packs for all-reduce.
     single_replica: `mirrored` with one replica on the default device uses
       the `default` strategy (no wrapping overhead), or stays `mirrored`.
+    zero_stage: `mirrored`: shard the replicas' state over their devices
+      (ZeRO, `tfmgpu.parallel.zero`): `1` optimizer slots, `2` also the
+      summed gradients, `3` also the weights; `0` keeps whole copies.
     communication: multi-worker collectives: `auto`, `ring`, `nccl`.
     cluster_resolver: `tf_config` or `slurm`.
     variable_shards: `parameter_server`: split each variable over this many
@@ -135,6 +138,7 @@ class TrainConfig:
   cross_device_ops: str = "auto"
   num_packs: int = 1
   single_replica: str = "default"
+  zero_stage: int = 0
   communication: str = "auto"
   cluster_resolver: str = "tf_config"
   variable_shards: int | None = None
@@ -208,6 +212,7 @@ class TrainConfig:
       checks.check_choice(name, getattr(self, name), choices)
     self._check_numbers()
     self._check_layout_sizes(distribution)
+    self._check_zero_stage(distribution)
     # The run's distribution checks its options and cross-field rules.
     distribution.options_from(self)
     try:
@@ -239,6 +244,18 @@ class TrainConfig:
             f"{', '.join(users)} (e.g. --strategy=pipeline --num_stages=2 "
             f"--{name}=...). For copies of a whole model on each device use "
             "--strategy=mirrored without it.")
+
+  def _check_zero_stage(self, distribution: Any) -> None:
+    """`zero_stage` for a strategy that cannot shard: an error that says
+    what works."""
+    takes = {f.name for f in dataclasses.fields(distribution.Options)}
+    if self.zero_stage and "zero_stage" not in takes:
+      raise ValueError(
+          f"zero_stage={self.zero_stage!r} is not supported by strategy="
+          f"{self.strategy!r}: tfmgpu shards weights, gradients and optimizer "
+          "slots (ZeRO) over the replicas of one host only. Use "
+          f"--strategy=mirrored --zero_stage={self.zero_stage} (with "
+          "--virtual_devices=N on a CPU), or drop --zero_stage.")
 
   def _check_objective(self) -> None:
     """`loss` and `metrics`: names are Keras' to check (when the Trainer is

@@ -390,7 +390,9 @@ def _summary(config: TrainConfig, placement: strategies_lib.Placement,
   return RunSummary(
       strategy=(config.strategy if chosen == config.strategy
                 else f"{config.strategy}: {chosen}"),
-      replicas=placement.strategy.num_replicas_in_sync,
+      replicas=(len(placement.devices)  # ZeRO: one replica per device.
+                if getattr(placement.options, "zero_stage", 0)
+                else placement.strategy.num_replicas_in_sync),
       devices=placement.devices,
       final_loss=history["loss"][-1] if history else nan,
       final_accuracy=train_metrics.get("accuracy", nan),

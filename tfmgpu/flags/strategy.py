@@ -29,6 +29,11 @@ SINGLE_REPLICA = flags_lib.define_choice(
     "overhead; 'mirrored' keeps it.",
     module_name=__name__)
 
+ZERO_STAGE = flags.DEFINE_integer(
+    "zero_stage", 0, "'mirrored': shard state over the replicas (ZeRO): 1 "
+    "optimizer slots, 2 also gradients, 3 also weights; 0 whole copies.",
+    lower_bound=0, upper_bound=3)
+
 
 def values() -> dict:
   """The group's parsed values, by option name."""
@@ -37,4 +42,5 @@ def values() -> dict:
           "num_gpus": NUM_GPUS.value, "num_replicas": NUM_REPLICAS.value,
           "cross_device_ops": CROSS_DEVICE_OPS.value,
           "num_packs": NUM_PACKS.value,
-          "single_replica": SINGLE_REPLICA.value}
+          "single_replica": SINGLE_REPLICA.value,
+          "zero_stage": ZERO_STAGE.value}

@@ -60,6 +60,29 @@ class DataParallel(registry.Distribution):
     return models[0], self.make_strategy(options)
 
 
+# ------------------------------------------------------------ sharding
+
+_SHARDED_PLACEMENT: list[Callable[..., registry.Placement]] = []
+
+
+def register_sharded_placement(place: Callable[..., registry.Placement]
+                               ) -> None:
+  """Sets how `mirrored --zero_stage=N` places its model:
+  `place(distribution, options, build) -> Placement`
+  (`tfmgpu.placements.sharded`, which binds the engine; this layer names
+  none)."""
+  _SHARDED_PLACEMENT[:] = [place]
+
+
+def _sharded_placement() -> Callable[..., registry.Placement]:
+  if not _SHARDED_PLACEMENT:
+    registry.lookup("mirrored")  # Discovers the built-in providers.
+  if not _SHARDED_PLACEMENT:
+    raise RuntimeError("zero_stage needs tfmgpu.placements.sharded, which "
+                       "registers the sharded placement; import tfmgpu.")
+  return _SHARDED_PLACEMENT[0]
+
+
 # ------------------------------------------------------------ registry
 
 @registry.register
@@ -124,7 +147,21 @@ class Mirrored(DataParallel):
           "No GPU found: 'mirrored' trains one replica on the CPU. To "
           "simulate N devices, add --virtual_devices=N (Python: "
           "tfmgpu.configure_devices(logical_cpus=N) before any TF work).")
+    if options.zero_stage:  # The model places its own shards.
+      return _sharded_placement()(self, options, build)
     return super().place(options, build, strategy=strategy, seed=seed)
+
+  def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
+    """Rows: the replicas, and with `zero_stage` what is sharded."""
+    stage = getattr(placement.options, "zero_stage", 0)
+    if not stage:
+      return super().describe(placement)
+    sharded = {1: "optimizer slots", 2: "optimizer slots and gradients",
+               3: "weights, gradients and optimizer slots"}[stage]
+    return [("replicas", f"{len(placement.devices)} on "
+             f"{', '.join(placement.devices)}"),
+            ("zero", f"stage {stage}: {sharded} sharded over the replicas "
+             "(each variable owned by one device, balanced by bytes)")]
 
 
 def _check_batch_over_virtual_devices(name: str, config: Any) -> None:

@@ -37,6 +37,11 @@ class DeviceOptions:
 
 SINGLE_REPLICA_CHOICES = ("default", "mirrored")
 
+# ZeRO stages of sharded data parallelism (`tfmgpu.parallel.zero`): 0 keeps
+# whole copies; 1 shards the optimizer slots over the data-parallel devices,
+# 2 also the summed gradients, 3 also the weights.
+ZERO_STAGES = (0, 1, 2, 3)
+
 
 @dataclasses.dataclass(frozen=True)
 class MirroredOptions(DeviceOptions):
@@ -51,10 +56,15 @@ class MirroredOptions(DeviceOptions):
       `MirroredStrategy`; `default` uses TF's default strategy, which does
       the same work without the wrapping overhead. tfmgpu's own runs
       (`TrainConfig`, the CLIs) choose `default`.
+    zero_stage: shard the replicas' state over their devices (ZeRO,
+      `tfmgpu.parallel.zero`): `1` the optimizer slots, `2` also the
+      summed gradients, `3` also the weights; `0` (the default) keeps a
+      whole copy on every device (`MirroredStrategy`).
   """
   cross_device_ops: str = "auto"
   num_packs: int = 1
   single_replica: str = "mirrored"
+  zero_stage: int = 0
 
   def __post_init__(self):
     super().__post_init__()
@@ -63,6 +73,7 @@ class MirroredOptions(DeviceOptions):
     checks.check_positive("num_packs", self.num_packs)
     checks.check_choice("single_replica", self.single_replica,
                         SINGLE_REPLICA_CHOICES)
+    checks.check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
