@@ -55,8 +55,8 @@ from tfmgpu.training import allreduce as allreduce_lib
 
 def variable_bytes(variable: Any) -> int:
   """Bytes of one variable's storage."""
-  value = getattr(variable, "value", variable)
-  return int(value.shape.num_elements() or 0) * value.dtype.size
+  shape = tf.TensorShape(variable.shape)
+  return int(shape.num_elements() or 0) * tf.as_dtype(variable.dtype).size
 
 
 def assign_owners(sizes: Sequence[int], num_devices: int) -> list[int]:
@@ -94,6 +94,13 @@ def check_stage(stage: Any) -> int:
   return int(stage)
 
 
+def read_on_owner(variable: Any) -> tf.Tensor:
+  """The variable's value, read by an op on the variable's own device."""
+  storage = variable.value if isinstance(variable, keras.Variable) else variable
+  with tf.device(storage.device):
+    return tf.convert_to_tensor(storage)
+
+
 def _unique(variables: Sequence[Any]) -> list[Any]:
   seen, out = set(), []
   for v in variables:
@@ -125,11 +132,14 @@ class _Copies:
       self.table.append(row)
 
   def gather(self, variables: Sequence[Any]) -> None:
-    """Every copy takes its owner's value (the all-gather)."""
+    """Every copy takes its owner's value (the all-gather): read on the
+    owner, written on the copy's device."""
+    values = [read_on_owner(v) for v in variables]
     for row in self.table:
-      for copy, v in zip(row, variables):
+      for copy, value in zip(row, values):
         if copy is not None:
-          copy.assign(v.value)
+          with tf.device(copy.device):
+            copy.assign(value)
 
 
 class ShardedModel(placed.PerDeviceGradientModel):
@@ -209,19 +219,18 @@ class ShardedModel(placed.PerDeviceGradientModel):
     copies (stages 1 and 2, in training), else the owners' variables read
     across devices."""
     owned = self.unsplit.trainable_variables
-    row = self._copies.table[r] if (self._copies and training) else None
+    row = (self._copies.table[r] if (self._copies and training)
+           else [None] * len(owned))
+    values = [read_on_owner(v if c is None else c) for v, c in zip(owned, row)]
     with tf.device(self._devices[r]):
-      if row is None:
-        return [tf.identity(v.value) for v in owned]
-      return [tf.identity(v.value if c is None else c) for v, c in
-              zip(owned, row)]
+      return [tf.identity(v) for v in values]
 
   def _state_on(self, r: int) -> list[tf.Tensor]:
     """The non-trainable weights (batch-norm statistics, seeds), read from
     their owners onto replica `r`'s device."""
+    values = [read_on_owner(v) for v in self.unsplit.non_trainable_variables]
     with tf.device(self._devices[r]):
-      return [tf.identity(v.value)
-              for v in self.unsplit.non_trainable_variables]
+      return [tf.identity(v) for v in values]
 
   def _keep_mean_state(self, states: Sequence[Sequence[tf.Tensor]]) -> None:
     """Each non-trainable weight takes the mean of the replicas' new values
