@@ -12,6 +12,7 @@ import tensorflow as tf
 import tfmgpu
 from tfmgpu.models import gpt
 from tfmgpu.parallel import zero
+from tfmgpu.parallel import zero_memory
 from tfmgpu.training.loop import Trainer
 
 TOLERANCE = {"sgd": 1e-5, "adam": 1e-4}
@@ -131,3 +132,87 @@ def test_mixed_precision_equal_to_mirrored(references):
   _assert_equal(sharded,
                 references("bn", 2, "adam", 1.0, policy="mixed_float16"),
                 "adam")
+
+
+def _spec(device):
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.device_type, spec.device_index or 0
+
+
+def test_stage3_step_keeps_each_shard_on_its_owner():
+  """In the traced step every op on a weight or slot runs on its owner:
+  the forward's reads are placed there (each replica then receives the
+  value: an Identity on its own device), the updates are too, and the
+  rest of the resource ops carry no device (TF runs them where the
+  resource lives)."""
+  devices = tfmgpu.list_devices("CPU")[:2]
+  sharded = zero.ShardedModel(_gpt(), devices, stage=3)
+  optimizer = sharded.build_optimizer(keras.optimizers.Adam(1e-3))
+  per_example = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=None)
+
+  @tf.function
+  def step(x, y):
+    loss, _, grads = sharded.compute_loss_and_gradients(
+        x, y, lambda t, p: tf.reduce_sum(per_example(t, p)) / 16.0)
+    grads = sharded.reduce_gradients(grads)
+    optimizer.apply_gradients(zip(grads, sharded.trainable_variables))
+    return loss
+
+  x, y = _data("gpt", 16)
+  graph = step.get_concrete_function(x, y).graph
+  captured = {id(outer): inner for outer, inner in graph.captures}
+  slots = [v for v in optimizer.variables
+           if v is not optimizer.iterations and "learning_rate" not in v.path]
+  assert len(slots) == 2 * len(sharded.trainable_variables)
+  owners_used = set()
+  weight_ids = {id(v) for v in sharded.weights}
+  for v in list(sharded.weights) + slots:
+    storage = v.value
+    owner = _spec(storage.device)
+    owners_used.add(owner)
+    placed_ops = [op for op in captured[id(storage.handle)].consumers()
+                  if op.device]
+    assert placed_ops, v.path
+    for op in placed_ops:
+      assert _spec(op.device) == owner, (v.path, op.type, op.device)
+    if id(v) in weight_ids:
+      reads = [op for op in placed_ops if op.type == "ReadVariableOp"]
+      assert len(reads) == 2, v.path  # One per replica, on the owner.
+      receivers = {_spec(c.device) for r in reads
+                   for c in r.outputs[0].consumers()}
+      assert receivers == {_spec(d) for d in devices}, v.path
+  assert owners_used == {_spec(d) for d in devices}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_live_bytes_match_the_estimate_and_fall_to_a_share(stage):
+  devices = tfmgpu.list_devices("CPU")[:4]
+  strategy = tf.distribute.MirroredStrategy(
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    mirrored = _gpt()
+    mirrored_opt = keras.optimizers.Adam()
+    mirrored_opt.build(mirrored.trainable_variables)
+  plain = zero.bytes_by_device(mirrored.weights)
+  plain_slots = zero.bytes_by_device(mirrored_opt._momentums  # pylint: disable=protected-access
+                                     + mirrored_opt._velocities)  # pylint: disable=protected-access
+  sharded = zero.ShardedModel(_gpt(), devices, stage=stage)
+  optimizer = sharded.build_optimizer(keras.optimizers.Adam())
+  live = sharded.live_bytes(optimizer)
+  estimate = zero_memory.account_model(sharded.unsplit, devices, stage, "adam")
+  mirrored_rows = zero_memory.account_model(sharded.unsplit, devices, 0,
+                                            "adam")
+  total_weights = sum(plain.values()) // 4
+  for row, base in zip(estimate, mirrored_rows):
+    name = zero.device_name(row.device)
+    assert live[name] == {"weights": row.weights, "slots": row.slots}
+    assert plain[name] == base.weights == total_weights
+    assert plain_slots[name] == base.slots == 2 * total_weights
+    assert row.slots < 0.3 * base.slots  # About 1/4, by whole variables.
+    if stage == 3:
+      assert row.weights < 0.3 * base.weights
+    else:
+      assert row.weights == base.weights
+    assert row.gradients == (base.gradients if stage == 1
+                             else live[name]["slots"] // 2)

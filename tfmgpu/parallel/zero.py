@@ -49,6 +49,7 @@ from tfmgpu import _compat
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import replicated
+from tfmgpu.parallel import zero_memory
 from tfmgpu.strategies.options import ZERO_STAGES
 from tfmgpu.training import allreduce as allreduce_lib
 
@@ -64,7 +65,7 @@ def assign_owners(sizes: Sequence[int], num_devices: int) -> list[int]:
 
   Largest first, each onto the device holding the fewest bytes so far (the
   lowest index on ties): no device exceeds the mean by more than the
-  largest variable.
+  largest variable. The accounting (`zero_memory`) uses the same rule.
 
   Args:
     sizes: bytes of each variable.
@@ -75,13 +76,25 @@ def assign_owners(sizes: Sequence[int], num_devices: int) -> list[int]:
   """
   if num_devices < 1:
     raise ValueError(f"num_devices={num_devices} must be >= 1.")
-  loads = [0] * num_devices
-  owners = [0] * len(sizes)
-  for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-    device = min(range(num_devices), key=lambda d: (loads[d], d))
-    owners[i] = device
-    loads[device] += sizes[i]
-  return owners
+  return zero_memory.owners_of(sizes, num_devices)
+
+
+def device_name(device: str) -> str:
+  """`/device:CPU:1` for any spelling of a device."""
+  spec = tf.DeviceSpec.from_string(device)
+  return f"/device:{spec.device_type}:{spec.device_index or 0}"
+
+
+def bytes_by_device(variables: Sequence[Any]) -> dict[str, int]:
+  """Bytes of `variables` summed by the device each lives on (each copy of
+  a mirrored variable on its own device)."""
+  out: dict[str, int] = {}
+  for v in _unique(variables):
+    storage = v.value if isinstance(v, keras.Variable) else v
+    for part in getattr(storage, "values", None) or (storage,):
+      name = device_name(part.device)
+      out[name] = out.get(name, 0) + variable_bytes(part)
+  return out
 
 
 def check_stage(stage: Any) -> int:
@@ -95,10 +108,13 @@ def check_stage(stage: Any) -> int:
 
 
 def read_on_owner(variable: Any) -> tf.Tensor:
-  """The variable's value, read by an op on the variable's own device."""
+  """The variable's value, read by an op on the variable's own device
+  (`convert_to_tensor` would only colocate it, leaving no device in the
+  traced graph)."""
   storage = variable.value if isinstance(variable, keras.Variable) else variable
   with tf.device(storage.device):
-    return tf.convert_to_tensor(storage)
+    return tf.raw_ops.ReadVariableOp(resource=storage.handle,
+                                     dtype=storage.dtype)
 
 
 def _unique(variables: Sequence[Any]) -> list[Any]:
@@ -371,6 +387,25 @@ class ShardedModel(placed.PerDeviceGradientModel):
     return summed
 
   # ------------------------------------------------------------ weights
+
+  def live_bytes(self, optimizer: keras.optimizers.Optimizer | None = None
+                 ) -> dict[str, dict[str, int]]:
+    """`{device: {"weights": bytes, "slots": bytes}}`, read from where each
+    variable lives: the owners' weights, the copies (stages 1 and 2) and
+    the optimizer's slots (its step counter and learning rate left out)."""
+    weights = list(self.unsplit.weights)
+    if self._copies is not None:
+      weights += [c for row in self._copies.table for c in row
+                  if c is not None]
+    slots = []
+    if optimizer is not None:
+      inner = getattr(optimizer, "inner_optimizer", optimizer)
+      skip = {id(inner.iterations), id(_compat.learning_rate_variable(inner))}
+      slots = [v for v in inner.variables if id(v) not in skip]
+    held = {"weights": bytes_by_device(weights),
+            "slots": bytes_by_device(slots)}
+    return {device_name(d): {k: held[k].get(device_name(d), 0) for k in held}
+            for d in self._devices}
 
   def load_from(self, unsplit: keras.Model) -> None:
     """Copies the unsplit model's weights into the owners' variables."""
