@@ -157,6 +157,8 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
     return auto_placement.choose(model, config.options).table()
   if getattr(config.options, "hybrid", False):
     return _describe_layout(config, model)
+  if getattr(config.options, "zero_stage", 0):
+    return _describe_zero(config, model)
   stage_options = model_parallel.StageOptions(
       num_stages=config.num_stages, partition=config.partition,
       split_points=config.split_points)
@@ -174,6 +176,25 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
     lines.append(f"(A plan for {len(planned)} devices; this machine has "
                  f"{len(devices_lib.accelerator_devices())}.)")
   return "\n".join(lines)
+
+
+def _describe_zero(config: TrainConfig, model: Any) -> str:
+  """`mirrored --zero_stage=N`: per-device weights, gradients, optimizer
+  slots and bytes sent of plain mirrored and of stage N
+  (`tfmgpu.parallel.zero_memory`), on the replica devices the run would
+  use (or as many as it names)."""
+  from tfmgpu.parallel import zero_memory  # pylint: disable=g-import-not-at-top
+  options = config.options
+  devices = list(options.devices or ())
+  if not devices:
+    count = (options.num_replicas or options.num_gpus
+             or len(devices_lib.accelerator_devices()))
+    devices = (model_parallel.planned_devices(count)
+               or devices_lib.accelerator_devices()[:count])
+  rows = {stage: zero_memory.account_model(model, devices, stage,
+                                           config.optimizer)
+          for stage in sorted({0, options.zero_stage})}
+  return zero_memory.format_table(rows, config.optimizer)
 
 
 def _describe_layout(config: TrainConfig, model: Any) -> str:

@@ -216,3 +216,57 @@ def test_live_bytes_match_the_estimate_and_fall_to_a_share(stage):
       assert row.weights == base.weights
     assert row.gradients == (base.gradients if stage == 1
                              else live[name]["slots"] // 2)
+
+
+def _fit_dir(sharded, x, y, model_dir, epochs):
+  trainer = Trainer(sharded, optimizer="adam", learning_rate=0.01,
+                    verbose=0, metrics=[], model_dir=model_dir)
+  try:
+    return trainer.fit(x, y, epochs=epochs, global_batch_size=32,
+                       steps_per_epoch=2, shuffle=False)
+  finally:
+    trainer.close()
+
+
+def test_stage3_checkpoint_restores_into_any_layout_and_resumes(tmp_path):
+  """A stage-3 run on 4 devices: its checkpoint restores unsplit, as
+  mirrored x2 and as a 2-stage pipeline (same predictions); its .keras
+  loads; a stage-1 run resumes from it exactly where it stopped."""
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import portable  # pylint: disable=g-import-not-at-top
+  devices = tfmgpu.list_devices("CPU")[:4]
+  x, y = _data("gpt", 64)
+  whole = zero.ShardedModel(_gpt(), devices, stage=3)
+  _fit_dir(whole, x, y, str(tmp_path / "whole"), epochs=2)
+  sharded = zero.ShardedModel(_gpt(), devices, stage=3)
+  _fit_dir(sharded, x, y, str(tmp_path / "run"), epochs=1)
+  path = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+  assert portable.has_view(path)
+  expected = sharded.predict(x[:16], batch_size=16, verbose=0)
+  np.testing.assert_allclose(expected, sharded.unsplit.predict(
+      x[:16], batch_size=16, verbose=0), rtol=1e-5, atol=1e-5)
+  unsplit = portable.restore_weights(_gpt(seed=7), path)
+  np.testing.assert_allclose(unsplit.predict(x[:16], verbose=0), expected,
+                             rtol=1e-5, atol=1e-5)
+  strategy = tf.distribute.MirroredStrategy(
+      devices[:2], cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    mirrored = portable.restore_weights(_gpt(seed=7), path)
+  np.testing.assert_allclose(mirrored.predict(x[:16], verbose=0), expected,
+                             rtol=1e-5, atol=1e-5)
+  staged = pipeline.PipelinedModel.from_model(_gpt(seed=7), num_stages=2,
+                                              micro_batches=2)
+  portable.restore_weights(staged, path)
+  np.testing.assert_allclose(staged.predict(x[:16], batch_size=16, verbose=0),
+                             expected, rtol=1e-5, atol=1e-5)
+  saved = str(tmp_path / "model.keras")
+  sharded.to_unsplit().save(saved)
+  loaded = keras.models.load_model(saved, custom_objects=gpt.custom_objects())
+  np.testing.assert_allclose(loaded.predict(x[:16], verbose=0), expected,
+                             rtol=1e-5, atol=1e-5)
+  resumed = zero.ShardedModel(_gpt(seed=7), devices, stage=1)
+  result = _fit_dir(resumed, x, y, str(tmp_path / "run"), epochs=2)
+  assert result.initial_epoch == 1 and result.epochs_run == 1
+  for v, w in zip(resumed.unsplit.weights, whole.unsplit.weights):
+    np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-6, rtol=0,
+                               err_msg=v.path)
