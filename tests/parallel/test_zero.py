@@ -4,6 +4,8 @@ shard's weights and slots on its owner in the traced step, and per-device
 bytes that fall as each stage says.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -270,3 +272,36 @@ def test_stage3_checkpoint_restores_into_any_layout_and_resumes(tmp_path):
   for v, w in zip(resumed.unsplit.weights, whole.unsplit.weights):
     np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-6, rtol=0,
                                err_msg=v.path)
+
+
+@pytest.mark.usefixtures("parsed_flags")
+def test_plan_only_prints_the_live_bytes_of_each_device(capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import models, train  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import plan  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(strategy="mirrored", model="gpt",
+                           model_size="tiny", zero_stage=3, num_replicas=4,
+                           optimizer="adam", plan_only=True):
+    assert train.main(["train"]) == 0
+  printed = {m[0]: m[1:] for m in re.findall(
+      r"^3\s+(\S+)\s+([\d.]+ \w+)\s+[\d.]+ \w+\s+([\d.]+ \w+)",
+      capsys.readouterr().out, re.M)}
+  devices = tfmgpu.list_devices("CPU")[:4]
+  sharded = zero.ShardedModel(models.build_model(
+      "gpt", input_shape=(gpt.CONTEXTS["tiny"],), num_classes=256,
+      size="tiny"), devices, stage=3)
+  live = sharded.live_bytes(sharded.build_optimizer(keras.optimizers.Adam()))
+  fmt = plan._fmt_bytes  # pylint: disable=protected-access
+  assert printed == {d: (fmt(b["weights"]), fmt(b["slots"]))
+                     for d, b in live.items()}
+
+
+def test_zero_stage_is_refused_where_it_does_not_work():
+  with pytest.raises(ValueError, match=r"zero_stage=3 is not supported by "
+                     r"strategy='multi_worker_mirrored'.*--strategy=mirrored "
+                     r"--zero_stage=3"):
+    tfmgpu.TrainConfig(strategy="multi_worker_mirrored", zero_stage=3)
+  with pytest.raises(ValueError, match=r"zero_stage=4 is unknown"):
+    tfmgpu.TrainConfig(strategy="mirrored", zero_stage=4)
+  with pytest.raises(ValueError, match=r"zero_stage=0 keeps a whole copy"):
+    zero.ShardedModel(_gpt(), tfmgpu.list_devices("CPU")[:2], stage=0)
