@@ -228,6 +228,12 @@ def rehome_variable(variable: Any, device: str) -> None:
   variable._value = moved  # pylint: disable=protected-access
 
 
+def trackable_children(obj: Any, save_type: str = "checkpoint",
+                       **kwargs) -> dict[str, Any]:
+  """The children a TF checkpoint saves under `obj` (its keys' next part)."""
+  return obj._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
+
+
 def variable_index(optimizer: keras.optimizers.Optimizer, variable: Any
                    ) -> int:
   """The index of `variable` in the optimizer's slot lists."""

@@ -272,9 +272,11 @@ def _autotuned(config: TrainConfig, placement: strategies_lib.Placement,
                arrays: Any, build: Callable[[], keras.Model]) -> TrainConfig:
   """`config` with the options `autotune` measured fastest here (logged)."""
   from tfmgpu.training import autotune  # pylint: disable=g-import-not-at-top
-  if config.is_placement or not isinstance(arrays, data_lib.Arrays) or (
+  if config.is_placement or getattr(config.options, "zero_stage", 0) or (
+      not isinstance(arrays, data_lib.Arrays)) or (
       not isinstance(arrays.x_train, np.ndarray)):
-    logging.info("autotune: not tuned: it times data-parallel training on "
+    logging.info("autotune: not tuned: it times data-parallel training of "
+                 "whole model copies on "
                  "in-memory arrays (this run: %s, %s).", config.strategy,
                  type(arrays).__name__)
     return config

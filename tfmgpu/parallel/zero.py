@@ -211,6 +211,15 @@ class ShardedModel(placed.PerDeviceGradientModel):
     self.unsplit_output_names = tuple(getattr(model, "output_names", ()) or ())
     self.built = True
 
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    """A checkpoint sees the unsplit model's own children (its layers and
+    weights, not an `unsplit` attribute): a ShardedModel's checkpoint has
+    the keys of the plain model's, so either resumes the other (mirrored to
+    any stage and back; the copies of stages 1 and 2 are not saved)."""
+    if save_type == "checkpoint":
+      return _compat.trackable_children(self.unsplit, save_type, **kwargs)
+    return super()._trackable_children(save_type, **kwargs)
+
   def _owner_list(self, variables: Sequence[Any]) -> list[int]:
     return [self._owner_of[id(v)] for v in variables]
 
