@@ -29,13 +29,23 @@ The stages differ in what each device keeps between steps:
   across devices (TF sends them, and frees the received values after the
   backward that uses them).
 
+Stage 3 reads each weight once per step: TF keeps the received value for
+the backward (a layer's weights are not gathered again for its backward,
+nor prefetched layer by layer), so a step's peak still holds every weight
+a replica received; between steps each device holds only its own.
+
 Batch-norm statistics and other non-trainable weights live on their owners
 in every stage; each replica updates them from its own slice and the owner
-keeps the mean of the replicas' new values, as `MirroredStrategy` does.
+keeps the mean of the replicas' new values. (Under Keras 3,
+`MirroredStrategy` lets each replica's statistics drift apart and saves the
+first replica's; an exponential average being linear, the mean kept here
+equals the mean of those copies.)
 
 From the outside it is one Keras model: `fit`, `predict` (the batch split
 over the replicas), weights to and from the unsplit model, which it holds
-(`to_unsplit`, `weighted_layers`: checkpoints restore into any layout).
+(`to_unsplit`, `weighted_layers`: checkpoints restore into any layout). Its
+checkpoints have the keys of the unsplit model's, so a run resumes across
+stages and from or into plain `mirrored`.
 """
 
 from __future__ import annotations
