@@ -311,3 +311,19 @@ def test_zero_stage_is_refused_where_it_does_not_work():
   with pytest.raises(ValueError, match=r"get_strategy cannot shard.*"
                      r"ShardedModel"):
     tfmgpu.get_strategy("mirrored", zero_stage=2)
+
+
+@pytest.mark.usefixtures("parsed_flags")
+def test_cli_trains_mirrored_zero_stage_3(tmp_path, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import train  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(strategy="mirrored", zero_stage=3, model="gpt",
+                           model_size="tiny", epochs=1, steps_per_epoch=2,
+                           steps_per_execution=2, model_dir=str(tmp_path),
+                           verbose=0):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"^replicas\s+4 on /device:CPU:0, .*CPU:3$", out, re.M)
+  assert re.search(r"^zero\s+stage 3: weights, gradients and optimizer "
+                   r"slots sharded", out, re.M)
+  assert (tmp_path / "model.keras").exists()
