@@ -46,6 +46,7 @@ _EXPORTS = {
     "StagedModel": "tfmgpu.parallel.staged",
     "PipelinedModel": "tfmgpu.parallel.pipeline",
     "BranchParallel": "tfmgpu.parallel.branches",
+    "ShardedModel": "tfmgpu.parallel.zero",
     "simulate_pipeline": "tfmgpu.parallel.timeline",
     "ParameterServerTrainer": "tfmgpu.training.parameter_server",
     "PreemptedError": "tfmgpu.training.checkpoints",

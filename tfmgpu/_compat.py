@@ -216,6 +216,24 @@ def replace_gradient_all_reduce(
   return True
 
 
+def rehome_variable(variable: Any, device: str) -> None:
+  """Moves a Keras variable's storage to `device` (a new `tf.Variable`
+  there, holding the same value; the Keras variable object, which layers,
+  optimizers and checkpoints hold, stays the same)."""
+  value = variable.value
+  with tf.init_scope(), tf.device(device):
+    moved = tf.Variable(tf.identity(value), dtype=value.dtype,
+                        trainable=variable.trainable,
+                        name=variable.name)
+  variable._value = moved  # pylint: disable=protected-access
+
+
+def trackable_children(obj: Any, save_type: str = "checkpoint",
+                       **kwargs) -> dict[str, Any]:
+  """The children a TF checkpoint saves under `obj` (its keys' next part)."""
+  return obj._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
+
+
 def variable_index(optimizer: keras.optimizers.Optimizer, variable: Any
                    ) -> int:
   """The index of `variable` in the optimizer's slot lists."""

@@ -201,6 +201,7 @@ class RunSettings:
                             spec.choice_list())
     self._check_numbers()
     self._check_layout_sizes(distribution)
+    self._check_zero_stage(distribution)
     # The run's distribution checks its options and cross-field rules.
     object.__setattr__(self, "_options", distribution.options_from(self))
     try:
@@ -235,6 +236,18 @@ class RunSettings:
             f"{', '.join(users)} (e.g. --strategy=pipeline --num_stages=2 "
             f"--{name}=...). For copies of a whole model on each device use "
             "--strategy=mirrored without it.")
+
+  def _check_zero_stage(self, distribution: Any) -> None:
+    """`zero_stage` for a strategy that cannot shard: an error that says
+    what works."""
+    takes = {f.name for f in dataclasses.fields(distribution.Options)}
+    if self.zero_stage and "zero_stage" not in takes:
+      raise ValueError(
+          f"zero_stage={self.zero_stage!r} is not supported by strategy="
+          f"{self.strategy!r}: tfmgpu shards weights, gradients and optimizer "
+          "slots (ZeRO) over the replicas of one host only. Use "
+          f"--strategy=mirrored --zero_stage={self.zero_stage} (with "
+          "--virtual_devices=N on a CPU), or drop --zero_stage.")
 
   def _check_objective(self) -> None:
     """`loss` and `metrics`: names are Keras' to check (when the Trainer is

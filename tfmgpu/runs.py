@@ -26,6 +26,7 @@ from tfmgpu import models as models_lib
 from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.config import TrainConfig
+from tfmgpu.parallel import placed_model
 from tfmgpu.placements import base as placements_base
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training.loop import Trainer
@@ -209,9 +210,11 @@ def _autotuned(config: TrainConfig, placement: strategies_lib.Placement,
                arrays: Any, build: Callable[[], keras.Model]) -> TrainConfig:
   """`config` with the options `autotune` measured fastest here (logged)."""
   from tfmgpu.training import autotune  # pylint: disable=g-import-not-at-top
-  if config.is_placement or not isinstance(arrays, data_lib.Arrays) or (
-      not isinstance(arrays.x_train, np.ndarray)):
-    logging.info("autotune: not tuned: it times data-parallel training on "
+  if config.is_placement or placed_model.is_placed(placement.model) or (
+      not isinstance(arrays, data_lib.Arrays)) or (
+          not isinstance(arrays.x_train, np.ndarray)):
+    logging.info("autotune: not tuned: it times data-parallel training of "
+                 "whole model copies on "
                  "in-memory arrays (this run: %s, %s).", config.strategy,
                  type(arrays).__name__)
     return config
@@ -349,7 +352,7 @@ def _summary(config: TrainConfig, placement: strategies_lib.Placement,
   return RunSummary(
       strategy=(config.strategy if chosen == config.strategy
                 else f"{config.strategy}: {chosen}"),
-      replicas=placement.strategy.num_replicas_in_sync,
+      replicas=config.distribution.replicas(placement),
       devices=placement.devices,
       final_loss=history["loss"][-1] if history else nan,
       final_accuracy=train_metrics.get("accuracy", nan),

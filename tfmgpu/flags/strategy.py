@@ -5,7 +5,8 @@ from tfmgpu.config import TrainConfig
 
 _FLAGS = flags_lib.define_settings(
     TrainConfig, ["strategy", "devices", "num_gpus", "num_replicas",
-                  "cross_device_ops", "num_packs", "single_replica"],
+                  "cross_device_ops", "num_packs", "single_replica",
+                  "zero_stage"],
     module_name=__name__)
 STRATEGY = _FLAGS["strategy"]
 

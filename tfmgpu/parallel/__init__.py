@@ -32,6 +32,9 @@ only modules listed before it):
 * `replicated`: `ReplicatedModel`, data-parallel copies of a placed model,
   gradients summed per group of devices holding the same part;
 * `hybrid`: `Layout` and `build_layout`, data x pipeline x tensor meshes;
+* `zero_memory`: per-device bytes held and sent under ZeRO stages 0-3;
+* `zero`: `ShardedModel`, data parallelism with weights, gradients and
+  optimizer slots sharded over the replica devices (ZeRO stages 1-3);
 * `links`: named link bandwidths, device speeds, GPU hosts, the default
   memory budget (no tfmgpu imports);
 * `accounting`: a layout's per-device memory, bytes sent per kind of
@@ -40,7 +43,7 @@ only modules listed before it):
 
 These are the engines; this package registers no names. The placements
 that train and serve with them (`model_parallel`, `pipeline`,
-`branch_parallel`, `tensor_parallel`, `auto`) are the modules of
+`branch_parallel`, `tensor_parallel`, `sharded`, `auto`) are the modules of
 `tfmgpu.placements`, each registered in `tfmgpu.strategies.registry`, the
 one list of names. Importing this package does not import TensorFlow: the
 public names below resolve on first use, like `tfmgpu`'s own.
@@ -56,6 +59,7 @@ _EXPORTS = {
     "Layout": "tfmgpu.parallel.hybrid",
     "PipelinedModel": "tfmgpu.parallel.pipeline",
     "ReplicatedModel": "tfmgpu.parallel.replicated",
+    "ShardedModel": "tfmgpu.parallel.zero",
     "StagePlan": "tfmgpu.parallel.plan",
     "StagedModel": "tfmgpu.parallel.staged",
     "TensorParallelModel": "tfmgpu.parallel.tensor",
@@ -69,7 +73,8 @@ _EXPORTS = {
 _SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
                "hybrid", "inspection", "links", "microbatch", "partition",
                "pipeline", "pipeline_step", "placed", "plan", "replicated",
-               "schedule", "shared", "staged", "tensor", "timeline")
+               "schedule", "shared", "staged", "tensor", "timeline", "zero",
+               "zero_memory")
 
 __all__ = sorted(_EXPORTS)
 

@@ -218,7 +218,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
         summed.append(None)
         continue
       with tf.name_scope("group_all_reduce"):
-        summed.append(_sum(parts, [owners[i][j] for i in range(r)],
+        summed.append(sum_on_device(parts, [owners[i][j] for i in range(r)],
                            owners[j % r][j], options.compression))
     present = [g for g in summed if g is not None]
     if options.clip_norm is not None and present:
@@ -275,7 +275,7 @@ class _EveryCopy:
       layer.set_weights(weights)
 
 
-def _sum(parts: Sequence[Any], sources: Sequence[str], device: str,
+def sum_on_device(parts: Sequence[Any], sources: Sequence[str], device: str,
          compression: str) -> Any:
   """One variable's copies' gradients summed on `device`.
 

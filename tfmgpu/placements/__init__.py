@@ -15,6 +15,9 @@ presets, and the unsplit model's build on the host:
   (`TensorParallelModel`); with `data_parallel`, copies of it. The stage
   placements take `data_parallel` and `tensor_parallel` too
   (`tfmgpu.parallel.hybrid`).
+* `sharded`: `mirrored --zero_stage=1|2|3`, the replicas' weights,
+  gradients and optimizer slots sharded over their devices
+  (`ShardedModel`).
 * `auto`: data parallelism, one of the placements above or data-parallel
   copies of one, chosen by the cost model (`tfmgpu.parallel.auto`).
 
@@ -26,4 +29,5 @@ from tfmgpu.placements import branch_parallel  # pylint: disable=unused-import
 from tfmgpu.placements import model_parallel  # pylint: disable=unused-import
 from tfmgpu.placements import pipeline  # pylint: disable=unused-import
 from tfmgpu.placements import tensor_parallel  # pylint: disable=unused-import
+from tfmgpu.placements import sharded  # pylint: disable=unused-import
 from tfmgpu.placements import auto  # pylint: disable=unused-import,g-bad-import-order

@@ -75,6 +75,13 @@ def get_strategy(name: str = "default", **options: Any):
         f"strategy {name!r} is a placement of the model, not a "
         f"tf.distribute.Strategy; options {sorted(options)} belong to "
         "tfmgpu.parallel (e.g. tfmgpu.StagedModel / tfmgpu.plan_stages).")
+  if options.get("zero_stage"):
+    raise ValueError(
+        f"zero_stage={options['zero_stage']!r}: a tf.distribute.Strategy "
+        "keeps whole copies on every replica, so get_strategy cannot shard "
+        "them. Wrap the built model instead: tfmgpu.parallel.ShardedModel("
+        "model, devices, stage=...) trained by tfmgpu.Trainer, or run "
+        "TrainConfig(strategy='mirrored', zero_stage=...).")
   strategy = distribution.make_strategy(distribution.options(**options))
   if distribution.kind is Kind.PLACEMENT:
     logging.warning("%s", placement_note(distribution))

@@ -60,6 +60,32 @@ class DataParallel(registry.Distribution):
     return models[0], self.make_strategy(options)
 
 
+# ------------------------------------------------------------ sharding
+
+_SHARDED_PLACEMENT: dict[str, Callable[..., Any]] = {}
+
+
+def register_sharded_placement(place: Callable[..., registry.Placement],
+                               plan_text: Callable[..., str],
+                               unsplit: Callable[[Any], Any]) -> None:
+  """Sets how `mirrored --zero_stage=N` places its model,
+  `place(distribution, options, build) -> Placement`, what its
+  `--plan_only` prints, `plan_text(model, options, optimizer) -> str`, and
+  the whole model it saves, `unsplit(model)` (`tfmgpu.placements.sharded`,
+  which binds the engine; this layer names none)."""
+  _SHARDED_PLACEMENT.update(place=place, plan_text=plan_text,
+                            unsplit=unsplit)
+
+
+def _sharded_placement(what: str) -> Callable[..., Any]:
+  if not _SHARDED_PLACEMENT:
+    registry.lookup("mirrored")  # Discovers the built-in providers.
+  if not _SHARDED_PLACEMENT:
+    raise RuntimeError("zero_stage needs tfmgpu.placements.sharded, which "
+                       "registers the sharded placement; import tfmgpu.")
+  return _SHARDED_PLACEMENT[what]
+
+
 # ------------------------------------------------------------ registry
 
 @registry.register
@@ -124,7 +150,41 @@ class Mirrored(DataParallel):
           "No GPU found: 'mirrored' trains one replica on the CPU. To "
           "simulate N devices, add --virtual_devices=N (Python: "
           "tfmgpu.configure_devices(logical_cpus=N) before any TF work).")
+    if options.zero_stage:  # The model places its own shards.
+      return _sharded_placement("place")(self, options, build)
     return super().place(options, build, strategy=strategy, seed=seed)
+
+  def plan_text(self, model: Any, options: Any, *, global_batch_size: int,
+                optimizer: str, input_shape: Any = None) -> str | None:
+    """With `zero_stage`: per-device weights, gradients, slots and bytes
+    sent, plain mirrored beside the stage; else the stage options' plan."""
+    del global_batch_size, input_shape  # Per-device state, not activations.
+    if not options.zero_stage:
+      return None
+    return _sharded_placement("plan_text")(model, options, optimizer)
+
+  def save_model(self, model: Any, path: str) -> str:
+    """Saves the whole model (a sharded one gathered first)."""
+    return super().save_model(_sharded_placement("unsplit")(model), path)
+
+  def replicas(self, placement: registry.Placement) -> int:
+    """With `zero_stage`, one replica per device (the model places them
+    itself, under the default strategy)."""
+    if placement.options.zero_stage:
+      return len(placement.devices)
+    return super().replicas(placement)
+
+  def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
+    """Rows: the replicas, and with `zero_stage` what is sharded."""
+    stage = placement.options.zero_stage
+    if not stage:
+      return super().describe(placement)
+    sharded = {1: "optimizer slots", 2: "optimizer slots and gradients",
+               3: "weights, gradients and optimizer slots"}[stage]
+    return [("replicas", f"{len(placement.devices)} on "
+             f"{', '.join(placement.devices)}"),
+            ("zero", f"stage {stage}: {sharded} sharded over the replicas "
+             "(each variable owned by one device, balanced by bytes)")]
 
 
 def _check_batch_over_virtual_devices(name: str, options: Any,

@@ -44,6 +44,10 @@ class DeviceOptions:
 
 
 SINGLE_REPLICA_CHOICES = ("default", "mirrored")
+# ZeRO stages of sharded data parallelism (`tfmgpu.parallel.zero`): 0 keeps
+# whole copies; 1 shards the optimizer slots over the data-parallel devices,
+# 2 also the summed gradients, 3 also the weights.
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,10 @@ class MirroredOptions(DeviceOptions):
       `MirroredStrategy`; `default` uses TF's default strategy, which does
       the same work without the wrapping overhead. tfmgpu's own runs
       (`TrainConfig`, the CLIs) choose `default`.
+    zero_stage: shard the replicas' state over their devices (ZeRO,
+      `tfmgpu.parallel.zero`): `1` the optimizer slots, `2` also the
+      summed gradients, `3` also the weights; `0` (the default) keeps a
+      whole copy on every device (`MirroredStrategy`).
   """
   cross_device_ops: str = setting(
       "auto", "All-reduce implementation for 'mirrored'; auto picks NCCL "
@@ -69,6 +77,10 @@ class MirroredOptions(DeviceOptions):
       "mirrored", "'mirrored' with one replica: 'default' skips "
       "MirroredStrategy's overhead; 'mirrored' keeps it.",
       choices=SINGLE_REPLICA_CHOICES, run_default="default")
+  zero_stage: int = setting(
+      0, "'mirrored': shard state over the replicas (ZeRO): 1 optimizer "
+      "slots, 2 also gradients, 3 also weights; 0 whole copies.",
+      lower_bound=0, upper_bound=3)
 
   def __post_init__(self):
     super().__post_init__()
@@ -77,6 +89,7 @@ class MirroredOptions(DeviceOptions):
     checks.check_positive("num_packs", self.num_packs)
     checks.check_choice("single_replica", self.single_replica,
                         SINGLE_REPLICA_CHOICES)
+    checks.check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
 
 
 @dataclasses.dataclass(frozen=True)

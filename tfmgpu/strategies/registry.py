@@ -206,6 +206,11 @@ class Distribution:
 
   # ------------------------------------------------------------- reports
 
+  def replicas(self, placement: Placement) -> int:
+    """How many data-parallel replicas `placement` trains (the summary's
+    count): its strategy's."""
+    return placement.strategy.num_replicas_in_sync
+
   def describe(self, placement: Placement) -> list[tuple[str, str]]:
     """Rows for a run's summary: what the devices hold."""
     devices = ", ".join(placement.devices)

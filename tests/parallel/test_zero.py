@@ -1,0 +1,329 @@
+"""ZeRO stages 1-3 (`tfmgpu.parallel.zero`): trained equal to plain data
+parallelism (`MirroredStrategy` over the same devices, same Trainer), each
+shard's weights and slots on its owner in the traced step, and per-device
+bytes that fall as each stage says.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmgpu
+from tfmgpu.models import gpt
+from tfmgpu.parallel import zero
+from tfmgpu.parallel import zero_memory
+from tfmgpu.training.loop import Trainer
+
+TOLERANCE = {"sgd": 1e-5, "adam": 1e-4}
+STEPS = 3
+T = 8
+
+
+def _bn_model(seed=0, policy=None):
+  """A Keras functional model with BatchNorm (its statistics per replica)."""
+  keras.utils.set_random_seed(seed)
+  if policy:
+    keras.mixed_precision.set_dtype_policy(policy)
+  try:
+    inputs = keras.Input((12,))
+    h = keras.layers.Dense(24, name="dense_in")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Activation("relu")(h)
+    h = keras.layers.Dense(16, activation="relu", name="dense_mid")(h)
+    outputs = keras.layers.Dense(4, dtype="float32", name="logits")(h)
+    return keras.Model(inputs, outputs, name="bn_net")
+  finally:
+    keras.mixed_precision.set_dtype_policy("float32")
+
+
+def _gpt(seed=0):
+  keras.utils.set_random_seed(seed)
+  return gpt.gpt((T,), 32, size="tiny")
+
+
+def _data(model_name, rows):
+  rng = np.random.RandomState(3)
+  if model_name == "gpt":
+    return (rng.randint(0, 32, (rows, T)).astype("int32"),
+            rng.randint(0, 32, (rows, T)).astype("int32"))
+  return (rng.normal(size=(rows, 12)).astype("float32"),
+          rng.randint(0, 4, rows).astype("int32"))
+
+
+BUILD = {"bn": _bn_model, "gpt": _gpt}
+
+
+def _fit(model, x, y, optimizer, batch, strategy=None, clip_norm=None):
+  trainer = Trainer(model, strategy=strategy, optimizer=optimizer,
+                    learning_rate=0.05 if optimizer == "sgd" else 0.01,
+                    clip_norm=clip_norm, verbose=0, metrics=[])
+  result = trainer.fit(x, y, epochs=1, global_batch_size=batch,
+                       steps_per_epoch=STEPS, shuffle=False)
+  return result, trainer
+
+
+def _mirrored(name, replicas, optimizer, clip_norm=None, policy=None):
+  """Weights after plain data parallelism; BN statistics as the mean of
+  the replicas' own (MirroredStrategy lets each replica's drift apart)."""
+  devices = tfmgpu.list_devices("CPU")[:replicas]
+  strategy = tf.distribute.MirroredStrategy(
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    model = (BUILD[name]() if policy is None else BUILD[name](policy=policy))
+  x, y = _data(name, STEPS * 8 * replicas)
+  _fit(model, x, y, optimizer, 8 * replicas, strategy, clip_norm)
+  return [np.mean([c.numpy() for c in v.value.values], axis=0)
+          for v in model.weights]
+
+
+def _sharded(name, replicas, stage, optimizer, clip_norm=None, policy=None):
+  devices = tfmgpu.list_devices("CPU")[:replicas]
+  model = BUILD[name]() if policy is None else BUILD[name](policy=policy)
+  sharded = zero.ShardedModel(model, devices, stage=stage)
+  x, y = _data(name, STEPS * 8 * replicas)
+  _, trainer = _fit(sharded, x, y, optimizer, 8 * replicas, None, clip_norm)
+  return sharded, trainer
+
+
+def _assert_equal(sharded, want, optimizer):
+  got = [v.numpy() for v in sharded.unsplit.weights]
+  initial = BUILD["gpt" if "gpt" in sharded.unsplit.name else "bn"]()
+  moved = max(np.abs(w - w0).max()
+              for w, w0 in zip(want, initial.get_weights()))
+  assert moved > 10 * TOLERANCE[optimizer]  # Training did change weights.
+  for v, g, w in zip(sharded.unsplit.weights, got, want):
+    np.testing.assert_allclose(g, w, atol=TOLERANCE[optimizer], rtol=0,
+                               err_msg=v.path)
+
+
+CASES = [  # model, replicas, stage, optimizer, clip_norm
+    ("bn", 2, 1, "sgd", None), ("bn", 2, 2, "adam", 0.5),
+    ("bn", 2, 3, "adam", None), ("bn", 4, 3, "sgd", 0.5),
+    ("gpt", 2, 1, "adam", 1.0), ("gpt", 2, 3, "sgd", None),
+    ("gpt", 4, 3, "adam", 1.0),
+]
+
+
+@pytest.fixture(scope="module")
+def references():
+  cache = {}
+
+  def get(name, replicas, optimizer, clip_norm, policy=None):
+    key = (name, replicas, optimizer, clip_norm, policy)
+    if key not in cache:
+      cache[key] = _mirrored(name, replicas, optimizer, clip_norm, policy)
+    return cache[key]
+  return get
+
+
+@pytest.mark.parametrize("name,replicas,stage,optimizer,clip_norm", CASES)
+def test_trains_equal_to_mirrored(references, name, replicas, stage,
+                                  optimizer, clip_norm):
+  sharded, _ = _sharded(name, replicas, stage, optimizer, clip_norm)
+  _assert_equal(sharded, references(name, replicas, optimizer, clip_norm),
+                optimizer)
+
+
+def test_mixed_precision_equal_to_mirrored(references):
+  sharded, trainer = _sharded("bn", 2, 3, "adam", 1.0,
+                              policy="mixed_float16")
+  assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+  _assert_equal(sharded,
+                references("bn", 2, "adam", 1.0, policy="mixed_float16"),
+                "adam")
+
+
+def _spec(device):
+  spec = tf.DeviceSpec.from_string(device)
+  return spec.device_type, spec.device_index or 0
+
+
+def test_stage3_step_keeps_each_shard_on_its_owner():
+  """In the traced step every op on a weight or slot runs on its owner:
+  the forward's reads are placed there (each replica then receives the
+  value: an Identity on its own device), the updates are too, and the
+  rest of the resource ops carry no device (TF runs them where the
+  resource lives)."""
+  devices = tfmgpu.list_devices("CPU")[:2]
+  sharded = zero.ShardedModel(_gpt(), devices, stage=3)
+  optimizer = sharded.build_optimizer(keras.optimizers.Adam(1e-3))
+  per_example = keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=None)
+
+  @tf.function
+  def step(x, y):
+    loss, _, grads = sharded.compute_loss_and_gradients(
+        x, y, lambda t, p: tf.reduce_sum(per_example(t, p)) / 16.0)
+    grads = sharded.reduce_gradients(grads)
+    optimizer.apply_gradients(zip(grads, sharded.trainable_variables))
+    return loss
+
+  x, y = _data("gpt", 16)
+  graph = step.get_concrete_function(x, y).graph
+  captured = {id(outer): inner for outer, inner in graph.captures}
+  slots = [v for v in optimizer.variables
+           if v is not optimizer.iterations and "learning_rate" not in v.path]
+  assert len(slots) == 2 * len(sharded.trainable_variables)
+  owners_used = set()
+  weight_ids = {id(v) for v in sharded.weights}
+  for v in list(sharded.weights) + slots:
+    storage = v.value
+    owner = _spec(storage.device)
+    owners_used.add(owner)
+    placed_ops = [op for op in captured[id(storage.handle)].consumers()
+                  if op.device]
+    assert placed_ops, v.path
+    for op in placed_ops:
+      assert _spec(op.device) == owner, (v.path, op.type, op.device)
+    if id(v) in weight_ids:
+      reads = [op for op in placed_ops if op.type == "ReadVariableOp"]
+      assert len(reads) == 2, v.path  # One per replica, on the owner.
+      receivers = {_spec(c.device) for r in reads
+                   for c in r.outputs[0].consumers()}
+      assert receivers == {_spec(d) for d in devices}, v.path
+  assert owners_used == {_spec(d) for d in devices}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_live_bytes_match_the_estimate_and_fall_to_a_share(stage):
+  devices = tfmgpu.list_devices("CPU")[:4]
+  strategy = tf.distribute.MirroredStrategy(
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    mirrored = _gpt()
+    mirrored_opt = keras.optimizers.Adam()
+    mirrored_opt.build(mirrored.trainable_variables)
+  plain = zero.bytes_by_device(mirrored.weights)
+  plain_slots = zero.bytes_by_device(mirrored_opt._momentums  # pylint: disable=protected-access
+                                     + mirrored_opt._velocities)  # pylint: disable=protected-access
+  sharded = zero.ShardedModel(_gpt(), devices, stage=stage)
+  optimizer = sharded.build_optimizer(keras.optimizers.Adam())
+  live = sharded.live_bytes(optimizer)
+  estimate = zero_memory.account_model(sharded.unsplit, devices, stage, "adam")
+  mirrored_rows = zero_memory.account_model(sharded.unsplit, devices, 0,
+                                            "adam")
+  total_weights = sum(plain.values()) // 4
+  for row, base in zip(estimate, mirrored_rows):
+    name = zero.device_name(row.device)
+    assert live[name] == {"weights": row.weights, "slots": row.slots}
+    assert plain[name] == base.weights == total_weights
+    assert plain_slots[name] == base.slots == 2 * total_weights
+    assert row.slots < 0.3 * base.slots  # About 1/4, by whole variables.
+    if stage == 3:
+      assert row.weights < 0.3 * base.weights
+    else:
+      assert row.weights == base.weights
+    assert row.gradients == (base.gradients if stage == 1
+                             else live[name]["slots"] // 2)
+
+
+def _fit_dir(sharded, x, y, model_dir, epochs):
+  trainer = Trainer(sharded, optimizer="adam", learning_rate=0.01,
+                    verbose=0, metrics=[], model_dir=model_dir)
+  try:
+    return trainer.fit(x, y, epochs=epochs, global_batch_size=32,
+                       steps_per_epoch=2, shuffle=False)
+  finally:
+    trainer.close()
+
+
+def test_stage3_checkpoint_restores_into_any_layout_and_resumes(tmp_path):
+  """A stage-3 run on 4 devices: its checkpoint restores unsplit, as
+  mirrored x2 and as a 2-stage pipeline (same predictions); its .keras
+  loads; a stage-1 run resumes from it exactly where it stopped."""
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import portable  # pylint: disable=g-import-not-at-top
+  devices = tfmgpu.list_devices("CPU")[:4]
+  x, y = _data("gpt", 64)
+  whole = zero.ShardedModel(_gpt(), devices, stage=3)
+  _fit_dir(whole, x, y, str(tmp_path / "whole"), epochs=2)
+  sharded = zero.ShardedModel(_gpt(), devices, stage=3)
+  _fit_dir(sharded, x, y, str(tmp_path / "run"), epochs=1)
+  path = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+  assert portable.has_view(path)
+  expected = sharded.predict(x[:16], batch_size=16, verbose=0)
+  np.testing.assert_allclose(expected, sharded.unsplit.predict(
+      x[:16], batch_size=16, verbose=0), rtol=1e-5, atol=1e-5)
+  unsplit = portable.restore_weights(_gpt(seed=7), path)
+  np.testing.assert_allclose(unsplit.predict(x[:16], verbose=0), expected,
+                             rtol=1e-5, atol=1e-5)
+  strategy = tf.distribute.MirroredStrategy(
+      devices[:2], cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    mirrored = portable.restore_weights(_gpt(seed=7), path)
+    plain = _gpt(seed=7)  # Read as a plain model's checkpoint (its keys).
+    tf.train.Checkpoint(model=plain).read(path).expect_partial()
+  for model in (mirrored, plain):
+    np.testing.assert_allclose(model.predict(x[:16], verbose=0), expected,
+                               rtol=1e-5, atol=1e-5)
+  staged = pipeline.PipelinedModel.from_model(_gpt(seed=7), num_stages=2,
+                                              micro_batches=2)
+  portable.restore_weights(staged, path)
+  np.testing.assert_allclose(staged.predict(x[:16], batch_size=16, verbose=0),
+                             expected, rtol=1e-5, atol=1e-5)
+  saved = str(tmp_path / "model.keras")
+  sharded.to_unsplit().save(saved)
+  loaded = keras.models.load_model(saved, custom_objects=gpt.custom_objects())
+  np.testing.assert_allclose(loaded.predict(x[:16], verbose=0), expected,
+                             rtol=1e-5, atol=1e-5)
+  resumed = zero.ShardedModel(_gpt(seed=7), devices, stage=1)
+  result = _fit_dir(resumed, x, y, str(tmp_path / "run"), epochs=2)
+  assert result.initial_epoch == 1 and result.epochs_run == 1
+  for v, w in zip(resumed.unsplit.weights, whole.unsplit.weights):
+    np.testing.assert_allclose(v.numpy(), w.numpy(), atol=1e-6, rtol=0,
+                               err_msg=v.path)
+
+
+@pytest.mark.usefixtures("parsed_flags")
+def test_plan_only_prints_the_live_bytes_of_each_device(capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import models, train  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import plan  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(strategy="mirrored", model="gpt",
+                           model_size="tiny", zero_stage=3, num_replicas=4,
+                           optimizer="adam", plan_only=True):
+    assert train.main(["train"]) == 0
+  printed = {m[0]: m[1:] for m in re.findall(
+      r"^3\s+(\S+)\s+([\d.]+ \w+)\s+[\d.]+ \w+\s+([\d.]+ \w+)",
+      capsys.readouterr().out, re.M)}
+  devices = tfmgpu.list_devices("CPU")[:4]
+  sharded = zero.ShardedModel(models.build_model(
+      "gpt", input_shape=(gpt.CONTEXTS["tiny"],), num_classes=256,
+      size="tiny"), devices, stage=3)
+  live = sharded.live_bytes(sharded.build_optimizer(keras.optimizers.Adam()))
+  fmt = plan._fmt_bytes  # pylint: disable=protected-access
+  assert printed == {d: (fmt(b["weights"]), fmt(b["slots"]))
+                     for d, b in live.items()}
+
+
+def test_zero_stage_is_refused_where_it_does_not_work():
+  with pytest.raises(ValueError, match=r"zero_stage=3 is not supported by "
+                     r"strategy='multi_worker_mirrored'.*--strategy=mirrored "
+                     r"--zero_stage=3"):
+    tfmgpu.TrainConfig(strategy="multi_worker_mirrored", zero_stage=3)
+  with pytest.raises(ValueError, match=r"zero_stage=4 is unknown"):
+    tfmgpu.TrainConfig(strategy="mirrored", zero_stage=4)
+  with pytest.raises(ValueError, match=r"zero_stage=0 keeps a whole copy"):
+    zero.ShardedModel(_gpt(), tfmgpu.list_devices("CPU")[:2], stage=0)
+  with pytest.raises(ValueError, match=r"get_strategy cannot shard.*"
+                     r"ShardedModel"):
+    tfmgpu.get_strategy("mirrored", zero_stage=2)
+
+
+@pytest.mark.usefixtures("parsed_flags")
+def test_cli_trains_mirrored_zero_stage_3(tmp_path, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import train  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(strategy="mirrored", zero_stage=3, model="gpt",
+                           model_size="tiny", epochs=1, steps_per_epoch=2,
+                           steps_per_execution=2, model_dir=str(tmp_path),
+                           verbose=0):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"^replicas\s+4 on /device:CPU:0, .*CPU:3$", out, re.M)
+  assert re.search(r"^zero\s+stage 3: weights, gradients and optimizer "
+                   r"slots sharded", out, re.M)
+  assert (tmp_path / "model.keras").exists()

@@ -1,0 +1,444 @@
+"""Sharded data parallelism on one host: ZeRO stages 1, 2 and 3.
+
+Data parallelism (`mirrored`) keeps a whole copy of the weights, gradients
+and optimizer slots on every device. `ShardedModel` holds one model whose
+every variable has an *owner* among the `R` data-parallel devices (balanced
+by bytes, `assign_owners`) and trains it as `R` replicas:
+
+1. the batch is split into `R` equal slices, one per replica device;
+2. each replica's forward and backward run on its device
+   (`model.stateless_call` on that replica's weight values, one tape), its
+   loss averaged over the *global* batch, so the replicas' gradients add up
+   to the gradient of the whole batch;
+3. each variable's gradients are summed on its owner (a reduce-scatter:
+   no device receives a gradient it does not own), clipped to a global norm
+   computed over every owner's shard (`clip_norm`), and sent in 16 bits if
+   asked (`compression`);
+4. the optimizer applies each sum on the owner, where the variable and its
+   slots live (`colocate_optimizer_updates`): every slot exists once.
+
+The stages differ in what each device keeps between steps:
+
+- stage 1 and 2: every replica device also keeps a copy of every weight it
+  does not own; the copies take the owners' new values at the start of the
+  next training step (the all-gather). In a TF graph a step's gradients are
+  tensors freed once sent to their owner, so stage 1 runs stage 2's step:
+  no device keeps whole gradients beyond the step (the accounting counts
+  stage 1's gradients whole, as DeepSpeed's stage 1 keeps them);
+- stage 3: no copies. Each replica's forward reads the owners' variables
+  across devices (TF sends them, and frees the received values after the
+  backward that uses them).
+
+Stage 3 reads each weight once per step: TF keeps the received value for
+the backward (a layer's weights are not gathered again for its backward,
+nor prefetched layer by layer), so a step's peak still holds every weight
+a replica received; between steps each device holds only its own.
+
+Batch-norm statistics and other non-trainable weights live on their owners
+in every stage; each replica updates them from its own slice and the owner
+keeps the mean of the replicas' new values. (Under Keras 3,
+`MirroredStrategy` lets each replica's statistics drift apart and saves the
+first replica's; an exponential average being linear, the mean kept here
+equals the mean of those copies.)
+
+From the outside it is one Keras model: `fit`, `predict` (the batch split
+over the replicas), weights to and from the unsplit model, which it holds
+(`to_unsplit`, `weighted_layers`: checkpoints restore into any layout). Its
+checkpoints have the keys of the unsplit model's, so a run resumes across
+stages and from or into plain `mirrored`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfmgpu import _compat
+from tfmgpu.parallel import microbatch
+from tfmgpu.parallel import placed
+from tfmgpu.parallel import replicated
+from tfmgpu.parallel import zero_memory
+from tfmgpu.strategies.options import ZERO_STAGES
+from tfmgpu.training import allreduce as allreduce_lib
+
+
+def variable_bytes(variable: Any) -> int:
+  """Bytes of one variable's storage."""
+  shape = tf.TensorShape(variable.shape)
+  return int(shape.num_elements() or 0) * tf.as_dtype(variable.dtype).size
+
+
+def assign_owners(sizes: Sequence[int], num_devices: int) -> list[int]:
+  """An owner (device index) per variable, balancing bytes per device.
+
+  Largest first, each onto the device holding the fewest bytes so far (the
+  lowest index on ties): no device exceeds the mean by more than the
+  largest variable. The accounting (`zero_memory`) uses the same rule.
+
+  Args:
+    sizes: bytes of each variable.
+    num_devices: the data-parallel devices.
+
+  Returns:
+    The owner index of each variable, in the order of `sizes`.
+  """
+  if num_devices < 1:
+    raise ValueError(f"num_devices={num_devices} must be >= 1.")
+  return zero_memory.owners_of(sizes, num_devices)
+
+
+def device_name(device: str) -> str:
+  """`/device:CPU:1` for any spelling of a device."""
+  spec = tf.DeviceSpec.from_string(device)
+  return f"/device:{spec.device_type}:{spec.device_index or 0}"
+
+
+def bytes_by_device(variables: Sequence[Any]) -> dict[str, int]:
+  """Bytes of `variables` summed by the device each lives on (each copy of
+  a mirrored variable on its own device)."""
+  out: dict[str, int] = {}
+  for v in _unique(variables):
+    storage = v.value if isinstance(v, keras.Variable) else v
+    for part in getattr(storage, "values", None) or (storage,):
+      name = device_name(part.device)
+      out[name] = out.get(name, 0) + variable_bytes(part)
+  return out
+
+
+def check_stage(stage: Any) -> int:
+  """`stage` as an int in `ZERO_STAGES`, or a ValueError that says so."""
+  if stage not in ZERO_STAGES or isinstance(stage, bool):
+    raise ValueError(f"zero_stage={stage!r} is not a ZeRO stage. Use one of "
+                     f"{', '.join(map(str, ZERO_STAGES))} (0: whole copies, "
+                     "1: optimizer slots sharded, 2: and gradients, 3: and "
+                     "weights).")
+  return int(stage)
+
+
+def read_on_owner(variable: Any) -> tf.Tensor:
+  """The variable's value, read by an op on the variable's own device
+  (`convert_to_tensor` would only colocate it, leaving no device in the
+  traced graph)."""
+  storage = variable.value if isinstance(variable, keras.Variable) else variable
+  with tf.device(storage.device):
+    return tf.raw_ops.ReadVariableOp(resource=storage.handle,
+                                     dtype=storage.dtype)
+
+
+def _unique(variables: Sequence[Any]) -> list[Any]:
+  seen, out = set(), []
+  for v in variables:
+    if id(v) not in seen:
+      seen.add(id(v))
+      out.append(v)
+  return out
+
+
+class _Copies:
+  """Stage 1 and 2: each replica's copies of the weights it does not own.
+
+  A plain object, so that Keras and checkpoints do not track the copies:
+  the owners' variables are the model's weights.
+  """
+
+  def __init__(self, variables: Sequence[Any], owners: Sequence[int],
+               devices: Sequence[str]):
+    self.table: list[list[Any]] = []
+    for r, device in enumerate(devices):
+      row = []
+      for v, owner in zip(variables, owners):
+        if owner == r:
+          row.append(None)
+          continue
+        with tf.init_scope(), tf.device(device):
+          row.append(tf.Variable(tf.identity(v.value), trainable=False,
+                                 name=f"zero_copy_{r}"))
+      self.table.append(row)
+
+  def gather(self, variables: Sequence[Any]) -> None:
+    """Every copy takes its owner's value (the all-gather): read on the
+    owner, written on the copy's device."""
+    values = [read_on_owner(v) for v in variables]
+    for row in self.table:
+      for copy, value in zip(row, values):
+        if copy is not None:
+          with tf.device(copy.device):
+            copy.assign(value)
+
+
+class ShardedModel(placed.PerDeviceGradientModel):
+  """One model trained as data-parallel replicas, its state sharded (ZeRO).
+
+  Example (stage 3 over 4 devices):
+
+    model = build()                            # anywhere, e.g. on the host
+    sharded = tfmgpu.parallel.ShardedModel(model, devices, stage=3)
+    trainer = tfmgpu.Trainer(sharded, optimizer="adam")   # default strategy
+    trainer.fit(x, y, global_batch_size=64)    # 16 rows per device
+
+  Args:
+    model: a built Keras model; its variables move to their owners.
+    devices: the data-parallel devices (`R`), e.g. `["/cpu:0", "/cpu:1"]`.
+    stage: `1`, `2` or `3` (see the module's docstring). Defaults to `3`.
+
+  Attributes:
+    unsplit: `model`, holding the weights (each variable on its owner).
+    stage: the ZeRO stage.
+    owners: `{variable path: device}` of every weight.
+  """
+
+  places_itself = True
+
+  def __init__(self, model: keras.Model, devices: Sequence[str], *,
+               stage: int = 3, name: str | None = None, **kwargs):
+    stage = check_stage(stage)
+    if stage == 0:
+      raise ValueError("zero_stage=0 keeps a whole copy on every device: that "
+                       "is plain data parallelism (--strategy=mirrored "
+                       "without --zero_stage). ShardedModel takes 1, 2 or 3.")
+    devices = list(devices)
+    if not devices:
+      raise ValueError("devices=[] is empty; give the data-parallel devices, "
+                       "e.g. ['/cpu:0', '/cpu:1'].")
+    if not model.weights:
+      raise ValueError(f"model {model.name!r} has no weights: build it (give "
+                       "it a keras.Input or call it once) before sharding.")
+    super().__init__(name=name or f"{model.name}_zero{stage}", **kwargs)
+    self.unsplit = model
+    self.stage = stage
+    self._devices = tuple(devices)
+    weights = _unique(model.weights)
+    owners = assign_owners([variable_bytes(v) for v in weights], len(devices))
+    for v, owner in zip(weights, owners):
+      _compat.rehome_variable(v, devices[owner])
+    self._owner_of = {id(v): o for v, o in zip(weights, owners)}
+    self.owners = {v.path: devices[o] for v, o in zip(weights, owners)}
+    trainable = model.trainable_variables
+    self._copies = (_Copies(trainable, self._owner_list(trainable), devices)
+                    if stage < 3 else None)
+    self.unsplit_output_names = tuple(getattr(model, "output_names", ()) or ())
+    self.built = True
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    """A checkpoint sees the unsplit model's own children (its layers and
+    weights, not an `unsplit` attribute): a ShardedModel's checkpoint has
+    the keys of the plain model's, so either resumes the other (mirrored to
+    any stage and back; the copies of stages 1 and 2 are not saved)."""
+    if save_type == "checkpoint":
+      return _compat.trackable_children(self.unsplit, save_type, **kwargs)
+    return super()._trackable_children(save_type, **kwargs)
+
+  def _owner_list(self, variables: Sequence[Any]) -> list[int]:
+    return [self._owner_of[id(v)] for v in variables]
+
+  @property
+  def devices(self) -> list[str]:
+    """The data-parallel devices, replica by replica."""
+    return list(self._devices)
+
+  @property
+  def data_parallel(self) -> int:
+    """`R`, the number of replicas."""
+    return len(self._devices)
+
+  def owner_device(self, variable: Any) -> str:
+    """The device that owns `variable` (a weight of the model)."""
+    return self._devices[self._owner_of[id(variable)]]
+
+  # ------------------------------------------------------------ values
+
+  def _weights_on(self, r: int, training: bool) -> list[tf.Tensor]:
+    """Replica `r`'s values of the trainable weights, on its device: its
+    copies (stages 1 and 2, in training), else the owners' variables read
+    across devices."""
+    owned = self.unsplit.trainable_variables
+    row = (self._copies.table[r] if (self._copies and training)
+           else [None] * len(owned))
+    values = [read_on_owner(v if c is None else c) for v, c in zip(owned, row)]
+    with tf.device(self._devices[r]):
+      return [tf.identity(v) for v in values]
+
+  def _state_on(self, r: int) -> list[tf.Tensor]:
+    """The non-trainable weights (batch-norm statistics, seeds), read from
+    their owners onto replica `r`'s device."""
+    values = [read_on_owner(v) for v in self.unsplit.non_trainable_variables]
+    with tf.device(self._devices[r]):
+      return [tf.identity(v) for v in values]
+
+  def _keep_mean_state(self, states: Sequence[Sequence[tf.Tensor]]) -> None:
+    """Each non-trainable weight takes the mean of the replicas' new values
+    (integers, e.g. seed states: the first replica's), on its owner."""
+    for j, v in enumerate(self.unsplit.non_trainable_variables):
+      with tf.device(self.owner_device(v)):
+        values = [s[j] for s in states]
+        new = (tf.add_n(values) / len(values) if values[0].dtype.is_floating
+               else values[0])
+        v.assign(tf.cast(new, v.dtype))
+
+  # ------------------------------------------------------------ forward
+
+  def _check_batch(self, x) -> None:
+    replicated.ReplicatedModel._check_batch(self, x)  # pylint: disable=protected-access
+
+  def call(self, inputs, training=None):
+    """Splits the batch over the replicas (padding it outside training);
+    each replica's forward on its device reads the owners' weights."""
+    r = self.data_parallel
+    x = tf.nest.map_structure(tf.convert_to_tensor, inputs)
+    first = tf.nest.flatten(x)[0]
+    n = tf.shape(first)[0]
+    pad = (-n) % r
+    x = tf.nest.map_structure(
+        lambda t: tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1)), x)
+    outs = []
+    for i, part in enumerate(microbatch.split(x, r)):
+      with tf.device(self._devices[i]), tf.name_scope(f"replica_{i}"):
+        y, _ = self.unsplit.stateless_call(
+            self._weights_on(i, False), self._state_on(i), part,
+            training=bool(training))
+      outs.append(y)
+    return microbatch.head(microbatch.concat(outs), n)
+
+  # ------------------------------------------------------------ training
+
+  def _replica_backward(self, r: int, x, y, loss_fn: placed.LossFn,
+                        scale) -> tuple[Any, Any, list[Any], list[Any]]:
+    """Replica `r`'s forward and backward on its device: `(objective,
+    predictions, gradients, new non-trainable values)`."""
+    with tf.device(self._devices[r]), tf.name_scope(f"replica_{r}"):
+      weights = self._weights_on(r, True)
+      with tf.GradientTape() as tape:
+        tape.watch(weights)
+        y_pred, state, losses = self.unsplit.stateless_call(
+            weights, self._state_on(r), x, training=True, return_losses=True)
+        total = loss_fn(y, y_pred)
+        if losses:
+          total += scale(tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32)
+                                   for l in losses]))
+      grads = tape.gradient(total, weights)
+    return total, y_pred, grads, state
+
+  def compute_loss_and_gradients(self, x, y, loss_fn: placed.LossFn, *,
+                                 scale_regularization=None,
+                                 loss_reduction: str = "sum"):
+    """Each replica's forward and backward on its slice; gradients not
+    summed (`reduce_gradients` sums them on their owners).
+
+    Args:
+      x, y: the whole batch (its size a multiple of `data_parallel`).
+      loss_fn: `loss_fn(y_true, y_pred)`. `"sum"`: it divides by the global
+        batch size (tfmgpu's Trainer), so the replicas' losses add up;
+        `"mean"`: it averages the rows it gets (Keras `fit`), so each
+        replica's share is divided by `R`.
+      scale_regularization: applied to each replica's regularisation, which
+        is also divided by `R` (counted once per step, not per replica).
+
+    Returns:
+      `(loss, y_pred, grads)`: the summed objective, the replicas' outputs
+      in batch order, and each replica's gradient per trainable variable,
+      replica by replica (`R * n` entries).
+    """
+    if loss_reduction not in ("sum", "mean"):
+      raise ValueError(f"loss_reduction={loss_reduction!r} must be 'sum' or "
+                       "'mean'.")
+    r = self.data_parallel
+    base = scale_regularization or (lambda t: t)
+    share = loss_fn if loss_reduction == "sum" else (
+        lambda y_true, y_pred: loss_fn(y_true, y_pred) / r)
+    self._check_batch(x)
+    if self._copies is not None:
+      with tf.name_scope("zero_all_gather"):
+        self._copies.gather(self.unsplit.trainable_variables)
+    totals, preds, grads, states = [], [], [], []
+    for i, (xi, yi) in enumerate(zip(microbatch.split(x, r),
+                                     microbatch.split(y, r))):
+      total, y_pred, g, state = self._replica_backward(
+          i, xi, yi, share, lambda t: base(t) / r)
+      totals.append(total)
+      preds.append(y_pred)
+      grads.extend(g)
+      states.append(state)
+    if self.unsplit.non_trainable_variables:
+      self._keep_mean_state(states)
+    return tf.add_n(totals), microbatch.concat(preds), grads
+
+  def _fit_loss_options(self) -> dict[str, Any]:
+    """`fit`'s compiled loss averages the rows it gets: shares are `1/R`."""
+    return replicated.ReplicatedModel._fit_loss_options(self)  # pylint: disable=protected-access
+
+  def reduce_gradients(self, grads: Sequence[Any],
+                       options: allreduce_lib.AllReduceOptions | None = None
+                       ) -> list[Any]:
+    """Sums each variable's gradients on its owner (a reduce-scatter), then
+    clips them to one global norm over every owner's shard.
+
+    Args:
+      grads: `R * n` gradients, replica by replica, as
+        `compute_loss_and_gradients` returns them.
+      options: compression and clipping, as for tfmgpu's data-parallel
+        all-reduce (`bytes_per_pack` does not apply). Defaults to none.
+
+    Returns:
+      One gradient per trainable variable, on its owner's device.
+    """
+    options = options or allreduce_lib.AllReduceOptions()
+    variables = self.unsplit.trainable_variables
+    r, n = self.data_parallel, len(variables)
+    if len(grads) != r * n:
+      raise ValueError(f"reduce_gradients got {len(grads)} gradients; "
+                       f"expected {r} replicas x {n} variables.")
+    summed = []
+    with tf.name_scope("zero_reduce_scatter"):
+      for j, v in enumerate(variables):
+        parts = [grads[i * n + j] for i in range(r)]
+        if any(p is None for p in parts):
+          summed.append(None)
+          continue
+        summed.append(replicated.sum_on_device(
+            parts, self._devices, self.owner_device(v), options.compression))
+    present = [g for g in summed if g is not None]
+    if options.clip_norm is not None and present:
+      clipped, _ = tf.clip_by_global_norm(present, options.clip_norm)
+      it = iter(clipped)
+      summed = [None if g is None else next(it) for g in summed]
+    return summed
+
+  # ------------------------------------------------------------ weights
+
+  def live_bytes(self, optimizer: keras.optimizers.Optimizer | None = None
+                 ) -> dict[str, dict[str, int]]:
+    """`{device: {"weights": bytes, "slots": bytes}}`, read from where each
+    variable lives: the owners' weights, the copies (stages 1 and 2) and
+    the optimizer's slots (its step counter and learning rate left out)."""
+    weights = list(self.unsplit.weights)
+    if self._copies is not None:
+      weights += [c for row in self._copies.table for c in row
+                  if c is not None]
+    slots = []
+    if optimizer is not None:
+      inner = getattr(optimizer, "inner_optimizer", optimizer)
+      skip = {id(inner.iterations), id(_compat.learning_rate_variable(inner))}
+      slots = [v for v in inner.variables if id(v) not in skip]
+    held = {"weights": bytes_by_device(weights),
+            "slots": bytes_by_device(slots)}
+    return {device_name(d): {k: held[k].get(device_name(d), 0) for k in held}
+            for d in self._devices}
+
+  def load_from(self, unsplit: keras.Model) -> None:
+    """Copies the unsplit model's weights into the owners' variables."""
+    self.unsplit.set_weights(unsplit.get_weights())
+
+  def copy_weights_to(self, unsplit: keras.Model) -> None:
+    """Copies the weights into an unsplit model."""
+    unsplit.set_weights(self.unsplit.get_weights())
+
+  def to_unsplit(self, **kwargs) -> keras.Model:
+    """The unsplit model, which holds the weights (on their owners)."""
+    del kwargs  # Nothing to rebuild: it is the model itself.
+    return self.unsplit
+
+  def weighted_layers(self) -> dict[str, Any]:
+    """`{name: layer}` of the unsplit model's layers with weights."""
+    return {l.name: l for l in self.unsplit.layers if l.weights}
