@@ -1,6 +1,7 @@
 """`tfmgpu.generate`: KV-cached decoding equals a loop without a cache and
 keras_hub's own `generate`; seeded sampling repeats; data parallelism gives
-the unplaced tokens; the decode step traces once."""
+the unplaced tokens; the decode step traces once. Placed models:
+`test_generation_placed.py`."""
 
 import numpy as np
 import pytest
@@ -167,12 +168,21 @@ def test_bad_options_are_named(gpt):
     tfmgpu.generate(gpt, ids, max_new_tokens=0)
 
 
-def test_a_placed_model_is_refused_with_the_way_out(gpt, cpu_devices):
+def test_a_placed_model_refuses_a_strategy_and_a_placed_non_gpt(
+    gpt, cpu_devices):
+  import keras  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
   placed = hybrid.build_layout(gpt, hybrid.Layout(stages=2),
                                devices=cpu_devices[:2])
-  with pytest.raises(ValueError, match="to_unsplit"):
-    tfmgpu.generate(placed, np.ones((1, 4), np.int32), max_new_tokens=2)
+  with pytest.raises(ValueError, match="placed over devices already"):
+    generation.Generator(placed, strategy="mirrored")
+  inputs = keras.Input((4,))
+  mlp = keras.Model(inputs, keras.layers.Dense(3, name="b")(
+      keras.layers.Dense(3, name="a")(inputs)))
+  staged = hybrid.build_layout(mlp, hybrid.Layout(stages=2),
+                               devices=cpu_devices[:2])
+  with pytest.raises(ValueError, match="is not tfmgpu's gpt.*to_unsplit"):
+    tfmgpu.generate(staged, np.ones((1, 4), np.int32), max_new_tokens=2)
 
 
 # ------------------------------------------------------- keras_hub models

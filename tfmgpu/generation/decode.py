@@ -144,6 +144,7 @@ class Runner:
 
   Attributes:
     traces: how many times a per-replica decode loop was traced.
+    graphs: the graph of each trace (to read where its ops run).
   """
 
   def __init__(self, strategy: tf.distribute.Strategy | None,
@@ -152,6 +153,7 @@ class Runner:
     self.device = device
     self.jit_compile = jit_compile
     self.traces = 0
+    self.graphs: list[tf.Graph] = []
     self._loops: dict[Any, Callable[..., Any]] = {}
     self._prefills: dict[Any, Callable[..., Any]] = {}
 
@@ -167,6 +169,7 @@ class Runner:
 
       def counted(state, index, stop, seed):
         self.traces += 1  # Runs only while tracing.
+        self.graphs.append(tf.compat.v1.get_default_graph())
         return advance(state, index, stop, seed)
 
       inner = tf.function(counted, jit_compile=self.jit_compile)
