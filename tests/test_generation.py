@@ -236,13 +236,16 @@ def byte_gpt_path(tmp_path_factory):
   return path, model
 
 
+@pytest.mark.parametrize("placement", [
+    {"strategy": "default"},
+    {"strategy": "model_parallel", "num_stages": 2, "tensor_parallel": 2}])
 def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
-    byte_gpt_path, parsed_flags, capsys):
+    byte_gpt_path, parsed_flags, capsys, placement):
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from tfmgpu import generate  # pylint: disable=g-import-not-at-top
   path, model = byte_gpt_path
   with flagsaver.flagsaver(model_path=[path], prompt="def ",
-                           max_new_tokens=20, strategy="default"):
+                           max_new_tokens=20, **placement):
     assert generate.main(["generate"]) == 0
   out = capsys.readouterr()
   # 4 + 20 tokens > the 16 positions: the last 8 start the second window.

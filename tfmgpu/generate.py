@@ -6,7 +6,10 @@ Examples:
   python -m tfmgpu.generate --model_path=lm.keras --prompt_ids=1,5,9 \
       --sampler=top_k --top_k=40 --sample_seed=1
 
-A `gpt` trained on `stdlib_text` reads bytes: `--prompt` is text and the
+Placements place the model as for `predict` (e.g. `--strategy=pipeline
+--num_stages=2`, `--strategy=tensor_parallel --tensor_parallel=2`): each
+layer's KV cache stays on its devices. A `gpt` trained on `stdlib_text`
+reads bytes: `--prompt` is text and the
 new tokens print as text as they come. Other models take `--prompt_ids`
 and print token ids. Past the model's context, generation goes on in
 windows (the last half of the context becomes the next prompt).
@@ -25,9 +28,10 @@ from absl import flags
 from tfmgpu import flags as flags_lib
 from tfmgpu.flags import devices
 from tfmgpu.flags import serving
+from tfmgpu.flags import stages
 from tfmgpu.flags import strategy as strategy_flags
 
-for _group in (strategy_flags, devices, serving):
+for _group in (strategy_flags, stages, devices, serving):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
 _PROMPT = flags.DEFINE_string(
@@ -86,7 +90,8 @@ def _prepare():
       devices.VIRTUAL_DEVICES.value,
       intra_op_threads=distribution.intra_op_threads)
   model = inference.load_model(serving.MODEL_PATH.value[0])
-  options = distribution.options_from(types.SimpleNamespace(**values))
+  options = distribution.options_from(
+      types.SimpleNamespace(**values, **stages.values()))
   model, strategy = distribution.serve([model], options)
   generator = generation.Generator(model, strategy=strategy)
   return generator, generator.adapter.vocab == BYTE_VOCAB
