@@ -28,6 +28,8 @@ from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 
+from tfmgpu.generation import decode
+
 _NEG = -1e9  # Added to masked scores (Keras' masked softmax does the same).
 
 LAYER_NAMES = ("token_embedding", "position_embedding", "block0_attention",
@@ -184,8 +186,7 @@ class GPTCache:
       token_ids: `(B, T)` int prompts (right-padded), `T <= length`.
       cache: from `empty_cache(B, length)` (its contents are replaced).
     """
-    width = token_ids.shape[1]
-    length = cache[0].shape[1]
+    width, length = decode.dim(token_ids, 1), decode.dim(cache[0], 1)
 
     def write(_, new):  # From empty: the new keys, then zeros.
       return tf.pad(new, [[0, 0], [0, length - width], [0, 0], [0, 0]])
@@ -203,7 +204,7 @@ class GPTCache:
       cache: the cache, holding the keys/values of positions before `index`.
       index: a scalar int tensor.
     """
-    length = cache[0].shape[1]
+    length = decode.dim(cache[0], 1)
 
     def write(old, new):  # One position replaced; shapes never change.
       at = tf.one_hot(index, length, dtype=old.dtype)[None, :, None, None]
