@@ -291,3 +291,19 @@ def test_generate_is_the_cli_module_and_the_function(gpt):
   assert callable(tfmgpu.generate.main)
   out = tfmgpu.generate(gpt, np.ones((1, 3), np.int32), max_new_tokens=2)
   assert out["token_ids"].shape == (1, 5)
+
+
+def test_cli_memory_plan_prints_weights_and_kv_cache_per_device(
+    byte_gpt_path, parsed_flags, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt="def ",
+                           max_new_tokens=12, memory_plan=True,
+                           serve_batch=8, strategy="model_parallel",
+                           num_stages=2, tensor_parallel=2):
+    assert generate.main(["generate"]) == 0
+  out = capsys.readouterr().out
+  assert "8 row(s) of 16 positions" in out and "KV cache" in out
+  # Each device: one block's one head (gpt tiny: 2 blocks of 2 heads of
+  # 16), keys and values: 2 x 8 rows x 16 positions x 16 x 4 bytes.
+  assert out.count(" 16.0 KiB ") == 4, out

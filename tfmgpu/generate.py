@@ -55,6 +55,13 @@ _SAMPLE_SEED = flags.DEFINE_integer(
     "text. Defaults to a fresh one.")
 _STOP_TOKEN_IDS = flags.DEFINE_list(
     "stop_token_ids", None, "Stop after any of these token ids.")
+_MEMORY_PLAN = flags.DEFINE_bool(
+    "memory_plan", False, "Print each device's weights and KV cache for "
+    "--serve_batch rows of the prompt + --max_new_tokens positions under "
+    "the placement flags; generate nothing.")
+_SERVE_BATCH = flags.DEFINE_integer(
+    "serve_batch", 1, "Request rows --memory_plan counts the KV cache for.",
+    lower_bound=1)
 
 BYTE_VOCAB = 256
 
@@ -70,6 +77,9 @@ def main(argv: list[str]) -> int:
     raise app.UsageError('Give one of --prompt="text" or --prompt_ids=1,2,3.')
   flags_lib.quiet_tensorflow()
   try:
+    if _MEMORY_PLAN.value:
+      print(_memory_plan())
+      return 0
     generator, as_text = _prepare()
     prompt = _prompt_tokens(as_text)
     return _write(generator, prompt, as_text)
@@ -95,6 +105,25 @@ def _prepare():
   model, strategy = distribution.serve([model], options)
   generator = generation.Generator(model, strategy=strategy)
   return generator, generator.adapter.vocab == BYTE_VOCAB
+
+
+def _memory_plan() -> str:
+  """`kv_cache.serving_table` of the model under the placement flags."""
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import kv_cache  # pylint: disable=g-import-not-at-top
+  from tfmgpu.placements import model_parallel  # pylint: disable=g-import-not-at-top
+  values = strategy_flags.values()
+  distribution = strategies_lib.lookup(values.pop("strategy"))
+  model = inference.load_model(serving.MODEL_PATH.value[0])
+  layout = model_parallel.layout_of(
+      distribution.options_from(types.SimpleNamespace(
+          **values, **stages.values())), None)
+  prompt = (len(_PROMPT_IDS.value) if _PROMPT_IDS.value is not None
+            else len(_PROMPT.value.encode("utf-8")))
+  return kv_cache.serving_table(
+      model, layout, batch=_SERVE_BATCH.value,
+      context=prompt + _MAX_NEW_TOKENS.value)
 
 
 def _prompt_tokens(as_text: bool) -> list[int]:
