@@ -34,6 +34,8 @@ only modules listed before it):
   parallelism and projected step;
 * `kv_cache`: text generation's KV-cache bytes per device of a layout,
   beside the weights (`serving_table`);
+* `serve_plan`: `plan_serving`, the layout to generate with (latency or
+  throughput), weights and KV cache within the memory;
 * `auto`: `plan_layout`, the fastest predicted layout that fits in memory.
 
 These are the engines; this package registers no names. The placements
