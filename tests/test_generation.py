@@ -307,3 +307,16 @@ def test_cli_memory_plan_prints_weights_and_kv_cache_per_device(
   # Each device: one block's one head (gpt tiny: 2 blocks of 2 heads of
   # 16), keys and values: 2 x 8 rows x 16 positions x 16 x 4 bytes.
   assert out.count(" 16.0 KiB ") == 4, out
+
+
+def test_cli_serve_plan_weighs_layouts_and_chooses_one(
+    byte_gpt_path, parsed_flags, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt="def ",
+                           max_new_tokens=12, serve="latency",
+                           serve_batch=4):
+    assert generate.main(["generate"]) == 0
+  out = capsys.readouterr().out
+  assert "Serving plan (latency)" in out and "16 positions per row" in out
+  assert "tensor 2" in out and "\nchosen: " in out

@@ -60,8 +60,13 @@ _MEMORY_PLAN = flags.DEFINE_bool(
     "--serve_batch rows of the prompt + --max_new_tokens positions under "
     "the placement flags; generate nothing.")
 _SERVE_BATCH = flags.DEFINE_integer(
-    "serve_batch", 1, "Request rows --memory_plan counts the KV cache for.",
+    "serve_batch", 1, "Request rows --memory_plan and --serve plan for.",
     lower_bound=1)
+_SERVE = flags.DEFINE_enum(
+    "serve", None, ["latency", "throughput"], "Print the layouts weighed "
+    "to generate with on the devices found (weights + KV cache per device, "
+    "predicted decode step) and the one chosen for this goal; generate "
+    "nothing.")
 
 BYTE_VOCAB = 256
 
@@ -77,8 +82,8 @@ def main(argv: list[str]) -> int:
     raise app.UsageError('Give one of --prompt="text" or --prompt_ids=1,2,3.')
   flags_lib.quiet_tensorflow()
   try:
-    if _MEMORY_PLAN.value:
-      print(_memory_plan())
+    if _MEMORY_PLAN.value or _SERVE.value:
+      print(_serving_plan() if _SERVE.value else _memory_plan())
       return 0
     generator, as_text = _prepare()
     prompt = _prompt_tokens(as_text)
@@ -119,11 +124,32 @@ def _memory_plan() -> str:
   layout = model_parallel.layout_of(
       distribution.options_from(types.SimpleNamespace(
           **values, **stages.values())), None)
+  return kv_cache.serving_table(model, layout, batch=_SERVE_BATCH.value,
+                                context=_context())
+
+
+def _context() -> int:
+  """The prompt's tokens + --max_new_tokens."""
   prompt = (len(_PROMPT_IDS.value) if _PROMPT_IDS.value is not None
             else len(_PROMPT.value.encode("utf-8")))
-  return kv_cache.serving_table(
-      model, layout, batch=_SERVE_BATCH.value,
-      context=prompt + _MAX_NEW_TOKENS.value)
+  return prompt + _MAX_NEW_TOKENS.value
+
+
+def _serving_plan() -> str:
+  """`serve_plan.weigh_serving` on the devices found, as `auto` sees them."""
+  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import serve_plan  # pylint: disable=g-import-not-at-top
+  from tfmgpu.placements import auto  # pylint: disable=g-import-not-at-top
+  devices_lib.configure_virtual_devices(devices.VIRTUAL_DEVICES.value)
+  model = inference.load_model(serving.MODEL_PATH.value[0])
+  hardware = auto.hardware_for(auto.AutoOptions(),
+                               devices_lib.accelerator_devices())
+  weighed = serve_plan.weigh_serving(
+      model, hardware, batch=_SERVE_BATCH.value, context=_context(),
+      goal=_SERVE.value)
+  return serve_plan.format_serving(weighed, hardware, goal=_SERVE.value,
+                                   context=_context())
 
 
 def _prompt_tokens(as_text: bool) -> list[int]:
