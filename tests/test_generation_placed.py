@@ -106,3 +106,19 @@ def test_each_shard_keeps_its_cache_and_matmuls_on_its_device(
         rf"block{block}/block{block}_mlp_up\w*/block{block}_mlp_up_shard"
         rf"{group}/.*MatMul$", n)}
     assert mlp == {device}, (block, group, mlp)
+
+
+def test_a_stage_decodes_its_blocks_in_one_compiled_call_on_its_device(
+    generators, prompts):
+  generator = generators["pipeline2"]
+  generator.generate(prompts, max_new_tokens=2)
+  graph_def = generator.graphs[-1].as_graph_def()
+  nodes = list(graph_def.node) + [
+      n for f in graph_def.library.function for n in f.node_def]
+  cpus = [devices_lib.canonical_device(d)
+          for d in tfmgpu.list_devices("CPU")]
+  for block, device in ((0, cpus[0]), (1, cpus[1])):
+    calls = [n for n in nodes if re.search(rf"(^|/)block{block}/", n.name)
+             and n.op in ("StatefulPartitionedCall", "PartitionedCall")]
+    assert calls and {devices_lib.canonical_device(n.device)
+                      for n in calls} == {device}, (block, calls)

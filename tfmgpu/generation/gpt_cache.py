@@ -106,6 +106,12 @@ def head_groups(layer: Any, device: str | None
                      layer.num_heads)], lambda parts: parts[0])
 
 
+def _split(block: Mapping[str, Any]) -> bool:
+  """Whether a block's MLP is split over devices (tensor parallelism)."""
+  return any(hasattr(block[part], "devices") for part in ("mlp_up",
+                                                          "mlp_down"))
+
+
 def _device_of(layer: Any) -> str:
   """The device of a layer's first weight."""
   weight = layer.weights[0]
@@ -149,6 +155,12 @@ class GPTCache:
       attention = block["attention"]
       block["groups"], block["combine"] = head_groups(
           attention, self._device(attention))
+      # A placed block whose layers all run on one device (a pipeline
+      # stage's) decodes in one XLA-compiled call there.
+      block["compiled"] = (tf.function(
+          self._one_device_step(block), jit_compile=True)
+                           if placed and len(block["groups"]) == 1
+                           and not _split(block) else None)
       self.blocks.append(block)
     attention = self.blocks[0]["attention"]
     self.head_dim = attention.key_dim
@@ -211,17 +223,43 @@ class GPTCache:
       return old + at * (new - old)
 
     x = self._embed(token[:, None], index[None])
-    x, cache = self._blocks(x, cache, index[None], write)
+    x, cache = self._blocks(x, cache, index[None], write, index=index)
     x = self._call(self.final_ln, x)
     return self._call(self.logits, x)[:, 0, :], cache
 
-  def _blocks(self, x, cache, positions, write):
+  def _one_device_step(self, block):
+    """`(x, keys, values, index) -> (x, keys, values)`: one block's decode
+    step of one token, all of it on one device (to compile with XLA)."""
+    group = block["groups"][0]
+
+    def step(x, keys, values, index):
+      scale = 1.0 / math.sqrt(self.head_dim)
+      h = block["ln1"](x)
+      at = tf.one_hot(index, tf.shape(keys)[1], dtype=keys.dtype)
+      at = at[None, :, None, None]
+      keys = keys + at * (group.key(h) - keys)
+      values = values + at * (group.value(h) - values)
+      o = _attend(group.query(h), keys, values, index[None], scale)
+      x = x + block["combine"]([group.output(o)])
+      return x + block["mlp_down"](block["mlp_up"](block["ln2"](x))), keys, \
+          values
+
+    return step
+
+  def _blocks(self, x, cache, positions, write, index=None):
     """Every block on `x` (B, S, D) at `positions` (S,), keys and values
-    written into the cache by `write(old, new)`."""
+    written into the cache by `write(old, new)`; a decode step (`index`)
+    runs a block's compiled step where it has one."""
     new_cache, scale = [], 1.0 / math.sqrt(self.head_dim)
     slot = iter(cache)
     for i, block in enumerate(self.blocks):
       home = _on(self._device(block["ln1"]))
+      if index is not None and block["compiled"] is not None:
+        with home, tf.name_scope(f"block{i}"):
+          x, keys, values = block["compiled"](x, next(slot), next(slot),
+                                              index)
+        new_cache += [keys, values]
+        continue
       with home, tf.name_scope(f"block{i}"):
         h = block["ln1"](x)
         parts = []
