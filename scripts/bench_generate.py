@@ -158,7 +158,8 @@ def layouts_main(args) -> None:
   model = _gpt_model(args.prompt_len + args.new_tokens)
   cpus = tfmgpu.list_devices("CPU")
   print(f"gpt mini, {args.new_tokens} new tokens after {args.prompt_len}, "
-        "greedy, no XLA, 4 logical CPU devices sharing the machine's cores")
+        "greedy, the loop without XLA (a stage's one-device blocks compile "
+        "with it), 4 logical CPU devices sharing the machine's cores")
   print(f"{'layout':18} {'batch':>5} {'tokens/s':>9} {'p50 ms':>7} "
         f"{'p99 ms':>7} {'same tokens':>11}")
   for batch in (int(b) for b in args.batches.split(",")):
