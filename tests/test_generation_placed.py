@@ -67,14 +67,23 @@ def test_placed_tokens_equal_unplaced(name, generators, prompts, unplaced):
   assert generator.traces == 2  # One per sampler, not per token.
 
 
-def _op_devices(graph):
-  """`{op name: canonical device}` of a graph and its functions' ops (the
-  decode loop's body is a function of the graph)."""
+def _ops(graph):
+  """`(nodes, functions)`: a graph's and its functions' nodes (the decode
+  loop's body is a function of the graph), and `{function name: its node
+  op types}`."""
   graph_def = graph.as_graph_def()
   nodes = list(graph_def.node) + [
       n for f in graph_def.library.function for n in f.node_def]
-  return {n.name: devices_lib.canonical_device(n.device) for n in nodes
-          if n.device}
+  functions = {f.signature.name: {n.op for n in f.node_def}
+               for f in graph_def.library.function}
+  return nodes, functions
+
+
+def _called(node, functions):
+  """The op types a call node runs (its function's), else its own."""
+  if "f" in node.attr and node.attr["f"].func.name in functions:
+    return functions[node.attr["f"].func.name]
+  return {node.op}
 
 
 def _expected(name, cpus):
@@ -91,16 +100,19 @@ def test_each_shard_keeps_its_cache_and_matmuls_on_its_device(
     name, generators, prompts):
   generator = generators[name]
   generator.generate(prompts, max_new_tokens=2)
-  ops = _op_devices(generator.graphs[-1])
+  nodes, functions = _ops(generator.graphs[-1])
   cpus = [devices_lib.canonical_device(d)
           for d in tfmgpu.list_devices("CPU")]
+  ops = {n.name: devices_lib.canonical_device(n.device) for n in nodes
+         if n.device}
   for (block, group), device in _expected(name, cpus).items():
     scope = re.compile(rf"(^|/)block{block}/heads{group}/")
-    mine = {n: d for n, d in ops.items() if scope.search(n)}
-    kinds = {n.rsplit("/", 1)[-1].split("_")[0] for n in mine}
-    # Key/value/query projections, the cache writes and the attention.
+    mine = [n for n in nodes if scope.search(n.name)]
+    kinds = set().union(*(_called(n, functions) for n in mine))
+    # Key/value/query projections, the cache writes and the attention
+    # (each shard's decode step is one XLA call on its device).
     assert {"Einsum", "Softmax"} <= kinds, (block, group, sorted(kinds))
-    assert set(mine.values()) == {device}, (block, group, mine)
+    assert {ops.get(n.name) for n in mine} == {device}, (block, group)
     # The split MLP's matmuls are on the shard's device too.
     mlp = {d for n, d in ops.items() if re.search(
         rf"block{block}/block{block}_mlp_up\w*/block{block}_mlp_up_shard"

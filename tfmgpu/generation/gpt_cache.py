@@ -161,6 +161,12 @@ class GPTCache:
           self._one_device_step(block), jit_compile=True)
                            if placed and len(block["groups"]) == 1
                            and not _split(block) else None)
+      # Split heads: each shard's part of a decode step, compiled on its
+      # device.
+      block["group_steps"] = [
+          tf.function(self._group_step(g), jit_compile=True)
+          for g in block["groups"]] if placed and len(
+              block["groups"]) > 1 else None
       self.blocks.append(block)
     attention = self.blocks[0]["attention"]
     self.head_dim = attention.key_dim
@@ -246,6 +252,21 @@ class GPTCache:
 
     return step
 
+  def _group_step(self, group: HeadGroup):
+    """`(h, keys, values, index) -> (keys, values, output)`: one group of
+    heads' decode step of one token (to compile on its device)."""
+
+    def step(h, keys, values, index):
+      at = tf.one_hot(index, tf.shape(keys)[1], dtype=keys.dtype)
+      at = at[None, :, None, None]
+      keys = keys + at * (group.key(h) - keys)
+      values = values + at * (group.value(h) - values)
+      o = _attend(group.query(h), keys, values, index[None],
+                  1.0 / math.sqrt(self.head_dim))
+      return keys, values, group.output(o)
+
+    return step
+
   def _blocks(self, x, cache, positions, write, index=None):
     """Every block on `x` (B, S, D) at `positions` (S,), keys and values
     written into the cache by `write(old, new)`; a decode step (`index`)
@@ -265,6 +286,12 @@ class GPTCache:
         parts = []
         for g, group in enumerate(block["groups"]):
           with _on(group.device), tf.name_scope(f"heads{g}"):
+            if index is not None and block["group_steps"]:
+              keys, values, out = block["group_steps"][g](
+                  h, next(slot), next(slot), index)
+              new_cache += [keys, values]
+              parts.append(out)
+              continue
             keys = write(next(slot), group.key(h))
             values = write(next(slot), group.value(h))
             new_cache += [keys, values]
