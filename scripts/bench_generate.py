@@ -18,6 +18,15 @@ whether its new tokens equal `tfmgpu.generate`'s.
 
   python scripts/bench_generate.py                 # batch 1 and 32
   python scripts/bench_generate.py --batches=1 --new_tokens=64
+
+`--layouts` instead measures `gpt mini` placed by `hybrid.build_layout` on
+4 logical CPU devices (unplaced, tensor 2, pipeline 2 with one request
+group per stage, data 2 x tensor 2): tokens/s of the whole decode loop,
+and the latency of each position streamed one call at a time (p50/p99).
+Logical devices share the machine's cores: these figures show what a
+layout costs in TF's work and copies, not what GPUs would gain.
+
+  python scripts/bench_generate.py --layouts --new_tokens=32
 """
 
 from __future__ import annotations
@@ -119,6 +128,54 @@ def _rows(model, prompt, new, hub):
           for name, (seconds, out) in _timed(paths).items()]
 
 
+LAYOUTS = {"unplaced": None, "tensor 2": {"tensor": 2},
+           "pipeline 2": {"stages": 2, "micro_batches": 2},
+           "data 2 x tensor 2": {"data": 2, "tensor": 2}}
+
+
+def _layout_row(model, prompt, new):
+  """`(tokens/s, p50 ms, p99 ms, new tokens)` of a (placed) model."""
+  from tfmgpu import generation  # pylint: disable=g-import-not-at-top
+  generator = generation.Generator(model, jit_compile=False)
+  whole = lambda: generator.generate(prompt, max_new_tokens=new)["token_ids"]
+  (seconds, out), = _timed({"whole": whole}, rounds=2).values()
+  list(generator.stream(prompt, max_new_tokens=new))  # Warm.
+  steps, last = [], time.perf_counter()
+  for _ in generator.stream(prompt, max_new_tokens=new):
+    now = time.perf_counter()
+    steps.append(now - last)
+    last = now
+  ms = 1000 * np.array(steps[1:])  # Each position (after the prefill).
+  return (len(prompt) * new / seconds, float(np.percentile(ms, 50)),
+          float(np.percentile(ms, 99)), _new_tokens(out, prompt.shape[1], new))
+
+
+def layouts_main(args) -> None:
+  """Per-layout tokens/s and per-position latency of `gpt mini`."""
+  import tfmgpu  # pylint: disable=g-import-not-at-top
+  tfmgpu.configure_devices(logical_cpus=4)
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  model = _gpt_model(args.prompt_len + args.new_tokens)
+  cpus = tfmgpu.list_devices("CPU")
+  print(f"gpt mini, {args.new_tokens} new tokens after {args.prompt_len}, "
+        "greedy, the loop without XLA (a stage's one-device blocks compile "
+        "with it), 4 logical CPU devices sharing the machine's cores")
+  print(f"{'layout':18} {'batch':>5} {'tokens/s':>9} {'p50 ms':>7} "
+        f"{'p99 ms':>7} {'same tokens':>11}")
+  for batch in (int(b) for b in args.batches.split(",")):
+    prompt = np.random.RandomState(batch).randint(
+        1, VOCAB, (batch, args.prompt_len)).astype(np.int32)
+    reference = None
+    for name, sizes in LAYOUTS.items():
+      placed = model if sizes is None else hybrid.build_layout(
+          model, hybrid.Layout(**sizes), devices=cpus)
+      rate, p50, p99, tokens = _layout_row(placed, prompt, args.new_tokens)
+      reference = tokens if reference is None else reference
+      same = "yes" if np.array_equal(tokens, reference) else "NO"
+      print(f"{name:18} {batch:5d} {rate:9,.0f} {p50:7.2f} {p99:7.2f} "
+            f"{same:>11}", flush=True)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", default="1,32")
@@ -126,7 +183,12 @@ def main() -> None:
   parser.add_argument("--prompt_len", type=int, default=16)
   parser.add_argument("--models", default="hub,gpt",
                       help="hub (keras_hub GPT-2), gpt (tfmgpu's), or both")
+  parser.add_argument("--layouts", action="store_true",
+                      help="gpt mini placed by hybrid.build_layout instead")
   args = parser.parse_args()
+  if args.layouts:
+    layouts_main(args)
+    return
   context = args.prompt_len + args.new_tokens
   print(f"{args.new_tokens} new tokens after {args.prompt_len}, greedy, one "
         f"device ({LAYERS} layers, width {WIDTH}, vocab {VOCAB})")

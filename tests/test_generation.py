@@ -1,6 +1,7 @@
 """`tfmgpu.generate`: KV-cached decoding equals a loop without a cache and
 keras_hub's own `generate`; seeded sampling repeats; data parallelism gives
-the unplaced tokens; the decode step traces once."""
+the unplaced tokens; the decode step traces once. Placed models:
+`test_generation_placed.py`."""
 
 import numpy as np
 import pytest
@@ -167,12 +168,21 @@ def test_bad_options_are_named(gpt):
     tfmgpu.generate(gpt, ids, max_new_tokens=0)
 
 
-def test_a_placed_model_is_refused_with_the_way_out(gpt, cpu_devices):
+def test_a_placed_model_refuses_a_strategy_and_a_placed_non_gpt(
+    gpt, cpu_devices):
+  import keras  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
   placed = hybrid.build_layout(gpt, hybrid.Layout(stages=2),
                                devices=cpu_devices[:2])
-  with pytest.raises(ValueError, match="to_unsplit"):
-    tfmgpu.generate(placed, np.ones((1, 4), np.int32), max_new_tokens=2)
+  with pytest.raises(ValueError, match="placed over devices already"):
+    generation.Generator(placed, strategy="mirrored")
+  inputs = keras.Input((4,))
+  mlp = keras.Model(inputs, keras.layers.Dense(3, name="b")(
+      keras.layers.Dense(3, name="a")(inputs)))
+  staged = hybrid.build_layout(mlp, hybrid.Layout(stages=2),
+                               devices=cpu_devices[:2])
+  with pytest.raises(ValueError, match="is not tfmgpu's gpt.*to_unsplit"):
+    tfmgpu.generate(staged, np.ones((1, 4), np.int32), max_new_tokens=2)
 
 
 # ------------------------------------------------------- keras_hub models
@@ -226,13 +236,16 @@ def byte_gpt_path(tmp_path_factory):
   return path, model
 
 
+@pytest.mark.parametrize("placement", [
+    {"strategy": "default"},
+    {"strategy": "model_parallel", "num_stages": 2, "tensor_parallel": 2}])
 def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
-    byte_gpt_path, parsed_flags, capsys):
+    byte_gpt_path, parsed_flags, capsys, placement):
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from tfmgpu import generate  # pylint: disable=g-import-not-at-top
   path, model = byte_gpt_path
   with flagsaver.flagsaver(model_path=[path], prompt="def ",
-                           max_new_tokens=20, strategy="default"):
+                           max_new_tokens=20, **placement):
     assert generate.main(["generate"]) == 0
   out = capsys.readouterr()
   # 4 + 20 tokens > the 16 positions: the last 8 start the second window.
@@ -278,3 +291,32 @@ def test_generate_is_the_cli_module_and_the_function(gpt):
   assert callable(tfmgpu.generate.main)
   out = tfmgpu.generate(gpt, np.ones((1, 3), np.int32), max_new_tokens=2)
   assert out["token_ids"].shape == (1, 5)
+
+
+def test_cli_memory_plan_prints_weights_and_kv_cache_per_device(
+    byte_gpt_path, parsed_flags, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt="def ",
+                           max_new_tokens=12, memory_plan=True,
+                           serve_batch=8, strategy="model_parallel",
+                           num_stages=2, tensor_parallel=2):
+    assert generate.main(["generate"]) == 0
+  out = capsys.readouterr().out
+  assert "8 row(s) of 16 positions" in out and "KV cache" in out
+  # Each device: one block's one head (gpt tiny: 2 blocks of 2 heads of
+  # 16), keys and values: 2 x 8 rows x 16 positions x 16 x 4 bytes.
+  assert out.count(" 16.0 KiB ") == 4, out
+
+
+def test_cli_serve_plan_weighs_layouts_and_chooses_one(
+    byte_gpt_path, parsed_flags, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt="def ",
+                           max_new_tokens=12, serve="latency",
+                           serve_batch=4):
+    assert generate.main(["generate"]) == 0
+  out = capsys.readouterr().out
+  assert "Serving plan (latency)" in out and "16 positions per row" in out
+  assert "tensor 2" in out and "\nchosen: " in out

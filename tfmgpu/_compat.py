@@ -247,3 +247,10 @@ def adam_slots(optimizer: keras.optimizers.Adam, variable: Any
   index = variable_index(optimizer, variable)
   return (optimizer._momentums[index],  # pylint: disable=protected-access
           optimizer._velocities[index])  # pylint: disable=protected-access
+
+
+def export_input_signature(model: keras.Model) -> Any:
+  """The input signature `model.export` gives a model's serving endpoint
+  (Keras' `export_utils.get_input_signature`)."""
+  from keras.src.export import export_utils  # pylint: disable=g-import-not-at-top
+  return export_utils.get_input_signature(model)

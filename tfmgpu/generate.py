@@ -6,7 +6,10 @@ Examples:
   python -m tfmgpu.generate --model_path=lm.keras --prompt_ids=1,5,9 \
       --sampler=top_k --top_k=40 --sample_seed=1
 
-A `gpt` trained on `stdlib_text` reads bytes: `--prompt` is text and the
+Placements place the model as for `predict` (e.g. `--strategy=pipeline
+--num_stages=2`, `--strategy=tensor_parallel --tensor_parallel=2`): each
+layer's KV cache stays on its devices. A `gpt` trained on `stdlib_text`
+reads bytes: `--prompt` is text and the
 new tokens print as text as they come. Other models take `--prompt_ids`
 and print token ids. Past the model's context, generation goes on in
 windows (the last half of the context becomes the next prompt).
@@ -25,9 +28,10 @@ from absl import flags
 from tfmgpu import flags as flags_lib
 from tfmgpu.flags import devices
 from tfmgpu.flags import serving
+from tfmgpu.flags import stages
 from tfmgpu.flags import strategy as strategy_flags
 
-for _group in (strategy_flags, devices, serving):
+for _group in (strategy_flags, stages, devices, serving):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
 _PROMPT = flags.DEFINE_string(
@@ -51,6 +55,18 @@ _SAMPLE_SEED = flags.DEFINE_integer(
     "text. Defaults to a fresh one.")
 _STOP_TOKEN_IDS = flags.DEFINE_list(
     "stop_token_ids", None, "Stop after any of these token ids.")
+_MEMORY_PLAN = flags.DEFINE_bool(
+    "memory_plan", False, "Print each device's weights and KV cache for "
+    "--serve_batch rows of the prompt + --max_new_tokens positions under "
+    "the placement flags; generate nothing.")
+_SERVE_BATCH = flags.DEFINE_integer(
+    "serve_batch", 1, "Request rows --memory_plan and --serve plan for.",
+    lower_bound=1)
+_SERVE = flags.DEFINE_enum(
+    "serve", None, ["latency", "throughput"], "Print the layouts weighed "
+    "to generate with on the devices found (weights + KV cache per device, "
+    "predicted decode step) and the one chosen for this goal; generate "
+    "nothing.")
 
 BYTE_VOCAB = 256
 
@@ -66,6 +82,9 @@ def main(argv: list[str]) -> int:
     raise app.UsageError('Give one of --prompt="text" or --prompt_ids=1,2,3.')
   flags_lib.quiet_tensorflow()
   try:
+    if _MEMORY_PLAN.value or _SERVE.value:
+      print(_serving_plan() if _SERVE.value else _memory_plan())
+      return 0
     generator, as_text = _prepare()
     prompt = _prompt_tokens(as_text)
     return _write(generator, prompt, as_text)
@@ -86,10 +105,51 @@ def _prepare():
       devices.VIRTUAL_DEVICES.value,
       intra_op_threads=distribution.intra_op_threads)
   model = inference.load_model(serving.MODEL_PATH.value[0])
-  options = distribution.options_from(types.SimpleNamespace(**values))
+  options = distribution.options_from(
+      types.SimpleNamespace(**values, **stages.values()))
   model, strategy = distribution.serve([model], options)
   generator = generation.Generator(model, strategy=strategy)
   return generator, generator.adapter.vocab == BYTE_VOCAB
+
+
+def _memory_plan() -> str:
+  """`kv_cache.serving_table` of the model under the placement flags."""
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import kv_cache  # pylint: disable=g-import-not-at-top
+  from tfmgpu.placements import model_parallel  # pylint: disable=g-import-not-at-top
+  values = strategy_flags.values()
+  distribution = strategies_lib.lookup(values.pop("strategy"))
+  model = inference.load_model(serving.MODEL_PATH.value[0])
+  layout = model_parallel.layout_of(
+      distribution.options_from(types.SimpleNamespace(
+          **values, **stages.values())), None)
+  return kv_cache.serving_table(model, layout, batch=_SERVE_BATCH.value,
+                                context=_context())
+
+
+def _context() -> int:
+  """The prompt's tokens + --max_new_tokens."""
+  prompt = (len(_PROMPT_IDS.value) if _PROMPT_IDS.value is not None
+            else len(_PROMPT.value.encode("utf-8")))
+  return prompt + _MAX_NEW_TOKENS.value
+
+
+def _serving_plan() -> str:
+  """`serve_plan.weigh_serving` on the devices found, as `auto` sees them."""
+  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import serve_plan  # pylint: disable=g-import-not-at-top
+  from tfmgpu.placements import auto  # pylint: disable=g-import-not-at-top
+  devices_lib.configure_virtual_devices(devices.VIRTUAL_DEVICES.value)
+  model = inference.load_model(serving.MODEL_PATH.value[0])
+  hardware = auto.hardware_for(auto.AutoOptions(),
+                               devices_lib.accelerator_devices())
+  weighed = serve_plan.weigh_serving(
+      model, hardware, batch=_SERVE_BATCH.value, context=_context(),
+      goal=_SERVE.value)
+  return serve_plan.format_serving(weighed, hardware, goal=_SERVE.value,
+                                   context=_context())
 
 
 def _prompt_tokens(as_text: bool) -> list[int]:

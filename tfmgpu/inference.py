@@ -15,6 +15,7 @@ computes in reduced precision with float32 outputs.
 from __future__ import annotations
 
 import contextlib
+import copy as copy_lib
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu import files
 from tfmgpu import models as models_lib
@@ -549,12 +551,35 @@ def export_saved_model(model: Any, path: str) -> str:
   """Exports a SavedModel that plain TF (or TF Serving) loads without tfmgpu.
 
   A staged or replicated model is exported unsplit, from a single-device
-  copy, so the SavedModel holds plain variables.
+  copy, so the SavedModel holds plain variables. Its endpoint `serve` is
+  the model's forward pass (also `serving_default`); a causal LM (`gpt`, a
+  keras_hub `CausalLM`) gets a second signature, `generate`: greedy
+  decoding with a KV cache, in TF (`tfmgpu.generation.export`).
   """
+  from tfmgpu.generation import export as generation_export  # pylint: disable=g-import-not-at-top
   model = placed_model.unsplit_of(model)
-  plain = _clone(model, strategy=tf.distribute.get_strategy())
-  plain.export(path, format="tf_saved_model", verbose=False)
+  plain = (_same_class_copy(model)
+           if generation_export.keeps_its_class(model)
+           else _clone(model, strategy=tf.distribute.get_strategy()))
+  archive = keras.export.ExportArchive()
+  archive.track_and_add_endpoint("serve", plain,
+                                 _compat.export_input_signature(plain))
+  generate = generation_export.signature_for(plain)
+  if generate is not None:
+    archive.add_endpoint(generation_export.SIGNATURE, generate)
+  archive.write_out(path, verbose=False)
   return path
+
+
+def _same_class_copy(model: keras.Model) -> keras.Model:
+  """A copy of `model` built by its own class's `from_config` (a keras_hub
+  task keeps its methods, such as `call_with_cache`; Keras' cloning makes
+  a plain functional model), holding the same weights."""
+  weights = model.get_weights()
+  with tf.distribute.get_strategy().scope():
+    copy = type(model).from_config(copy_lib.deepcopy(model.get_config()))
+    copy.set_weights(weights)
+  return copy
 
 
 # ------------------------------------------------------- serving a run

@@ -1,7 +1,9 @@
 """`generate`: text from a causal language model, with a KV cache.
 
 Takes tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced, on one device or
-with its request rows spread over a `tf.distribute.Strategy`'s replicas.
+with its request rows spread over a `tf.distribute.Strategy`'s replicas;
+or a `gpt` placed by `tfmgpu.parallel.hybrid.build_layout` (tensor,
+pipeline, data and their hybrids), each cache beside its layer.
 """
 
 from __future__ import annotations
@@ -17,25 +19,22 @@ from tfmgpu import strategies as strategies_lib
 from tfmgpu.generation import decode
 from tfmgpu.generation import gpt_cache
 from tfmgpu.generation import hub_cache
+from tfmgpu.generation import placed as placed_lib
 from tfmgpu.generation import prompts as prompts_lib
 from tfmgpu.generation import samplers
 from tfmgpu.parallel import placed_model
 
 
 def adapter_for(model: Any) -> decode.CacheAdapter:
-  """The cache adapter of `model`: `GPTCache` or `HubCache`.
+  """The cache adapter of `model`: `GPTCache`, `HubCache`, or for a placed
+  `gpt` its copies' and stages' caches (`placed.placed_adapter`).
 
   Raises:
-    ValueError: a placed model (generation runs unplaced or data-parallel
-      for now), or a model that is neither a `gpt` nor a keras_hub
-      `CausalLM`.
+    ValueError: a placed model that is not a `gpt`, or a model that is
+      neither a `gpt` nor a keras_hub `CausalLM`.
   """
   if placed_model.is_placed(model):
-    raise ValueError(
-        f"model {getattr(model, 'name', model)!r} is placed over devices "
-        f"({type(model).__name__}); generation runs unplaced or data-parallel "
-        "for now. Generate with its unsplit model, `model.to_unsplit()`, and "
-        "strategy='mirrored' to spread the requests over devices.")
+    return placed_lib.placed_adapter(model)
   if hub_cache.is_causal_lm(model):
     return hub_cache.HubCache(model)
   if gpt_cache.is_gpt(model):
@@ -63,22 +62,37 @@ class Generator:
   retrace.
 
   Args:
-    model: tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced.
+    model: tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced; or a `gpt`
+      placed by `hybrid.build_layout` (it places its own work: no
+      strategy, no XLA).
     strategy: `None` (one device), a registered name (e.g. `"mirrored"`)
       or a `tf.distribute.Strategy`: the request rows are split over its
       replicas.
     jit_compile: compile each replica's decode loop with XLA. Defaults to
-      `True`.
+      `True` (always `False` for a placed model: XLA compiles for one
+      device).
+
+  Raises:
+    ValueError: a strategy given with a placed model, or an unsupported
+      model (see `adapter_for`).
 
   Attributes:
     traces: how many times a decode loop was traced (one per request shape
       and sampler, not per token; streamed or not).
+    graphs: the graph of each of those traces.
   """
 
   def __init__(self, model: Any, *, strategy: Any = None,
                jit_compile: bool = True):
     self.model = model
     self.adapter = adapter_for(model)
+    if placed_model.is_placed(model):
+      if strategy is not None:
+        raise ValueError(
+            f"strategy={strategy!r} was given with model {model.name!r}, "
+            "which is placed over devices already (its data-parallel copies "
+            "take the rows). Leave strategy=None.")
+      jit_compile = False
     if isinstance(strategy, str):
       strategy = strategies_lib.get_strategy(strategy)
     device = None
@@ -90,6 +104,11 @@ class Generator:
   @property
   def traces(self) -> int:
     return self._runner.traces
+
+  @property
+  def graphs(self) -> list[tf.Graph]:
+    """The graph of each decode-loop trace (to read where its ops run)."""
+    return self._runner.graphs
 
   def stream(self, inputs: Any, *, max_new_tokens: int,
              sampling: samplers.Sampling = samplers.Sampling(),
@@ -167,7 +186,9 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
 
   Args:
     model: tfmgpu's `gpt` or a keras_hub `CausalLM` (its preprocessor is not
-      used), unplaced.
+      used), unplaced; or a `gpt` placed by `hybrid.build_layout`: each
+      layer's cache and work stay on its devices, rows split over its
+      data-parallel copies (and over a pipeline's stages).
     inputs: keras_hub's form `{"token_ids": (B, T) int, "padding_mask":
       (B, T) bool}` (prompts of different lengths, right-padded), or a
       `(B, T)` token array whose tokens are all prompt (`(T,)`: one row).
@@ -190,7 +211,7 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
     prompt, then its new tokens, then zeros where `padding_mask` is False.
 
   Raises:
-    ValueError: a placed or unsupported model, inputs that are not right-
+    ValueError: an unsupported model (a placed keras_hub model), inputs that are not right-
       padded prompts, a sequence longer than the model's positions, or bad
       sampler options.
   """

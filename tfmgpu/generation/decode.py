@@ -49,6 +49,13 @@ class CacheAdapter(Protocol):
     """`(logits (B, vocab), cache)` of one token per row at `index`."""
 
 
+def dim(t: tf.Tensor, axis: int) -> Any:
+  """`t`'s size along `axis`: an int when known while tracing, else a
+  scalar tensor (an exported signature takes any batch and width)."""
+  size = t.shape[axis]
+  return int(size) if size is not None else tf.shape(t)[axis]
+
+
 def initial_state(prompt_ids: np.ndarray, lengths: np.ndarray, rows:
                   np.ndarray, width: int, max_new_tokens: int) -> State:
   """The state before prefill (no cache yet) for these rows, as numpy.
@@ -74,7 +81,7 @@ def prefill_function(adapter: CacheAdapter, prompt_width: int) -> Callable[..., 
 
   def prefill(state: State) -> State:
     tokens = state["tokens"]
-    cache = adapter.empty_cache(tokens.shape[0], tokens.shape[1])
+    cache = adapter.empty_cache(dim(tokens, 0), dim(tokens, 1))
     cache = adapter.prefill(tokens[:, :prompt_width], cache)
     return dict(state, cache=cache)
 
@@ -95,7 +102,7 @@ def step_function(adapter: CacheAdapter, sampling: samplers.Sampling,
     chosen = samplers.next_tokens(logits, sampling, seed, state["rows"], index)
     write = tf.logical_not(tf.gather(state["prompt"], index, axis=1)
                            | state["done"])
-    at = tf.equal(tf.range(tokens.shape[1]), index)[None, :] & write[:, None]
+    at = tf.equal(tf.range(dim(tokens, 1)), index)[None, :] & write[:, None]
     tokens = tf.where(at, chosen[:, None], tokens)
     stopped = tf.reduce_any(tf.equal(chosen[:, None], stops[None, :]), -1)
     done = state["done"] | (write & (stopped | (index + 1 >= state["ends"])))
@@ -144,6 +151,7 @@ class Runner:
 
   Attributes:
     traces: how many times a per-replica decode loop was traced.
+    graphs: the graph of each trace (to read where its ops run).
   """
 
   def __init__(self, strategy: tf.distribute.Strategy | None,
@@ -152,6 +160,7 @@ class Runner:
     self.device = device
     self.jit_compile = jit_compile
     self.traces = 0
+    self.graphs: list[tf.Graph] = []
     self._loops: dict[Any, Callable[..., Any]] = {}
     self._prefills: dict[Any, Callable[..., Any]] = {}
 
@@ -167,6 +176,7 @@ class Runner:
 
       def counted(state, index, stop, seed):
         self.traces += 1  # Runs only while tracing.
+        self.graphs.append(tf.compat.v1.get_default_graph())
         return advance(state, index, stop, seed)
 
       inner = tf.function(counted, jit_compile=self.jit_compile)

@@ -1,10 +1,12 @@
 """Choosing the next token from logits: greedy, top-k, top-p, temperature.
 
 Every sampler is a pure function of `(logits, seed, rows, position)`: its
-randomness comes from TF's stateless random ops keyed by the seed, the
-row's index in the whole request and the position being filled, so one
+randomness is a counter-based hash of the seed, the row's index in the
+whole request, the position being filled and the vocabulary entry, so one
 seed gives the same tokens twice, however the rows are split over
-replicas or batches.
+replicas, copies or batches, compiled with XLA or not (TF's stateless
+random ops draw other numbers under XLA than without it, even for one
+named algorithm).
 """
 
 from __future__ import annotations
@@ -65,16 +67,35 @@ def row_seeds(seed: tf.Tensor, rows: tf.Tensor, position: tf.Tensor
   return tf.stack([base[:, 0] * 1000003 + position, base[:, 1]], -1)
 
 
+_MASK = 0xFFFFFFFF
+
+
+def _mix(x: tf.Tensor) -> tf.Tensor:
+  """A 32-bit integer hash (Wellons' lowbias32), in int64 arithmetic
+  that every TF and XLA kernel computes alike."""
+  x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 16))
+  x = (x * 0x21f0aaad) & _MASK
+  x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 15))
+  x = (x * 0x735a2d97) & _MASK
+  return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 15))
+
+
+def uniform(seeds: tf.Tensor, vocab: tf.Tensor) -> tf.Tensor:
+  """`(B, vocab)` float32 in (0, 1): row `b` from its seed pair
+  `seeds[b]`, entry `j` from the hash of (seed pair, `j`)."""
+  seeds = tf.cast(seeds, tf.int64) & _MASK
+  key = _mix(tf.bitwise.bitwise_xor(_mix(seeds[:, :1]), seeds[:, 1:]))
+  j = tf.range(tf.cast(vocab, tf.int64), dtype=tf.int64)[None, :]
+  bits = _mix(tf.bitwise.bitwise_xor(key, _mix(j + 0x9E3779B9)))
+  return (tf.cast(tf.bitwise.right_shift(bits, 8), tf.float32) + 0.5) / (
+      2.0 ** 24)
+
+
 def _gumbel_choice(logits: tf.Tensor, seeds: tf.Tensor) -> tf.Tensor:
   """One draw per row from softmax(logits): the argmax of logits + Gumbel
   noise, each row's noise from its own seed."""
-  vocab = tf.shape(logits)[-1]
-
-  def noise(seed):
-    u = tf.random.stateless_uniform([vocab], seed, minval=1e-20, maxval=1.0)
-    return -tf.math.log(-tf.math.log(u))
-
-  gumbel = tf.map_fn(noise, seeds, fn_output_signature=tf.float32)
+  u = uniform(seeds, tf.shape(logits)[-1])
+  gumbel = -tf.math.log(-tf.math.log(u))
   return tf.argmax(logits + gumbel, axis=-1, output_type=tf.int32)
 
 

@@ -39,6 +39,10 @@ only modules listed before it):
   memory budget (no tfmgpu imports);
 * `accounting`: a layout's per-device memory, bytes sent per kind of
   parallelism and projected step;
+* `kv_cache`: text generation's KV-cache bytes per device of a layout,
+  beside the weights (`serving_table`);
+* `serve_plan`: `plan_serving`, the layout to generate with (latency or
+  throughput), weights and KV cache within the memory;
 * `auto`: `plan_layout`, the fastest predicted layout that fits in memory.
 
 These are the engines; this package registers no names. The placements

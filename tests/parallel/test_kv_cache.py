@@ -1,0 +1,68 @@
+"""KV-cache memory per device equals the bytes of the caches generation
+actually makes on each device of a placed `gpt`; keras_hub counts its
+key/value heads."""
+
+import pytest
+import tensorflow as tf
+
+import tfmgpu
+from tfmgpu import devices as devices_lib
+from tfmgpu import models
+from tfmgpu.generation import hub_cache
+from tfmgpu.generation import placed as placed_gen
+from tfmgpu.parallel import hybrid
+from tfmgpu.parallel import kv_cache
+
+
+@pytest.fixture(scope="module")
+def gpt():
+  return models.build_model("gpt", input_shape=(24,), num_classes=50,
+                            seed=3)
+
+
+def _made(adapter, batch, context):
+  """`{device: bytes}` of the caches a placed adapter makes."""
+  out = {}
+  for t in tf.nest.flatten(adapter.empty_cache(batch, context)):
+    device = devices_lib.canonical_device(t.device)
+    out[device] = out.get(device, 0) + t.numpy().nbytes
+  return out
+
+
+@pytest.mark.parametrize("sizes", [
+    {"tensor": 2}, {"stages": 2}, {"stages": 2, "tensor": 2},
+    {"data": 2, "tensor": 2}])
+def test_estimate_equals_the_caches_generation_makes(gpt, sizes):
+  layout = hybrid.Layout(**sizes)
+  cpus = [devices_lib.canonical_device(d)
+          for d in tfmgpu.list_devices("CPU")][:layout.num_devices]
+  placed = hybrid.build_layout(gpt, layout, devices=cpus)
+  made = _made(placed_gen.placed_adapter(placed), 4, 10)
+  copy0 = cpus[:layout.stages * layout.tensor]
+  estimate = kv_cache.per_device(gpt, layout, batch=4, context=10,
+                                 devices=copy0)
+  assert estimate == {d: made.get(d, 0) for d in copy0}
+  # Per block: 2 (keys, values) x rows x 10 positions x 16 per head x 4 B.
+  rows = 4 // layout.data
+  per_head = 2 * rows * 10 * 16 * 4
+  assert sum(estimate.values()) == 2 * 2 * per_head  # 2 blocks, 2 heads.
+
+
+def test_keras_hub_counts_key_value_heads():
+  keras_hub = pytest.importorskip("keras_hub")
+  lm = keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
+      vocabulary_size=64, num_layers=3, num_query_heads=4,
+      num_key_value_heads=2, hidden_dim=16, intermediate_dim=32),
+                                      preprocessor=None)
+  estimate = kv_cache.per_device(lm, hybrid.Layout(), batch=2, context=8)
+  assert estimate == {"/device:GPU:0": 2 * 2 * 8 * 2 * 4 * 4 * 3}
+  made = hub_cache.HubCache(lm).empty_cache(2, 8)  # Its own contract's.
+  assert made[0].numpy().nbytes == estimate["/device:GPU:0"]
+
+
+def test_serving_table_and_bad_sizes(gpt):
+  table = kv_cache.serving_table(gpt, hybrid.Layout(stages=2, tensor=2),
+                                 batch=32, context=24)
+  assert "KV cache" in table and table.count("/device:GPU:") == 4
+  with pytest.raises(ValueError, match="context=0 must be an int >= 1"):
+    kv_cache.per_device(gpt, hybrid.Layout(), batch=1, context=0)
