@@ -27,6 +27,7 @@ if QUIETED_TF_LOGS:
   os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
 _EXPORTS = {
+    "quiet_tensorflow": "tfmgpu.flags",  # Loads TF without its C++ start-up lines.
     "DeviceConfigurationError": "tfmgpu.devices",
     "DeviceLayout": "tfmgpu.devices",
     "configure_devices": "tfmgpu.devices",
