@@ -97,7 +97,7 @@ def test_committed_notebook_holds_a_clean_run(path):
 # One record of TF's C++ logging (`E0000 00:00:1796232341.561932    7305
 # cuda_platform.cc:52] failed call to cuInit: ...`), or absl's banner before it.
 _TF_CPP_LINE = re.compile(
-    r"^([IWEF]\d{4} \d\d:\d\d:[\d.]+ +\d+ [^\s\]]+:\d+\] |WARNING: All log "
+    r"^([IWEF]\d{4} \d\d:\d\d:[\d.]+ +\d+ [^\s\]]+\.cc:\d+\] |WARNING: All log "
     r"messages before absl::InitializeLog\(\))", re.M)
 
 
@@ -112,6 +112,9 @@ def test_the_tf_cpp_line_pattern_matches_what_tf_prints():
       "written to STDERR"):
     assert _TF_CPP_LINE.search("text before\n" + line + "\n"), line
   assert not _TF_CPP_LINE.search("Epoch 1/2: loss 0.3 I0000 is not at the start")
+  # tfmgpu's own absl log lines (Python) are output, not TF's C++ noise.
+  assert not _TF_CPP_LINE.search(
+      "I1204 17:22:16.799051 140675664120704 runs.py:298] Training ...")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -118,7 +118,7 @@ _INLINE = re.compile(
     r"`((?:python3?|bash|ruff|srun|tensorboard|pip) [^`]+)`")
 # One record of TF's C++ logging, or absl's banner before the first one.
 _TF_CPP_LINE = re.compile(
-    r"^([IWEF]\d{4} \d\d:\d\d:[\d.]+ +\d+ [^\s\]]+:\d+\] |WARNING: All log "
+    r"^([IWEF]\d{4} \d\d:\d\d:[\d.]+ +\d+ [^\s\]]+\.cc:\d+\] |WARNING: All log "
     r"messages before absl::InitializeLog\(\))", re.M)
 _TINY = "--epochs=1 --steps_per_epoch=2"
 _PROGRAMS = ("python ", "python3 ", "srun ", "bash ", "ruff ", "tensorboard ")
@@ -394,8 +394,12 @@ def test_readme_command_runs(sequence, tmp_path):
                          capture_output=True, text=True, timeout=_TIMEOUT_S)
     shown = f"\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr ---\n" \
             f"{out.stderr[-3000:]}"
-    assert out.returncode == 0, f"{command!r} ({how}) exited " \
-                                f"{out.returncode}:{shown}"
+    # tfmgpu's CLIs exit 0 after --help (#29 item 12); a script run by
+    # absl's plain `app.run` exits 1 after printing it.
+    ok = (0, 1) if how[0] == "help" and "scripts/" in command else (0,)
+    assert out.returncode in ok, f"{command!r} ({how}) exited " \
+                                 f"{out.returncode}:{shown}"
+    assert out.stdout.strip() or how[0] != "help", f"empty --help:{shown}"
     found = _TF_CPP_LINE.search(out.stdout + out.stderr)
     assert not found, f"{command!r} printed TF's C++ log line " \
                       f"{found.group(0)!r}:{shown}"

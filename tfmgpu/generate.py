@@ -23,6 +23,7 @@ from absl import app
 from absl import flags
 
 from tfmgpu import flags as flags_lib
+from tfmgpu.flags import cli
 from tfmgpu.flags import devices
 from tfmgpu.flags import serving
 from tfmgpu.flags import strategy as strategy_flags
@@ -132,7 +133,7 @@ def _write(generator, prompt: list[int], as_text: bool) -> int:
 
 def run() -> None:
   """Console-script entry point (`tfmgpu-generate`)."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 class _CliAndFunction(types.ModuleType):
