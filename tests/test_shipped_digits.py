@@ -18,7 +18,7 @@ def test_the_files_ship_with_the_package_and_their_licenses():
   notes = open(os.path.join(_DATA, "README.md"), encoding="utf-8").read()
   assert "CC BY-SA 3.0" in notes and "CC BY 4.0" in notes
   # setup.cfg ships them (package_data); a wheel without them breaks digits.
-  setup_cfg = open(os.path.join(_DATA, "..", "..", "..", "setup.cfg"),
+  setup_cfg = open(os.path.join(os.path.dirname(__file__), "..", "setup.cfg"),
                    encoding="utf-8").read()
   assert "datasets/data/*.npz" in setup_cfg
   assert "datasets/data/README.md" in setup_cfg
