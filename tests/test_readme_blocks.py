@@ -376,7 +376,7 @@ _CHECKED += _SEQUENCES
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence", _CHECKED,
-                         ids=[" ".join(s[-1].split()[:4]) for s in _CHECKED])
+                         ids=[s[-1] for s in _CHECKED])
 def test_readme_command_runs(sequence, tmp_path):
   """Each command as written (plus the args that make it cheap), from a
   directory holding the checkout's scripts/, with TF's logs at the CLIs'
