@@ -32,13 +32,13 @@ layout costs in TF's work and copies, not what GPUs would gain.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tfmgpu
 
-import numpy as np  # pylint: disable=g-import-not-at-top
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
+tfmgpu.quiet_tensorflow()  # TensorFlow without its C++ start-up lines.
+import numpy as np  # noqa: E402  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # noqa: E402  # pylint: disable=g-import-not-at-top
 
 VOCAB, LAYERS, WIDTH, HEADS = 256, 4, 128, 4
 

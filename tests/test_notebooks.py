@@ -94,11 +94,55 @@ def test_committed_notebook_holds_a_clean_run(path):
   assert any(c.get("outputs") for c in nb.cells), f"{path.name} has no outputs"
 
 
+# One record of TF's C++ logging (`E0000 00:00:1796232341.561932    7305
+# cuda_platform.cc:52] failed call to cuInit: ...`), or absl's banner before it.
+_TF_CPP_LINE = re.compile(
+    r"^([IWEF]\d{4} \d\d:\d\d:[\d.]+ +\d+ [^\s\]]+\.cc:\d+\] |WARNING: All log "
+    r"messages before absl::InitializeLog\(\))", re.M)
+
+
+def test_the_tf_cpp_line_pattern_matches_what_tf_prints():
+  for line in (
+      "E0000 00:00:1796232341.561932    7305 cuda_platform.cc:52] failed call "
+      "to cuInit: INTERNAL: CUDA error",
+      "I0000 00:00:1796232338.464956    7305 cudart_stub.cc:31] Could not "
+      "find cuda drivers on your machine, GPU will not be used.",
+      "W0000 00:00:1796232338.4649 12 port.cc:9] a warning",
+      "WARNING: All log messages before absl::InitializeLog() is called are "
+      "written to STDERR"):
+    assert _TF_CPP_LINE.search("text before\n" + line + "\n"), line
+  assert not _TF_CPP_LINE.search("Epoch 1/2: loss 0.3 I0000 is not at the start")
+  # tfmgpu's own absl log lines (Python) are output, not TF's C++ noise.
+  assert not _TF_CPP_LINE.search(
+      "I1204 17:22:16.799051 140675664120704 runs.py:298] Training ...")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_output_holds_tensorflows_cpp_start_up_lines(path):
+  """Issue 29 item 11: no `E0000 ... cuInit`, `I0000 ... cudart_stub` or W
+  line of TF's C++ logging in any committed output."""
+  nb = nbformat.read(path, as_version=4)
+  for i, cell in enumerate(nb.cells):
+    for out in cell.get("outputs", []):
+      found = _TF_CPP_LINE.search(out.get("text", ""))
+      assert not found, (
+          f"{path.name} cell {i} shows TF's C++ log line "
+          f"{found.group(0)!r}...: load TensorFlow with "
+          "tfmgpu.quiet_tensorflow() in the first cell and re-run: "
+          "python -m tests.test_notebooks " + f"notebooks/{path.name}")
+      assert "INFO:tensorflow:" not in out.get("text", ""), (
+          f"{path.name} cell {i} shows TF's Python INFO logs: set "
+          "tf.get_logger().setLevel('WARNING') after importing TensorFlow.")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_uses_the_library_not_flags(path):
   code = _code(nbformat.read(path, as_version=4))
   first = code[0]
-  assert 'os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"' in first
+  # TensorFlow loads through tfmgpu's filter, so its C++ start-up lines stay
+  # out of the outputs (see the test below).
+  assert first.index("tfmgpu.quiet_tensorflow()") < first.index(
+      "import tensorflow")
   assert "tfmgpu.configure_devices(logical_cpus=4)" in first
   everything = "\n".join(code)
   assert not re.search(r"absl\.flags|from absl import (app|flags)|FLAGS",

@@ -1,4 +1,12 @@
-"""Every fenced Python block of README.md runs as-is, so the guide cannot drift.
+"""Every block and every command of README.md is run, so the guide cannot drift.
+
+Python blocks run as-is (below). Every other fenced block and every command
+(in `bash` and plain blocks, and inline in the text) is either run cheaply
+(`--help`, `--plan_only`, a step or two) by `test_readme_command_runs`, or
+listed in `COMMANDS` / `OTHER_BLOCKS` with the reason it is not; a new
+block or command that is in neither fails `test_every_block_and_command_is_
+run_or_listed`. No command's output may hold a line of TF's C++ logging.
+
 
 Each block runs in a fresh interpreter (`sys.executable -c CODE`) in a
 temporary directory: a block defines every name it uses, and one that needs
@@ -9,6 +17,7 @@ fence, `<!-- illustrative: WHY -->`; it is listed and skipped, and must say why.
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -98,3 +107,299 @@ def test_readme_block_runs(block, tmp_path):
                for i in range(len(printed))), (
         f"README.md block at line {block['line']} no longer prints the output "
         f"shown after it:\n{block['shown']}\n--- it printed ---\n{out.stdout}")
+
+
+# ------------------------------------------------- every block, every command
+
+_FENCE = re.compile(r"^```(?P<lang>\S*)[ \t]*\n(?P<body>.*?)^```[ \t]*$",
+                    re.S | re.M)
+# A command as the README writes it, inline in the text.
+_INLINE = re.compile(
+    r"`((?:python3?|bash|ruff|srun|tensorboard|pip) [^`]+)`")
+# One record of TF's C++ logging, or absl's banner before the first one.
+_TF_CPP_LINE = re.compile(
+    r"^([IWEF]\d{4} \d\d:\d\d:[\d.]+ +\d+ [^\s\]]+\.cc:\d+\] |WARNING: All log "
+    r"messages before absl::InitializeLog\(\))", re.M)
+_TINY = "--epochs=1 --steps_per_epoch=2"
+_PROGRAMS = ("python ", "python3 ", "srun ", "bash ", "ruff ", "tensorboard ")
+_REFERENCE_BEGIN = "<!-- cli-reference:begin"
+_REFERENCE_END = "<!-- cli-reference:end"
+
+# How each command is checked: ("run", extra args appended) runs it (the
+# extra args make it cheap), ("help",) runs its program with only --help,
+# ("not run", why) says why it is not run here.
+COMMANDS = {
+    # Quick start.
+    "python3 -m pip install .": ("not run", "installs the checkout: .ci/run "
+                                 "and the fresh-venv check of #29 item 17 do"),
+    "python3 -m tfmgpu.train --strategy=mirrored": ("run", _TINY),
+    "python3 -m tfmgpu.doctor": ("run", ""),
+    "pip install \".[plots]\"": ("not run", "installs an extra into the "
+                                  "environment; .ci/run installs .[dev]"),
+    # What it does: --strategy=auto plans.
+    "python -m tfmgpu.train --model=gpt --strategy=auto --virtual_devices=8 "
+    "--plan_only": ("run", ""),
+    "python -m tfmgpu.train --model=gpt --model_size=gpt2_small "
+    "--strategy=auto --virtual_devices=8 --device_memory_gb=40 "
+    "--link=nvlink_a100 --plan_only": ("run", ""),
+    "python -m tfmgpu.train --strategy=model_parallel --num_stages=4 "
+    "--model=deep_mlp --virtual_devices=4 --partition=params --plan_only":
+        ("run", ""),
+    "python -m tfmgpu.train --model=gpt --model_size=gpt2_small "
+    "--strategy=pipeline --num_stages=8 --plan_only": ("run", ""),
+    # Your own model and data.
+    "python -m tfmgpu.train --model=scripts/examples/two_input.py:build "
+    "--dataset=scripts/examples/two_input.py:load --strategy=mirrored "
+    "--virtual_devices=2": ("run", _TINY),
+    "python -m tfmgpu.predict --model_path=runs/<that run>/model.keras "
+    "--dataset=scripts/examples/two_input.py:load --strategy=mirrored "
+    "--virtual_devices=2": ("not run", "<that run> stands for the run "
+                            "directory the command above printed"),
+    # Multi-worker training.
+    "python -m tfmgpu.launch --num_workers=2 -- python -m tfmgpu.train "
+    "--strategy=multi_worker_mirrored --model_dir=runs/mw":
+        ("not run", "starts a 2-process cluster; tests/test_launcher.py "
+         "and tests/cluster/ run the launcher and multi-worker training"),
+    "python -m tfmgpu.train --strategy=multi_worker_mirrored "
+    "--model_dir=/shared/runs/mw": ("not run", "one of two hosts at "
+                                    "10.0.0.1-2 named by TF_CONFIG"),
+    "srun --nodes=2 --ntasks-per-node=1 python -m tfmgpu.train "
+    "--strategy=multi_worker_mirrored --cluster_resolver=slurm "
+    "--model_dir=/shared/runs/mw": ("not run", "needs a SLURM allocation "
+                                    "of two nodes"),
+    "python -m tfmgpu.launch --num_workers=2 --num_ps=1 --coordinator -- "
+    "python -m tfmgpu.train --strategy=parameter_server --model_dir=runs/ps":
+        ("not run", "starts a 4-process parameter-server cluster; "
+         "tests/cluster/ runs one"),
+    # TFRecord files.
+    "python scripts/write_tfrecords.py --dataset=digits "
+    "--output_dir=data/digits --num_shards=8": ("run", ""),
+    "python -m tfmgpu.train --dataset=tfrecord "
+    "--data_path='data/digits/*.tfrecord' --strategy=mirrored "
+    "--virtual_devices=2 --epochs=5": ("run", "--epochs=1 --steps_per_epoch=2"),
+    # The language model.
+    "python -m tfmgpu.train --model=gpt --dataset=stdlib_text "
+    "--strategy=pipeline --num_stages=4 --micro_batches=8 "
+    "--virtual_devices=4": ("run", "--plan_only"),
+    "python -m tfmgpu.train --model=gpt --strategy=mirrored "
+    "--virtual_devices=2 --model_dir=runs/gpt": ("run", "--epochs=1 "
+                                                 "--steps_per_epoch=1"),
+    "python -m tfmgpu.generate --model_path=runs/gpt/model.keras "
+    "--prompt=\"def \" --sampler=top_k --top_k=5 --temperature=0.8 "
+    "--sample_seed=0": ("run", "--max_new_tokens=4"),
+    # Hybrid parallelism.
+    "python -m tfmgpu.train --model=gpt --strategy=pipeline --data_parallel=2 "
+    "--num_stages=2 --tensor_parallel=2 --virtual_devices=8 --plan_only":
+        ("run", ""),
+    "python -m tfmgpu.train --model=gpt --strategy=pipeline --data_parallel=2 "
+    "--num_stages=2 --tensor_parallel=2 --virtual_devices=8":
+        ("run", "--plan_only"),
+    "python -m tfmgpu.train --model=gpt --strategy=tensor_parallel "
+    "--tensor_parallel=2 --data_parallel=2 --virtual_devices=4":
+        ("run", "--plan_only"),
+    "python -m tfmgpu.train --strategy=mirrored --virtual_devices=2 "
+    "--epochs=5": ("run", _TINY),
+    # Programs named in the text: each must exist and print its --help.
+    "python -m tfmgpu.train": ("help",),
+    "python -m tfmgpu.predict": ("help",),
+    "python -m tfmgpu.generate": ("help",),
+    "python -m tfmgpu.doctor": ("help",),
+    "python -m tfmgpu.launch": ("help",),
+    "python -m tfmgpu.bench": ("help",),
+    "python -m tfmgpu.bench --quick": ("help",),  # Minutes: test_benchmark.
+    "python -m tfmgpu.bench --sections=latency": ("help",),
+    "python -m tfmgpu.predict --output=p.npy": ("help",),
+    "python -m tfmgpu.predict --model_path=runs/X/model.keras": ("help",),
+    "python scripts/predict_memory.py": ("help",),
+    "python scripts/bench_pipeline.py": ("help",),
+    "python scripts/bench_generate.py": ("help",),
+    "python scripts/launch_local_cluster.py": ("help",),
+    # Development.
+    "python3 -m pip install \".[dev]\"": ("not run", "installs the "
+                                          "checkout with its dev extras: "
+                                          ".ci/run does"),
+    "python3 -m pytest -q -n 2 --dist loadfile": ("not run", "the whole "
+                                                  "suite: this is CI"),
+    "python3 -m pytest -q tests/test_x.py": ("not run", "tests/test_x.py "
+                                             "stands for any test file"),
+    "python -m tests.test_notebooks notebooks/X.ipynb": (
+        "not run", "re-executes notebooks; tests/test_notebooks.py runs "
+        "them"),
+    # What the install and the suite take: the measured installs.
+    "python3 -m venv": ("not run", "names the tool of the measurement, "
+                        "not a command line to copy"),
+    "pip install .": ("not run", "the measured core install into a new "
+                      "virtualenv; .ci/run makes one too"),
+    "pip install \".[dev]\"": ("not run", "the measured dev install; "
+                              ".ci/run runs it"),
+    "bash .ci/run": ("not run", "builds a virtualenv and runs the whole "
+                     "suite"),
+    "ruff check tfmgpu tests": ("not run", "tests/test_lint.py runs it"),
+    "python scripts/update_cli_reference.py": (
+        "not run", "rewrites README.md; tests/test_docs.py checks the "
+        "reference is current"),
+}
+
+# Fenced blocks other than Python ones and command blocks: what they are.
+OTHER_BLOCKS = {
+    "strategy               mirrored": "the summary of a full run of the "
+                                       "command above it (measured figures)",
+    "test loss / bits_per_byte / perplexity / accuracy": (
+        "the end of a full gpt run's summary (measured figures)"),
+    "def indesing, starg ing argstring ames": (
+        "text sampled by a fully trained gpt (the run above, not its "
+        "one-step stand-in)"),
+}
+
+
+def fenced_blocks(text: str) -> list[dict]:
+  """Every fenced block: `line` (of its fence), `lang`, `body`, and
+  `follows` (True when only blank lines separate it from the block before)."""
+  blocks, end = [], None
+  for match in _FENCE.finditer(text):
+    between = text[end:match.start()] if end is not None else "x"
+    blocks.append({"line": text[:match.start()].count("\n") + 1,
+                   "lang": match["lang"], "body": match["body"],
+                   "follows": not between.strip()})
+    end = match.end()
+  return blocks
+
+
+def _joined(body: str) -> list[str]:
+  """The lines of a shell block, continuations joined, comments dropped."""
+  body = re.sub(r"\\\n\s*", "", body)
+  lines = [re.sub(r"(^|\s)#.*$", "", l).strip() for l in body.splitlines()]
+  return [l for l in lines if l]
+
+
+def readme_commands(text: str) -> tuple[list[str], list[dict]]:
+  """The README's commands in order (each once), and its fenced blocks that
+  are neither Python nor commands."""
+  commands, others = [], []
+  for block in fenced_blocks(text):
+    if block["lang"] == "python":
+      continue
+    lines = _joined(block["body"])
+    if block["lang"] in ("bash", "sh") or (
+        block["lang"] == "" and lines
+        and all(l.startswith(("python", "export")) for l in lines)):
+      for line in lines:  # An `export` (and its quoted lines) goes with the
+        if line.startswith(_PROGRAMS):  # command after it.
+          commands += [c.strip() for c in line.split("&&")]
+    else:
+      others.append(block)
+  prose = _FENCE.sub("", text)
+  if _REFERENCE_BEGIN in prose:  # Generated from the flags; test_docs checks it.
+    prose = (prose[:prose.index(_REFERENCE_BEGIN)]
+             + prose[prose.index(_REFERENCE_END):])
+  commands += _INLINE.findall(re.sub(r"\s*\n\s*", " ", prose))
+  return list(dict.fromkeys(commands)), others
+
+
+def _is_shown_output(block: dict, blocks: list[dict]) -> bool:
+  """A plain block right after a Python block: checked with that block."""
+  index = blocks.index(block)
+  return (block["lang"] == "" and block["follows"] and index > 0
+          and blocks[index - 1]["lang"] == "python")
+
+
+_TEXT = open(README).read()
+README_COMMANDS, OTHER = readme_commands(_TEXT)
+
+
+def test_the_command_parser():
+  text = ("run `python -m tfmgpu.doctor` or\n```bash\npython3 -m pip install ."
+          " && python -m x \\\n    --y=1  # note\n```\n\n```\nshown\n```\n"
+          "```\npython -m tfmgpu.train --plan_only\n```\n")
+  commands, others = readme_commands(text)
+  assert commands == ["python3 -m pip install .", "python -m x --y=1",
+                      "python -m tfmgpu.train --plan_only",
+                      "python -m tfmgpu.doctor"]
+  assert [b["body"] for b in others] == ["shown\n"]
+  assert others[0]["follows"]
+
+
+def test_every_block_and_command_is_run_or_listed():
+  """Issue 29 item 8: a new block or command must be run or say why not."""
+  unlisted = [c for c in README_COMMANDS if c not in COMMANDS]
+  assert not unlisted, (
+      f"README.md commands neither run nor listed: {unlisted}. Add each to "
+      "COMMANDS in tests/test_readme_blocks.py: how to run it cheaply, or "
+      "why it is not run.")
+  stale = [c for c in COMMANDS if c not in README_COMMANDS]
+  assert not stale, f"COMMANDS lists commands the README no longer has: {stale}"
+  blocks = fenced_blocks(_TEXT)
+  for block in OTHER:
+    if _is_shown_output(block, blocks):
+      continue
+    first = block["body"].splitlines()[0]
+    assert any(first.startswith(k) for k in OTHER_BLOCKS), (
+        f"README.md:{block['line']}: a ```{block['lang']} block neither run "
+        f"nor listed (starts {first!r}): add it to OTHER_BLOCKS with what it "
+        "is, or make it a command or Python block.")
+  for command, how in COMMANDS.items():
+    assert how[0] in ("run", "help", "not run"), (command, how)
+    if how[0] == "not run":
+      assert len(how[1].split()) >= 3, f"say why {command!r} is not run"
+  print("not run:", {c: h[1] for c, h in COMMANDS.items() if h[0] == "not run"})
+
+
+def _argv(command: str, how: tuple) -> list[str]:
+  argv = shlex.split(command)
+  if argv[0] in ("python", "python3"):
+    argv[0] = sys.executable
+  if how[0] == "help":
+    program = argv[:3] if argv[1] == "-m" else argv[:2]
+    return program + ["--help"]
+  return argv + shlex.split(how[1])
+
+
+# Commands that must run in order in one directory (the second reads what
+# the first wrote).
+_SEQUENCES = [
+    ["python scripts/write_tfrecords.py --dataset=digits "
+     "--output_dir=data/digits --num_shards=8",
+     "python -m tfmgpu.train --dataset=tfrecord "
+     "--data_path='data/digits/*.tfrecord' --strategy=mirrored "
+     "--virtual_devices=2 --epochs=5"],
+    ["python -m tfmgpu.train --model=gpt --strategy=mirrored "
+     "--virtual_devices=2 --model_dir=runs/gpt",
+     "python -m tfmgpu.generate --model_path=runs/gpt/model.keras "
+     "--prompt=\"def \" --sampler=top_k --top_k=5 --temperature=0.8 "
+     "--sample_seed=0"],
+]
+_IN_SEQUENCE = {c for seq in _SEQUENCES for c in seq}
+_CHECKED = [[c] for c in COMMANDS
+            if COMMANDS[c][0] != "not run" and c not in _IN_SEQUENCE]
+_CHECKED += _SEQUENCES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence", _CHECKED,
+                         ids=[s[-1] for s in _CHECKED])
+def test_readme_command_runs(sequence, tmp_path):
+  """Each command as written (plus the args that make it cheap), from a
+  directory holding the checkout's scripts/, with TF's logs at the CLIs'
+  defaults: no C++ log line may show."""
+  os.symlink(os.path.abspath(os.path.join(ROOT, "scripts")),
+             tmp_path / "scripts")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CONFIG")}
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.path.abspath(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+  env["TFMGPU_CACHE_DIR"] = str(tmp_path / "cache")
+  for command in sequence:
+    how = COMMANDS[command]
+    out = subprocess.run(_argv(command, how), cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=_TIMEOUT_S)
+    shown = f"\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr ---\n" \
+            f"{out.stderr[-3000:]}"
+    # tfmgpu's CLIs exit 0 after --help (#29 item 12); a script run by
+    # absl's plain `app.run` exits 1 after printing it.
+    ok = (0, 1) if how[0] == "help" and "scripts/" in command else (0,)
+    assert out.returncode in ok, f"{command!r} ({how}) exited " \
+                                 f"{out.returncode}:{shown}"
+    assert out.stdout.strip() or how[0] != "help", f"empty --help:{shown}"
+    found = _TF_CPP_LINE.search(out.stdout + out.stderr)
+    assert not found, f"{command!r} printed TF's C++ log line " \
+                      f"{found.group(0)!r}:{shown}"

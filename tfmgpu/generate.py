@@ -26,6 +26,7 @@ from absl import app
 from absl import flags
 
 from tfmgpu import flags as flags_lib
+from tfmgpu.flags import cli
 from tfmgpu.flags import devices
 from tfmgpu.flags import serving
 from tfmgpu.flags import stages
@@ -192,7 +193,7 @@ def _write(generator, prompt: list[int], as_text: bool) -> int:
 
 def run() -> None:
   """Console-script entry point (`tfmgpu-generate`)."""
-  app.run(main)
+  cli.run(main, __name__)
 
 
 class _CliAndFunction(types.ModuleType):

