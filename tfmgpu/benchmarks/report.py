@@ -59,8 +59,9 @@ class Target:
   def text(self) -> str:
     """`"target >= 1.2"`, with `why` in brackets."""
     op = ">=" if self.at_least else "<="
-    return f"target {op} {self.bound:.3g}" + (f", {self.why}" if self.why
-                                               else "")
+    bound = (f"{self.bound:.0f}" if abs(self.bound) >= 10
+             else f"{self.bound:.2f}")
+    return f"target {op} {bound}" + (f", {self.why}" if self.why else "")
 
 
 @dataclasses.dataclass
@@ -138,6 +139,8 @@ class Report:
     self.rows: list[Row] = []
     self.figures: dict[str, float] = {}
     self.figure_details: list[Figure] = []
+    # What one section measured for a later one (e.g. "matmul_gflops").
+    self.measured: dict[str, float] = {}
     self.cpu = cpu
     self.machine = machine
     self._out = out
