@@ -105,15 +105,21 @@ def theoretical_bubble(num_stages: int, micro_batches: int,
   return (num_stages - 1) / (virtual_stages * micro_batches + num_stages - 1)
 
 
+def check_virtual_stages(virtual_stages: int) -> int:
+  """Returns `virtual_stages`; raises ValueError unless it is an int >= 1."""
+  if (isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int)
+      or virtual_stages < 1):
+    raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1 "
+                     "(e.g. 2: two non-consecutive stages per device).")
+  return virtual_stages
+
+
 def check_interleaved(num_devices: int, virtual_stages: int,
                       micro_batches: int, schedule: str | Schedule) -> None:
   """Raises ValueError unless interleaving `virtual_stages` chunks per device
   is possible: a count >= 1, `"1f1b"` when above 1, and `micro_batches` a
   multiple of `num_devices`."""
-  if (isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int)
-      or virtual_stages < 1):
-    raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1 "
-                     "(e.g. 2: two non-consecutive stages per device).")
+  check_virtual_stages(virtual_stages)
   if virtual_stages == 1:
     return
   if check_schedule(schedule) is not Schedule.ONE_F_ONE_B:

@@ -179,6 +179,14 @@ class Timeline:
     return path
 
 
+def _devices(num_stages: int, virtual_stages: int) -> int:
+  """The devices `num_stages` chunks of `virtual_stages` each make."""
+  if num_stages % schedule_lib.check_virtual_stages(virtual_stages):
+    raise ValueError(f"{num_stages} stage times do not make virtual_stages="
+                     f"{virtual_stages} chunks per device; give K * V times.")
+  return num_stages // virtual_stages
+
+
 def _per_stage(times: float | Sequence[float], num_stages: int | None,
                what: str) -> list[float]:
   if isinstance(times, (int, float)):
@@ -236,11 +244,7 @@ def simulate(forward_times: float | Sequence[float],
   if transfer_time < 0:
     raise ValueError(f"transfer_time={transfer_time} must be >= 0.")
   schedule = schedule_lib.check_schedule(schedule)
-  schedule_lib.check_counts(virtual_stages, 1)
-  if K % virtual_stages:
-    raise ValueError(f"{K} stage times do not make virtual_stages="
-                     f"{virtual_stages} chunks per device; give K * V times.")
-  devices = K // virtual_stages
+  devices = _devices(K, virtual_stages)
   orders = schedule_lib.device_orders(devices, micro_batches, schedule,
                                       virtual_stages=virtual_stages)
   deps = lambda t: schedule_lib.dependencies(t, K, micro_batches, schedule)
