@@ -437,3 +437,32 @@ def test_a_run_without_the_training_table_writes_no_throughput_plot(
   report.add(report_lib.Row("training", "mlp", 1, "tfmgpu", 1.0, 64000.0))
   plots.write_plots(report, opts)
   assert (tmp_path / "throughput.png").exists()
+
+
+def test_pipeline_overlap_times_interleaved_1f1b_beside_its_simulation():
+  """The plumbing of the bench's interleaved run (times not asserted): the
+  M=4 setting is simulated per device with 2 stages each, M=1 in order."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfmgpu.benchmarks import pipeline_overlap  # pylint: disable=g-import-not-at-top
+  from tfmgpu.models import demo  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = demo.deep_mlp((12,), 3, depth=4, width=8)
+  plan = partition.plan_stages(model, 4, devices=["/cpu:0", "/cpu:1"] * 2)
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.normal(size=(8, 12)).astype(np.float32))
+  y = tf.constant(rng.integers(0, 3, size=8))
+
+  def loss_fn(y_true, y_pred):
+    return tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True)) / 8.0
+
+  run = pipeline_overlap.compare_micro_batches(
+      model, plan, x, y, loss_fn, micro_batches=4, schedule="1f1b",
+      steps=1, warmup=0, virtual_stages=2)
+  assert run.num_stages == 2 and run.virtual_stages == 2
+  many, one = run.results[4], run.results[1]
+  assert many.timeline.virtual_stages == 2 and len(many.busy) == 2
+  assert one.timeline.virtual_stages == 1 and len(one.busy) == 2
+  assert 0.0 <= many.timeline.bubble_fraction < 1.0

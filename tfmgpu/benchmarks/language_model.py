@@ -176,14 +176,19 @@ def tokens_per_sec(timing: training_lib.Timing, seq_len: int) -> float:
 
 def pipeline_gain(arrays: data_lib.Arrays, *, size: str, num_stages: int,
                   micro_batches: Sequence[int], global_batch_size: int,
-                  steps: int = 6, seed: int = 0
+                  steps: int = 6, seed: int = 0, schedule: str = "gpipe",
+                  virtual_stages: int = 1
                   ) -> list[pipeline_overlap.OverlapRun]:
   """One `num_stages` split of `gpt` with M = 1 against each M of
   `micro_batches` (interleaved, one run per M): measured step times beside
-  the simulator's from the stages' measured times."""
+  the simulator's from the stages' measured times. `virtual_stages=V`: the
+  split has `num_stages * V` stages, stage `k` on device `k % num_stages`,
+  run as interleaved 1F1B."""
   model = _build(arrays, size, seed)
+  chunks = num_stages * virtual_stages
   plan = partition.plan_stages(
-      model, num_stages, devices=[f"/cpu:{i}" for i in range(num_stages)])
+      model, chunks,
+      devices=[f"/cpu:{i % num_stages}" for i in range(chunks)])
   x = tf.constant(arrays.x_train[:global_batch_size])
   y = tf.constant(arrays.y_train[:global_batch_size])
 
@@ -195,7 +200,8 @@ def pipeline_gain(arrays: data_lib.Arrays, *, size: str, num_stages: int,
                                       global_batch_size=global_batch_size)
 
   return [pipeline_overlap.compare_micro_batches(
-      model, plan, x, y, loss_fn, micro_batches=m, steps=steps, warmup=2)
+      model, plan, x, y, loss_fn, micro_batches=m, steps=steps, warmup=2,
+      schedule=schedule, virtual_stages=virtual_stages)
           for m in micro_batches]
 
 

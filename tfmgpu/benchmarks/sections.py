@@ -486,25 +486,45 @@ def _language_model(report: report_lib.Report, opts: SuiteOptions,
   _pipeline_gain(report, opts, text, size, batch)
 
 
+def _pipeline_runs(quick: bool) -> list[tuple[str, int, int]]:
+  """`(schedule, M, virtual stages)` of the pipeline x2 runs: GPipe (the
+  targets), 1F1B and interleaved 1F1B (2 stages per device) at M=4."""
+  plain = [("gpipe", 4, 1)] if quick else [("gpipe", 4, 1), ("gpipe", 8, 1),
+                                           ("1f1b", 4, 1)]
+  return plain + [("1f1b", 4, 2)]
+
+
 def _pipeline_gain(report: report_lib.Report, opts: SuiteOptions, text,
                    size: str, batch: int) -> None:
   if max(opts.replicas) < 2:
     return
-  report.say("  pipeline x2 micro-batching (one thread per op): step speed-up "
-             "over M=1, measured vs simulated")
-  for run in lm_lib.pipeline_gain(text, size=size, num_stages=2,
-                                  micro_batches=(4,) if opts.quick else (4, 8),
-                                  global_batch_size=batch,
-                                  steps=3 if opts.quick else 8):
-    one, many = run.results[1], run.results[run.micro_batches]
+  report.say("  pipeline x2 (one thread per op): step speed-up over M=1 and "
+             "bubble, measured vs simulated from the stages' measured times")
+  for schedule, m, virtual in _pipeline_runs(opts.quick):
+    run, = lm_lib.pipeline_gain(text, size=size, num_stages=2,
+                                micro_batches=(m,), global_batch_size=batch,
+                                steps=3 if opts.quick else 8,
+                                schedule=schedule, virtual_stages=virtual)
+    one, many = run.results[1], run.results[m]
     measured, predicted = one.step / many.step, one.predicted / many.predicted
-    report.add(report_lib.Row("pipeline_gain", f"gpt_{size}", 2,
-                              f"M={run.micro_batches}", many.step * 1e3,
-                              batch / many.step, f"predicted x{predicted:.2f}"))
-    report.figure(f"gpt pipeline x2 M={run.micro_batches} / M=1 speed-up",
-                  measured, target=report_lib.Target(
-                      1 + 0.8 * (predicted - 1),
-                      why=f"80% of the simulated gain (x{predicted:.2f})"))
+    label = f"{schedule} M={m}" + (f" V={virtual}" if virtual > 1 else "")
+    report.add(report_lib.Row(
+        "pipeline_gain", f"gpt_{size}", 2, label, many.step * 1e3,
+        batch / many.step, f"predicted x{predicted:.2f}; bubble "
+        f"{many.measured_bubble:.3f} (simulated "
+        f"{many.timeline.bubble_fraction:.3f})"))
+    report.say(f"    {label:<18} x{measured:.2f} (simulated x{predicted:.2f})"
+               f"  bubble {many.measured_bubble:.3f} (simulated "
+               f"{many.timeline.bubble_fraction:.3f})")
+    if schedule == "gpipe":
+      report.figure(f"gpt pipeline x2 M={m} / M=1 speed-up", measured,
+                    target=report_lib.Target(
+                        1 + 0.8 * (predicted - 1),
+                        why=f"80% of the simulated gain (x{predicted:.2f})"))
+    elif virtual > 1:
+      report.figure(f"gpt pipeline x2 interleaved V={virtual} M={m} bubble",
+                    many.measured_bubble,
+                    f"(simulated {many.timeline.bubble_fraction:.3f})")
 
 
 def _hybrid(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
@@ -644,7 +664,9 @@ def _tf_data(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
                 "StandardTrainer (examples/s, best round)")
   if not orbit_lib.orbit_installed():
     report.say(f"  Orbit {orbit_lib.ORBIT_MISSING}: its column is empty")
-  for model_name in opts.models:
+  models = ([m for m in opts.models if m == "convnet"] or opts.models[:1]
+            if opts.quick else opts.models)
+  for model_name in models:
     for replicas in opts.replicas:
       row = orbit_lib.compare(
           model_name, arrays, replicas=replicas,
