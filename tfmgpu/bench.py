@@ -138,7 +138,7 @@ def _run_suite(replicas: tuple[int, ...]) -> int:
       if quick else max(_STEPS.value, 8 * execution.STEPS_PER_EXECUTION.value),
       global_batch_size=batch.GLOBAL_BATCH_SIZE.value,
       steps_per_execution=execution.STEPS_PER_EXECUTION.value,
-      rounds=2 if quick else 3, training_rounds=2 if quick else 7,
+      rounds=2 if quick else 3, training_rounds=5 if quick else 7,
       output_dir=_OUTPUT_DIR.value, quick=quick,
       autotune=autotune_flags.enabled(True))
   bench_suite.run_suite(options, sections=sections,
