@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -179,19 +180,27 @@ def test_bench_cli_runs_a_section(tmp_path):
       timeout=900, check=False, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "tfmgpu/keras_fit mlp x2" in out.stdout
-  assert "keras_fit_fused" in out.stdout
+  assert "keras_fit_fused" not in out.stdout  # --quick: the targets' paths.
   assert "thread(s) per op" in out.stdout
   assert "Projection (not a measurement)" in out.stdout
   cpu = autotune.cpu_model()
   headers = [l for l in out.stdout.splitlines() if l.startswith("== ")]
-  assert len(headers) == 3 and all(f"[{cpu}] ==" in h for h in headers)
-  assert re.search(r"^  mlp +2 measured  ", out.stdout, re.M)
+  assert len(headers) == 4 and all(f"[{cpu}] ==" in h for h in headers)
+  assert headers[-1].startswith("== Targets: ")
+  # --quick reads the autotune's cache and measures nothing.
+  assert re.search(r"^  mlp +2 not cached  defaults", out.stdout, re.M)
+  assert not (tmp_path / "cache" / autotune.CACHE_FILE).exists()
   assert re.search(r"tfmgpu/keras_fit mlp x2 +\d\.\d{3} \(\d\.\d\d-\d\.\d\d\)",
                    out.stdout)
+  assert re.search(r"^  (held  |MISSED) tfmgpu/keras_fit mlp x2 .* target >= "
+                   r"1\.20", out.stdout, re.M)
+  assert re.search(r"^  (held  |MISSED) bench --quick wall time, s .* target "
+                   r"<= 150, on 2 quiet cores", out.stdout, re.M)
+  assert re.search(r"^Suite took \d+ s \(training \d+, projection \d+\)",
+                   out.stdout, re.M)
   assert out.stderr == "", out.stderr[-3000:]  # Tables only: no log line.
   rows = list(csv.DictReader(open(tmp_path / "results.csv")))
   assert {r["cpu"] for r in rows} == {cpu}
-  assert (tmp_path / "cache" / autotune.CACHE_FILE).exists()
   assert (tmp_path / "throughput.png").exists()
 
 
@@ -350,3 +359,110 @@ def test_the_hybrid_section_times_each_layout_against_data_parallelism(
     assert np.isfinite(float(ratio)) and np.isfinite(float(projected))
   tensor, = [l for l in lines if l.lstrip().startswith("tensor 2 ")]
   assert re.search(r"2 of 2 .* \d\.\d\d \(\d\.\d\d-\d\.\d\d\) +\|", tensor)
+
+
+def test_verdicts_say_held_or_missed_with_the_spread():
+  lines = []
+  report = report_lib.Report(out=lines.append, cpu="Test CPU")
+  target = report_lib.Target(1.2)
+  report.figure("tfmgpu/keras_fit mlp x2", 1.25, spread=(1.22, 1.31),
+                target=target)
+  report.figure("tfmgpu/keras_fit mlp x4", 1.25, spread=(1.10, 1.31),
+                target=target)
+  report.figure("tfmgpu/keras_fit mlp x1", 0.98, spread=(0.90, 1.21),
+                target=report_lib.Target(1.0))
+  report.figure("predict x4", 0.7, target=report_lib.Target(1.0))
+  report.figure("bench --quick wall time, s", 161.0, target=report_lib.Target(
+      150, at_least=False, why="on 2 quiet cores"))
+  report.figure("cost / floor", 1.05, spread=(1.02, 1.12),
+                target=report_lib.Target(1.10, at_least=False))
+  report.figure("no target", 3.0, "(measured)")
+  assert lines[0].split()[-5:] == ["1.250", "(1.22-1.31)", "(target", ">=",
+                                  "1.20)"]
+  lines.clear()
+  report.say_verdicts()
+  assert lines[0] == ("\n== Targets: 3 of 6 held (verdict: the best rounds' "
+                      "figure; spread: one round's pair) [Test CPU] ==")
+  held, shaky, missed, never, slow, under = [l.split(None, 1) for l in
+                                             lines[1:]]
+  assert [v[0] for v in (held, shaky, missed, never, slow, under)] == [
+      "held", "held", "MISSED", "MISSED", "MISSED", "held"]
+  assert held[1].endswith("1.250 (1.22-1.31)    target >= 1.20")
+  assert shaky[1].endswith("target >= 1.20; one round's pair missed it "
+                           "(1.10)")
+  assert missed[1].endswith("target >= 1.00; one round's pair held it "
+                            "(1.21)")
+  assert never[1].endswith("0.700                target >= 1.00")
+  assert slow[1].endswith("target <= 150, on 2 quiet cores")
+  assert under[1].endswith("target <= 1.10; one round's pair missed it "
+                           "(1.12)")
+  assert len(report.verdicts()) == 6  # "no target" has none.
+
+
+def test_quick_runs_the_sections_with_targets_and_reads_the_autotune(
+    monkeypatch):
+  """--quick's plan, without timing anything: its default sections, and
+  the autotune asked for cached choices only."""
+  from tfmgpu.benchmarks import options, sections  # pylint: disable=g-import-not-at-top
+  assert set(options.QUICK_SECTIONS) <= set(sections.SECTIONS)
+  assert set(options.DEFAULT_SECTIONS) <= set(sections.SECTIONS)
+  asked = []
+
+  def fake_tune(*args, cached_only=False, **kwargs):
+    asked.append(cached_only)
+    return autotune.Choice(kwargs["current"], kwargs["current"], {},
+                           "not cached", "not cached")
+
+  monkeypatch.setattr(autotune, "tune_training", fake_tune)
+  monkeypatch.setattr(sections, "_mirrored", lambda replicas: None)
+  for quick in (True, False):
+    report = report_lib.Report(out=lambda s: None, cpu="X")
+    sections._autotune(report, options.SuiteOptions(  # pylint: disable=protected-access
+        models=("mlp",), replicas=(1,), quick=quick),
+                       types.SimpleNamespace(x_train=None, y_train=None))
+  assert asked == [True, False]
+
+
+def test_a_run_without_the_training_table_writes_no_throughput_plot(
+    tmp_path):
+  pytest.importorskip("matplotlib")
+  from tfmgpu.benchmarks import options, plots  # pylint: disable=g-import-not-at-top
+  opts = options.SuiteOptions(output_dir=str(tmp_path), replicas=(1, 2))
+  report = report_lib.Report(out=lambda s: None, cpu="X")
+  report.add(report_lib.Row("latency", "convnet", 1, "one_device tfmgpu",
+                            1.0, 1000.0))
+  written = plots.write_plots(report, opts)
+  assert not (tmp_path / "throughput.png").exists()
+  assert all(os.path.exists(p) for p in written) and written
+  report.add(report_lib.Row("training", "mlp", 1, "tfmgpu", 1.0, 64000.0))
+  plots.write_plots(report, opts)
+  assert (tmp_path / "throughput.png").exists()
+
+
+def test_pipeline_overlap_times_interleaved_1f1b_beside_its_simulation():
+  """The plumbing of the bench's interleaved run (times not asserted): the
+  M=4 setting is simulated per device with 2 stages each, M=1 in order."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfmgpu.benchmarks import pipeline_overlap  # pylint: disable=g-import-not-at-top
+  from tfmgpu.models import demo  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = demo.deep_mlp((12,), 3, depth=4, width=8)
+  plan = partition.plan_stages(model, 4, devices=["/cpu:0", "/cpu:1"] * 2)
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.normal(size=(8, 12)).astype(np.float32))
+  y = tf.constant(rng.integers(0, 3, size=8))
+
+  def loss_fn(y_true, y_pred):
+    return tf.reduce_sum(keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True)) / 8.0
+
+  run = pipeline_overlap.compare_micro_batches(
+      model, plan, x, y, loss_fn, micro_batches=4, schedule="1f1b",
+      steps=1, warmup=0, virtual_stages=2)
+  assert run.num_stages == 2 and run.virtual_stages == 2
+  many, one = run.results[4], run.results[1]
+  assert many.timeline.virtual_stages == 2 and len(many.busy) == 2
+  assert one.timeline.virtual_stages == 1 and len(one.busy) == 2
+  assert 0.0 <= many.timeline.bubble_fraction < 1.0

@@ -28,6 +28,7 @@ from absl import flags
 from absl import logging
 
 from tfmgpu import flags as flags_lib
+from tfmgpu.benchmarks import options as bench_options
 from tfmgpu.flags import autotune as autotune_flags
 from tfmgpu.flags import batch
 from tfmgpu.flags import devices as device_flags
@@ -38,8 +39,11 @@ for _group in (device_flags, batch, execution, autotune_flags):
   flags.adopt_module_key_flags(_group)  # `--help` lists them too.
 
 _QUICK = flags.DEFINE_bool(
-    "quick", False, "Fewer steps and rounds: the whole suite in about 2.5 "
-    "minutes on a quiet 2-core machine, up to ~8 on a loaded one.")
+    "quick", False, "The sections with targets (" + ",".join(
+        bench_options.QUICK_SECTIONS) + ", unless --sections says "
+    "otherwise), fewer steps, rounds and paths, the autotune only read "
+    "from its cache: about 2.5 minutes on a quiet 2-core machine (the full "
+    "suite: about 15). Every run ends with a verdict line per target.")
 _MODELS = flags.DEFINE_list("models", ["convnet", "mlp"], "Models to train.")
 _REPLICAS = flags.DEFINE_list("replicas", ["1", "2", "4"],
                               "Replica counts for 'mirrored'.")
@@ -48,9 +52,7 @@ _STEPS = flags.DEFINE_integer(
     "--steps_per_execution). Per-step times on "
     "shared cores are noisy; more steps steady the medians.", lower_bound=10)
 _SECTIONS = flags.DEFINE_list(
-    "sections", ["training", "ceiling", "optimisations", "compression",
-                 "inference", "latency", "tf_data", "language_model",
-                 "checkpoints", "projection"],
+    "sections", list(bench_options.DEFAULT_SECTIONS),
     "Which parts of the suite to run (latency: p50/p99 of small requests per "
     "placement; tf_data: tfmgpu vs fit vs TF Orbit on a shuffled tf.data "
     "input; language_model: gpt tokens/s per layout vs Keras fit, and the "
@@ -128,16 +130,18 @@ def _run_suite(replicas: tuple[int, ...]) -> int:
   devices.configure_virtual_devices(device_flags.VIRTUAL_DEVICES.value or max(replicas),
                                     intra_op_threads=_INTRA_OP_THREADS.value)
   quick = _QUICK.value
+  sections = (_SECTIONS.value if _SECTIONS.present or not quick
+              else list(bench_options.QUICK_SECTIONS))
   options = bench_suite.SuiteOptions(
       models=tuple(_MODELS.value), replicas=replicas,
       steps=8 * execution.STEPS_PER_EXECUTION.value
       if quick else max(_STEPS.value, 8 * execution.STEPS_PER_EXECUTION.value),
       global_batch_size=batch.GLOBAL_BATCH_SIZE.value,
       steps_per_execution=execution.STEPS_PER_EXECUTION.value,
-      rounds=2 if quick else 3, training_rounds=2 if quick else 7,
+      rounds=2 if quick else 3, training_rounds=5 if quick else 7,
       output_dir=_OUTPUT_DIR.value, quick=quick,
       autotune=autotune_flags.enabled(True))
-  bench_suite.run_suite(options, sections=_SECTIONS.value,
+  bench_suite.run_suite(options, sections=sections,
                         out=lambda s: print(s, flush=True))
   return 0
 

@@ -15,6 +15,7 @@ from tfmgpu.benchmarks import pipeline as bench_pipeline
 from tfmgpu.models import demo
 from tfmgpu.parallel import branches
 from tfmgpu.parallel import inspection
+from tfmgpu.parallel import partition
 from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import schedule
 from tfmgpu.parallel import staged
@@ -545,3 +546,66 @@ def test_unknown_loss_reduction_and_irreducible_1f1b_loss_are_rejected():
   with pytest.raises(ValueError, match=r"reduction='mean_with_sample_weight'"
                      r".*schedule='gpipe'"):
     pipe.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+# ------------------------------------------------------ interleaved 1F1B
+
+def _train_sgd(model, step_fn, x, y):
+  optimizer = keras.optimizers.SGD(0.1)
+  variables = model.trainable_variables
+  optimizer.build(variables)
+
+  @tf.function
+  def step(xb, yb):
+    loss, grads = step_fn(xb, yb)
+    optimizer.apply_gradients(zip(grads, variables))
+    return loss
+
+  return [float(step(x[i:i + BATCH], y[i:i + BATCH]))
+          for i in range(0, len(x), BATCH)]
+
+
+def test_interleaved_1f1b_equals_unsplit_training_on_its_devices(
+    cpu_devices):
+  """2 devices x 2 virtual stages: 4 stages, stage k on device k % 2, each
+  device running its two stages' tasks in Megatron's order; SGD to 1e-5 of
+  the unsplit model, every stage op on its device (read from the graph)."""
+  x, y = _data()
+  unsplit, loss_obj = _mlp(), _loss()
+
+  def unsplit_step(xb, yb):
+    with tf.GradientTape() as tape:
+      loss = loss_obj(yb, unsplit(xb, training=True))
+    return loss, tape.gradient(loss, unsplit.trainable_variables)
+
+  want = _train_sgd(unsplit, unsplit_step, x, y)
+  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, virtual_stages=2,
+                                   devices=cpu_devices[:2], micro_batches=4,
+                                   schedule="1f1b")
+  assert list(pipe.stage_devices) == [cpu_devices[k % 2] for k in range(4)]
+
+  def pipe_step(xb, yb):
+    loss, _, grads = pipe.compute_loss_and_gradients(
+        xb, yb, loss_obj, loss_reduction="mean")
+    return loss, grads
+
+  got = _train_sgd(pipe, pipe_step, x, y)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  _assert_same_weights(pipe.to_unsplit(), unsplit)
+  graph = tf.function(pipe_step).get_concrete_function(
+      tf.TensorSpec((BATCH, 12)), tf.TensorSpec((BATCH,), tf.int64))
+  bad = [(p.name, p.device) for p in inspection.op_placements(graph)
+         if (m := _STAGE_OP.match(p.name))
+         and p.device != cpu_devices[int(m.group(1)) % 2]
+         and not (p.device == "" and p.type in RESOURCE_OPS)]
+  assert bad == []
+
+
+def test_interleaving_needs_1f1b_and_a_repeating_plan(cpu_devices):
+  with pytest.raises(ValueError, match=r"schedule='gpipe' cannot"):
+    PipelinedModel.from_model(_mlp(), num_stages=2, virtual_stages=2,
+                              devices=cpu_devices[:2], micro_batches=4)
+  plan = partition.plan_stages(_mlp(), 4, devices=cpu_devices[:4])
+  with pytest.raises(ValueError, match=r"virtual_stages=2 needs a plan whose "
+                     r"stages repeat its first devices"):
+    PipelinedModel(_mlp(), plan, virtual_stages=2, schedule="1f1b")

@@ -148,3 +148,58 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path):
 def test_bad_arguments_are_named(kwargs, message):
   with pytest.raises(ValueError, match=message):
     timeline_lib.simulate(**kwargs)
+
+
+@pytest.mark.parametrize("devices,virtual,micro_batches",
+                         [(2, 2, 4), (2, 3, 4), (4, 2, 8), (3, 2, 6), (2, 2, 2)])
+def test_interleaved_1f1b_divides_the_bubble_by_the_virtual_stages(
+    devices, virtual, micro_batches):
+  """Each device runs only its chunks (c % K), every task once, without a
+  deadlock; with equal chunk times (a stage's split in V) the bubble is
+  (K-1)/(V*M+K-1), below plain 1F1B's on the same stages."""
+  chunks = devices * virtual
+  orders = schedule.device_orders(devices, micro_batches, "1f1b",
+                                  virtual_stages=virtual)
+  assert len(orders) == devices
+  for d, order in enumerate(orders):
+    assert {t.stage % devices for t in order} == {d}
+    assert sorted(order) == sorted(
+        schedule.Task(c, m, kind) for c in range(d, chunks, devices)
+        for m in range(micro_batches)
+        for kind in (schedule.FORWARD, schedule.BACKWARD))
+  interleaved = timeline_lib.simulate(
+      [1.0 / virtual] * chunks, [2.0 / virtual] * chunks, micro_batches,
+      schedule="1f1b", virtual_stages=virtual)
+  plain = timeline_lib.simulate([1.0] * devices, [2.0] * devices,
+                                micro_batches, schedule="1f1b")
+  assert interleaved.bubble_fraction == pytest.approx(
+      (devices - 1) / (virtual * micro_batches + devices - 1))
+  assert interleaved.bubble_fraction == pytest.approx(
+      interleaved.theoretical_bubble)
+  assert interleaved.bubble_fraction < plain.bubble_fraction
+  assert interleaved.busy == pytest.approx(plain.busy)
+  assert len(interleaved.text().splitlines()) == devices + 2
+
+
+def test_interleaved_order_is_megatrons():
+  """K=2, V=2, M=4: device 0 warms up with (K-d-1)*2+(V-1)*K = 4 forwards,
+  groups of K micro-batches through chunk 0, then chunk 2."""
+  d0, d1 = schedule.device_orders(2, 4, "1f1b", virtual_stages=2)
+  assert " ".join(map(str, d0)) == (
+      "F(0,0) F(0,1) F(2,0) F(2,1) F(0,2) B(2,0) F(0,3) B(2,1) F(2,2) "
+      "B(0,0) F(2,3) B(0,1) B(2,2) B(2,3) B(0,2) B(0,3)")
+  assert [str(t) for t in d1[:3]] == ["F(1,0)", "F(1,1)", "F(3,0)"]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(virtual_stages=0), r"virtual_stages=0 must be an int >= 1"),
+    (dict(virtual_stages=2, schedule="gpipe"),
+     r"virtual_stages=2 interleaves 1F1B; schedule='gpipe' cannot"),
+    (dict(virtual_stages=2, micro_batches=3),
+     r"micro_batches=3 must be a multiple of the 2 devices .* "
+     r"micro_batches=4"),
+])
+def test_interleaving_errors_are_named(kwargs, message):
+  args = {"num_devices": 2, "micro_batches": 4, "schedule": "1f1b", **kwargs}
+  with pytest.raises(ValueError, match=message):
+    schedule.device_orders(**args)

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import pathlib
 
 import numpy as np
 import pytest
@@ -288,3 +289,45 @@ def test_multi_host_strategies_are_not_tuned(tmp_path):
   assert ("Not tuned: ParameterServerStrategy is not a one-host strategy"
           in choice.reason)
   assert not (tmp_path / "a.json").exists()
+
+
+def _package(root, files):
+  for name, text in files.items():
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+  return str(root)
+
+
+def test_the_code_that_runs_keys_the_cache(tmp_path):
+  """Two checkouts (or one before and after an edit) never share a choice;
+  the same code in two places does."""
+  files = {"__init__.py": "", "training/autotune.py": "A = 1\n"}
+  one = _package(tmp_path / "one" / "tfmgpu", files)
+  same = _package(tmp_path / "same" / "tfmgpu", files)
+  edited = _package(tmp_path / "edited" / "tfmgpu",
+                    {**files, "training/autotune.py": "A = 2\n"})
+  moved = _package(tmp_path / "moved" / "tfmgpu",
+                   {"__init__.py": "", "autotune.py": "A = 1\n"})
+  _package(tmp_path / "same" / "tfmgpu", {"__pycache__/x.py": "junk"})
+  versions = [autotune.code_version(p) for p in (one, same, edited, moved)]
+  assert versions[0] == versions[1]
+  assert len(set(versions[1:])) == 3
+  assert autotune.machine_key()["tfmgpu_code"] == autotune.code_version()
+  assert autotune.code_version() == autotune.code_version(
+      str(pathlib.Path(autotune.__file__).parents[1]))
+
+
+def test_another_checkout_measures_again_and_cached_only_measures_nothing(
+    tmp_path, monkeypatch):
+  cache = str(tmp_path / "autotune.json")
+  timer = FakeTimer({"jit_compile=True": 1.25})
+  autotune.tune(timer, key=KEY, cache=cache)
+  measured = len(timer.calls)
+  assert autotune.tune(timer, key=KEY, cache=cache).source == "cache"
+  monkeypatch.setattr(autotune, "code_version", lambda: "other-checkout")
+  quick = autotune.tune(timer, key=KEY, cache=cache, cached_only=True)
+  assert len(timer.calls) == measured
+  assert quick.source == "not cached" and quick.settings == CURRENT
+  assert autotune.tune(timer, key=KEY, cache=cache).source == "measured"
+  assert len(json.load(open(cache))) == 2

@@ -66,9 +66,11 @@ def training_flops_per_example(model: keras.Model) -> int:
 
 def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
                     steps: int, steps_per_execution: int,
-                    arrays: data_lib.Arrays | None = None) -> dict[str, Any]:
+                    arrays: data_lib.Arrays | None = None,
+                    batches: Sequence[int] | None = None) -> dict[str, Any]:
   """The matmul ceiling and each model's single-device training FLOP/s,
-  through tfmgpu's loop and the bare loop.
+  through tfmgpu's loop and the bare loop, at each of `batches` (default:
+  `global_batch_size` and 1024).
 
   Returns:
     `{"gflops": ceiling, "runs": [{"model", "batch", "path", "ms_per_step",
@@ -81,7 +83,7 @@ def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
     model = models_lib.build_model(model_name, input_shape=arrays.input_shape,
                                    num_classes=arrays.num_classes)
     flops = training_flops_per_example(model)
-    for batch in (global_batch_size, 1024):
+    for batch in batches or (global_batch_size, 1024):
       big = batch > 256
       kwargs = dict(global_batch_size=batch,
                     steps=max(steps // 4, 8) if big else steps,

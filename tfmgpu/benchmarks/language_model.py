@@ -20,6 +20,7 @@ import tensorflow as tf
 from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.benchmarks import ceiling
 from tfmgpu.benchmarks import pipeline_overlap
 from tfmgpu.benchmarks import training as training_lib
 from tfmgpu.parallel import partition
@@ -40,12 +41,15 @@ class Layout:
                                 self.options.get("num_stages", 1)))
 
 
-def layouts(max_devices: int) -> list[Layout]:
-  """The layouts that fit on `max_devices` devices."""
+def layouts(max_devices: int, quick: bool = False) -> list[Layout]:
+  """The layouts that fit on `max_devices` devices (`quick`: one device and
+  data parallelism only, the layouts with targets)."""
   candidates = [Layout("one_device", "one_device")]
   for r in (2, 4):
     candidates.append(Layout(f"mirrored x{r}", "mirrored",
                              {"num_replicas": r}))
+  if quick:
+    return [c for c in candidates if c.devices <= max_devices]
   candidates.append(Layout("model_parallel x2", "model_parallel",
                            {"num_stages": 2}))
   for k, m, schedule in ((2, 4, "gpipe"), (2, 4, "1f1b"), (4, 8, "gpipe")):
@@ -121,6 +125,21 @@ def time_keras_fit(arrays: data_lib.Arrays, *, size: str,
                    steps_per_execution: int, seed: int = 0
                    ) -> training_lib.Timing:
   """Median ms per step of Keras `fit` on the unsplit model, one device."""
+  return keras_fit_runner(arrays, size=size,
+                          global_batch_size=global_batch_size, steps=steps,
+                          steps_per_execution=steps_per_execution,
+                          seed=seed)(1)
+
+
+def keras_fit_runner(arrays: data_lib.Arrays, *, size: str,
+                     global_batch_size: int, steps: int,
+                     steps_per_execution: int, seed: int = 0
+                     ) -> Callable[[int], training_lib.Timing]:
+  """Keras `fit` of the unsplit model on one device, compiled once.
+
+  Returns:
+    `run(skip)`: one `fit` of `steps`, as `layout_runner`'s.
+  """
   model = _build(arrays, size, seed)
   model.compile(optimizer=keras.optimizers.Adam(1e-3),
                 loss=keras.losses.SparseCategoricalCrossentropy(
@@ -132,11 +151,22 @@ def time_keras_fit(arrays: data_lib.Arrays, *, size: str,
           global_batch_size, drop_remainder=True).take(per_epoch).prefetch(
               tf.data.AUTOTUNE)
   timer = training_lib.BatchTimer()
-  model.fit(dataset, epochs=1, verbose=0, callbacks=[timer], shuffle=False)
-  return training_lib.Timing(
-      "keras_fit", training_lib.median_step_ms(timer.times,
-                                               steps_per_execution, 1),
-      global_batch_size)
+
+  def run(skip: int) -> training_lib.Timing:
+    timer.times.clear()
+    model.fit(dataset, epochs=1, verbose=0, callbacks=[timer], shuffle=False)
+    return training_lib.Timing(
+        "keras_fit", training_lib.median_step_ms(timer.times,
+                                                 steps_per_execution, skip),
+        global_batch_size)
+  return run
+
+
+def flops_per_token(arrays: data_lib.Arrays, size: str) -> float:
+  """Training FLOPs per token of `gpt` at `size`, counted layer by layer
+  as the compute ceiling counts them (forward x 3)."""
+  model = _build(arrays, size, 0)
+  return ceiling.training_flops_per_example(model) / arrays.input_shape[0]
 
 
 def tokens_per_sec(timing: training_lib.Timing, seq_len: int) -> float:
@@ -146,14 +176,19 @@ def tokens_per_sec(timing: training_lib.Timing, seq_len: int) -> float:
 
 def pipeline_gain(arrays: data_lib.Arrays, *, size: str, num_stages: int,
                   micro_batches: Sequence[int], global_batch_size: int,
-                  steps: int = 6, seed: int = 0
+                  steps: int = 6, seed: int = 0, schedule: str = "gpipe",
+                  virtual_stages: int = 1
                   ) -> list[pipeline_overlap.OverlapRun]:
   """One `num_stages` split of `gpt` with M = 1 against each M of
   `micro_batches` (interleaved, one run per M): measured step times beside
-  the simulator's from the stages' measured times."""
+  the simulator's from the stages' measured times. `virtual_stages=V`: the
+  split has `num_stages * V` stages, stage `k` on device `k % num_stages`,
+  run as interleaved 1F1B."""
   model = _build(arrays, size, seed)
+  chunks = num_stages * virtual_stages
   plan = partition.plan_stages(
-      model, num_stages, devices=[f"/cpu:{i}" for i in range(num_stages)])
+      model, chunks,
+      devices=[f"/cpu:{i % num_stages}" for i in range(chunks)])
   x = tf.constant(arrays.x_train[:global_batch_size])
   y = tf.constant(arrays.y_train[:global_batch_size])
 
@@ -165,7 +200,8 @@ def pipeline_gain(arrays: data_lib.Arrays, *, size: str, num_stages: int,
                                       global_batch_size=global_batch_size)
 
   return [pipeline_overlap.compare_micro_batches(
-      model, plan, x, y, loss_fn, micro_batches=m, steps=steps, warmup=2)
+      model, plan, x, y, loss_fn, micro_batches=m, steps=steps, warmup=2,
+      schedule=schedule, virtual_stages=virtual_stages)
           for m in micro_batches]
 
 

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+# Every section, in running order (`hybrid` only when asked for).
+DEFAULT_SECTIONS = ("training", "ceiling", "optimisations", "compression",
+                    "inference", "latency", "tf_data", "language_model",
+                    "checkpoints", "projection")
+# What `--quick` runs unless `--sections` is given: the sections whose
+# figures have targets, each cut down (`SuiteOptions.quick`).
+QUICK_SECTIONS = ("training", "ceiling", "inference", "tf_data",
+                  "language_model")
+
 
 @dataclasses.dataclass(frozen=True)
 class SuiteOptions:
@@ -20,7 +29,10 @@ class SuiteOptions:
     training_rounds: interleaved rounds of the training table, whose paths
       are built once (a round costs only its steps, so more are kept).
     output_dir: CSV and PNG go here.
-    quick: fewer steps and sections, for a run under 5 minutes.
+    quick: fewer steps, rounds and paths (the autotune only read from its
+      cache, the training table without its floors, the ceiling of the
+      convnet at the suite's batch, the language model on one device and
+      data parallelism), for a run of about 2.5 minutes on 2 quiet cores.
     autotune: before the training table, measure tfmgpu's options for each
       model and replica count (`tfmgpu.training.autotune`, cached) and train
       the `tfmgpu` path with the choice; `False`: tfmgpu's defaults.

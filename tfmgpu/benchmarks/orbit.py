@@ -133,6 +133,15 @@ def keras_fit_runner(strategy, model_name, arrays, dataset, *, steps: int,
   return run
 
 
+def orbit_installed() -> bool:
+  """Whether TF Model Garden's Orbit imports."""
+  try:
+    import orbit  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
 def orbit_runner(strategy, model_name, arrays, dataset, *, steps: int,
                  steps_per_execution: int, seed: int = 0) -> Runner | None:
   """Orbit's `StandardTrainer`, `steps_per_execution` steps per `train`
@@ -204,8 +213,10 @@ def _batch(dataset: tf.data.Dataset) -> int:
 
 def compare(model_name: str, arrays: data_lib.Arrays, *, replicas: int,
             global_batch_size: int, steps: int,
-            steps_per_execution: int = 10, rounds: int = 3) -> Row:
-  """One row: the paths at `replicas` mirrored replicas."""
+            steps_per_execution: int = 10, rounds: int = 3,
+            tf_iterator: bool = True) -> Row:
+  """One row: the paths at `replicas` mirrored replicas (`tf_iterator`:
+  also tfmgpu on TF's distributed iterator)."""
   strategy = strategies_lib.get_strategy("mirrored", num_replicas=replicas)
   dataset = shuffled_dataset(arrays, global_batch_size)
   common = (strategy, model_name, arrays, dataset)
@@ -215,7 +226,7 @@ def compare(model_name: str, arrays: data_lib.Arrays, *, replicas: int,
       "keras_fit": keras_fit_runner(*common, **kwargs),
       "orbit": orbit_runner(*common, **kwargs),
       "tfmgpu_tf_iterator": tfmgpu_runner(*common, input_mode="tf_data",
-                                          **kwargs),
+                                          **kwargs) if tf_iterator else None,
   }, steps_per_execution * global_batch_size, rounds)
   return Row(model=model_name, replicas=replicas, **rates)
 

@@ -40,13 +40,15 @@ class Overlap:
     step: median training step, optimizer update included.
     fastest: fastest training step.
     fwd, bwd: each stage's forward and backward on one micro-batch, alone.
-    busy: each stage's busy time per step, `M * (fwd + bwd)`.
+    busy: each device's busy time per step, `M * (fwd + bwd)` summed
+      over its stages (one stage per device unless interleaved).
     update: median optimizer update alone.
     timeline: the simulated pipeline from `fwd` and `bwd`.
     predicted: simulated step time plus `update`.
     infer: median forward-only pass over the batch.
     infer_predicted: the simulated forward-only pass.
-    measured_bubble: `1 - sum(busy) / (K * (step - update))`.
+    measured_bubble: `1 - sum(busy) / (K * (step - update))` over the `K`
+      devices (compare `timeline.bubble_fraction`, the simulated one).
   """
   step: float
   fastest: float
@@ -69,6 +71,7 @@ class OverlapRun:
   micro_batches: int
   schedule: str
   results: dict[int, Overlap]
+  virtual_stages: int = 1
 
 
 def _train_step(pipe, optimizer, loss_fn):
@@ -97,11 +100,12 @@ def _update_fn(pipe, optimizer):
   return update
 
 
-def _setting(model, plan, m: int, schedule: str, x, y, loss_fn
-             ) -> dict[str, Any]:
+def _setting(model, plan, m: int, schedule: str, x, y, loss_fn,
+             virtual_stages: int = 1) -> dict[str, Any]:
   """The pipelined model with `m` micro-batches and its timed functions."""
   pipe = pipeline.PipelinedModel(model, plan, micro_batches=m,
-                                 schedule=schedule)
+                                 schedule=schedule,
+                                 virtual_stages=virtual_stages)
   optimizer = pipe.build_optimizer(keras.optimizers.SGD(1e-4))
   return dict(
       pipe=pipe, optimizer=optimizer,
@@ -137,19 +141,23 @@ def _time_interleaved(settings: Sequence[dict[str, Any]], x, y, *,
 
 
 def _summarise(s: dict[str, Any], m: int, num_stages: int,
-               schedule: str) -> Overlap:
+               schedule: str, virtual_stages: int = 1) -> Overlap:
+  """`num_stages`: the devices (`K`); the plan has `K * virtual_stages`."""
   fwd, bwd = probes.stage_times(s["samples"])
   update = statistics.median(s["updates"])
-  timeline = timeline_lib.simulate(fwd, bwd, m, schedule=schedule)
+  timeline = timeline_lib.simulate(fwd, bwd, m, schedule=schedule,
+                                   virtual_stages=virtual_stages)
   step = statistics.median(s["times"])
-  busy = [m * (f + b) for f, b in zip(fwd, bwd)]
+  busy = [0.0] * num_stages
+  for k, (f, b) in enumerate(zip(fwd, bwd)):
+    busy[k % num_stages] += m * (f + b)
   return Overlap(
       step=step, fastest=min(s["times"]), fwd=fwd, bwd=bwd, busy=busy,
       update=update, timeline=timeline,
       predicted=timeline.step_time + update,
       infer=statistics.median(s["infers"]),
       infer_predicted=timeline_lib.simulate(
-          fwd, [0.0] * num_stages, m, schedule=schedule).step_time,
+          fwd, [0.0] * len(fwd), m, schedule="gpipe").step_time,
       measured_bubble=1.0 - sum(busy) / (num_stages
                                          * max(step - update, 1e-9)))
 
@@ -157,7 +165,8 @@ def _summarise(s: dict[str, Any], m: int, num_stages: int,
 def compare_micro_batches(model: keras.Model, plan: plan_lib.StagePlan, x, y,
                           loss_fn, *, micro_batches: int,
                           schedule: str = "gpipe", steps: int = 10,
-                          warmup: int = 3) -> OverlapRun:
+                          warmup: int = 3,
+                          virtual_stages: int = 1) -> OverlapRun:
   """Times `plan`'s pipeline with M=1 and M=`micro_batches`, interleaved.
 
   Args:
@@ -169,17 +178,23 @@ def compare_micro_batches(model: keras.Model, plan: plan_lib.StagePlan, x, y,
     schedule: `"gpipe"` or `"1f1b"`. Defaults to `"gpipe"`.
     steps: timed rounds. Defaults to 10.
     warmup: untimed rounds first. Defaults to 3.
+    virtual_stages: `V`: `plan`'s stages repeat its first `K` devices and
+      M=`micro_batches` runs interleaved 1F1B (M=1 runs the stages in
+      order, `"1f1b"`). Defaults to 1.
 
   Returns:
     An `OverlapRun` with one `Overlap` per M.
   """
-  num_stages = len(plan.stages)
-  settings = {m: _setting(model, plan, m, schedule, x, y, loss_fn)
-              for m in sorted({1, micro_batches})}
+  num_stages = len(plan.stages) // virtual_stages
+  virtual = {m: virtual_stages if m == micro_batches else 1
+             for m in sorted({1, micro_batches})}
+  settings = {m: _setting(model, plan, m, schedule, x, y, loss_fn, v)
+              for m, v in virtual.items()}
   _time_interleaved(list(settings.values()), x, y, steps=steps,
                     warmup=warmup)
   return OverlapRun(plan, num_stages, micro_batches, schedule, {
-      m: _summarise(s, m, num_stages, schedule) for m, s in settings.items()})
+      m: _summarise(s, m, num_stages, schedule, virtual[m])
+      for m, s in settings.items()}, virtual_stages)
 
 
 def benchmark_deep_mlp(devices: Sequence[str], *, width: int = 1024,

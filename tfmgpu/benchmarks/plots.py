@@ -21,7 +21,8 @@ from tfmgpu.parallel import timeline
 
 def write_plots(report: report_lib.Report, opts: SuiteOptions
                 ) -> list[str]:
-  """Writes every plot to `opts.output_dir`; returns their paths."""
+  """Writes the plots to `opts.output_dir` (the throughput plot only when
+  the training table ran); returns their paths."""
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use("Agg")
@@ -29,8 +30,11 @@ def write_plots(report: report_lib.Report, opts: SuiteOptions
   except ImportError:
     report.say("matplotlib is not installed (pip install '.[plots]'): no plots.")
     return []
-  return [_plot_throughput(plt, report, opts), _plot_stage_memory(plt, opts),
-          _plot_pipeline_timeline(opts)]
+  written = []
+  if any(r.section == "training" for r in report.rows):
+    written.append(_plot_throughput(plt, report, opts))
+  return written + [_plot_stage_memory(plt, opts),
+                    _plot_pipeline_timeline(opts)]
 
 
 def _plot_throughput(plt, report: report_lib.Report,

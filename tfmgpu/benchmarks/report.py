@@ -7,6 +7,9 @@ does too (`cpu`, and `machine`: `machine_description`). A ratio measured
 over interleaved rounds is printed with its spread: `1.23 (1.18-1.30)` is
 the ratio of the two paths' best rounds, then the lowest and highest ratio
 of one round's pair (the best-rounds ratio always lies between them).
+A figure may carry a `Target` (issue 30's table and the targets kept from
+earlier rounds); `Report.verdicts` gives one line per target, held or
+missed, with the spread, and the suite prints them at the end of every run.
 `tfmgpu.benchmarks.compare` reads two such CSVs back.
 """
 
@@ -37,6 +40,30 @@ class Row:
   rounds_ms: Sequence[float] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What a figure must reach: `value >= bound` (`at_least`) or `<= bound`.
+
+  Attributes:
+    bound: the threshold.
+    at_least: `True`: at least `bound`; `False`: at most.
+    why: where a computed bound comes from ("80% of the simulated gain").
+  """
+  bound: float
+  at_least: bool = True
+  why: str = ""
+
+  def met(self, value: float) -> bool:
+    return value >= self.bound if self.at_least else value <= self.bound
+
+  def text(self) -> str:
+    """`"target >= 1.2"`, with `why` in brackets."""
+    op = ">=" if self.at_least else "<="
+    bound = (f"{self.bound:.0f}" if abs(self.bound) >= 10
+             else f"{self.bound:.2f}")
+    return f"target {op} {bound}" + (f", {self.why}" if self.why else "")
+
+
 @dataclasses.dataclass
 class Figure:
   """A headline figure: a ratio or fraction, with its spread over rounds."""
@@ -45,6 +72,27 @@ class Figure:
   rule: str = ""
   low: float | None = None
   high: float | None = None
+  target: Target | None = None
+
+  def verdict(self) -> str:
+    """One line: held or missed, the value with its spread, the target; a
+    spread that crosses the target is named (the verdict is the best
+    rounds' ratio)."""
+    if self.target is None:
+      raise ValueError(f"figure {self.name!r} has no target.")
+    held = self.target.met(self.value)
+    spread = (None if self.low is None or self.high is None
+              else (self.low, self.high))
+    note = ""
+    if spread is not None:
+      worst, best = spread if self.target.at_least else spread[::-1]
+      if held and not self.target.met(worst):
+        note = f"; one round's pair missed it ({worst:.2f})"
+      elif not held and self.target.met(best):
+        note = f"; one round's pair held it ({best:.2f})"
+    return (f"  {'held' if held else 'MISSED':<6} {self.name:<52} "
+            f"{with_spread(self.value, spread, digits=3):<20} "
+            f"{self.target.text()}{note}")
 
 
 # `results.csv`: a row's fields, then a figure's, then the machine's. A
@@ -91,6 +139,8 @@ class Report:
     self.rows: list[Row] = []
     self.figures: dict[str, float] = {}
     self.figure_details: list[Figure] = []
+    # What one section measured for a later one (e.g. "matmul_gflops").
+    self.measured: dict[str, float] = {}
     self.cpu = cpu
     self.machine = machine
     self._out = out
@@ -106,18 +156,38 @@ class Report:
     self.say(f"\n== {title} [{self.cpu}] ==")
 
   def figure(self, name: str, value: float, rule: str = "",
-             spread: tuple[float, float] | None = None) -> None:
+             spread: tuple[float, float] | None = None,
+             target: Target | None = None) -> None:
     """Records a headline figure (a ratio or fraction) and prints it.
 
     Args:
-      name, value, rule: what it is, its value, and its target or meaning.
+      name, value, rule: what it is, its value, and its meaning (defaults
+        to the target's text).
       spread: `(low, high)` over the interleaved rounds (`round_ratios`).
+      target: what it must reach; judged in `verdicts`.
     """
+    if not rule and target is not None:
+      rule = f"({target.text()})"
     self.figures[name] = value
     low, high = spread if spread is not None else (None, None)
-    self.figure_details.append(Figure(name, value, rule, low, high))
+    self.figure_details.append(Figure(name, value, rule, low, high, target))
     cell = with_spread(value, spread, digits=3)
     self.say(f"  {name:<52} {cell:<20} {rule}".rstrip())
+
+  def verdicts(self) -> list[str]:
+    """One line per figure with a target (`Figure.verdict`), in order."""
+    return [f.verdict() for f in self.figure_details if f.target is not None]
+
+  def say_verdicts(self) -> None:
+    """Prints the verdicts under a header, with how many held."""
+    lines = self.verdicts()
+    if not lines:
+      return
+    missed = sum(line.lstrip().startswith("MISSED") for line in lines)
+    self.header(f"Targets: {len(lines) - missed} of {len(lines)} held "
+                "(verdict: the best rounds' figure; spread: one round's pair)")
+    for line in lines:
+      self.say(line)
 
   def write_csv(self, path: str) -> str:
     """Writes every row, then every figure, to `path` (`CSV_COLUMNS`)."""

@@ -72,8 +72,10 @@ def _autotune(report: report_lib.Report, opts: SuiteOptions,
     return {}
   report.say("  (each option alone against the defaults, then the winners "
              f"together; best of {opts.rounds} interleaved rounds; a change "
-             "must be 5% faster;\n   measured once per machine and model, "
-             f"then read from {autotune.cache_path()})")
+             "must be 5% faster;\n   measured once per machine, model and "
+             f"tfmgpu code, then read from {autotune.cache_path()}"
+             + ("; --quick only reads it: a full run measures" if opts.quick
+                else "") + ")")
   report.say(f"  {'model':<8} {'replicas':>8} {'source':<8}  picked: speed-up "
              "of each candidate over the defaults")
   chosen = {}
@@ -84,7 +86,7 @@ def _autotune(report: report_lib.Report, opts: SuiteOptions,
           functools.partial(_build, model, arrays), _mirrored(replicas),
           arrays.x_train, arrays.y_train,
           global_batch_size=opts.global_batch_size, current=defaults,
-          rounds=opts.rounds)
+          rounds=opts.rounds, cached_only=opts.quick)
       chosen[(model, replicas)] = choice.settings
       _report_choice(report, model, replicas, choice,
                      time.perf_counter() - start, opts.global_batch_size)
@@ -114,6 +116,10 @@ def _tfmgpu_options(settings: autotune.Settings) -> dict[str, Any]:
   return options
 
 
+# The paths of the training table in --quick (the ones its targets compare).
+QUICK_TRAINING_PATHS = ("tfmgpu", "keras_fit")
+
+
 def _training(report: report_lib.Report, opts: SuiteOptions,
               arrays) -> None:
   tuned = _autotune(report, opts, arrays)
@@ -132,9 +138,10 @@ def _training(report: report_lib.Report, opts: SuiteOptions,
           _mirrored(replicas), model, arrays,
           global_batch_size=opts.global_batch_size, steps=steps,
           steps_per_execution=spe, rounds=opts.training_rounds,
-          paths=list(training_lib.PATHS),
+          paths=list(QUICK_TRAINING_PATHS if opts.quick
+                     else training_lib.PATHS),
           tfmgpu_options=_tfmgpu_options(settings))
-      if replicas == 1:
+      if replicas == 1 and not opts.quick:
         best.update(_floors(opts, model, arrays, steps=steps,
                             steps_per_execution=spe))
       note = autotune.changes_label(_defaults(opts).changes(settings))
@@ -159,26 +166,28 @@ def _training_rows(report: report_lib.Report, model: str, replicas: int,
   tfmgpu = best["tfmgpu"]
   report.figure(f"tfmgpu/keras_fit {model} x{replicas}",
                 fit.ms_per_step / tfmgpu.ms_per_step,
-                "(target >= 1.0)" if replicas == 1 else "(target >= 1.2)",
-                report_lib.round_ratios(fit.rounds_ms, tfmgpu.rounds_ms))
-  for floor, what, rule in (
-      ("floor", "tfmgpu cost / floor", "(target <= 1.10)"),
-      ("floor_same_kernels", "tfmgpu cost / floor with its kernels",
+                spread=report_lib.round_ratios(fit.rounds_ms,
+                                               tfmgpu.rounds_ms),
+                target=report_lib.Target(1.0 if replicas == 1 else 1.2))
+  for floor, what, target, rule in (
+      ("floor", "tfmgpu cost / floor", report_lib.Target(1.10, False), ""),
+      ("floor_same_kernels", "tfmgpu cost / floor with its kernels", None,
        "(the loop's own cost)")):
     if floor in best:
       report.figure(f"{what} {model} x1",
                     tfmgpu.ms_per_step / best[floor].ms_per_step, rule,
                     report_lib.round_ratios(tfmgpu.rounds_ms,
-                                            best[floor].rounds_ms))
+                                            best[floor].rounds_ms), target)
 
 
 def _ceiling(report: report_lib.Report, opts: SuiteOptions,
              arrays) -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   report.header("Compute ceiling: achieved FLOP/s vs float32 matmul")
-  kwargs = dict(models=list(opts.models),
+  kwargs = dict(models=["convnet"] if opts.quick else list(opts.models),
                 global_batch_size=opts.global_batch_size, steps=opts.steps,
-                steps_per_execution=opts.steps_per_execution)
+                steps_per_execution=opts.steps_per_execution,
+                batches=[opts.global_batch_size] if opts.quick else None)
   threads = tf.config.threading.get_intra_op_parallelism_threads()
   if threads and threads < devices_lib.cpu_cores():
     report.say(f"  (single-device training gets every core: measured in a "
@@ -188,17 +197,26 @@ def _ceiling(report: report_lib.Report, opts: SuiteOptions,
   else:
     result = ceiling_lib.measure_ceiling(**kwargs, arrays=arrays)
   gflops = result["gflops"]
+  report.measured["matmul_gflops"] = gflops
   report.say(f"  float32 matmul ceiling: {gflops:,.1f} GFLOP/s "
              f"({devices_lib.cpu_cores()} cores busy)")
+  floors = {(r["model"], r["batch"]): r["achieved_gflops"] / gflops
+            for r in result["runs"] if r["path"] == "floor"}
   for run in result["runs"]:
     achieved = run["achieved_gflops"]
     report.add(report_lib.Row(
         "ceiling", run["model"], 1, f"{run['path']}_b{run['batch']}",
         run["ms_per_step"], run["examples_per_sec"], f"{achieved:.1f} GFLOP/s"))
+    floor = floors.get((run["model"], run["batch"]))
+    target = (report_lib.Target(floor, why="the floor's fraction")
+              if run["path"] == "tfmgpu" and run["model"] == "convnet"
+              and run["batch"] == opts.global_batch_size and floor else None)
     report.figure(f"{run['model']} batch {run['batch']} {run['path']}: "
                   "fraction of ceiling", achieved / gflops,
-                  f"({achieved:.1f} of {gflops:.1f} GFLOP/s; mlp target >= "
-                  "0.60)")
+                  f"({achieved:.1f} of {gflops:.1f} GFLOP/s"
+                  + ("; mlp target >= 0.60)" if run["model"] == "mlp"
+                     else f"; {target.text()})" if target else ")"),
+                  target=target)
 
 
 # The label of the runs on `replicas` mirrored replicas (the others use one).
@@ -302,10 +320,11 @@ def _compression_accuracy(report: report_lib.Report,
                "bytes/step/replica"
                f"   test accuracy {accuracy[compression]:.4f}")
   report.figure("compressed / full all-reduced bytes",
-                sent["float16"] / sent["none"], "(target 0.5)")
+                sent["float16"] / sent["none"],
+                target=report_lib.Target(0.5, at_least=False))
   report.figure("accuracy points lost to float16 compression",
                 100 * (accuracy["none"] - accuracy["float16"]),
-                "(target <= 0.5)")
+                target=report_lib.Target(0.5, at_least=False))
 
 
 def _inference(report: report_lib.Report, opts: SuiteOptions,
@@ -323,8 +342,16 @@ def _inference(report: report_lib.Report, opts: SuiteOptions,
     report.say(f"  x{replicas}: tfmgpu {tfmgpu.examples_per_sec:>9,.0f}"
                f" ex/s, keras {keras.examples_per_sec:>9,.0f} ex/s")
     report.figure(f"tfmgpu.predict/keras predict x{replicas}",
-                  keras.ms_per_step / tfmgpu.ms_per_step, "(target >= 1.0)",
-                  report_lib.round_ratios(keras.rounds_ms, tfmgpu.rounds_ms))
+                  keras.ms_per_step / tfmgpu.ms_per_step, "",
+                  report_lib.round_ratios(keras.rounds_ms, tfmgpu.rounds_ms),
+                  report_lib.Target(1.0))
+  if not opts.quick:
+    _inference_options(report, opts, x)
+
+
+def _inference_options(report: report_lib.Report, opts: SuiteOptions,
+                       x) -> None:
+  """tfmgpu.predict's options, each on/off (full runs only)."""
   replicas = max(r for r in opts.replicas if r <= 2)
   strategy = _mirrored(replicas)
   report.say(f"  inference options, x{replicas} (each on/off):")
@@ -403,6 +430,20 @@ def _timed_rounds(opts: SuiteOptions, paths: dict[str, Callable[[], Any]]
   return {name: training_lib.best_round(t) for name, t in timings.items()}
 
 
+def _built_rounds(opts: SuiteOptions,
+                  runs: dict[str, Callable[[int], training_lib.Timing]]
+                  ) -> dict[str, training_lib.Timing]:
+  """Each path (built once: `run(skip)`) timed in `opts.rounds`
+  interleaved rounds, best kept; each round's first call left out."""
+  return _timed_rounds(opts, {name: functools.partial(run, 1)
+                              for name, run in runs.items()})
+
+
+# The language-model figures with a target (issue 30): tokens/s over Keras
+# fit of the unsplit model, and model FLOPs utilisation on one device.
+_LM_TARGET_LAYOUTS = ("one_device", "mirrored x2", "mirrored x4")
+
+
 def _language_model(report: report_lib.Report, opts: SuiteOptions,
                     arrays) -> None:
   del arrays  # Trains on stdlib_text.
@@ -410,44 +451,85 @@ def _language_model(report: report_lib.Report, opts: SuiteOptions,
   text = lm_lib.text_arrays(seq_len)
   report.header(f"Language model: gpt {size} (T={seq_len}, batch {batch}) "
                 "tokens/s per layout vs Keras fit unsplit")
-  steps = 4 if opts.quick else 12
-  common = dict(size=size, global_batch_size=batch, steps=steps,
-                steps_per_execution=2)
-  paths = {"keras_fit": functools.partial(lm_lib.time_keras_fit, text,
-                                          **common)}
-  layouts = {l.label: l for l in lm_lib.layouts(max(opts.replicas))}
-  for label, layout in layouts.items():
-    paths[label] = functools.partial(lm_lib.time_layout, layout, text,
-                                     **common)
-  best = _timed_rounds(opts, paths)
-  keras_fit = best["keras_fit"]
+  common = dict(size=size, global_batch_size=batch,
+                steps=4 if opts.quick else 12, steps_per_execution=2)
+  layouts = {l.label: l for l in lm_lib.layouts(max(opts.replicas),
+                                                quick=opts.quick)}
+  runs = {"keras_fit": lm_lib.keras_fit_runner(text, **common)}
+  runs.update({label: lm_lib.layout_runner(layout, text, **common)
+               for label, layout in layouts.items()})
+  before = ceiling_lib.matmul_gflops()
+  best = _built_rounds(opts, runs)
+  # The ceiling is what the cores can do: on shared cores each measurement
+  # is low by the load of its moment, so the highest one is kept.
+  ceiling = max(before, ceiling_lib.matmul_gflops(),
+                report.measured.get("matmul_gflops", 0.0))
+  flops = lm_lib.flops_per_token(text, size)
+  report.say(f"  (each path built once, best of {opts.rounds} interleaved "
+             f"rounds; MFU: tokens/s x {flops / 1e6:.2f} MFLOP per token / "
+             f"the {ceiling:,.1f} GFLOP/s matmul ceiling, the highest of "
+             "this run's measurements)")
+  fit = best["keras_fit"]
   for label, t in best.items():
     devices = layouts[label].devices if label in layouts else 1
+    tokens = lm_lib.tokens_per_sec(t, seq_len)
+    mfu = tokens * flops / (ceiling * 1e9)
     report.add(report_lib.Row("language_model", f"gpt_{size}", devices, label,
-                              t.ms_per_step, lm_lib.tokens_per_sec(t, seq_len),
-                              "tokens/s", t.rounds_ms))
-    report.say(f"  {label:<24} {lm_lib.tokens_per_sec(t, seq_len):>10,.0f} "
-               f"tokens/s  {t.ms_per_step:8.1f} ms/step  "
-               f"x{keras_fit.ms_per_step / t.ms_per_step:.2f} of keras fit")
+                              t.ms_per_step, tokens,
+                              f"tokens/s; MFU {mfu:.3f}", t.rounds_ms))
+    report.say(f"  {label:<24} {tokens:>10,.0f} tokens/s  {t.ms_per_step:8.1f}"
+               f" ms/step  x{fit.ms_per_step / t.ms_per_step:.2f} of keras "
+               f"fit  MFU {mfu:.3f}")
+    if label in _LM_TARGET_LAYOUTS:
+      report.figure(f"gpt {size} {label} tokens/s / keras fit",
+                    fit.ms_per_step / t.ms_per_step,
+                    spread=report_lib.round_ratios(fit.rounds_ms, t.rounds_ms),
+                    target=report_lib.Target(1.2))
+    if label == "one_device":
+      report.figure(f"gpt {size} one_device model FLOPs utilisation", mfu,
+                    target=report_lib.Target(0.5))
   _pipeline_gain(report, opts, text, size, batch)
+
+
+def _pipeline_runs(quick: bool) -> list[tuple[str, int, int]]:
+  """`(schedule, M, virtual stages)` of the pipeline x2 runs: GPipe (the
+  targets), 1F1B and interleaved 1F1B (2 stages per device) at M=4."""
+  plain = [("gpipe", 4, 1)] if quick else [("gpipe", 4, 1), ("gpipe", 8, 1),
+                                           ("1f1b", 4, 1)]
+  return plain + [("1f1b", 4, 2)]
 
 
 def _pipeline_gain(report: report_lib.Report, opts: SuiteOptions, text,
                    size: str, batch: int) -> None:
   if max(opts.replicas) < 2:
     return
-  report.say("  pipeline x2 micro-batching (one thread per op): step speed-up "
-             "over M=1, measured vs simulated")
-  for run in lm_lib.pipeline_gain(text, size=size, num_stages=2,
-                                  micro_batches=(4, 8), global_batch_size=batch,
-                                  steps=3 if opts.quick else 8):
-    one, many = run.results[1], run.results[run.micro_batches]
+  report.say("  pipeline x2 (one thread per op): step speed-up over M=1 and "
+             "bubble, measured vs simulated from the stages' measured times")
+  for schedule, m, virtual in _pipeline_runs(opts.quick):
+    run, = lm_lib.pipeline_gain(text, size=size, num_stages=2,
+                                micro_batches=(m,), global_batch_size=batch,
+                                steps=3 if opts.quick else 8,
+                                schedule=schedule, virtual_stages=virtual)
+    one, many = run.results[1], run.results[m]
     measured, predicted = one.step / many.step, one.predicted / many.predicted
-    report.add(report_lib.Row("pipeline_gain", f"gpt_{size}", 2,
-                              f"M={run.micro_batches}", many.step * 1e3,
-                              batch / many.step, f"predicted x{predicted:.2f}"))
-    report.figure(f"gpt pipeline x2 M={run.micro_batches} / M=1 speed-up",
-                  measured, f"(simulator predicts {predicted:.2f})")
+    label = f"{schedule} M={m}" + (f" V={virtual}" if virtual > 1 else "")
+    report.add(report_lib.Row(
+        "pipeline_gain", f"gpt_{size}", 2, label, many.step * 1e3,
+        batch / many.step, f"predicted x{predicted:.2f}; bubble "
+        f"{many.measured_bubble:.3f} (simulated "
+        f"{many.timeline.bubble_fraction:.3f})"))
+    report.say(f"    {label:<18} x{measured:.2f} (simulated x{predicted:.2f})"
+               f"  bubble {many.measured_bubble:.3f} (simulated "
+               f"{many.timeline.bubble_fraction:.3f})")
+    if schedule == "gpipe":
+      report.figure(f"gpt pipeline x2 M={m} / M=1 speed-up", measured,
+                    target=report_lib.Target(
+                        1 + 0.8 * (predicted - 1),
+                        why=f"80% of the simulated gain (x{predicted:.2f})"))
+    elif virtual > 1:
+      report.figure(f"gpt pipeline x2 interleaved V={virtual} M={m} bubble",
+                    many.measured_bubble,
+                    f"(simulated {many.timeline.bubble_fraction:.3f})")
 
 
 def _hybrid(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
@@ -585,31 +667,38 @@ def _checkpoint_cost(report: report_lib.Report, opts: SuiteOptions,
 def _tf_data(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
   report.header("Shuffled tf.data input: tfmgpu vs fit vs TF Orbit "
                 "StandardTrainer (examples/s, best round)")
-  for model_name in opts.models:
+  if not orbit_lib.orbit_installed():
+    report.say(f"  Orbit {orbit_lib.ORBIT_MISSING}: its column is empty")
+  models = ([m for m in opts.models if m == "convnet"] or opts.models[:1]
+            if opts.quick else opts.models)
+  for model_name in models:
     for replicas in opts.replicas:
       row = orbit_lib.compare(
           model_name, arrays, replicas=replicas,
           global_batch_size=max(opts.global_batch_size, 64),
           steps=opts.steps // 2 if opts.quick else opts.steps,
           steps_per_execution=opts.steps_per_execution,
-          rounds=opts.rounds)
+          rounds=opts.rounds, tf_iterator=not opts.quick)
       for path in ("tfmgpu", "keras_fit", "orbit", "tfmgpu_tf_iterator"):
         rate = getattr(row, path)
         if rate:
           report.add(report_lib.Row("tf_data", model_name, replicas, path,
                                     0.0, rate))
-      orbit_cell = (f"{row.orbit:>9,.0f}" if row.orbit
-                    else orbit_lib.ORBIT_MISSING)
+      cells = "".join(
+          f"  {label} {rate:>9,.0f}" if rate else f"  {label} {'-':>9}"
+          for label, rate in (("orbit", row.orbit),
+                              ("tfmgpu on TF's iterator",
+                               row.tfmgpu_tf_iterator)))
       report.say(f"  {model_name:<8} x{replicas}: tfmgpu {row.tfmgpu:>9,.0f}  "
-                 f"fit {row.keras_fit:>9,.0f}  orbit {orbit_cell}  tfmgpu "
-                 f"on TF's iterator {row.tfmgpu_tf_iterator:>9,.0f}")
+                 f"fit {row.keras_fit:>9,.0f}{cells}")
       report.figure(f"tf.data tfmgpu/fit {model_name} x{replicas}",
-                    row.vs_fit, "(target >= 1.0)")
+                    row.vs_fit, target=report_lib.Target(1.0))
       if row.vs_orbit:
         report.figure(f"tf.data tfmgpu/orbit {model_name} x{replicas}",
-                      row.vs_orbit, "(target >= 1.0)")
-      report.figure(f"tf.data host split/TF's iterator {model_name} "
-                    f"x{replicas}", row.host_split_gain, "(measured)")
+                      row.vs_orbit, target=report_lib.Target(1.0))
+      if row.host_split_gain:
+        report.figure(f"tf.data host split/TF's iterator {model_name} "
+                      f"x{replicas}", row.host_split_gain, "(measured)")
 
 
 Section = Callable[[report_lib.Report, "SuiteOptions", Any], None]

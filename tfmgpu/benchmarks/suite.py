@@ -3,7 +3,8 @@
 Everything is measured side by side in one process (paths interleaved) and
 reported as ratios; projections for multi-GPU hosts are labelled as such.
 `run_suite` runs the chosen `sections` (each prints its table into a
-`report.Report`), then writes `results.csv` and the plots.
+`report.Report`), then writes `results.csv` and the plots, says how long
+each section took, and ends with one verdict line per target.
 """
 
 from __future__ import annotations
@@ -39,13 +40,35 @@ def run_suite(opts: SuiteOptions, *,
   machine = report_lib.machine_description()
   report = report_lib.Report(out, machine=machine)
   report.say(f"Machine: {machine}")
+  report.say(f"Load average {os.getloadavg()[0]:.2f} at the start (other "
+             "work on the cores makes every timing noisier); "
+             f"{'--quick' if opts.quick else 'a full run'}: expect about "
+             f"{EXPECTED_MINUTES[opts.quick]} on a quiet 2-core machine.")
   arrays = data_lib.load_dataset("digits")
+  took = {}
   for name in sections:
     logging.info("bench section %s", name)
+    begin = time.perf_counter()
     sections_lib.SECTIONS[name](report, opts, arrays)
+    took[name] = time.perf_counter() - begin
   os.makedirs(opts.output_dir, exist_ok=True)
   csv_path = report.write_csv(os.path.join(opts.output_dir, "results.csv"))
   written = plots.write_plots(report, opts)
   report.say(f"\nWrote {csv_path}" + "".join(f", {p}" for p in written))
-  report.say(f"Suite took {time.perf_counter() - start:.0f} s.")
+  seconds = time.perf_counter() - start
+  report.say(f"Suite took {seconds:.0f} s (" + ", ".join(
+      f"{name} {s:.0f}" for name, s in took.items()) + f"); load average "
+             f"{os.getloadavg()[0]:.2f} at the end.")
+  if opts.quick:
+    report.figure("bench --quick wall time, s", seconds, target=
+                  report_lib.Target(QUICK_SECONDS, at_least=False,
+                                    why="on 2 quiet cores"))
+  report.say_verdicts()
   return report
+
+
+# What the suite takes on a quiet 2-core machine (the last measured runs;
+# `docs/benchmarks.md`), by `SuiteOptions.quick`.
+EXPECTED_MINUTES = {True: "2.5 minutes", False: "15 minutes"}
+# The quick run's target (issue 30), seconds on 2 quiet cores.
+QUICK_SECONDS = 150

@@ -27,6 +27,13 @@ pipelined step equals one unsplit step on the whole batch:
   finished on it, so it holds at most `min(K - k, M)` micro-batches of
   activations (TF frees a tensor when its last consumer has run).
 
+Interleaved 1F1B: with `virtual_stages=V`, a plan of `K * V` stages whose
+devices repeat every `K` (stage `k` on the device of stage `k % K`; what
+`from_model(num_stages=K, virtual_stages=V)` makes) runs each device's
+non-consecutive stages in `schedule.device_orders`'s order: the bubble
+shrinks by `V` (`timeline.simulate(..., virtual_stages=V)` predicts it), at
+the price of `V` times more sends between devices.
+
 Regularisation: weight regularisers are counted once per step (their own
 small backward per stage); losses added during a call (activity
 regularisers, which Keras divides by the batch size, and `add_loss`) are
@@ -60,13 +67,14 @@ padding's outputs are dropped (inference only: training raises).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from absl import logging
 import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import pipeline_step
 from tfmgpu.parallel import placed
@@ -110,7 +118,8 @@ class PipelinedModel(staged.StagedModel):
 
   def __init__(self, model: keras.Model, plan: plan_lib.StagePlan, *,
                micro_batches: int = 4, schedule: str = "gpipe",
-               recompute: bool = False, name: str | None = None, **kwargs):
+               recompute: bool = False, virtual_stages: int = 1,
+               name: str | None = None, **kwargs):
     """Builds the stages from `model`'s layers and copies its weights.
 
     Args:
@@ -122,12 +131,16 @@ class PipelinedModel(staged.StagedModel):
         to `"gpipe"`.
       recompute: keep only each stage's input and recompute its forward in
         the backward. Defaults to `False`.
+      virtual_stages: `V` stages per device, interleaved 1F1B (`"1f1b"`,
+        `micro_batches` a multiple of the devices): the plan's `K * V`
+        stages must repeat its first `K` devices in order. Defaults to `1`.
       name: model name. Defaults to `"<model name>_pipelined"`.
       **kwargs: passed to `keras.Model`.
 
     Raises:
-      ValueError: `micro_batches < 1`, an unknown schedule, or a plan that
-        does not match the model.
+      ValueError: `micro_batches < 1`, an unknown schedule, a plan that
+        does not match the model, or one that cannot interleave
+        `virtual_stages`.
     """
     micro_batches = microbatch.check_micro_batches(micro_batches)
     schedule = schedule_lib.check_schedule(schedule).value
@@ -138,6 +151,8 @@ class PipelinedModel(staged.StagedModel):
     self.micro_batches = micro_batches
     self.schedule = schedule
     self.recompute = recompute
+    self.virtual_stages = _check_virtual(self.stage_devices, virtual_stages,
+                                         micro_batches, schedule)
     norms = [l.name for s in self.stages for l in _compat.flatten_layers(s)
              if isinstance(l, keras.layers.BatchNormalization)]
     if norms and micro_batches > 1:
@@ -151,7 +166,8 @@ class PipelinedModel(staged.StagedModel):
                  plan: plan_lib.StagePlan | None = None, *,
                  num_stages: int | None = None, micro_batches: int = 4,
                  schedule: str = "gpipe", recompute: bool = False,
-                 name: str | None = None, **plan_kwargs) -> "PipelinedModel":
+                 virtual_stages: int = 1, name: str | None = None,
+                 **plan_kwargs) -> "PipelinedModel":
     """Splits `model` along `plan` (or a new plan) and pipelines it.
 
     Args:
@@ -159,16 +175,23 @@ class PipelinedModel(staged.StagedModel):
       plan: a `StagePlan`; if `None`, one is made from `num_stages` and
         `plan_kwargs` (`criterion`, `split_points`, `devices`).
       num_stages: stages to plan when `plan` is `None`. Defaults to the
-        number of accelerators.
-      micro_batches, schedule, recompute: see `__init__`.
+        number of accelerators. With `virtual_stages=V`, the devices `K`:
+        the plan then has `K * V` stages, stage `k` on device `k % K`.
+      micro_batches, schedule, recompute, virtual_stages: see `__init__`.
       name: model name.
 
     Returns:
       The `PipelinedModel`, holding a copy of `model`'s weights.
     """
+    if plan is None and virtual_stages != 1:
+      devices = list(plan_kwargs.pop("devices", None)
+                     or devices_lib.accelerator_devices()[:num_stages])
+      num_stages = len(devices) * virtual_stages
+      plan_kwargs["devices"] = [devices[k % len(devices)]
+                                for k in range(num_stages)]
     plan = staged.resolve_plan(model, plan, num_stages, plan_kwargs)
     return cls(model, plan, micro_batches=micro_batches, schedule=schedule,
-               recompute=recompute, name=name)
+               recompute=recompute, virtual_stages=virtual_stages, name=name)
 
   # ------------------------------------------------------------ helpers
 
@@ -281,7 +304,7 @@ class PipelinedModel(staged.StagedModel):
         self.stages, self.stage_devices, micro_batches=self.micro_batches,
         schedule=self.schedule, recompute=self.recompute, loss_fn=loss_fn,
         scale=scale_regularization or (lambda t: t),
-        loss_reduction=loss_reduction)
+        loss_reduction=loss_reduction, virtual_stages=self.virtual_stages)
     loss, y_pred, summed = step.run(x, y, self._check_batch(x))
     return loss, y_pred, [summed.get(id(v)) for v in self.trainable_variables]
 
@@ -299,3 +322,24 @@ class PipelinedModel(staged.StagedModel):
         f"reproduce a loss with reduction={reduction!r}. Use reduction="
         "'sum_over_batch_size' or 'sum', or schedule='gpipe' (which computes "
         "the loss once on the whole batch).")
+
+
+def _check_virtual(devices: Sequence[str], virtual_stages: int,
+                   micro_batches: int, schedule: str) -> int:
+  """`virtual_stages`, checked against the stages' devices.
+
+  Raises:
+    ValueError: see `schedule.check_interleaved`, or stages whose devices
+      do not repeat the first `len(devices) / virtual_stages` in order.
+  """
+  k = len(devices) // schedule_lib.check_virtual_stages(virtual_stages)
+  if len(devices) % virtual_stages or any(
+      devices[i] != devices[i % k] for i in range(len(devices))):
+    raise ValueError(
+        f"virtual_stages={virtual_stages} needs a plan whose stages repeat "
+        f"its first devices in order (stage k on the device of stage k % K); "
+        f"got {len(devices)} stages on {list(devices)}. Make it with "
+        f"PipelinedModel.from_model(model, num_stages=K, virtual_stages="
+        f"{virtual_stages}).")
+  schedule_lib.check_interleaved(k, virtual_stages, micro_batches, schedule)
+  return virtual_stages

@@ -14,8 +14,10 @@ the schedule and creates each task's ops under its stage's device:
 * at the end each stage sums its variables' gradients over the micro-batches
   and adds its weight regularisation, once.
 
-Each stage's tasks are chained by control dependencies, in the order a
-device's in-order stream would run them. The ops' name scopes
+Each device's tasks are chained by control dependencies, in the order its
+in-order stream would run them (with `virtual_stages > 1`, interleaved 1F1B,
+a device runs the tasks of several non-consecutive stages, in
+`schedule.device_orders`'s order). The ops' name scopes
 (`FORWARD_SCOPE`, `RECOMPUTE_SCOPE`, `BACKWARD_SCOPE`; `BACKWARD_OP` matches
 a backward op's name) are how tests and `tfmgpu.benchmarks.pipeline` read a
 traced step.
@@ -60,7 +62,7 @@ class PipelineStep:
                micro_batches: int, schedule: str, recompute: bool,
                loss_fn: placed.LossFn,
                scale: Callable[[tf.Tensor], tf.Tensor],
-               loss_reduction: str):
+               loss_reduction: str, virtual_stages: int = 1):
     """Holds the stages and the options; creates no op.
 
     Args:
@@ -74,6 +76,8 @@ class PipelineStep:
       scale: applied to each stage's regularisation losses.
       loss_reduction: `"sum"` or `"mean"`: how `"1f1b"` combines the
         per-micro-batch losses.
+      virtual_stages: `V`: stage `k` runs on the device of stage `k % K`
+        (`K = len(stages) / V`), in interleaved 1F1B order. Defaults to 1.
 
     Raises:
       ValueError: an unknown `loss_reduction`.
@@ -87,6 +91,8 @@ class PipelineStep:
     self.factor = 1.0 / micro_batches if loss_reduction == "mean" else 1.0
     self.last = len(self.stages) - 1
     self.gpipe = schedule == schedule_lib.Schedule.GPIPE.value
+    self.virtual_stages = virtual_stages
+    self.num_devices = len(self.stages) // virtual_stages
     K = len(self.stages)
     self.xs: list[Any] = []
     self.ys: list[Any] | None = None
@@ -94,7 +100,8 @@ class PipelineStep:
     self.inputs, self.outs, self.tapes = {}, {}, {}
     self.objectives, self.upstream = {}, {}
     self.grads = [collections.defaultdict(list) for _ in range(K)]
-    self.done: list[list[Any]] = [[] for _ in range(K)]
+    # Per device: the outputs of its last task (what its next one waits on).
+    self.done: list[list[Any]] = [[] for _ in range(self.num_devices)]
     self.totals: list[Any] = []
     self.y_pred = None
 
@@ -114,7 +121,8 @@ class PipelineStep:
     """
     self._split_batch(x, y, checks)
     K, M = len(self.stages), self.micro_batches
-    orders = schedule_lib.stage_orders(K, M, self.schedule)
+    orders = schedule_lib.device_orders(self.num_devices, M, self.schedule,
+                                        virtual_stages=self.virtual_stages)
     deps = lambda t: schedule_lib.dependencies(t, K, M, self.schedule)
     for task in schedule_lib.build_order(orders, deps):
       if task.kind == schedule_lib.FORWARD:
@@ -129,6 +137,10 @@ class PipelineStep:
     with tf.device(self.devices[self.last]):
       total = tf.add_n([tf.cast(t, tf.float32) for t in self.totals])
     return total, self.y_pred, summed
+
+  def _lane(self, k: int) -> int:
+    """The device (its in-order stream) that runs stage `k`."""
+    return k % self.num_devices
 
   def _split_batch(self, x, y, checks: Sequence[Any]) -> None:
     """Splits the inputs on the first stage (and, for 1F1B, the targets on
@@ -202,13 +214,14 @@ class PipelineStep:
     """`F(k, m)`: stage `k` on micro-batch `m`, after the stage's last task."""
     inp = self.xs[m] if k == 0 else self.outs[(k - 1, m)]
     with tf.device(self.devices[k]), tf.name_scope(
-        FORWARD_SCOPE.format(k=k, m=m)), tf.control_dependencies(self.done[k]):
+        FORWARD_SCOPE.format(k=k, m=m)), tf.control_dependencies(
+            self.done[self._lane(k)]):
       tape, out, objective = self._run_stage(
           k, inp, record=not self.recompute, loss_term=self._loss_term(k, m))
     self.inputs[(k, m)], self.outs[(k, m)] = inp, out
     self.tapes[(k, m)], self.objectives[(k, m)] = tape, objective
-    self.done[k] = (tf.nest.flatten(out) +
-                    ([objective] if objective is not None else []))
+    self.done[self._lane(k)] = (
+        tf.nest.flatten(out) + ([objective] if objective is not None else []))
     if objective is not None:
       self.totals.append(objective)
 
@@ -245,8 +258,9 @@ class PipelineStep:
     for i, g in enumerate(result):
       self.grads[k][i].append(g)
     signals = [getattr(g, "values", g) for g in result if g is not None]
-    self.done[k] = (signals + (self.upstream[(k - 1, m)] if k > 0 else [])
-                    or self.done[k])
+    lane = self._lane(k)
+    self.done[lane] = (signals + (self.upstream[(k - 1, m)] if k > 0 else [])
+                       or self.done[lane])
 
   def _differentiate(self, k: int, m: int, inp, grad_out: list[Any]
                      ) -> list[Any]:
@@ -257,7 +271,7 @@ class PipelineStep:
     tape, out = self.tapes.pop((k, m)), self.outs[(k, m)]
     objective = self.objectives.pop((k, m))
     device = self.devices[k]
-    with tf.control_dependencies(self.done[k] + list(grad_out)):
+    with tf.control_dependencies(self.done[self._lane(k)] + list(grad_out)):
       if self.recompute:
         with tf.device(device), tf.name_scope(
             RECOMPUTE_SCOPE.format(k=k, m=m)):

@@ -20,6 +20,16 @@ Schedules:
   of activations (at most `K`), with the same step time as GPipe when stage
   times are equal.
 
+Interleaved 1F1B (`virtual_stages=V > 1`, Megatron-LM's schedule): the
+model is cut into `K * V` stages ("chunks") and device `d` holds the
+non-consecutive chunks `d, d + K, d + 2K, ...`; `device_orders` gives each
+device its chunks' tasks in Megatron's order (groups of `K` micro-batches
+through each chunk in turn; `(K - d - 1) * 2 + (V - 1) * K` warm-up
+forwards, then one forward, one backward). `M` must be a multiple of `K`.
+Each chunk is `1 / V` of a stage, so the bubble shrinks by `V`:
+`(K - 1) / (V * M + K - 1)` with equal times, at the price of `V` times
+more sends between devices.
+
 `PipelinedModel` builds its graph from these orders, and
 `tfmgpu.parallel.timeline.simulate` predicts the timeline of the same orders
 from per-stage forward/backward times. With equal stage times the bubble (the
@@ -86,10 +96,78 @@ def check_counts(num_stages: int, micro_batches: int) -> None:
                        f"{key}=4).")
 
 
-def theoretical_bubble(num_stages: int, micro_batches: int) -> float:
-  """The idle share `(K - 1) / (M + K - 1)` of a pipeline of equal stages."""
+def theoretical_bubble(num_stages: int, micro_batches: int,
+                       virtual_stages: int = 1) -> float:
+  """The idle share `(K - 1) / (V * M + K - 1)` of a pipeline of `K` equal
+  devices (`V`: chunks per device, interleaved 1F1B; 1 otherwise)."""
   check_counts(num_stages, micro_batches)
-  return (num_stages - 1) / (micro_batches + num_stages - 1)
+  check_counts(virtual_stages, 1)
+  return (num_stages - 1) / (virtual_stages * micro_batches + num_stages - 1)
+
+
+def check_virtual_stages(virtual_stages: int) -> int:
+  """Returns `virtual_stages`; raises ValueError unless it is an int >= 1."""
+  if (isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int)
+      or virtual_stages < 1):
+    raise ValueError(f"virtual_stages={virtual_stages!r} must be an int >= 1 "
+                     "(e.g. 2: two non-consecutive stages per device).")
+  return virtual_stages
+
+
+def check_interleaved(num_devices: int, virtual_stages: int,
+                      micro_batches: int, schedule: str | Schedule) -> None:
+  """Raises ValueError unless interleaving `virtual_stages` chunks per device
+  is possible: a count >= 1, `"1f1b"` when above 1, and `micro_batches` a
+  multiple of `num_devices`."""
+  check_virtual_stages(virtual_stages)
+  if virtual_stages == 1:
+    return
+  if check_schedule(schedule) is not Schedule.ONE_F_ONE_B:
+    raise ValueError(f"virtual_stages={virtual_stages} interleaves 1F1B; "
+                     f"schedule={schedule!r} cannot. Use schedule='1f1b' or "
+                     "virtual_stages=1.")
+  if micro_batches % num_devices:
+    raise ValueError(
+        f"micro_batches={micro_batches} must be a multiple of the "
+        f"{num_devices} devices for interleaved 1F1B (virtual_stages="
+        f"{virtual_stages}); use e.g. micro_batches="
+        f"{-(-micro_batches // num_devices) * num_devices}.")
+
+
+def device_orders(num_devices: int, micro_batches: int,
+                  schedule: str | Schedule = "gpipe", *,
+                  virtual_stages: int = 1) -> list[list[Task]]:
+  """The tasks each device runs, in its order.
+
+  With `virtual_stages=1` a device is a stage (`stage_orders`). Otherwise
+  device `d` runs the chunks `d + v * K` (`v < V`; a task's `stage` is its
+  chunk) in interleaved 1F1B order (see the module docstring).
+
+  Raises:
+    ValueError: see `check_interleaved`.
+  """
+  check_counts(num_devices, micro_batches)
+  check_interleaved(num_devices, virtual_stages, micro_batches, schedule)
+  if virtual_stages == 1:
+    return stage_orders(num_devices, micro_batches, schedule)
+  K, V, M = num_devices, virtual_stages, micro_batches
+  total = M * V
+
+  def task(d: int, i: int, forward: bool) -> Task:
+    group, position = divmod(i, K * V)  # `i`-th forward (backward) of `d`.
+    v = position // K if forward else V - 1 - position // K
+    return Task(v * K + d, group * K + position % K,
+                FORWARD if forward else BACKWARD)
+
+  orders = []
+  for d in range(K):
+    warmup = total if M == K else min((K - d - 1) * 2 + (V - 1) * K, total)
+    order = [task(d, i, True) for i in range(warmup)]
+    for i in range(total - warmup):
+      order += [task(d, warmup + i, True), task(d, i, False)]
+    orders.append(order + [task(d, i, False)
+                           for i in range(total - warmup, total)])
+  return orders
 
 
 def stage_orders(num_stages: int, micro_batches: int,

@@ -45,6 +45,15 @@ class Timeline:
   micro_batches: int
   schedule: str
   events: tuple[Event, ...]
+  virtual_stages: int = 1
+
+  @property
+  def num_devices(self) -> int:
+    """Devices: `num_stages / virtual_stages` (chunk `c` on `c % K`)."""
+    return self.num_stages // self.virtual_stages
+
+  def device_of(self, stage: int) -> int:
+    return stage % self.num_devices
 
   @property
   def step_time(self) -> float:
@@ -54,42 +63,50 @@ class Timeline:
 
   @property
   def busy(self) -> list[float]:
-    """Time each stage spends running tasks."""
-    out = [0.0] * self.num_stages
+    """Time each device (each stage, without virtual stages) spends
+    running tasks."""
+    out = [0.0] * self.num_devices
     for e in self.events:
-      out[e.task.stage] += e.end - e.start
+      out[self.device_of(e.task.stage)] += e.end - e.start
     return out
 
   @property
   def bubble_fraction(self) -> float:
-    """Idle share of all stages over the step: `1 - sum(busy) / (K * step)`."""
-    total = self.num_stages * self.step_time
+    """Idle share of all devices over the step: `1 - sum(busy) / (K *
+    step)`."""
+    total = self.num_devices * self.step_time
     return 1.0 - sum(self.busy) / total if total > 0 else 0.0
 
   @property
   def theoretical_bubble(self) -> float:
-    return schedule_lib.theoretical_bubble(self.num_stages,
-                                           self.micro_batches)
+    return schedule_lib.theoretical_bubble(
+        self.num_devices, self.micro_batches, self.virtual_stages)
 
   @property
   def peak_in_flight(self) -> list[int]:
-    """Per stage, most micro-batches of activations held at once."""
+    """Per device, most micro-batches of activations held at once (a
+    micro-batch counted once per chunk that holds it)."""
     return [schedule_lib.peak_in_flight(self.stage_events(k))
-            for k in range(self.num_stages)]
+            for k in range(self.num_devices)]
 
   def stage_events(self, stage: int) -> list[schedule_lib.Task]:
-    """The tasks of one stage, by start time."""
-    events = sorted((e for e in self.events if e.task.stage == stage),
+    """The tasks of one device (one stage without virtual stages), by start
+    time."""
+    events = sorted((e for e in self.events
+                     if self.device_of(e.task.stage) == stage),
                     key=lambda e: (e.start, e.end))
     return [e.task for e in events]
 
   def summary(self) -> str:
     """Step time, per-stage busy time, bubble (predicted and textbook)."""
     busy = ", ".join(f"{b:.4g}" for b in self.busy)
-    return (f"{self.schedule}: K={self.num_stages} M={self.micro_batches} "
-            f"step={self.step_time:.4g} busy=[{busy}] "
-            f"bubble={self.bubble_fraction:.3f} "
-            f"(theory (K-1)/(M+K-1)={self.theoretical_bubble:.3f})")
+    virtual = (f" V={self.virtual_stages}" if self.virtual_stages > 1
+               else "")
+    formula = "(K-1)/(V*M+K-1)" if virtual else "(K-1)/(M+K-1)"
+    return (f"{self.schedule}: K={self.num_devices}{virtual} "
+            f"M={self.micro_batches} step={self.step_time:.4g} "
+            f"busy=[{busy}] bubble={self.bubble_fraction:.3f} "
+            f"(theory {formula}={self.theoretical_bubble:.3f})")
 
   def text(self, width: int = 72) -> str:
     """An ASCII Gantt chart: one row per stage, time left to right.
@@ -103,8 +120,8 @@ class Timeline:
     start = min(e.start for e in self.events)
     span = self.step_time or 1.0
     rows = []
-    for k in range(self.num_stages):
-      mine = [e for e in self.events if e.task.stage == k]
+    for k in range(self.num_devices):
+      mine = [e for e in self.events if self.device_of(e.task.stage) == k]
       cells = []
       for c in range(width):
         t = start + (c + 0.5) * span / width
@@ -141,17 +158,18 @@ class Timeline:
           "Timeline.plot needs matplotlib, the plots extra of tfmgpu: "
           "pip install 'tfmgpu[plots]' (or pip install matplotlib). "
           "Timeline.text() draws the same chart without it.") from e
-    fig, ax = plt.subplots(figsize=(10, 0.6 * self.num_stages + 1.2))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * self.num_devices + 1.2))
     for e in self.events:
       forward = e.task.kind == schedule_lib.FORWARD
-      ax.broken_barh([(e.start, e.end - e.start)], (e.task.stage - 0.4, 0.8),
+      row = self.device_of(e.task.stage)
+      ax.broken_barh([(e.start, e.end - e.start)], (row - 0.4, 0.8),
                      facecolors="tab:blue" if forward else "tab:orange",
                      edgecolors="black", linewidth=0.5)
-      ax.text((e.start + e.end) / 2, e.task.stage,
+      ax.text((e.start + e.end) / 2, row,
               f"{'F' if forward else 'B'}{e.task.micro_batch}",
               ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(self.num_stages))
-    ax.set_yticklabels([f"stage {k}" for k in range(self.num_stages)])
+    ax.set_yticks(range(self.num_devices))
+    ax.set_yticklabels([f"stage {k}" for k in range(self.num_devices)])
     ax.invert_yaxis()
     ax.set_xlabel("time")
     ax.set_title(self.summary(), fontsize=8)
@@ -159,6 +177,14 @@ class Timeline:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _devices(num_stages: int, virtual_stages: int) -> int:
+  """The devices `num_stages` chunks of `virtual_stages` each make."""
+  if num_stages % schedule_lib.check_virtual_stages(virtual_stages):
+    raise ValueError(f"{num_stages} stage times do not make virtual_stages="
+                     f"{virtual_stages} chunks per device; give K * V times.")
+  return num_stages // virtual_stages
 
 
 def _per_stage(times: float | Sequence[float], num_stages: int | None,
@@ -180,7 +206,7 @@ def _per_stage(times: float | Sequence[float], num_stages: int | None,
 def simulate(forward_times: float | Sequence[float],
              backward_times: float | Sequence[float], micro_batches: int, *,
              schedule: str | schedule_lib.Schedule = "gpipe",
-             num_stages: int | None = None,
+             num_stages: int | None = None, virtual_stages: int = 1,
              transfer_time: float = 0.0) -> Timeline:
   """Predicts the timeline of one pipelined step.
 
@@ -194,7 +220,11 @@ def simulate(forward_times: float | Sequence[float],
     backward_times: backward time of one micro-batch on each stage, likewise.
     micro_batches: `M`.
     schedule: `"gpipe"` or `"1f1b"`. Defaults to `"gpipe"`.
-    num_stages: `K`, needed when both times are single numbers.
+    num_stages: `K`, needed when both times are single numbers (with
+      `virtual_stages`, the number of chunks, `K * V`).
+    virtual_stages: `V` chunks per device, interleaved 1F1B: the times are
+      per chunk, chunk `c` runs on device `c % K` (`K = stages / V`), and
+      each device runs its chunks' tasks one at a time. Defaults to `1`.
     transfer_time: delay of every activation or gradient sent between
       stages. Defaults to `0`.
 
@@ -214,17 +244,21 @@ def simulate(forward_times: float | Sequence[float],
   if transfer_time < 0:
     raise ValueError(f"transfer_time={transfer_time} must be >= 0.")
   schedule = schedule_lib.check_schedule(schedule)
-  orders = schedule_lib.stage_orders(K, micro_batches, schedule)
+  devices = _devices(K, virtual_stages)
+  orders = schedule_lib.device_orders(devices, micro_batches, schedule,
+                                      virtual_stages=virtual_stages)
   deps = lambda t: schedule_lib.dependencies(t, K, micro_batches, schedule)
   end: dict[schedule_lib.Task, float] = {}
-  free = [0.0] * K
+  free = [0.0] * devices
   events = []
   for task in schedule_lib.build_order(orders, deps):
-    ready = free[task.stage]
+    device = task.stage % devices
+    ready = free[device]
     for d in deps(task):
-      ready = max(ready, end[d] + (transfer_time if d.stage != task.stage
-                                   else 0.0))
+      ready = max(ready, end[d] + (transfer_time if d.stage % devices
+                                   != device else 0.0))
     cost = (fwd if task.kind == schedule_lib.FORWARD else bwd)[task.stage]
-    end[task] = free[task.stage] = ready + cost
+    end[task] = free[device] = ready + cost
     events.append(Event(task, ready, ready + cost))
-  return Timeline(K, micro_batches, schedule.value, tuple(events))
+  return Timeline(K, micro_batches, schedule.value, tuple(events),
+                  virtual_stages)

@@ -15,9 +15,11 @@ name only keys the cache.
 
 The choice is cached in `cache_path()` (`autotune.json` in the tfmgpu cache
 directory, `tfmgpu.data.cache_dir`), keyed by the CPU model, core count,
-threads per op, TensorFlow version, the model's signature, the global
-batch, the strategy, its replica count and the settings tuning started
-from; a second call with the same key measures nothing.
+threads per op, TensorFlow version, tfmgpu's own code (`code_version`: a
+digest of the package's source files, so two checkouts, or one checkout
+before and after an edit, never share a choice), the model's signature,
+the global batch, the strategy, its replica count and the settings tuning
+started from; a second call with the same key measures nothing.
 
 `tune(measure, ...)` takes any `measure(settings) -> ms per step`;
 `TrainerTimer` is the real one (short `Trainer.fit` runs that reuse each
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -164,6 +167,28 @@ def model_signature(model: Any) -> str:
   return f"{getattr(model, 'name', 'model')}-{digest}"
 
 
+@functools.lru_cache(maxsize=None)
+def code_version(package_dir: str | None = None) -> str:
+  """A digest of the tfmgpu code that runs: every `.py` file of the package
+  (its path inside the package and its bytes), read once per process.
+
+  Args:
+    package_dir: the package's directory. Defaults to this module's
+      `tfmgpu` (the one that runs).
+  """
+  if package_dir is None:
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  digest = hashlib.sha256()
+  for root, dirs, names in os.walk(package_dir):
+    dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+    for name in sorted(n for n in names if n.endswith(".py")):
+      path = os.path.join(root, name)
+      digest.update(os.path.relpath(path, package_dir).encode() + b"\0")
+      with open(path, "rb") as f:
+        digest.update(f.read() + b"\0")
+  return digest.hexdigest()[:16]
+
+
 def machine_key() -> dict[str, Any]:
   """What about this machine and process the measurements depend on."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -172,7 +197,8 @@ def machine_key() -> dict[str, Any]:
   return {"cpu": cpu_model(), "cores": devices_lib.cpu_cores(),
           "threads_per_op":
               tf.config.threading.get_intra_op_parallelism_threads(),
-          "gpus": gpus, "tensorflow": tf.__version__}
+          "gpus": gpus, "tensorflow": tf.__version__,
+          "tfmgpu_code": code_version()}
 
 
 def cache_path() -> str:
@@ -344,7 +370,7 @@ def tune(measure: Callable[[Settings], float], *, key: Mapping[str, Any],
          current: Settings = Settings(),
          space: Mapping[str, tuple] | None = None, enabled: bool = True,
          rounds: int = 2, margin: float = 0.05,
-         cache: str | None = None) -> Choice:
+         cache: str | None = None, cached_only: bool = False) -> Choice:
   """The fastest settings for `key`, from the cache or measured now.
 
   Args:
@@ -360,6 +386,8 @@ def tune(measure: Callable[[Settings], float], *, key: Mapping[str, Any],
     rounds: interleaved rounds per candidate (best kept).
     margin: a change must be this much faster (0.05: 5%).
     cache: the cache file. Defaults to `cache_path()`.
+    cached_only: measure nothing: a choice not in the cache is `current`
+      (source `"not cached"`).
 
   Returns:
     A `Choice` (its `describe()` is logged).
@@ -385,6 +413,9 @@ def tune(measure: Callable[[Settings], float], *, key: Mapping[str, Any],
   if entry is not None:
     choice = Choice(Settings(**entry["settings"]), current,
                     dict(entry["times_ms"]), entry["reason"], "cache")
+  elif cached_only:
+    choice = Choice(current, current, {}, "Not in the cache and not "
+                    "measured now: the given settings are used.", "not cached")
   else:
     chosen, times, reason = _search(measure, current, space, rounds=rounds,
                                     margin=margin)
@@ -472,7 +503,7 @@ class TrainerTimer:
 def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
                   global_batch_size: int, current: Settings = Settings(),
                   enabled: bool = True, rounds: int = 2,
-                  cache: str | None = None,
+                  cache: str | None = None, cached_only: bool = False,
                   **trainer_options: Any) -> Choice:
   """`tune` with `TrainerTimer`: the fastest settings to train `build()`'s
   model under `strategy` with this batch.
@@ -484,7 +515,7 @@ def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
     build: makes the model (called in `strategy.scope()`); one extra copy
       is built per candidate.
     strategy, x, y, global_batch_size: what training will use.
-    current, enabled, rounds, cache: see `tune`.
+    current, enabled, rounds, cache, cached_only: see `tune`.
     trainer_options: other `Trainer` arguments (e.g. `optimizer`).
   """
   from tfmgpu.training import resident  # pylint: disable=g-import-not-at-top
@@ -510,6 +541,7 @@ def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
                             "global_batch_size": global_batch_size,
                             "trainer_options": sorted(trainer_options.items())},
                 current=current, rounds=rounds, cache=cache,
+                cached_only=cached_only,
                 space=search_space(current, replicas=replicas,
                                    max_steps_per_execution=full))
   finally:
