@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _tf_logs.quiet_by_default()
 
 _EXPORTS = {
-    "quiet_tensorflow": "tfmgpu.flags",  # Loads TF without its C++ start-up lines.
+    "quiet_tensorflow": "tfmgpu.tf_logs",  # Loads TF without its C++ start-up lines.
     "DeviceConfigurationError": "tfmgpu.devices",
     "DeviceLayout": "tfmgpu.devices",
     "configure_devices": "tfmgpu.devices",

@@ -269,7 +269,8 @@ def test_train_autotune_flag_is_off_by_default_and_tunes_the_run(
   monkeypatch.setenv("TFMGPU_CACHE_DIR", str(tmp_path))
   monkeypatch.setattr(autotune, "TrainerTimer", _FakeTrainerTimer)
   placement = types.SimpleNamespace(
-      strategy=strategies.get_strategy("mirrored", num_replicas=2))
+      strategy=strategies.get_strategy("mirrored", num_replicas=2),
+      model=None)
   tuned = runs._autotuned(  # pylint: disable=protected-access
       config, placement, digits_arrays,
       runs._model_builder(config, digits_arrays, None))  # pylint: disable=protected-access

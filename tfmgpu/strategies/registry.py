@@ -192,6 +192,12 @@ class Distribution:
     `strategy` `None` when the model places itself."""
     raise NotImplementedError
 
+  def layout_of(self, options: Any) -> Any:
+    """The `tfmgpu.parallel.hybrid.Layout` that `options` ask for (`None`:
+    no data x stages x tensor layout; whole copies of the model)."""
+    del options
+    return None
+
   def micro_batches(self, options: Any) -> int | None:
     """Micro-batches each global batch is split into (`None`: not split)."""
     del options
