@@ -773,7 +773,7 @@ def _check_shared(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
       embedding): its shards could not stay one weight with the other
       layers' copy. Names the weight, its layers and their devices.
   """
-  weights = shared_lib.find_shared(shared_lib.graph_layers(graph.nodes))
+  weights = shared_lib.find_shared(graph.layers())
   for w in weights:
     split = [name for name in w.layers if name in kinds]
     if split:
@@ -794,10 +794,14 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
   in `kinds` split; the fresh copies of the others go in `clones`."""
   scattered = _scattered(graph, kinds, devices_of)
   inputs, tensors = staged._stage_inputs(graph, 0, 0)  # pylint: disable=protected-access
-  for node in graph.nodes:
+  mine: dict[int, keras.layers.Layer] = {}  # A layer called twice: one copy.
+  fresh: dict[int, keras.Model] = {}
+  for name, node in zip(graph.names, graph.nodes):
     layer = node.operation
     args, kwargs = node.arguments.fill_in(tensors)
-    if layer.name in kinds:
+    if id(layer) in mine:
+      new = clones[name] = mine[id(layer)]
+    elif layer.name in kinds:
       producer = graph_lib._producer(  # pylint: disable=protected-access
           graph.canon(node.input_tensors[0])).operation
       new = _sharded_layer(
@@ -805,7 +809,8 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
           scattered_input=producer.name in scattered,
           gather=layer.name not in scattered)
     else:
-      new = clones[layer.name] = staged._clone_layer(layer)  # pylint: disable=protected-access
+      new = clones[name] = staged.copy_layer(graph, layer, fresh)
+    mine[id(layer)] = new
     outputs = new(*args, **kwargs)
     if layer.name in scattered:  # One tensor before, its T pieces now.
       tensors[id(node.output_tensors[0])] = outputs
