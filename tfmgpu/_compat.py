@@ -168,6 +168,29 @@ def replace_tracked_variable(layer: keras.layers.Layer, old: Any,
       tracker.lock()
 
 
+def replace_sublayer(root: keras.layers.Layer, old: keras.layers.Layer,
+                     new: keras.layers.Layer) -> None:
+  """Makes the layer inside `root` that holds sublayer `old` (as an
+  attribute) hold `new` instead, `old` dropped from its tracked layers."""
+  for parent in flatten_layers(root):
+    names = [n for n, v in vars(parent).items() if v is old]
+    if not names or parent is old:
+      continue
+    tracker = parent._tracker  # pylint: disable=protected-access
+    locked = tracker.locked
+    tracker.unlock()
+    try:
+      if id(old) in tracker.stored_ids.get("layers", ()):
+        values = tracker.config["layers"][1]
+        del values[next(i for i, v in enumerate(values) if v is old)]
+        tracker.stored_ids["layers"].remove(id(old))
+      for name in names:
+        setattr(parent, name, new)
+    finally:
+      if locked:
+        tracker.lock()
+
+
 @contextlib.contextmanager
 def no_deferred_initialization() -> Iterator[None]:
   """Forgets the variables Keras defers while the block runs.

@@ -124,6 +124,29 @@ def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
   return clone
 
 
+def _from_attributes(layer: keras.layers.Layer,
+                     error: Exception) -> keras.layers.Layer:
+  """A copy of `layer` built from the attributes named as its constructor's
+  arguments (for a layer whose `get_config` fails but which keeps each
+  argument under its own name); raises `error` when one is missing."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  kwargs = {"name": layer.name, "dtype": layer.dtype_policy,
+            "trainable": layer.trainable}
+  for p in list(inspect.signature(type(layer).__init__).parameters.values()
+                )[1:]:
+    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in kwargs:
+      continue
+    if not hasattr(layer, p.name):
+      if p.default is p.empty:
+        raise ValueError(
+            f"layer {layer.name!r} ({type(layer).__name__}) cannot be "
+            f"rebuilt: its config fails ({error}) and it keeps no "
+            f"attribute {p.name!r}.") from error
+      continue
+    kwargs[p.name] = getattr(layer, p.name)
+  return type(layer)(**kwargs)
+
+
 def copy_layer(graph: graph_lib.ModelGraph, layer: keras.layers.Layer,
                fresh: dict[int, keras.Model]) -> keras.layers.Layer:
   """A fresh copy of one of `graph`'s layers, on the current device scope.
@@ -138,7 +161,7 @@ def copy_layer(graph: graph_lib.ModelGraph, layer: keras.layers.Layer,
   except (AttributeError, KeyError, ValueError) as e:
     owner = graph.owner(layer)
     if owner is None:
-      raise ValueError(str(e)) from e
+      return _from_attributes(layer, e)
   if id(owner) not in fresh:
     fresh[id(owner)] = type(owner).from_config(
         copy.deepcopy(owner.get_config()))

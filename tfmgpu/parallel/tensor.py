@@ -717,11 +717,15 @@ def _devices_of(devices: Sequence[str] | None,
   return of
 
 
+# `fn(node name, layer, its copy, args, kwargs) -> the layer to call`.
+Transform = Callable[..., keras.layers.Layer]
+
+
 def tensor_parallel(model: keras.Model,
                     devices: Sequence[str] | None = None, *,
                     rules: Mapping[str, str] | None = None,
-                    devices_for: Callable[[str], Sequence[str]] | None = None
-                    ) -> keras.Model:
+                    devices_for: Callable[[str], Sequence[str]] | None = None,
+                    transform: Transform | None = None) -> keras.Model:
   """`model` rebuilt with the layers `rules` name split over devices.
 
   The new functional model has the same layer names and graph; each layer
@@ -739,6 +743,11 @@ def tensor_parallel(model: keras.Model,
       attention and MLP layers). See `parse_rules`.
     devices_for: instead of `devices`, `layer name -> its T devices` (e.g.
       each pipeline stage's layers on that stage's devices).
+    transform: `fn(node name, layer, copy, args, kwargs) -> layer to
+      call`, applied to each copied (unsplit) layer before it is called on
+      `args` and `kwargs`: `tfmgpu.parallel.layout_maps` splits the
+      layers inside blocks by variable path so. With it, `rules` may be
+      `{}` (no whole layer replaced).
 
   Returns:
     The split model, holding a copy of `model`'s weights.
@@ -749,12 +758,15 @@ def tensor_parallel(model: keras.Model,
       the layer, its sizes and `T`); rules matching no layer.
   """
   devices_of = _devices_of(devices, devices_for)
-  rules = check_rules(GPT_RULES if rules is None else rules)
   graph = graph_lib.ModelGraph(model)
-  kinds = _split_kinds(graph, rules, devices_of)
+  if transform is not None and not rules:
+    kinds: dict[str, str] = {}
+  else:
+    rules = check_rules(GPT_RULES if rules is None else rules)
+    kinds = _split_kinds(graph, rules, devices_of)
   weights = _check_shared(graph, kinds, devices_of)
   clones: dict[str, keras.layers.Layer] = {}
-  split = keras.Model(*_replay(graph, kinds, devices_of, clones),
+  split = keras.Model(*_replay(graph, kinds, devices_of, clones, transform),
                       name=model.name)
   shared_lib.tie(clones, weights, "tensor-parallel model")
   mine = staged._weighted_layers([split])  # pylint: disable=protected-access
@@ -789,9 +801,11 @@ def _check_shared(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
 
 def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
             devices_of: Callable[[str], tuple[str, ...]],
-            clones: dict[str, keras.layers.Layer]):
+            clones: dict[str, keras.layers.Layer],
+            transform: Transform | None = None):
   """`(inputs, outputs)` of `graph` replayed with fresh layers, the ones
-  in `kinds` split; the fresh copies of the others go in `clones`."""
+  in `kinds` split; the fresh copies of the others (after `transform`) go
+  in `clones`."""
   scattered = _scattered(graph, kinds, devices_of)
   inputs, tensors = staged._stage_inputs(graph, 0, 0)  # pylint: disable=protected-access
   mine: dict[int, keras.layers.Layer] = {}  # A layer called twice: one copy.
@@ -809,7 +823,10 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
           scattered_input=producer.name in scattered,
           gather=layer.name not in scattered)
     else:
-      new = clones[name] = staged.copy_layer(graph, layer, fresh)
+      new = staged.copy_layer(graph, layer, fresh)
+      if transform is not None:
+        new = transform(name, layer, new, args, kwargs)
+      clones[name] = new
     mine[id(layer)] = new
     outputs = new(*args, **kwargs)
     if layer.name in scattered:  # One tensor before, its T pieces now.
@@ -846,7 +863,8 @@ class TensorParallelModel(staged.UnsplitWeights,
 
   def __init__(self, model: keras.Model, devices: Sequence[str],
                rules: Mapping[str, str] | None = None, *,
-               name: str | None = None, **kwargs):
+               name: str | None = None, transform: Transform | None = None,
+               **kwargs):
     """Splits `model` over `devices` and copies its weights.
 
     Args:
@@ -854,6 +872,7 @@ class TensorParallelModel(staged.UnsplitWeights,
       devices: the `T` devices of every split layer.
       rules: ordered `{regex: kind}`; defaults to `GPT_RULES`.
       name: model name. Defaults to `"<model name>_tensor_parallel"`.
+      transform: see `tensor_parallel` (layers split by variable path).
       **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -866,7 +885,8 @@ class TensorParallelModel(staged.UnsplitWeights,
     self.devices = tuple(devices_lib.resolve_devices(devices))
     self.tensor_parallel = len(self.devices)
     with tf.device(self.devices[0]):
-      self.model = tensor_parallel(model, self.devices, rules=rules)
+      self.model = tensor_parallel(model, self.devices, rules=rules,
+                                   transform=transform)
     self._unsplit_spec = staged._ModelSpec.of(model)  # pylint: disable=protected-access
     # The unsplit model's output names (a dict's keys) key per-output losses.
     self.unsplit_output_names = graph_lib.output_names(model)
