@@ -120,17 +120,21 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
         model, grid[0], rules=rules,
         transform=_transform(axes, lambda name: grid[0]))
   source = model
-  if layout.tensor > 1:
-    devices_for = lambda name: grid[plan.stage_of(name)]
+  if layout.tensor > 1 and (rules or axes is None):
     source = tensor.tensor_parallel(
-        model, rules=rules, devices_for=devices_for,
-        transform=_transform(axes, devices_for))
+        model, rules=rules,
+        devices_for=lambda name: grid[plan.stage_of(name)])
   mine = _on_devices(plan, homes)
   if layout.micro_batches is None:
-    return staged.StagedModel(source, mine, unsplit=model)
-  return pipeline.PipelinedModel(
-      source, mine, micro_batches=layout.micro_batches,
-      schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
+    placed = staged.StagedModel(source, mine, unsplit=model)
+  else:
+    placed = pipeline.PipelinedModel(
+        source, mine, micro_batches=layout.micro_batches,
+        schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
+  if not axes:
+    return placed
+  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
+  return layout_maps.split_stages(placed, model, axes, grid)
 
 
 def _split_axes(model: keras.Model, layout_map: Any) -> dict[str, int] | None:

@@ -309,3 +309,40 @@ def transform(axes: Mapping[str, int],
     return done[id(copy)]
 
   return apply
+
+
+def split_stages(placed: Any, model: keras.Model, axes: Mapping[str, int],
+                 grid: Sequence[Sequence[str]]) -> Any:
+  """Splits, in place, the kernels `axes` names inside the layers of a
+  staged or pipelined model's stages: stage `k`'s over `grid[k]`.
+
+  Args:
+    placed: a `StagedModel` or `PipelinedModel` of `model`.
+    model: the unsplit model (its variable paths are the ones `axes` names).
+    axes: `{variable path: axis}`.
+    grid: each stage's `T` devices.
+
+  Returns:
+    `placed`.
+
+  Raises:
+    ValueError: `axes` names a whole layer of the model (a top-level
+      `Dense`): give it as a `rules=` entry instead; or a weight that
+      cannot be split (named by its path).
+  """
+  originals = {}
+  for layer in _compat.flatten_layers(model):
+    originals.setdefault(layer.name, layer)
+  for k, stage in enumerate(placed.stages):
+    for layer in stage.layers:
+      original = originals.get(layer.name)
+      if original is None or not original.weights:
+        continue
+      paths = [w.path for w in original.weights]
+      if split_layers(layer, axes, grid[k], paths) is not layer:
+        raise ValueError(
+            f"the tensor-parallel layout splits layer {layer.name!r} as a "
+            "whole; on stages, give a whole layer as a rules= entry "
+            "({name regex: column|row|heads}) and the layout map for the "
+            "weights inside blocks.")
+  return placed
