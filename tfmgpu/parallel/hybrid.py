@@ -137,11 +137,25 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
   return layout_maps.split_stages(placed, model, axes, grid)
 
 
-def _split_axes(model: keras.Model, layout_map: Any) -> dict[str, int] | None:
-  """`{variable path: axis}` of a `LayoutMap` or `{path regex: axis}`."""
-  if layout_map is None:
+LAYOUT_MAP = "layout_map"  # rules= asking for the model's own layout map.
+
+
+def _split_axes(model: keras.Model, layout_map: Any, rules: Any,
+                tensor: int) -> dict[str, int] | None:
+  """`{variable path: axis}` of a `LayoutMap` or `{path regex: axis}`; with
+  neither, a keras_hub model's own (`layout_maps.own_axes`) unless `rules`
+  are given."""
+  if tensor == 1 or (layout_map is None and rules not in (None, LAYOUT_MAP)):
     return None
   from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
+  if layout_map is None:
+    axes = layout_maps.own_axes(model, tensor)
+    if axes is None and rules == LAYOUT_MAP:
+      raise ValueError(
+          f"tensor_rules={LAYOUT_MAP!r} asks for the model's own layout "
+          f"map, but model {model.name!r} is not a keras_hub model with one. "
+          "Give rules ('regex=kind,...') or a layout_map.")
+    return axes
   if isinstance(layout_map, dict):
     axes = layout_maps.path_rules(model, layout_map)
   else:
@@ -174,8 +188,9 @@ def build_layout(model: keras.Model, layout: Layout, *,
       `criterion` / `split_points` when `None`.
     criterion, split_points: as for `tfmgpu.parallel.plan_stages`.
     rules: which layers split over `T` devices and how
-      (`tfmgpu.parallel.tensor`; its GPT rules by default, none when a
-      `layout_map` is given).
+      (`tfmgpu.parallel.tensor`); `"layout_map"`: the model's own layout map
+      (keras_hub). Defaults to the model's own split for a keras_hub model
+      (`layout_maps.own_axes`), else the GPT rules; none with `layout_map`.
     layout_map: which weights split, by variable path, even inside blocks
       (`tfmgpu.parallel.layout_maps`): a `keras.distribution.LayoutMap`
       (e.g. keras_hub's `LlamaBackbone.get_layout_map(mesh)`: its model
@@ -204,8 +219,8 @@ def build_layout(model: keras.Model, layout: Layout, *,
   elif plan is not None and plan.num_stages != layout.stages:
     raise ValueError(f"plan has {plan.num_stages} stages but the layout "
                      f"{layout.label} asks for {layout.stages}.")
-  axes = _split_axes(model, layout_map) if layout.tensor > 1 else None
-  if axes is not None and rules is None:
+  axes = _split_axes(model, layout_map, rules, layout.tensor)
+  if axes is not None and rules in (None, LAYOUT_MAP):
     rules = {}
   copies = [_copy(model, layout, plan, grid, rules, axes) for grid in mesh]
   if layout.data == 1:

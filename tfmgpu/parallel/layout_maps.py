@@ -41,6 +41,17 @@ from tfmgpu.parallel import tensor as tensor_lib
 MODEL_AXIS = "model"  # keras_hub's default names of the mesh axes.
 BATCH_AXIS = "batch"
 
+# `{path regex: axis}` for keras_hub backbones without a layout map (GPT-2,
+# BERT): Megatron's split of their attention (heads) and MLP.
+HUB_PATH_RULES = {
+    r"transformer_layer_\d+/self_attention(_layer)?/(query|key|value)/kernel":
+        1,
+    r"transformer_layer_\d+/self_attention(_layer)?/attention_output/kernel":
+        0,
+    r"transformer_layer_\d+/feedforward_intermediate_dense/kernel": 1,
+    r"transformer_layer_\d+/feedforward_output_dense/kernel": 0,
+}
+
 
 def split_axes(model: keras.Model, layout_map: Any) -> dict[str, int]:
   """`{variable path: axis}` of `model`'s weights the map splits over its
@@ -346,3 +357,38 @@ def split_stages(placed: Any, model: keras.Model, axes: Mapping[str, int],
             "({name regex: column|row|heads}) and the layout map for the "
             "weights inside blocks.")
   return placed
+
+
+def _splittable(model: keras.Model, axes: Mapping[str, int]
+                ) -> dict[str, int]:
+  """The entries of `axes` that name a Dense or EinsumDense kernel."""
+  kernels = {l.kernel.path for l in _compat.flatten_layers(model)
+             if type(l) in (keras.layers.Dense, keras.layers.EinsumDense)  # pylint: disable=unidiomatic-typecheck
+             and getattr(l, "kernel", None) is not None}
+  return {p: a for p, a in axes.items() if p in kernels}
+
+
+def own_axes(model: keras.Model, tensor: int) -> dict[str, int] | None:
+  """`{variable path: axis}` of a keras_hub model's own split: its
+  backbone's `get_layout_map` (the weights tfmgpu splits: attention and MLP
+  kernels; embeddings stay whole), else `HUB_PATH_RULES` for a keras_hub
+  backbone without one; `None` for other models."""
+  for layer in _compat.flatten_layers(model):
+    module = type(layer).__module__
+    if not module.startswith("keras_hub") or not isinstance(layer,
+                                                            keras.Model):
+      continue
+    get = getattr(type(layer), "get_layout_map", None)
+    if get is None or not hasattr(layer, "token_embedding"):
+      continue
+    try:
+      mesh = keras.distribution.DeviceMesh(
+          (1, tensor), [BATCH_AXIS, MODEL_AXIS], [f"cpu:{i}"
+                                                  for i in range(tensor)])
+      return _splittable(model, split_axes(model, get(mesh)))
+    except (NotImplementedError, TypeError, ValueError):
+      break  # The base class's: no map of its own.
+  if any(type(l).__module__.startswith("keras_hub")
+         for l in _compat.flatten_layers(model)):
+    return path_rules(model, HUB_PATH_RULES)
+  return None

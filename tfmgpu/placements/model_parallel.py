@@ -294,5 +294,7 @@ def tensor_rules(options: Any) -> Any:
   text = getattr(options, "tensor_rules", None)
   if not text:
     return None
+  if text == "layout_map":  # The keras_hub model's own (parallel.hybrid).
+    return text
   from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
   return tensor.parse_rules(text)
