@@ -103,8 +103,10 @@ def causal_lm(family: str, size: str = TINY, *, vocabulary_size: int,
   hub = _keras_hub()
   backbone_name, task_name, sizes = FAMILIES[family]
   task = getattr(hub.models, task_name)
+  # No default compile: tfmgpu compiles (and a plan's shapes-only build
+  # may make no optimizer variables).
   if preset is not None:
-    return task.from_preset(preset, preprocessor=None)
+    return task.from_preset(preset, preprocessor=None, compile=False)
   if size not in sizes:
     raise ValueError(f"model_size={size!r} is not a size of model "
                      f"{family!r}. Choose one of {', '.join(sizes)}.")
@@ -114,7 +116,7 @@ def causal_lm(family: str, size: str = TINY, *, vocabulary_size: int,
     config["max_sequence_length"] = max(sequence_length, 1024 if size != TINY
                                         else sequence_length)
   backbone = getattr(hub.models, backbone_name)(**config)
-  return task(backbone=backbone, preprocessor=None)
+  return task(backbone=backbone, preprocessor=None, compile=False)
 
 
 def _token_shape(input_shape: Any) -> tuple[int, bool]:
