@@ -27,8 +27,11 @@ TENSOR_PARALLEL = flags.DEFINE_integer(
     "model_parallel, pipeline and tensor_parallel.", lower_bound=1)
 TENSOR_RULES = flags.DEFINE_string(
     "tensor_rules", None, "Which layers --tensor_parallel splits, as "
-    "'regex=kind,...' on layer names (kinds: column, row, heads). Default: "
-    "the gpt rules (*_attention=heads, *_mlp_up=column, *_mlp_down=row).")
+    "'regex=kind,...' on layer names (kinds: column, row, heads), or "
+    "'layout_map': a keras_hub model's own layout map (its attention and MLP "
+    "kernels inside the blocks). Default: the layout map for keras_hub "
+    "models (gpt2, llama, ...), else the gpt rules (*_attention=heads, "
+    "*_mlp_up=column, *_mlp_down=row).")
 
 
 def values() -> dict:
