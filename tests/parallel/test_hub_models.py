@@ -75,3 +75,27 @@ def test_a_split_the_sizes_do_not_allow_names_the_weight(cpu_devices):
                      r"kernel'.*not divisible by T=2"):
     hybrid.build_layout(model, hybrid.Layout(tensor=2),
                         devices=cpu_devices[:2])
+
+
+def test_each_shards_matmuls_run_on_its_device(cpu_devices):
+  """Llama split by its layout map: every shard's forward and backward
+  products (Einsum / MatMul) are asked for on that shard's device."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import inspection  # pylint: disable=g-import-not-at-top
+  placed = hybrid.build_layout(matrix.build("llama"), hybrid.Layout(tensor=2),
+                               devices=cpu_devices[:2])
+  x, y, _ = matrix.data("llama")
+  x = {k: v[:matrix.BATCH] for k, v in x.items()}
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  step = tf.function(lambda xb, yb: placed.compute_loss_and_gradients(
+      xb, yb, loss)[2])
+  ops = inspection.op_placements(step.get_concrete_function(
+      x, y[:matrix.BATCH]))
+  products = [p for p in ops if p.type in ("Einsum", "MatMul",
+                                           "BatchMatMulV2")]
+  for t in range(2):
+    mine = {p.device for p in products if f"_shard{t}" in p.name}
+    assert mine == {cpu_devices[t]}, (t, mine)
+  backward = [p for p in products if p.name.startswith("gradient_tape/")
+              and "_shard1/" in p.name]
+  assert backward and {p.device for p in backward} == {cpu_devices[1]}
