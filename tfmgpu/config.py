@@ -76,6 +76,9 @@ class TrainConfig:
       `tfmgpu.models.registry`).
     model_size: a named size of a model that has them (`gpt`: `tiny` ..
       `gpt2_xl`), passed to its builder as `size=`; `None`: its default.
+    model_preset: a local keras_hub preset directory a keras_hub model
+      (`gpt2`, `llama`, ...) loads its architecture and weights from
+      (`preset=`; nothing is downloaded); `None`: built from `model_size`.
     dataset: a registered dataset name (`data_path` for `npz`, a glob of
       TFRecord shards for `tfrecord`, or a local copy of a downloadable
       one), or your loader as a reference like `model`, returning
@@ -143,6 +146,7 @@ class TrainConfig:
   tpu: str = ""
   model: str = "convnet"
   model_size: str | None = None
+  model_preset: str | None = None
   dataset: str | None = None
   data_path: str | None = None
   loss: str | None = None
@@ -190,6 +194,8 @@ class TrainConfig:
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     models_lib.check_model(self.model)  # The user's code: found, not run.
     models_lib.check_model_size(self.model, self.model_size)
+    if self.model_preset is not None:
+      models_lib.hub.check_preset(self.model, self.model_preset)
     if self.model_size is None:  # Named, so a resume compares like with like.
       object.__setattr__(self, "model_size",
                          models_lib.default_size(self.model))
@@ -328,7 +334,10 @@ class TrainConfig:
   def model_options(self) -> dict[str, Any]:
     """The options of `models.build_model(self.model, ...)` this config sets
     (`size=` for `model_size`)."""
-    return {} if self.model_size is None else {"size": self.model_size}
+    options = {} if self.model_size is None else {"size": self.model_size}
+    if self.model_preset is not None:
+      options["preset"] = self.model_preset
+    return options
 
   def dataset_options(self) -> dict[str, Any]:
     """The options of `data.load_dataset(self.dataset, ...)` this config sets."""

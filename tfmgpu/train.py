@@ -67,6 +67,10 @@ _MODEL_SIZE = flags.DEFINE_string(
     + "; ".join(f"{name}: <{' | '.join(sizes)}>"
                 for name, sizes in models_lib.model_sizes().items())
     + ". Default: the model's own (gpt: tiny).")
+_MODEL_PRESET = flags.DEFINE_string(
+    "model_preset", None, "A local keras_hub preset directory (config.json "
+    "and weights; nothing is downloaded) that a keras_hub --model (gpt2, "
+    "llama, gemma, qwen) loads instead of building --model_size.")
 _LOSS = flags.DEFINE_string(
     "loss", None, "A Keras loss name (e.g. mse, binary_crossentropy) or your "
     f"fn(y_true, y_pred) as {user_code.FORMS}. Default: sparse categorical "
@@ -212,6 +216,7 @@ def config_from_flags() -> config_lib.TrainConfig:
       connect_timeout_s=_CONNECT_TIMEOUT_S.value,
       parameter_device=_PARAMETER_DEVICE.value, tpu=_TPU.value,
       model=_MODEL.value, model_size=_MODEL_SIZE.value,
+      model_preset=_MODEL_PRESET.value,
       dataset=data.DATASET.value,
       data_path=data.DATA_PATH.value, loss=_LOSS.value,
       metrics=_METRICS.value,

@@ -99,3 +99,23 @@ def test_each_shards_matmuls_run_on_its_device(cpu_devices):
   backward = [p for p in products if p.name.startswith("gradient_tape/")
               and "_shard1/" in p.name]
   assert backward and {p.device for p in backward} == {cpu_devices[1]}
+
+
+def test_a_local_preset_loads_its_weights(tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfmgpu import models  # pylint: disable=g-import-not-at-top
+  from tfmgpu.models import hub  # pylint: disable=g-import-not-at-top
+  lm = hub.causal_lm("qwen", vocabulary_size=64, sequence_length=8)
+  lm.save_to_preset(str(tmp_path / "qwen"))
+  hub.check_preset("qwen", str(tmp_path / "qwen"))
+  model = models.build_model("qwen", input_shape=(8,), num_classes=64,
+                             preset=str(tmp_path / "qwen"))
+  x = np.arange(16, dtype="int32").reshape(2, 8)
+  np.testing.assert_allclose(
+      model.predict(x, verbose=0),
+      lm.predict({"token_ids": x, "padding_mask": np.ones_like(x)},
+                 verbose=0), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="no config.json"):
+    hub.check_preset("qwen", str(tmp_path))
+  with pytest.raises(ValueError, match="model='gpt'"):
+    hub.check_preset("gpt", str(tmp_path / "qwen"))

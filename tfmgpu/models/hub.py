@@ -86,6 +86,25 @@ def text_options(size: str | None) -> dict[str, int]:
           else CONTEXT_PUBLISHED}
 
 
+def check_preset(model: str, preset: str) -> None:
+  """Checks a `model_preset` setting without importing TensorFlow.
+
+  Raises:
+    ValueError: `model` is not a keras_hub model of this registry, or
+      `preset` is not a local preset directory (with its `config.json`).
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  if model not in FAMILIES:
+    raise ValueError(
+        f"model_preset={preset!r} is given for model={model!r}, which "
+        f"loads no keras_hub preset; use one of {', '.join(FAMILIES)}.")
+  if not os.path.isfile(os.path.join(str(preset), "config.json")):
+    raise ValueError(
+        f"model_preset={preset!r} is not a local keras_hub preset directory "
+        "(no config.json in it); nothing is downloaded: save one with "
+        "model.save_to_preset(DIR) or copy a downloaded preset there.")
+
+
 def _keras_hub():
   try:
     import keras_hub  # pylint: disable=g-import-not-at-top
