@@ -127,9 +127,68 @@ def functional_class() -> type:
   return functional.Functional
 
 
+def is_functional(layer: Any) -> bool:
+  """A functional model (not a subclassed one) whose graph is its call."""
+  functional = functional_class()
+  return isinstance(layer, functional) and type(layer).call is functional.call
+
+
 def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
   """`layer` and all its nested layers, depth first."""
   return list(layer._flatten_layers())  # pylint: disable=protected-access
+
+
+def replace_tracked_variable(layer: keras.layers.Layer, old: Any,
+                             new: Any) -> None:
+  """Makes `layer`'s own variable stores hold `new` where they held `old`.
+
+  Keras' `Tracker.replace_tracked_value` finds `old` with `list.index`,
+  which compares variables with `==` (an element-wise op that fails for two
+  variables of different shapes in the same store, such as an untied
+  `ReversibleEmbedding`'s table and its transpose): found by identity here.
+  """
+  tracker = getattr(layer, "_tracker", None)
+  if tracker is None:
+    return
+  locked = tracker.locked
+  tracker.unlock()
+  try:
+    for store in ("trainable_variables", "non_trainable_variables"):
+      if id(old) not in tracker.stored_ids.get(store, ()):
+        continue
+      values = tracker.config[store][1]
+      values[next(i for i, v in enumerate(values) if v is old)] = new
+      tracker.stored_ids[store].remove(id(old))
+      tracker.stored_ids[store].add(id(new))
+    for name, value in list(vars(layer).items()):
+      if value is old:
+        setattr(layer, name, new)
+  finally:
+    if locked:
+      tracker.lock()
+
+
+def replace_sublayer(root: keras.layers.Layer, old: keras.layers.Layer,
+                     new: keras.layers.Layer) -> None:
+  """Makes the layer inside `root` that holds sublayer `old` (as an
+  attribute) hold `new` instead, `old` dropped from its tracked layers."""
+  for parent in flatten_layers(root):
+    names = [n for n, v in vars(parent).items() if v is old]
+    if not names or parent is old:
+      continue
+    tracker = parent._tracker  # pylint: disable=protected-access
+    locked = tracker.locked
+    tracker.unlock()
+    try:
+      if id(old) in tracker.stored_ids.get("layers", ()):
+        values = tracker.config["layers"][1]
+        del values[next(i for i, v in enumerate(values) if v is old)]
+        tracker.stored_ids["layers"].remove(id(old))
+      for name in names:
+        setattr(parent, name, new)
+    finally:
+      if locked:
+        tracker.lock()
 
 
 @contextlib.contextmanager

@@ -89,6 +89,10 @@ class RunSettings:
       "first: simulates a multi-device host.", lower_bound=1)
   model: str = setting("convnet", _model_help)
   model_size: str | None = setting(None, _model_size_help)
+  model_preset: str | None = setting(
+      None, "A local keras_hub preset directory (config.json and weights; "
+      "nothing is downloaded) that a keras_hub --model (gpt2, llama, gemma, "
+      "qwen) loads instead of building --model_size.")
   dataset: str | None = setting(None, _dataset_help)
   data_path: str | None = setting(
       None, ".npz file (x_train, y_train, x_test, y_test) for "
@@ -184,6 +188,8 @@ class RunSettings:
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     models_lib.check_model(self.model)  # The user's code: found, not run.
     models_lib.check_model_size(self.model, self.model_size)
+    if self.model_preset is not None:
+      models_lib.hub.check_preset(self.model, self.model_preset)
     if self.model_size is None:  # Named, so a resume compares like with like.
       object.__setattr__(self, "model_size",
                          models_lib.default_size(self.model))
@@ -352,7 +358,10 @@ class RunSettings:
   def model_options(self) -> dict[str, Any]:
     """The options of `models.build_model(self.model, ...)` this config sets
     (`size=` for `model_size`)."""
-    return {} if self.model_size is None else {"size": self.model_size}
+    options = {} if self.model_size is None else {"size": self.model_size}
+    if self.model_preset is not None:
+      options["preset"] = self.model_preset
+    return options
 
   def dataset_options(self) -> dict[str, Any]:
     """The options of `data.load_dataset(self.dataset, ...)` this config sets."""

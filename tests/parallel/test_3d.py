@@ -62,3 +62,13 @@ def test_2x2x2_checkpoint_restores_unsplit_and_as_t4(data, cpu_devices,
   portable.restore_weights(t4, path)
   np.testing.assert_allclose(t4.predict(x, batch_size=gp.BATCH, verbose=0),
                              expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_keras_hub_causal_lm_trains_2x2x2_as_one_device_keras(
+    cpu_devices):
+  """GPT2CausalLM: cut between its blocks (the tied embedding on both
+  stages), its attention and MLP kernels split by keras_hub path rules."""
+  pytest.importorskip("keras_hub")
+  import test_hub_models as hub  # pylint: disable=g-import-not-at-top
+  predicted, diff = hub.matrix.run_case("gpt2", "2x2x2", cpu_devices)
+  assert predicted <= 1e-5 and diff <= 1e-5

@@ -486,23 +486,29 @@ def test_nested_functional_models_are_cut_between_their_blocks(schedule):
   _assert_same_weights(copy, model)
 
 
-def test_a_nested_model_whose_layer_is_used_outside_it_stays_whole():
+def test_a_nested_model_whose_layer_is_used_outside_it_is_inlined():
   """As a keras_hub CausalLM calls its backbone's token embedding again as
-  its head: the shared layer keeps one place (the plan of today)."""
+  its head: the nested model is cut too, and each call of the shared layer
+  is a node of its own (`embed`, then `embed.2`); on one stage, its
+  weights count once."""
   ids = keras.Input((4,), dtype="int32")
   embed = L.Embedding(10, 8, name="embed")
   inner = keras.Model(ids, L.Dense(8, name="mix")(embed(ids)), name="inner")
   ids = keras.Input((4,), dtype="int32", name="ids")
   out = L.Add(name="sum")([inner(ids), embed(ids)])
   graph = graph_lib.ModelGraph(keras.Model(ids, out))
-  assert graph.inlined == () and graph.names == ["inner", "embed", "sum"]
+  assert graph.inlined == ("inner",)
+  assert sorted(graph.names) == ["embed", "embed.2", "mix", "sum"]
+  assert graph.layers()["embed.2"] is embed
+  plan = partition.plan_stages(graph.model, 1)
+  assert plan.stages[0].param_bytes == (10 * 8 + 8 * 8 + 8) * 4
 
 
 def test_a_keras_hub_classifier_is_cut_inside_its_backbone():
   """BertTextClassifier nests its backbone as one layer: the plan now cuts
   between its transformer blocks, the padding mask crosses, and the split
   predicts as the model does. A GPT2CausalLM, whose LM head reuses the
-  backbone's token embedding, keeps today's plan."""
+  backbone's token embedding, is cut between its blocks too."""
   keras_hub = pytest.importorskip("keras_hub")
   keras.utils.set_random_seed(0)
   tiny = dict(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
@@ -523,5 +529,7 @@ def test_a_keras_hub_classifier_is_cut_inside_its_backbone():
                              atol=1e-6)
   lm = keras_hub.models.GPT2CausalLM(
       backbone=keras_hub.models.GPT2Backbone(**tiny), preprocessor=None)
-  assert graph_lib.ModelGraph(lm).names == ["gpt2_backbone",
-                                            "token_embedding"]
+  assert graph_lib.ModelGraph(lm).names == [
+      "token_embedding", "position_embedding", "embeddings_add",
+      "embeddings_dropout", "transformer_layer_0", "transformer_layer_1",
+      "layer_norm", "token_embedding.2"]

@@ -330,7 +330,7 @@ def test_2x2x2_on_eight_devices():
       text=True, timeout=900, check=False)
   tail = run.stdout[-3000:] + run.stderr[-2000:]
   assert run.returncode == 0, tail
-  assert re.search(r"\b3 passed\b", run.stdout), tail
+  assert re.search(r"\b4 passed\b", run.stdout), tail
   assert "skipped" not in run.stdout, tail
 
 

@@ -207,9 +207,12 @@ def test_models_that_cannot_be_split():
   inputs = keras.Input((4,))
   shared = keras.layers.Dense(4, name="shared")
   model = keras.Model(inputs, shared(shared(inputs)))
-  with pytest.raises(ValueError, match=r"calls layer\(s\) \['shared'\] more "
-                     r"than once"):
-    plan_stages(model, 1)
+  # A layer called twice is one node per call, its weights shared between
+  # the stages they land on (tfmgpu.parallel.shared), no longer refused.
+  plan = plan_stages(model, 2, check_devices=False,
+                     devices=["/gpu:0", "/gpu:1"])
+  assert plan.layer_names == ("shared", "shared.2")
+  assert [w.layers for w in plan.shared] == [("shared", "shared.2")] * 2
 
   class Subclassed(keras.Model):
 

@@ -156,9 +156,9 @@ def test_the_plan_names_the_weight_and_its_stages(which):
   placed = staged_lib.StagedModel(model, plan)
   assert placed.plan.shared == plan.shared
   first, second = placed.stages
-  owner = (first.get_layer("token_embedding") if which == "flat" else
-           first.get_layer("backbone").get_layer("token_embedding"))
-  reader = second.get_layer(weight.layers[1])
+  owner = first.get_layer("token_embedding")  # The backbone is cut too.
+  # The second call of a layer is the plan's `<name>.2`.
+  reader = second.get_layer(weight.layers[1].removesuffix(".2"))
   assert any(w is owner.embeddings for w in reader.weights)
   assert (devices_lib.canonical_device(owner.embeddings.value.device) ==
           devices_lib.canonical_device(placed.stage_devices[0]))
@@ -229,9 +229,11 @@ def test_keras_hub_gpt2_split_equals_one_device_fit(kind):
   x["padding_mask"][:, 6:] = False
   y = rng.randint(1, 64, size=(n, length)).astype("int32")
   weights = x["padding_mask"].astype("float32")
-  names = [l.name for l in model.layers if l.weights]
-  plan = partition.plan_stages(model, 2, split_points=[names[-1]])
+  # Cut between the backbone's blocks: the tied embedding and LM head apart.
+  plan = partition.plan_stages(model, 2,
+                               split_points=["transformer_layer_1"])
   assert [w.path for w in plan.shared] == ["token_embedding/embeddings"]
+  assert plan.shared[0].layers == ("token_embedding", "token_embedding.2")
   pipe = (pipeline.PipelinedModel(model, plan, micro_batches=2)
           if kind == "pipeline" else staged_lib.StagedModel(model, plan))
   for m in (pipe, model):
@@ -348,9 +350,8 @@ def test_keras_hub_gpt2_unsplit_and_serving_copies_keep_one_embedding(
   x = {"token_ids": rng.randint(1, 64, size=(BATCH, 8)).astype("int32"),
        "padding_mask": np.ones((BATCH, 8), dtype=bool)}
   want = model.predict(x, batch_size=BATCH, verbose=0)
-  names = [l.name for l in model.layers if l.weights]
-  placed = staged_lib.StagedModel.from_model(model, split_points=[names[-1]],
-                                             num_stages=2)
+  placed = staged_lib.StagedModel.from_model(
+      model, split_points=["transformer_layer_1"], num_stages=2)
   unsplit = placed.to_unsplit()
   assert len(unsplit.weights) == len(model.weights)
   np.testing.assert_allclose(unsplit.predict(x, verbose=0), want, rtol=1e-5,
@@ -367,7 +368,8 @@ def test_the_run_summary_names_the_shared_weight(cpu_devices):
   placement = dist.place(options, _nested_lm)
   rows = dict(dist.describe(placement))
   assert "token_embedding/embeddings (stages 0, 1)" in rows["shared weights"]
-  assert placement.plan.shared[0].layers == ("backbone", "token_embedding")
+  assert placement.plan.shared[0].layers == ("token_embedding",
+                                            "token_embedding.2")
 
 
 @pytest.mark.parametrize("kind", ["model_parallel", "pipeline"])

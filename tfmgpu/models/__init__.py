@@ -10,7 +10,9 @@
 * `gpt`: `gpt`, a decoder-only transformer language model (named sizes
   `tiny` .. `gpt2_xl`, an optional padding mask read by every block);
 * `applications`: `resnet50`, `mobilenet_v2`, `efficientnet_b0`: Keras
-  Applications with random weights, on the data's image shape.
+  Applications with random weights, on the data's image shape;
+* `hub`: `gpt2`, `llama`, `gemma`, `qwen`: keras_hub causal LMs (size
+  `tiny` and the published shapes; keras-hub imported on first build).
 
 Importing this package registers every model and does not import TensorFlow
 or Keras.
@@ -41,6 +43,7 @@ from tfmgpu.models import classic  # pylint: disable=g-bad-import-order
 from tfmgpu.models import demo  # pylint: disable=g-bad-import-order
 from tfmgpu.models import gpt  # pylint: disable=g-bad-import-order
 from tfmgpu.models import applications  # pylint: disable=g-bad-import-order
+from tfmgpu.models import hub  # pylint: disable=g-bad-import-order
 
 
 def custom_objects() -> dict[str, type]:
@@ -68,6 +71,7 @@ __all__ = [
     "demo",
     "dtype_policy",
     "gpt",
+    "hub",
     "logits_layer",
     "model_builder",
     "model_sizes",

@@ -29,6 +29,8 @@ only modules listed before it):
 * `branches`: `BranchParallel`, parallel sub-models on one input;
 * `tensor`: tensor parallelism: layers split over devices (column, row,
   attention heads), `tensor_parallel` and `TensorParallelModel`;
+* `layout_maps`: tensor parallelism from a Keras `LayoutMap` (or path
+  rules): the kernels inside blocks split by variable path;
 * `replicated`: `ReplicatedModel`, data-parallel copies of a placed model,
   gradients summed per group of devices holding the same part;
 * `hybrid`: `Layout` and `build_layout`, data x pipeline x tensor meshes;

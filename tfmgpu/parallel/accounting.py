@@ -324,6 +324,68 @@ def tensor_split(model: Any, rules: Mapping[str, str] | None = None
   return TensorSplit(tuple(layers), rules)
 
 
+def path_split(model: Any, axes: Mapping[str, int]) -> TensorSplit:
+  """The `TensorSplit` of kernels split by variable path
+  (`tfmgpu.parallel.layout_maps`): one entry per split kernel, under the
+  name of the layer call (a block) that holds it; each joins its shards
+  forward (its output) and backward (its input's gradient).
+
+  Args:
+    model: a built Keras model (weight shapes suffice) or its `ModelGraph`.
+    axes: `{variable path: axis}`.
+  """
+  import math  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import cost  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import graph as graph_lib  # pylint: disable=g-import-not-at-top
+  graph = (model if isinstance(model, graph_lib.ModelGraph)
+           else graph_lib.ModelGraph(model))
+  layers = []
+  for name, node in zip(graph.names, graph.nodes):
+    if not graph.first_call(graph.position(name)) or not hasattr(
+        node.operation, "weights"):
+      continue
+    tokens = math.prod(d or 1 for d in graph.shape(node.output_tensors[0])
+                       [1:-1]) or 1
+    mine = _path_kernels(node.operation, axes)
+    # Never more FLOPs than the cost model gives the whole call.
+    total = sum(2 * tokens * math.prod(k.shape) for k in mine)
+    scale = min(1.0, cost.node_flops(node, graph.shape) / total) if total \
+        else 0.0
+    for kernel in mine:
+      shape = tuple(int(d) for d in kernel.shape)
+      size = graph_lib.dtype_size(kernel.dtype)
+      axis = axes[kernel.path]
+      layers.append(SplitLayer(
+          name, "column" if axis else "row", (shape[axis],),
+          math.prod(shape) * size,
+          math.prod(shape) * size if kernel.trainable else 0,
+          int(scale * 2 * tokens * math.prod(shape)), 0,
+          tokens * shape[0] * size,
+          tokens * math.prod(shape[1:]) * size))
+  return TensorSplit(tuple(layers), {p: str(a) for p, a in axes.items()})
+
+
+def _path_kernels(layer: Any, axes: Mapping[str, int]) -> list[Any]:
+  """The kernels inside `layer` that `axes` names."""
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
+  return [sub.kernel for sub in _compat.flatten_layers(layer)
+          if getattr(sub, "kernel", None) is not None
+          and sub.kernel.path in axes]
+
+
+def _split_of(model: Any, rules: Any, tensor: int) -> TensorSplit:
+  """The split `account` costs: the rules', or a keras_hub model's own
+  (its layout map: `layout_maps.own_axes`) when none or `"layout_map"`."""
+  if tensor == 1:
+    return TensorSplit(())
+  if rules is None or rules == "layout_map":
+    from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
+    axes = layout_maps.own_axes(model, tensor)
+    if axes:
+      return path_split(model, axes)
+  return tensor_split(model, None if rules == "layout_map" else rules)
+
+
 # ------------------------------------------------------------ the accounting
 
 
@@ -609,7 +671,7 @@ def account(model: Any, layout: Any, *, global_batch_size: int,
     raise ValueError(f"plan has {plan.num_stages} stages but the layout "
                      f"asks for stages={K}.")
   return account_layout(
-      plan, tensor_split(model, rules) if T > 1 else TensorSplit(()),
+      plan, _split_of(model, rules, T),
       global_batch_size=global_batch_size, data=layout.data, tensor=T,
       micro_batches=layout.micro_batches or 1, schedule=layout.schedule,
       recompute=layout.recompute, optimizer=optimizer, devices=names)

@@ -6,7 +6,9 @@ between the split and the unsplit model by layer name:
 
 * `ModelSpec`: enough to rebuild the unsplit model (its class and config,
   its layer names, the weights its layers share).
-* `clone_layer`: a fresh, unbuilt copy of one layer, named as the original.
+* `clone_layer`: a fresh, unbuilt copy of one layer, named as the original;
+  `copy_layer`: the same for a layer of a graph whose config does not
+  round-trip (from its nested model's config, or `from_attributes`).
 * `stage_inputs`: new `keras.Input`s standing for the tensors that enter a
   replayed part of a `graph.ModelGraph`.
 * `weighted_layers` and `copy_weights`: weights by layer name, nested
@@ -115,6 +117,50 @@ def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         "constructor arguments.") from e
   clone.name = layer.name  # See `ModelSpec.rebuild`.
   return clone
+
+
+def from_attributes(layer: keras.layers.Layer,
+                     error: Exception) -> keras.layers.Layer:
+  """A copy of `layer` built from the attributes named as its constructor's
+  arguments (for a layer whose `get_config` fails but which keeps each
+  argument under its own name); raises `error` when one is missing."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  kwargs = {"name": layer.name, "dtype": layer.dtype_policy,
+            "trainable": layer.trainable}
+  for p in list(inspect.signature(type(layer).__init__).parameters.values()
+                )[1:]:
+    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in kwargs:
+      continue
+    if not hasattr(layer, p.name):
+      if p.default is p.empty:
+        raise ValueError(
+            f"layer {layer.name!r} ({type(layer).__name__}) cannot be "
+            f"rebuilt: its config fails ({error}) and it keeps no "
+            f"attribute {p.name!r}.") from error
+      continue
+    kwargs[p.name] = getattr(layer, p.name)
+  return type(layer)(**kwargs)
+
+
+def copy_layer(graph: graph_lib.ModelGraph, layer: keras.layers.Layer,
+               fresh: dict[int, keras.Model]) -> keras.layers.Layer:
+  """A fresh copy of one of `graph`'s layers, on the current device scope.
+
+  From the layer's config, or, when that does not round-trip (keras_hub
+  0.32's `LlamaTransformerDecoder.get_config` raises), the same layer of a
+  copy of the nested model that holds it, rebuilt from the nested model's
+  own config (once per `fresh` cache: one stage's).
+  """
+  try:
+    return clone_layer(layer)
+  except (AttributeError, KeyError, ValueError) as e:
+    owner = graph.owner(layer)
+    if owner is None:
+      return from_attributes(layer, e)
+  if id(owner) not in fresh:
+    fresh[id(owner)] = type(owner).from_config(
+        copy.deepcopy(owner.get_config()))
+  return fresh[id(owner)].get_layer(layer.name)
 
 
 def stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):

@@ -277,10 +277,10 @@ def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
         "plan_stages(model, ..., input_shape=<one example's shape>).",
         graph.model.name, graph.describe(unknown[0]))
   blocks = []
-  for node in graph.nodes:
+  for name, node in zip(graph.names, graph.nodes):
     out = node.output_tensors[0]
     blocks.append(Block(
-        layers=(node.operation.name,),
+        layers=(name,),  # A layer's second call: `name.2`, its weights again.
         param_bytes=param_bytes(node.operation),
         trainable_param_bytes=param_bytes(node.operation, True),
         flops=node_flops(node, graph.shape),

@@ -104,8 +104,7 @@ def _symbolic_inputs_outputs(model: keras.Model):
 
 def _inlinable(op: Any) -> bool:
   """A functional model called as a layer, whose graph is its call."""
-  functional = _compat.functional_class()
-  return isinstance(op, functional) and type(op).call is functional.call
+  return _compat.is_functional(op)
 
 
 def _call_pairs(node) -> tuple[list[Any], list[Any]] | None:
@@ -163,25 +162,30 @@ def _walk(model_inputs, model_outputs, blocked: set[int]):
   return found, aliases, inlined
 
 
-def _layer_names(model: keras.Model) -> set[str]:
-  names = set()
+def _layers_by_name(model: keras.Model) -> dict[str, set[int]]:
+  """`{name: {id(layer)}}` of a model's layers and its nested models'."""
+  found: dict[str, set[int]] = {}
   for layer in model.layers:
-    names.add(layer.name)
+    found.setdefault(layer.name, set()).add(id(layer))
     if isinstance(layer, keras.Model):
-      names |= _layer_names(layer)
-  return names
+      for name, ids in _layers_by_name(layer).items():
+        found.setdefault(name, set()).update(ids)
+  return found
 
 
 def _reachable_nodes(model: keras.Model, model_inputs, model_outputs):
   """`(found, aliases, inlined)` of `_walk`, nested models inlined where
-  their layers are theirs alone.
+  their layers' names stay unique.
 
-  A nested model called twice, or whose layers share a name with (or are)
-  layers used outside it, such as the token embedding a keras_hub CausalLM
-  calls in its backbone and again as its LM head, stays one layer.
+  A layer called more than once (the token embedding a keras_hub CausalLM
+  calls in its backbone and again, reversed, as its LM head) gives one
+  node per call (`ModelGraph.names`: `name`, `name.2`, ...): its weights
+  are shared between the calls (`tfmgpu.parallel.shared`). A nested model
+  called twice, or holding another layer of the same name as one used
+  outside it, stays one layer.
 
   Raises:
-    ValueError: a layer is called more than once.
+    ValueError: a nested model is called more than once.
   """
   blocked: set[int] = set()
   while True:
@@ -189,20 +193,25 @@ def _reachable_nodes(model: keras.Model, model_inputs, model_outputs):
     if walked is None:
       continue
     found, aliases, inlined = walked
-    counts: dict[str, int] = {}
+    objects: dict[str, set[int]] = {}
     for node in found.values():
-      counts[node.operation.name] = counts.get(node.operation.name, 0) + 1
-    shared = sorted(n for n, c in counts.items() if c > 1)
+      objects.setdefault(node.operation.name, set()).add(id(node.operation))
+    clash = {n for n, ids in objects.items() if len(ids) > 1}
     culprits = {k for k, n in inlined.items()
-                if _layer_names(n.operation) & set(shared)}
+                if set(_layers_by_name(n.operation)) & clash}
     if not culprits:
       break
     blocked |= culprits
-  if shared:
+  models = sorted({n.operation.name for n in found.values()
+                   if isinstance(n.operation, keras.Model)
+                   and sum(m.operation is n.operation
+                           for m in found.values()) > 1})
+  if models or clash:
     raise ValueError(
-        f"model {model.name!r} calls layer(s) {shared} more than once; a "
-        "shared layer cannot be placed on one stage device. Give each call "
-        "its own layer.")
+        f"model {model.name!r} calls nested model(s) or layers named "
+        f"{models or sorted(clash)} more than once; a shared model cannot be "
+        "placed on one stage device. Give each call its own model, and "
+        "each layer its own name.")
   return found, aliases, inlined
 
 
@@ -243,6 +252,18 @@ def _topological_order(model: keras.Model, found: dict[int, Any],
       if missing[u] == 0:
         heapq.heappush(ready, (rank(u), u))
   return nodes
+
+
+def _call_names(nodes: Sequence[Any]) -> list[str]:
+  """Each node's name: its layer's, `.<k>` added for the layer's `k`-th
+  call (`token_embedding`, then `token_embedding.2` for a tied LM head)."""
+  calls: dict[int, int] = {}
+  names = []
+  for node in nodes:
+    k = calls[id(node.operation)] = calls.get(id(node.operation), 0) + 1
+    names.append(node.operation.name if k == 1
+                 else f"{node.operation.name}.{k}")
+  return names
 
 
 def config_sequence_length(model: keras.Model) -> int | None:
@@ -358,12 +379,13 @@ class ModelGraph:
     output_structure: its outputs as the model returns them (`model.output`).
     nodes: the layer calls (Keras `Node`s) in topological order, inputs
       excluded.
-    names: the layer name of each node.
+    names: the name of each node: its layer's, with `.<k>` for the `k`-th
+      call of a layer called more than once (a keras_hub CausalLM's
+      `token_embedding`, then `token_embedding.2`, its tied LM head).
     inlined: the nested functional models whose layer calls stand in
       `nodes` one by one (a backbone inside a task model, a block inside an
       encoder), so a stage may start between their layers. A nested model
-      called twice, or whose layers are called outside it too (a tied
-      embedding), stays one node.
+      called twice stays one node.
   """
 
   def __init__(self, model: keras.Model, input_shape: Any = None):
@@ -393,8 +415,10 @@ class ModelGraph:
     self.output_structure = tf.nest.map_structure(
         self.canon, _structure(model, "output", outputs))
     self.nodes = _topological_order(model, found, self.canon, inlined)
-    self.names = [n.operation.name for n in self.nodes]
+    self.names = _call_names(self.nodes)
     self.inlined = tuple(n.operation.name for n in inlined.values())
+    self._owners = {id(l): n.operation for n in inlined.values()
+                    for l in n.operation.layers}
     self._shapes: dict[int, tuple[int | None, ...]] = {}
     if input_shape is not None or any(
         _has_unknown(t.shape) for n in self.nodes for t in n.output_tensors):
@@ -403,6 +427,21 @@ class ModelGraph:
       self._shapes = _resolved_shapes(self, given)
     self._position = {name: i for i, name in enumerate(self.names)}
     self._tensors = self._lifetimes()
+
+  def layers(self) -> dict[str, keras.layers.Layer]:
+    """`{node name: layer}` of the nodes that call layers (not bare ops),
+    in topological order; a layer called twice is there under both names."""
+    return {name: n.operation for name, n in zip(self.names, self.nodes)
+            if isinstance(n.operation, keras.layers.Layer)}
+
+  def owner(self, layer: keras.layers.Layer) -> keras.Model | None:
+    """The inlined nested model that holds `layer` (a keras_hub backbone
+    holding its blocks), or `None` for a layer of the model itself."""
+    return self._owners.get(id(layer))
+
+  def first_call(self, position: int) -> bool:
+    """Whether node `position` is its layer's first call."""
+    return self.names[position] == self.nodes[position].operation.name
 
   def _lifetimes(self) -> dict[int, list[Any]]:
     """`{id: [tensor, made, last read]}`: each tensor lives from its

@@ -96,8 +96,16 @@ def _on_devices(plan: plan_lib.StagePlan, devices: Sequence[str]
       dataclasses.replace(s, device=d) for s, d in zip(plan.stages, devices)))
 
 
+def _transform(axes: dict[str, int] | None, devices_of: Any) -> Any:
+  if not axes:
+    return None
+  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
+  return layout_maps.transform(axes, devices_of)
+
+
 def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
-          grid: list[list[str]], rules: Any) -> keras.Model:
+          grid: list[list[str]], rules: Any,
+          axes: dict[str, int] | None = None) -> keras.Model:
   """One replica: `model` cut along `plan` and sharded over `grid[k]`."""
   if layout.tensor > 1:
     from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
@@ -108,18 +116,57 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
           f"The layout {layout.label} is plain data parallelism: use "
           "--strategy=mirrored (MirroredStrategy), which runs it with TF's "
           "own all-reduce.")
-    return tensor.TensorParallelModel(model, grid[0], rules=rules)
+    return tensor.TensorParallelModel(
+        model, grid[0], rules=rules,
+        transform=_transform(axes, lambda name: grid[0]))
   source = model
-  if layout.tensor > 1:
+  if layout.tensor > 1 and (rules or axes is None):
     source = tensor.tensor_parallel(
         model, rules=rules,
         devices_for=lambda name: grid[plan.stage_of(name)])
   mine = _on_devices(plan, homes)
   if layout.micro_batches is None:
-    return staged.StagedModel(source, mine, unsplit=model)
-  return pipeline.PipelinedModel(
-      source, mine, micro_batches=layout.micro_batches,
-      schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
+    placed = staged.StagedModel(source, mine, unsplit=model)
+  else:
+    placed = pipeline.PipelinedModel(
+        source, mine, micro_batches=layout.micro_batches,
+        schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
+  if not axes:
+    return placed
+  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
+  return layout_maps.split_stages(placed, model, axes, grid)
+
+
+LAYOUT_MAP = "layout_map"  # rules= asking for the model's own layout map.
+
+
+def _split_axes(model: keras.Model, layout_map: Any, rules: Any,
+                tensor: int) -> dict[str, int] | None:
+  """`{variable path: axis}` of a `LayoutMap` or `{path regex: axis}`; with
+  neither, a keras_hub model's own (`layout_maps.own_axes`) unless `rules`
+  are given."""
+  if tensor == 1 or (layout_map is None and rules not in (None, LAYOUT_MAP)):
+    return None
+  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
+  if layout_map is None:
+    axes = layout_maps.own_axes(model, tensor)
+    if axes is None and rules == LAYOUT_MAP:
+      raise ValueError(
+          f"tensor_rules={LAYOUT_MAP!r} asks for the model's own layout "
+          f"map, but model {model.name!r} is not a keras_hub model with one. "
+          "Give rules ('regex=kind,...') or a layout_map.")
+    return axes
+  if isinstance(layout_map, dict):
+    axes = layout_maps.path_rules(model, layout_map)
+  else:
+    axes = layout_maps.split_axes(model, layout_map)
+  if not axes:
+    raise ValueError(
+        f"layout_map={layout_map!r} splits no weight of model "
+        f"{model.name!r} over its model axis; give one whose regexes match "
+        "the variable paths (e.g. 'transformer_layer_0/self_attention/"
+        "query/kernel').")
+  return axes
 
 
 def build_layout(model: keras.Model, layout: Layout, *,
@@ -127,7 +174,7 @@ def build_layout(model: keras.Model, layout: Layout, *,
                  plan: plan_lib.StagePlan | None = None,
                  criterion: str = "balanced",
                  split_points: Sequence[str] | None = None,
-                 rules: Any = None) -> keras.Model:
+                 rules: Any = None, layout_map: Any = None) -> keras.Model:
   """`model` laid out as `layout` on `devices`, holding `model`'s weights.
 
   Args:
@@ -141,7 +188,14 @@ def build_layout(model: keras.Model, layout: Layout, *,
       `criterion` / `split_points` when `None`.
     criterion, split_points: as for `tfmgpu.parallel.plan_stages`.
     rules: which layers split over `T` devices and how
-      (`tfmgpu.parallel.tensor`; its GPT rules by default).
+      (`tfmgpu.parallel.tensor`); `"layout_map"`: the model's own layout map
+      (keras_hub). Defaults to the model's own split for a keras_hub model
+      (`layout_maps.own_axes`), else the GPT rules; none with `layout_map`.
+    layout_map: which weights split, by variable path, even inside blocks
+      (`tfmgpu.parallel.layout_maps`): a `keras.distribution.LayoutMap`
+      (e.g. keras_hub's `LlamaBackbone.get_layout_map(mesh)`: its model
+      axis is the tensor dimension, its batch axis the data dimension), or
+      `{path regex: axis}` (`{"feedforward_output_dense/kernel": 0}`).
 
   Returns:
     A placed Keras model: a `ReplicatedModel` of the copies when
@@ -165,7 +219,10 @@ def build_layout(model: keras.Model, layout: Layout, *,
   elif plan is not None and plan.num_stages != layout.stages:
     raise ValueError(f"plan has {plan.num_stages} stages but the layout "
                      f"{layout.label} asks for {layout.stages}.")
-  copies = [_copy(model, layout, plan, grid, rules) for grid in mesh]
+  axes = _split_axes(model, layout_map, rules, layout.tensor)
+  if axes is not None and rules in (None, LAYOUT_MAP):
+    rules = {}
+  copies = [_copy(model, layout, plan, grid, rules, axes) for grid in mesh]
   if layout.data == 1:
     return copies[0]
   return replicated.ReplicatedModel(copies)

@@ -13,6 +13,7 @@ the next stage.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import keras
@@ -165,6 +166,21 @@ def _criterion(criterion: str) -> cost_lib.Criterion:
   return cost_lib.Criterion(criterion)
 
 
+def _once_per_stage(graph: graph_lib.ModelGraph,
+                    blocks: Sequence[cost_lib.Block], a: int, b: int
+                    ) -> list[cost_lib.Block]:
+  """Blocks `a:b`, a layer's later calls in the same stage holding no
+  weights of their own (a tied LM head beside its embedding)."""
+  seen: set[int] = set()
+  out = []
+  for i in range(a, b):
+    layer = id(graph.nodes[i].operation)
+    out.append(blocks[i] if layer not in seen else dataclasses.replace(
+        blocks[i], param_bytes=0, trainable_param_bytes=0))
+    seen.add(layer)
+  return out
+
+
 def _stages(graph: graph_lib.ModelGraph, blocks: Sequence[cost_lib.Block],
             starts: Sequence[int], devices: Sequence[str]
             ) -> tuple[plan_lib.Stage, ...]:
@@ -172,12 +188,12 @@ def _stages(graph: graph_lib.ModelGraph, blocks: Sequence[cost_lib.Block],
   ends = list(starts[1:]) + [len(blocks)]
   stages = []
   for k, (a, b) in enumerate(zip(starts, ends)):
-    part = blocks[a:b]
+    part = _once_per_stage(graph, blocks, a, b)
     last = k == len(starts) - 1
     sent = [] if last else graph.crossing(b)
     stages.append(plan_lib.Stage(
         index=k, device=devices[k],
-        layers=tuple(n for blk in part for n in blk.layers),
+        layers=tuple(n for blk in blocks[a:b] for n in blk.layers),
         param_bytes=sum(blk.param_bytes for blk in part),
         trainable_param_bytes=sum(blk.trainable_param_bytes for blk in part),
         flops=sum(blk.flops for blk in part),
@@ -192,7 +208,7 @@ def _plan(graph: graph_lib.ModelGraph, stages: tuple[plan_lib.Stage, ...],
           label: str) -> plan_lib.StagePlan:
   """The plan of `stages`, naming the weights shared between them."""
   return plan_lib.StagePlan(stages, label, graph.model.name,
-                            shared=shared.between_stages(graph.nodes, stages))
+                            shared=shared.between_stages(graph, stages))
 
 
 def plan_stages(model: keras.Model, num_stages: int, *,

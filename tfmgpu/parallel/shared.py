@@ -60,29 +60,28 @@ class SharedWeight:
 
 
 def find_shared(layers: Iterable[keras.layers.Layer]
+                | Mapping[str, keras.layers.Layer]
                 ) -> tuple[SharedWeight, ...]:
   """The variables that more than one of `layers` holds, in first-use order.
 
   Args:
-    layers: top-level layers with unique names (a model's layers, or the
-      layers of its graph in topological order: the first holder owns).
+    layers: top-level layers with unique names (a model's layers), or
+      `{name: layer}` (a model graph's `ModelGraph.layers()` in topological
+      order, where a layer called twice is a site under each call's name):
+      the first holder owns.
   """
   sites: dict[int, list[Site]] = {}
   found: dict[int, Any] = {}
-  for layer in layers:
+  named = (layers.items() if isinstance(layers, Mapping)
+           else ((layer.name, layer) for layer in layers))
+  for name, layer in named:
     for i, weight in enumerate(layer.weights):
-      sites.setdefault(id(weight), []).append((layer.name, i))
+      sites.setdefault(id(weight), []).append((name, i))
       found.setdefault(id(weight), weight)
   size = lambda w: math.prod(w.shape) * graph_lib.dtype_size(w.dtype)
   return tuple(SharedWeight(found[k].path, tuple(s), size(found[k]))
                for k, s in sites.items()
                if len({name for name, _ in s}) > 1)
-
-
-def graph_layers(nodes: Iterable[Any]) -> list[keras.layers.Layer]:
-  """The layers (not bare ops) of a model graph's nodes, in node order."""
-  return [n.operation for n in nodes
-          if isinstance(n.operation, keras.layers.Layer)]
 
 
 def across_stages(weights: Sequence[SharedWeight],
@@ -102,13 +101,13 @@ def across_stages(weights: Sequence[SharedWeight],
   return tuple(out)
 
 
-def between_stages(nodes: Iterable[Any],
+def between_stages(graph: graph_lib.ModelGraph,
                    stages: Iterable[plan_lib.Stage]
                    ) -> tuple[plan_lib.SharedStages, ...]:
-  """The weights that the layers of a model graph's `nodes` share between
-  `stages` (a plan's), for `StagePlan.shared`."""
+  """The weights that the layers of a model graph share between `stages`
+  (a plan's), for `StagePlan.shared`."""
   stage_of = {name: s.index for s in stages for name in s.layers}
-  return across_stages(find_shared(graph_layers(nodes)), stage_of)
+  return across_stages(find_shared(graph.layers()), stage_of)
 
 
 def _replace_variable(layer: keras.layers.Layer, old: Any, new: Any) -> None:
@@ -123,21 +122,7 @@ def _replace_variable(layer: keras.layers.Layer, old: Any, new: Any) -> None:
       cannot reach, such as a list attribute).
   """
   for sub in _compat.flatten_layers(layer):
-    tracker = getattr(sub, "_tracker", None)
-    if tracker is None:
-      continue
-    locked = tracker.locked
-    tracker.unlock()
-    try:
-      for store in ("trainable_variables", "non_trainable_variables"):
-        if tracker.is_in_store(store, old):
-          tracker.replace_tracked_value(store, old, new)
-      for name, value in list(vars(sub).items()):
-        if value is old:
-          setattr(sub, name, new)
-    finally:
-      if locked:
-        tracker.lock()
+    _compat.replace_tracked_variable(sub, old, new)
   if any(w is old for w in layer.weights):
     raise ValueError(
         f"cannot make layer {layer.name!r} use the shared weight "

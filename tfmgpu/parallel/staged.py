@@ -54,14 +54,20 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
   and for the last stage the model's outputs as the model returns them.
   Called under the stage's device scope, so the new variables are created
   there. The original model is not touched (no new nodes on its layers).
-  Each new layer is recorded in `clones` by name, if given.
+  Each new layer is recorded in `clones` under its node's name, if given
+  (a layer called twice in the stage is copied once).
   """
   inputs, tensors = cloning.stage_inputs(graph, start, k)
-  for node in graph.nodes[start:end]:
+  mine: dict[int, keras.layers.Layer] = {}  # A layer called twice: one copy.
+  fresh: dict[int, keras.Model] = {}
+  for name, node in zip(graph.names[start:end], graph.nodes[start:end]):
     args, kwargs = node.arguments.fill_in(tensors)
-    clone = cloning.clone_layer(node.operation)
+    clone = mine.get(id(node.operation))
+    if clone is None:
+      clone = mine[id(node.operation)] = cloning.copy_layer(
+          graph, node.operation, fresh)
     if clones is not None:
-      clones[node.operation.name] = clone
+      clones[name] = clone
     outputs = clone(*args, **kwargs)
     for old, new in zip(node.output_tensors, tf.nest.flatten(outputs)):
       tensors[id(old)] = new
@@ -83,7 +89,7 @@ def _check_shared(graph: graph_lib.ModelGraph,
     ValueError: a weight shared between stages has a regulariser (each
       stage would add its penalty again), naming the weight and its stages.
   """
-  layers = {l.name: l for l in shared_lib.graph_layers(graph.nodes)}
+  layers = graph.layers()
   for w in weights:
     stages = sorted({stage_of[name] for name in w.layers})
     name, index = w.sites[0]
@@ -109,7 +115,7 @@ def build_stages(graph: graph_lib.ModelGraph, plan: plan_lib.StagePlan,
   Raises:
     ValueError: a shared weight cannot be kept one (see `_check_shared`).
   """
-  weights = shared_lib.find_shared(shared_lib.graph_layers(graph.nodes))
+  weights = shared_lib.find_shared(graph.layers())
   stage_of = {n: s.index for s in plan.stages for n in s.layers}
   across = shared_lib.across_stages(weights, stage_of)
   _check_shared(graph, weights, stage_of)

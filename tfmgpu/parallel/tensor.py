@@ -717,11 +717,15 @@ def _devices_of(devices: Sequence[str] | None,
   return of
 
 
+# `fn(node name, layer, its copy, args, kwargs) -> the layer to call`.
+Transform = Callable[..., keras.layers.Layer]
+
+
 def tensor_parallel(model: keras.Model,
                     devices: Sequence[str] | None = None, *,
                     rules: Mapping[str, str] | None = None,
-                    devices_for: Callable[[str], Sequence[str]] | None = None
-                    ) -> keras.Model:
+                    devices_for: Callable[[str], Sequence[str]] | None = None,
+                    transform: Transform | None = None) -> keras.Model:
   """`model` rebuilt with the layers `rules` name split over devices.
 
   The new functional model has the same layer names and graph; each layer
@@ -739,6 +743,11 @@ def tensor_parallel(model: keras.Model,
       attention and MLP layers). See `parse_rules`.
     devices_for: instead of `devices`, `layer name -> its T devices` (e.g.
       each pipeline stage's layers on that stage's devices).
+    transform: `fn(node name, layer, copy, args, kwargs) -> layer to
+      call`, applied to each copied (unsplit) layer before it is called on
+      `args` and `kwargs`: `tfmgpu.parallel.layout_maps` splits the
+      layers inside blocks by variable path so. With it, `rules` may be
+      `{}` (no whole layer replaced).
 
   Returns:
     The split model, holding a copy of `model`'s weights.
@@ -749,12 +758,15 @@ def tensor_parallel(model: keras.Model,
       the layer, its sizes and `T`); rules matching no layer.
   """
   devices_of = _devices_of(devices, devices_for)
-  rules = check_rules(GPT_RULES if rules is None else rules)
   graph = graph_lib.ModelGraph(model)
-  kinds = _split_kinds(graph, rules, devices_of)
+  if transform is not None and not rules:
+    kinds: dict[str, str] = {}
+  else:
+    rules = check_rules(GPT_RULES if rules is None else rules)
+    kinds = _split_kinds(graph, rules, devices_of)
   weights = _check_shared(graph, kinds, devices_of)
   clones: dict[str, keras.layers.Layer] = {}
-  split = keras.Model(*_replay(graph, kinds, devices_of, clones),
+  split = keras.Model(*_replay(graph, kinds, devices_of, clones, transform),
                       name=model.name)
   shared_lib.tie(clones, weights, "tensor-parallel model")
   mine = cloning.weighted_layers([split])
@@ -773,7 +785,7 @@ def _check_shared(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
       embedding): its shards could not stay one weight with the other
       layers' copy. Names the weight, its layers and their devices.
   """
-  weights = shared_lib.find_shared(shared_lib.graph_layers(graph.nodes))
+  weights = shared_lib.find_shared(graph.layers())
   for w in weights:
     split = [name for name in w.layers if name in kinds]
     if split:
@@ -789,15 +801,21 @@ def _check_shared(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
 
 def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
             devices_of: Callable[[str], tuple[str, ...]],
-            clones: dict[str, keras.layers.Layer]):
+            clones: dict[str, keras.layers.Layer],
+            transform: Transform | None = None):
   """`(inputs, outputs)` of `graph` replayed with fresh layers, the ones
-  in `kinds` split; the fresh copies of the others go in `clones`."""
+  in `kinds` split; the fresh copies of the others (after `transform`) go
+  in `clones`."""
   scattered = _scattered(graph, kinds, devices_of)
   inputs, tensors = cloning.stage_inputs(graph, 0, 0)
-  for node in graph.nodes:
+  mine: dict[int, keras.layers.Layer] = {}  # A layer called twice: one copy.
+  fresh: dict[int, keras.Model] = {}
+  for name, node in zip(graph.names, graph.nodes):
     layer = node.operation
     args, kwargs = node.arguments.fill_in(tensors)
-    if layer.name in kinds:
+    if id(layer) in mine:
+      new = clones[name] = mine[id(layer)]
+    elif layer.name in kinds:
       producer = graph_lib._producer(  # pylint: disable=protected-access
           graph.canon(node.input_tensors[0])).operation
       new = _sharded_layer(
@@ -805,7 +823,11 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
           scattered_input=producer.name in scattered,
           gather=layer.name not in scattered)
     else:
-      new = clones[layer.name] = cloning.clone_layer(layer)
+      new = cloning.copy_layer(graph, layer, fresh)
+      if transform is not None:
+        new = transform(name, layer, new, args, kwargs)
+      clones[name] = new
+    mine[id(layer)] = new
     outputs = new(*args, **kwargs)
     if layer.name in scattered:  # One tensor before, its T pieces now.
       tensors[id(node.output_tensors[0])] = outputs
@@ -841,7 +863,8 @@ class TensorParallelModel(cloning.UnsplitWeights,
 
   def __init__(self, model: keras.Model, devices: Sequence[str],
                rules: Mapping[str, str] | None = None, *,
-               name: str | None = None, **kwargs):
+               name: str | None = None, transform: Transform | None = None,
+               **kwargs):
     """Splits `model` over `devices` and copies its weights.
 
     Args:
@@ -849,6 +872,7 @@ class TensorParallelModel(cloning.UnsplitWeights,
       devices: the `T` devices of every split layer.
       rules: ordered `{regex: kind}`; defaults to `GPT_RULES`.
       name: model name. Defaults to `"<model name>_tensor_parallel"`.
+      transform: see `tensor_parallel` (layers split by variable path).
       **kwargs: passed to `keras.Model`.
 
     Raises:
@@ -861,7 +885,8 @@ class TensorParallelModel(cloning.UnsplitWeights,
     self.devices = tuple(devices_lib.resolve_devices(devices))
     self.tensor_parallel = len(self.devices)
     with tf.device(self.devices[0]):
-      self.model = tensor_parallel(model, self.devices, rules=rules)
+      self.model = tensor_parallel(model, self.devices, rules=rules,
+                                   transform=transform)
     self._unsplit_spec = cloning.ModelSpec.of(model)
     # The unsplit model's output names (a dict's keys) key per-output losses.
     self.unsplit_output_names = graph_lib.output_names(model)

@@ -56,8 +56,11 @@ class LayoutOptions:
       "pipeline and tensor_parallel.", lower_bound=1, record=Record.SIZE)
   tensor_rules: str | None = setting(
       None, "Which layers --tensor_parallel splits, as 'regex=kind,...' on "
-      "layer names (kinds: column, row, heads). Default: the gpt rules "
-      "(*_attention=heads, *_mlp_up=column, *_mlp_down=row).",
+      "layer names (kinds: column, row, heads), or 'layout_map': a keras_hub "
+      "model's own layout map (its attention and MLP kernels inside the "
+      "blocks). Default: the layout map for keras_hub models (gpt2, llama, "
+      "...), else the gpt rules (*_attention=heads, *_mlp_up=column, "
+      "*_mlp_down=row).",
       record=Record.SIZE)
 
   def __post_init__(self):
@@ -264,6 +267,8 @@ def tensor_rules(options: LayoutOptions) -> Any:
   """The options' tensor rules, parsed (`None`: the default rules)."""
   if not options.tensor_rules:
     return None
+  if options.tensor_rules == "layout_map":  # A keras_hub model's own map.
+    return options.tensor_rules
   from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
   return tensor.parse_rules(options.tensor_rules)
 

@@ -34,7 +34,16 @@ def weighted_layers(model: keras.Model) -> dict[str, Any]:
   own = getattr(model, "weighted_layers", None)
   if own is not None:
     return own()
-  return {l.name: l for l in model.layers if l.weights}
+  # Nested functional models (a keras_hub backbone) by their layers, as
+  # placed models list them (`tfmgpu.parallel.graph` cuts inside them).
+  found: dict[str, Any] = {}
+  level = list(model.layers)
+  while level:
+    for layer in level:
+      if layer.weights and not _compat.is_functional(layer):
+        found.setdefault(layer.name, layer)
+    level = [l for m in level if _compat.is_functional(m) for l in m.layers]
+  return found
 
 
 class _LayerWeights(_compat.Trackable):

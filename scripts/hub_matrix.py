@@ -1,0 +1,155 @@
+"""keras_hub models through every layout, against one-device Keras `fit`.
+
+Tiny `GPT2CausalLM`, `BertTextClassifier`, `LlamaCausalLM`, `GemmaCausalLM`
+and `QwenCausalLM` (random weights, dropout 0) train 3 SGD steps on random
+tokens with Keras `fit` on one device, and from the same weights under each
+layout: mirrored x2, model_parallel 2, pipeline 2 (GPipe and 1F1B, 2
+micro-batches), tensor 2 (the backbone's own layout map, or keras_hub path
+rules for GPT-2 and BERT), data 2 x tensor 2 and data 2 x stages 2 x
+tensor 2 (1F1B). Language models take a per-token loss with the padding mask
+as sample weight. Printed per case: the largest difference of predictions
+before training and of the weights after it (the placed model's copied back
+into the unsplit model with `copy_weights_to`).
+
+    python3 scripts/hub_matrix.py [--models=gpt2,llama] [--layouts=tensor2]
+
+Needs 8 logical devices (made here) and keras-hub. Takes minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+VOCAB, LENGTH, BATCH, STEPS, LR = 64, 8, 4, 3, 0.5
+TINY = dict(num_layers=2, hidden_dim=16, intermediate_dim=32)
+
+LAYOUTS: dict[str, dict[str, Any] | None] = {
+    "mirrored2": None,
+    "model_parallel2": dict(stages=2),
+    "gpipe2": dict(stages=2, micro_batches=2, schedule="gpipe"),
+    "1f1b2": dict(stages=2, micro_batches=2, schedule="1f1b"),
+    "tensor2": dict(tensor=2),
+    "data2_tensor2": dict(data=2, tensor=2),
+    "2x2x2": dict(data=2, stages=2, tensor=2, micro_batches=2,
+                  schedule="1f1b"),
+}
+
+
+def build(family: str, seed: int = 0):
+  """A tiny keras_hub task model, seeded."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import keras_hub  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(seed)
+  models = keras_hub.models
+  if family == "bert":
+    backbone = models.BertBackbone(vocabulary_size=VOCAB, num_heads=2,
+                                   max_sequence_length=LENGTH, dropout=0.0,
+                                   **TINY)
+    return models.BertTextClassifier(backbone=backbone, num_classes=3,
+                                     preprocessor=None, dropout=0.0)
+  from tfmgpu.models import hub  # pylint: disable=g-import-not-at-top
+  return hub.causal_lm(family, vocabulary_size=VOCAB, sequence_length=LENGTH)
+
+
+def data(family: str):
+  """`(x, y, sample_weight)`: `STEPS` batches of random tokens."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  n = BATCH * STEPS
+  mask = np.ones((n, LENGTH), "int32")
+  mask[:, -2:] = 0
+  x = {"token_ids": rng.randint(1, VOCAB, (n, LENGTH)).astype("int32"),
+       "padding_mask": mask}
+  if family == "bert":
+    x["segment_ids"] = np.zeros((n, LENGTH), "int32")
+    return x, rng.randint(0, 3, n).astype("int32"), None
+  return x, rng.randint(1, VOCAB, (n, LENGTH)).astype("int32"), \
+      mask.astype("float32")
+
+
+def fit(model, x, y, sample_weight) -> None:
+  import keras  # pylint: disable=g-import-not-at-top
+  model.compile(optimizer=keras.optimizers.SGD(LR),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  model.fit(x, y, sample_weight=sample_weight, batch_size=BATCH,
+            shuffle=False, verbose=0)
+
+
+def _placed(family: str, layout: str, devices: list[str]):
+  """`(model to train, fn() -> its weights in unsplit form, unsplit copy
+  it predicts like)`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  if LAYOUTS[layout] is None:
+    strategy = tf.distribute.MirroredStrategy(
+        devices[:2], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+      model = build(family)
+    return model, model.get_weights, model
+  model = build(family)
+  placed = hybrid.build_layout(model, hybrid.Layout(**LAYOUTS[layout]),
+                               devices=devices)
+
+  def weights():
+    out = build(family, seed=7)
+    placed.copy_weights_to(out)
+    return out.get_weights()
+
+  return placed, weights, model
+
+
+def run_case(family: str, layout: str, devices: list[str]
+             ) -> tuple[float, float]:
+  """`(max |predict - unsplit predict|, max |weights - one-device fit's|)`."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  x, y, sw = data(family)
+  reference = build(family)
+  fit(reference, x, y, sw)
+  placed, weights, unsplit = _placed(family, layout, devices)
+  predicted = np.abs(placed.predict(x, batch_size=BATCH, verbose=0) -
+                     unsplit.predict(x, batch_size=BATCH, verbose=0)).max()
+  fit(placed, x, y, sw)
+  diff = max(float(np.abs(a - b).max())
+             for a, b in zip(weights(), reference.get_weights()))
+  return float(predicted), diff
+
+
+def _devices(n: int = 8) -> list[str]:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+  return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def main(argv: list[str] | None = None,
+         out: Callable[[str], None] = print) -> list[tuple]:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", default="gpt2,bert,llama,gemma,qwen")
+  parser.add_argument("--layouts", default=",".join(LAYOUTS))
+  args = parser.parse_args(argv)
+  devices = _devices()
+  rows = []
+  out(f"{'model':8} {'layout':16} {'predict':>10} {'weights':>10} "
+      f"{'ok':>3} {'seconds':>8}")
+  for family in args.models.split(","):
+    for layout in args.layouts.split(","):
+      start = time.perf_counter()
+      try:
+        predicted, diff = run_case(family, layout, devices)
+        ok = "yes" if max(predicted, diff) <= 1e-5 else "NO"
+        row = (family, layout, f"{predicted:.1e}", f"{diff:.1e}", ok)
+      except Exception as e:  # pylint: disable=broad-except
+        row = (family, layout, "error", f"{type(e).__name__}: "
+               f"{str(e)[:70]}", "NO")
+      rows.append(row)
+      out(f"{row[0]:8} {row[1]:16} {row[2]:>10} {row[3]:>10} {row[4]:>3} "
+          f"{time.perf_counter() - start:8.1f}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

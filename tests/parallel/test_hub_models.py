@@ -1,0 +1,121 @@
+"""keras_hub models train under tfmgpu's layouts equal to one-device Keras.
+
+The lean CI subset of `scripts/hub_matrix.py` (the full matrix of 5 models
+x 7 layouts is the script's): each model once, each layout of up to 4
+devices once; the 2 x 2 x 2 case is in `test_3d.py` (8 devices).
+"""
+
+import importlib.util
+import pathlib
+
+import keras
+import pytest
+
+from tfmgpu.parallel import graph as graph_lib
+from tfmgpu.parallel import hybrid
+from tfmgpu.parallel import layout_maps
+
+keras_hub = pytest.importorskip("keras_hub")
+
+_SPEC = importlib.util.spec_from_file_location(
+    "hub_matrix", pathlib.Path(__file__).parents[2] / "scripts" /
+    "hub_matrix.py")
+matrix = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(matrix)
+
+
+@pytest.mark.parametrize("family,layout", [
+    ("bert", "mirrored2"),
+    ("bert", "model_parallel2"),
+    ("gemma", "gpipe2"),
+    ("llama", "1f1b2"),
+    ("llama", "tensor2"),
+    ("qwen", "data2_tensor2"),
+])
+def test_keras_hub_model_trains_as_one_device_keras(family, layout,
+                                                    cpu_devices):
+  predicted, diff = matrix.run_case(family, layout, cpu_devices)
+  assert predicted <= 1e-5
+  assert diff <= 1e-5
+
+
+def test_causal_lms_are_cut_between_their_blocks():
+  """The backbone's token embedding, reused reversed as the tied LM head,
+  no longer keeps the backbone whole."""
+  graph = graph_lib.ModelGraph(matrix.build("llama"))
+  assert graph.names == ["token_embedding", "transformer_layer_0",
+                         "transformer_layer_1", "sequence_output_layernorm",
+                         "token_embedding.2"]
+
+
+def test_the_backbones_layout_map_names_the_weights_it_splits(cpu_devices):
+  model = matrix.build("llama")
+  mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                       ["cpu:0", "cpu:1"])
+  layout_map = type(model.backbone).get_layout_map(mesh)
+  axes = layout_maps.split_axes(model, layout_map)
+  assert axes["transformer_layer_0/self_attention/query/kernel"] == 0
+  assert axes["transformer_layer_1/feedforward_gate_dense/kernel"] == 1
+  # The default keeps what tfmgpu cannot split (the embedding) whole ...
+  assert "token_embedding/embeddings" not in layout_maps.own_axes(model, 2)
+  # ... but a map given explicitly is refused there, naming the weight.
+  with pytest.raises(ValueError, match="'token_embedding/embeddings'"):
+    hybrid.build_layout(model, hybrid.Layout(tensor=2),
+                        devices=cpu_devices[:2], layout_map=layout_map)
+
+
+def test_a_split_the_sizes_do_not_allow_names_the_weight(cpu_devices):
+  keras.utils.set_random_seed(0)
+  backbone = keras_hub.models.GemmaBackbone(
+      vocabulary_size=64, num_layers=1, num_query_heads=2,
+      num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
+  model = keras_hub.models.GemmaCausalLM(backbone=backbone,
+                                         preprocessor=None)
+  with pytest.raises(ValueError, match=r"'decoder_block_0/attention/value/"
+                     r"kernel'.*not divisible by T=2"):
+    hybrid.build_layout(model, hybrid.Layout(tensor=2),
+                        devices=cpu_devices[:2])
+
+
+def test_each_shards_matmuls_run_on_its_device(cpu_devices):
+  """Llama split by its layout map: every shard's forward and backward
+  products (Einsum / MatMul) are asked for on that shard's device."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import inspection  # pylint: disable=g-import-not-at-top
+  placed = hybrid.build_layout(matrix.build("llama"), hybrid.Layout(tensor=2),
+                               devices=cpu_devices[:2])
+  x, y, _ = matrix.data("llama")
+  x = {k: v[:matrix.BATCH] for k, v in x.items()}
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  step = tf.function(lambda xb, yb: placed.compute_loss_and_gradients(
+      xb, yb, loss)[2])
+  ops = inspection.op_placements(step.get_concrete_function(
+      x, y[:matrix.BATCH]))
+  products = [p for p in ops if p.type in ("Einsum", "MatMul",
+                                           "BatchMatMulV2")]
+  for t in range(2):
+    mine = {p.device for p in products if f"_shard{t}" in p.name}
+    assert mine == {cpu_devices[t]}, (t, mine)
+  backward = [p for p in products if p.name.startswith("gradient_tape/")
+              and "_shard1/" in p.name]
+  assert backward and {p.device for p in backward} == {cpu_devices[1]}
+
+
+def test_a_local_preset_loads_its_weights(tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfmgpu import models  # pylint: disable=g-import-not-at-top
+  from tfmgpu.models import hub  # pylint: disable=g-import-not-at-top
+  lm = hub.causal_lm("qwen", vocabulary_size=64, sequence_length=8)
+  lm.save_to_preset(str(tmp_path / "qwen"))
+  hub.check_preset("qwen", str(tmp_path / "qwen"))
+  model = models.build_model("qwen", input_shape=(8,), num_classes=64,
+                             preset=str(tmp_path / "qwen"))
+  x = np.arange(16, dtype="int32").reshape(2, 8)
+  np.testing.assert_allclose(
+      model.predict(x, verbose=0),
+      lm.predict({"token_ids": x, "padding_mask": np.ones_like(x)},
+                 verbose=0), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="no config.json"):
+    hub.check_preset("qwen", str(tmp_path))
+  with pytest.raises(ValueError, match="model='gpt'"):
+    hub.check_preset("gpt", str(tmp_path / "qwen"))

@@ -1,0 +1,192 @@
+"""keras_hub language models by name: `gpt2`, `llama`, `gemma`, `qwen`.
+
+Each builds a keras_hub `CausalLM` (its backbone from a config, random
+weights; or a local preset directory, `preset=DIR`: nothing is downloaded)
+and wraps it so that it reads what tfmgpu's text data gives: `(T,)` token
+ids (every position real), or `{"token_ids": (T,), "padding_mask": (T,)}`.
+Its logits are `(B, T, vocabulary)`. The wrapper, the task and its backbone
+are functional models, so plans cut them between transformer blocks
+(`tfmgpu.parallel.graph`), and the backbone's own layout map splits their
+weights over tensor-parallel devices (`tfmgpu.parallel.layout_maps`).
+
+Sizes: `tiny` (tests; the vocabulary is the data's `num_classes`) and the
+published shapes (`gpt2_base`, `llama3_8b`, `gemma_2b`, `qwen2_5_0_5b`,
+...; their own vocabularies) for `--plan_only`.
+
+keras-hub is an optional extra (`pip install tfmgpu[hub]`): importing this
+module imports neither it, TensorFlow nor Keras.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from tfmgpu._lazy import LazyModule
+from tfmgpu.models.registry import register_model
+
+keras = LazyModule("keras")
+
+TINY = "tiny"
+
+# `{family: (backbone class, task class, {size: backbone config})}`; a
+# `None` vocabulary is the data's `num_classes`.
+_DECODER = dict(num_layers=2, hidden_dim=32, intermediate_dim=64)
+FAMILIES: dict[str, tuple[str, str, dict[str, dict[str, Any]]]] = {
+    "gpt2": ("GPT2Backbone", "GPT2CausalLM", {
+        TINY: dict(_DECODER, num_heads=2, dropout=0.0),
+        "gpt2_base": dict(vocabulary_size=50257, num_layers=12, num_heads=12,
+                          hidden_dim=768, intermediate_dim=3072),
+        "gpt2_medium": dict(vocabulary_size=50257, num_layers=24,
+                            num_heads=16, hidden_dim=1024,
+                            intermediate_dim=4096),
+        "gpt2_large": dict(vocabulary_size=50257, num_layers=36, num_heads=20,
+                           hidden_dim=1280, intermediate_dim=5120),
+    }),
+    "llama": ("LlamaBackbone", "LlamaCausalLM", {
+        TINY: dict(_DECODER, num_query_heads=4, num_key_value_heads=2),
+        "llama2_7b": dict(vocabulary_size=32000, num_layers=32,
+                          num_query_heads=32, num_key_value_heads=32,
+                          hidden_dim=4096, intermediate_dim=11008),
+        "llama3_8b": dict(vocabulary_size=128256, num_layers=32,
+                          num_query_heads=32, num_key_value_heads=8,
+                          hidden_dim=4096, intermediate_dim=14336,
+                          rope_max_wavelength=500000),
+    }),
+    "gemma": ("GemmaBackbone", "GemmaCausalLM", {
+        TINY: dict(_DECODER, num_query_heads=4, num_key_value_heads=2,
+                   head_dim=8),
+        "gemma_2b": dict(vocabulary_size=256000, num_layers=18,
+                         num_query_heads=8, num_key_value_heads=1,
+                         hidden_dim=2048, intermediate_dim=32768,
+                         head_dim=256),
+        "gemma_7b": dict(vocabulary_size=256000, num_layers=28,
+                         num_query_heads=16, num_key_value_heads=16,
+                         hidden_dim=3072, intermediate_dim=49152,
+                         head_dim=256),
+    }),
+    "qwen": ("QwenBackbone", "QwenCausalLM", {
+        TINY: dict(_DECODER, num_query_heads=4, num_key_value_heads=2),
+        "qwen2_5_0_5b": dict(vocabulary_size=151936, num_layers=24,
+                             num_query_heads=14, num_key_value_heads=2,
+                             hidden_dim=896, intermediate_dim=4864,
+                             tie_word_embeddings=True),
+        "qwen2_5_7b": dict(vocabulary_size=152064, num_layers=28,
+                           num_query_heads=28, num_key_value_heads=4,
+                           hidden_dim=3584, intermediate_dim=18944),
+    }),
+}
+
+# The sequence length each size reads from `stdlib_text`.
+CONTEXT_TINY, CONTEXT_PUBLISHED = 64, 1024
+
+
+def text_options(size: str | None) -> dict[str, int]:
+  """`stdlib_text`'s options for a size: short windows for `tiny`."""
+  return {"seq_len": CONTEXT_TINY if size in (None, TINY)
+          else CONTEXT_PUBLISHED}
+
+
+def check_preset(model: str, preset: str) -> None:
+  """Checks a `model_preset` setting without importing TensorFlow.
+
+  Raises:
+    ValueError: `model` is not a keras_hub model of this registry, or
+      `preset` is not a local preset directory (with its `config.json`).
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  if model not in FAMILIES:
+    raise ValueError(
+        f"model_preset={preset!r} is given for model={model!r}, which "
+        f"loads no keras_hub preset; use one of {', '.join(FAMILIES)}.")
+  if not os.path.isfile(os.path.join(str(preset), "config.json")):
+    raise ValueError(
+        f"model_preset={preset!r} is not a local keras_hub preset directory "
+        "(no config.json in it); nothing is downloaded: save one with "
+        "model.save_to_preset(DIR) or copy a downloaded preset there.")
+
+
+def _keras_hub():
+  try:
+    import keras_hub  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(
+        "the keras_hub models need keras-hub: pip install 'tfmgpu[hub]' "
+        f"(or keras-hub). ({e})") from e
+  return keras_hub
+
+
+def causal_lm(family: str, size: str = TINY, *, vocabulary_size: int,
+              sequence_length: int, preset: str | None = None) -> Any:
+  """A keras_hub `CausalLM` of `family` at `size` (no preprocessor), or the
+  one saved in the local preset directory `preset`."""
+  hub = _keras_hub()
+  backbone_name, task_name, sizes = FAMILIES[family]
+  task = getattr(hub.models, task_name)
+  # No default compile: tfmgpu compiles (and a plan's shapes-only build
+  # may make no optimizer variables).
+  if preset is not None:
+    return task.from_preset(preset, preprocessor=None, compile=False)
+  if size not in sizes:
+    raise ValueError(f"model_size={size!r} is not a size of model "
+                     f"{family!r}. Choose one of {', '.join(sizes)}.")
+  config = dict(sizes[size])
+  config.setdefault("vocabulary_size", vocabulary_size)
+  if family == "gpt2":
+    config["max_sequence_length"] = max(sequence_length, 1024 if size != TINY
+                                        else sequence_length)
+  backbone = getattr(hub.models, backbone_name)(**config)
+  return task(backbone=backbone, preprocessor=None, compile=False)
+
+
+def _token_shape(input_shape: Any) -> tuple[int, bool]:
+  """`(T, has a padding mask input)` of the data's example shape."""
+  if isinstance(input_shape, Mapping):
+    shape = tuple(input_shape.get("token_ids", input_shape.get("tokens",
+                                                               ())))
+    masked = "padding_mask" in input_shape
+  else:
+    shape, masked = tuple(input_shape), False
+  if len(shape) != 1 or not shape[0]:
+    raise ValueError(
+        f"input_shape={input_shape!r} must be (T,) token ids per example "
+        "(or a dict with token_ids and padding_mask): train a keras_hub "
+        "model on token data (stdlib_text, the default).")
+  return int(shape[0]), masked
+
+
+def build(family: str, input_shape: Any, num_classes: int, *,
+          size: str = TINY, preset: str | None = None) -> "keras.Model":
+  """The `CausalLM` wrapped to take tfmgpu's token data; see the module."""
+  length, masked = _token_shape(input_shape)
+  lm = causal_lm(family, size, vocabulary_size=int(num_classes or 256),
+                 sequence_length=length, preset=preset)
+  ids = keras.Input((length,), dtype="int32", name="token_ids")
+  if masked:
+    mask = keras.Input((length,), dtype="int32", name="padding_mask")
+    inputs: Any = {"token_ids": ids, "padding_mask": mask}
+  else:
+    inputs = ids
+    mask = keras.ops.ones_like(ids)
+  logits = lm({"token_ids": ids, "padding_mask": mask})
+  return keras.Model(inputs, logits, name=family)
+
+
+def _register(family: str, title: str) -> None:
+  sizes = tuple(FAMILIES[family][2])
+
+  def builder(input_shape: Any, num_classes: int, *, size: str = TINY,
+              preset: str | None = None) -> "keras.Model":
+    return build(family, input_shape, num_classes, size=size, preset=preset)
+
+  builder.__name__ = family
+  builder.__doc__ = f"keras_hub's {title} `CausalLM` (see `models.hub`)."
+  register_model(
+      family, f"keras_hub {title} causal LM (random weights; sizes "
+      f"{sizes[0]} .. {sizes[-1]}; --model_preset=DIR loads a local preset; "
+      "reads stdlib_text unless --dataset is given).", sizes=sizes,
+      dataset="stdlib_text", dataset_options=text_options)(builder)
+
+
+for _family, _title in (("gpt2", "GPT-2"), ("llama", "Llama"),
+                        ("gemma", "Gemma"), ("qwen", "Qwen")):
+  _register(_family, _title)
