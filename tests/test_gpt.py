@@ -142,7 +142,8 @@ def test_model_size_reaches_the_builder_and_is_checked():
                      r"model 'gpt'. Choose one of tiny, mini, gpt2_small"):
     TrainConfig(model="gpt", model_size="huge")
   with pytest.raises(ValueError, match=r"model 'convnet' has no named sizes; "
-                     r"drop model_size, or use a model that has them \(gpt\)"):
+                     r"drop model_size, or use a model that has them "
+                     r"\(gemma, gpt, gpt2, llama, qwen\)"):
     TrainConfig(model="convnet", model_size="tiny")
 
 
