@@ -31,10 +31,11 @@ def test_main_in_process_trains_and_saves(tmp_path, capsys):
   assert (tmp_path / "checkpoints" / "checkpoint").exists()
 
 
-def test_one_run_looks_the_strategy_up_once(tmp_path, monkeypatch):
-  """Issue 25: `--strategy` is resolved once per run, by the config, which
-  hands the distribution and its options down (the flag validators' early
-  check runs at parsing, before `main`)."""
+@pytest.mark.parametrize("strategy", ["mirrored", "auto"])
+def test_one_run_looks_the_strategy_up_once(strategy, tmp_path, monkeypatch):
+  """Issue 25: `--strategy` is resolved once per run: by the flag check at
+  parsing, whose distribution the config reuses and hands down; `auto`'s
+  chosen layout needs no second lookup."""
   from tfmgpu import strategies
   from tfmgpu.strategies import registry
   looked_up = []
@@ -44,14 +45,15 @@ def test_one_run_looks_the_strategy_up_once(tmp_path, monkeypatch):
     looked_up.append(name)
     return lookup(name)
 
-  with flagsaver.flagsaver(strategy="mirrored", num_replicas=2, model="mlp",
-                           epochs=1, steps_per_epoch=2, verbose=0,
-                           model_dir=str(tmp_path)):
+  argv = ["train", f"--strategy={strategy}", "--model=mlp", "--epochs=1",
+          "--steps_per_epoch=2", "--verbose=0", f"--model_dir={tmp_path}"]
+  with flagsaver.flagsaver():
     with monkeypatch.context() as patch:
       patch.setattr(registry, "lookup", counted)
       patch.setattr(strategies, "lookup", counted)
+      flags.FLAGS(argv)  # Parsed as the CLI parses: the validators run.
       assert train.main(["train"]) == 0
-  assert looked_up == ["mirrored"]
+  assert looked_up == [strategy]
 
 
 def test_config_errors_become_usage_errors():

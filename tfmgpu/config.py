@@ -79,6 +79,9 @@ class RunSettings:
 
   Each field is declared once with `tfmgpu.settings.setting`: its help is
   the CLI flag's and the line `TrainConfig`'s docstring gives it.
+  `_distribution` (not a field) hands in the registered distribution that
+  `strategy` names when the caller has it already (`replace`, the CLI's
+  flag check): the registry is then not asked again.
   """
   strategy: str = setting(
       "mirrored", "How to spread work over devices; see "
@@ -170,7 +173,9 @@ class RunSettings:
       "log messages (hidden otherwise, unless TF_CPP_MIN_LOG_LEVEL is set).",
       lower_bound=0, upper_bound=2)
 
-  def __post_init__(self):
+  _distribution: dataclasses.InitVar[Any] = None  # Keyword only, in effect.
+
+  def __post_init__(self, _distribution: Any = None):
     if isinstance(self.metrics, str):  # "mae,mse", as the flag takes it.
       object.__setattr__(self, "metrics", tuple(
           m.strip() for m in self.metrics.split(",") if m.strip()))
@@ -180,10 +185,10 @@ class RunSettings:
     for name in ("devices", "split_points"):  # `--devices=`: none given.
       if getattr(self, name) == ():
         object.__setattr__(self, name, None)
-    # Resolved once: `replace` hands a copy with the same strategy this
-    # config's distribution (see `_resolved`).
-    distribution = self.__dict__.get("_distribution") or strategies_lib.lookup(
-        self.strategy)
+    # Resolved once: a caller that has the distribution hands it in.
+    distribution = _distribution
+    if distribution is None or distribution.name != str(self.strategy).lower():
+      distribution = strategies_lib.lookup(self.strategy)
     object.__setattr__(self, "_distribution", distribution)
     object.__setattr__(self, "strategy", distribution.name)  # Any case in.
     models_lib.check_model(self.model)  # The user's code: found, not run.
@@ -384,18 +389,9 @@ class RunSettings:
       if "model_size" not in changes and self.model_size == (
           models_lib.default_size(self.model)):
         changes["model_size"] = None
-    return self._resolved(**changes)
-
-  def _resolved(self, **changes: Any) -> "TrainConfig":
-    """`dataclasses.replace(self, **changes)`, keeping this config's
-    distribution when the strategy stays (no second registry lookup)."""
-    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    values.update(changes)
-    config = object.__new__(type(self))
-    if values["strategy"] == self.strategy:
-      object.__setattr__(config, "_distribution", self._distribution)
-    config.__init__(**values)  # pylint: disable=unnecessary-dunder-call
-    return config
+    if changes.get("strategy", self.strategy) == self.strategy:
+      changes["_distribution"] = self._distribution  # No second lookup.
+    return dataclasses.replace(self, **changes)
 
 
 def _option_fields(run_fields: set[str]) -> list[tuple[str, Any, Any]]:

@@ -28,6 +28,7 @@ from tfmgpu import strategies as strategies_lib
 from tfmgpu.config import TrainConfig
 from tfmgpu.parallel import placed_model
 from tfmgpu.placements import base as placements_base
+from tfmgpu.placements import model_parallel
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training.loop import Trainer
 from tfmgpu.training.loop import TrainResult
@@ -158,7 +159,7 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
              optimizer=config.optimizer, input_shape=arrays.input_shape)
   text = distribution.plan_text(model, config.options, **run)
   if text is None:  # No plan of its own: the stage options' plan.
-    stages = strategies_lib.lookup("model_parallel")
+    stages = model_parallel.ModelParallel()  # Not a second registry lookup.
     text = stages.plan_text(model, stages.options_from(config), **run)
   return text
 

@@ -58,6 +58,9 @@ _FLAGS = flags_lib.define_settings(config_lib.TrainConfig,
 _VERBOSE = _FLAGS["verbose"]
 _PLAN_ONLY = flags.DEFINE_bool(
     "plan_only", False, "Print the stage plan and memory estimate; no training.")
+# The distribution `--strategy` names, as the flag check resolved it at
+# parsing: `config_from_flags` hands it to the config (one lookup a run).
+_RESOLVED: dict[str, strategies_lib.Distribution] = {}
 
 
 @flags.multi_flags_validator(
@@ -68,6 +71,8 @@ def _batch_divides(values) -> bool:
   """A data-parallel strategy's replica rule, as an early flag error (the
   other rules are the config's, checked in `main`)."""
   distribution = strategies_lib.lookup(values["strategy"])
+  _RESOLVED.clear()
+  _RESOLVED[values["strategy"]] = distribution
   if distribution.kind is not strategies_lib.Kind.DATA_PARALLEL:
     return True
   try:  # Options it rejects are the config's to explain, in `main`.
@@ -104,9 +109,11 @@ def _known_model_size(values) -> bool:
 
 
 def config_from_flags() -> config_lib.TrainConfig:
-  """Turns the parsed flags into one validated `TrainConfig`."""
+  """Turns the parsed flags into one validated `TrainConfig` (with the
+  distribution the flag check looked up)."""
+  values = flags_lib.config_values(config_lib.TrainConfig)
   return config_lib.TrainConfig(
-      **flags_lib.config_values(config_lib.TrainConfig))
+      **values, _distribution=_RESOLVED.get(values.get("strategy")))
 
 
 def main(argv: list[str]) -> int:

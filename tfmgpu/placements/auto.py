@@ -25,8 +25,18 @@ from tfmgpu.parallel.choices import PARTITION_CHOICES
 from tfmgpu import settings
 from tfmgpu.placements import base
 from tfmgpu.placements import model_parallel
+from tfmgpu.placements import pipeline
+from tfmgpu.placements import tensor_parallel
 from tfmgpu.settings import setting
+from tfmgpu.strategies import data_parallel
 from tfmgpu.strategies import registry
+
+# The layouts `tfmgpu.parallel.auto` chooses among, by the name its plan
+# gives: held here, so that the choice needs no second registry lookup
+# (a run looks `--strategy` up once: `auto`).
+_LAYOUTS: dict[str, registry.Distribution] = {
+    d.name: d() for d in (data_parallel.Mirrored, model_parallel.ModelParallel,
+                          pipeline.Pipeline, tensor_parallel.TensorParallel)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +111,7 @@ def choose(model: Any, options: AutoOptions,
 def resolve(plan: Any, options: AutoOptions
             ) -> tuple[registry.Distribution, Any]:
   """The chosen distribution and its options."""
-  chosen = registry.lookup(plan.chosen.strategy)
+  chosen = _LAYOUTS[plan.chosen.strategy]
   values = plan.chosen.options()
   if chosen.name == "mirrored":
     values["single_replica"] = "default"

@@ -79,7 +79,7 @@ def register_sharded_placement(place: Callable[..., registry.Placement],
 
 def _sharded_placement(what: str) -> Callable[..., Any]:
   if not _SHARDED_PLACEMENT:
-    registry.lookup("mirrored")  # Discovers the built-in providers.
+    registry.registered()  # Discovers the built-in providers.
   if not _SHARDED_PLACEMENT:
     raise RuntimeError("zero_stage needs tfmgpu.placements.sharded, which "
                        "registers the sharded placement; import tfmgpu.")
