@@ -384,7 +384,8 @@ def test_predict_cli_reads_the_dataset_of_the_run_and_fits_its_windows(
   from tfmgpu import rundir  # pylint: disable=g-import-not-at-top
   from tfmgpu.config import TrainConfig  # pylint: disable=g-import-not-at-top
   assert predict_cli._recorded_dataset(str(tmp_path))[0] == "digits"  # pylint: disable=protected-access
-  rundir.write_record(str(tmp_path), rundir.record_of(TrainConfig(model="gpt")))
+  rundir.write_record(str(tmp_path), rundir.record_of(
+      TrainConfig(model="gpt").recorded_run))
   model_file = str(tmp_path / "model.keras")
   assert predict_cli._recorded_dataset(model_file)[0] == "stdlib_text"  # pylint: disable=protected-access
   assert predict_cli._recorded_dataset(str(tmp_path))[0] == "stdlib_text"  # pylint: disable=protected-access

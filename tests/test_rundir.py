@@ -141,7 +141,7 @@ def test_a_model_dir_that_cannot_be_a_directory_is_named(tmp_path, how):
 def _record(**changes):
   config = TrainConfig(strategy="one_device", model="mlp", epochs=2,
                        steps_per_epoch=5).replace(**changes)
-  return rundir.record_of(config)
+  return rundir.record_of(config.recorded_run)
 
 
 def _with_checkpoint(model_dir):
@@ -157,10 +157,12 @@ def test_the_record_holds_the_run(tmp_path):
       "placement": "data_parallel", "micro_batches": None}
   assert (record["learning_rate"], record["epochs"]) == (2e-3, 2)
   assert set(record["versions"]) == {"tfmgpu", "tensorflow", "keras"}
-  assert rundir.record_of(TrainConfig(strategy="pipeline", num_stages=3))[
+  assert rundir.record_of(TrainConfig(
+      strategy="pipeline", num_stages=3).recorded_run)[
       "placement"] == "pipeline (num_stages=3, partition=balanced)"
   assert rundir.record_of(TrainConfig(  # Hybrid sizes shape checkpoints.
-      strategy="pipeline", num_stages=2, data_parallel=2, tensor_parallel=2))[
+      strategy="pipeline", num_stages=2, data_parallel=2,
+      tensor_parallel=2).recorded_run)[
           "placement"] == ("pipeline (num_stages=2, partition=balanced, "
                            "data_parallel=2, tensor_parallel=2)")
   lock = rundir.open_run(str(tmp_path), record)
@@ -191,7 +193,7 @@ def test_a_resume_that_changes_what_checkpoints_depend_on_is_refused(
                      r"\(num_stages=2, partition=balanced\)' \(--strategy\)"):
     rundir.check_record(str(tmp_path), rundir.record_of(
         TrainConfig(strategy="pipeline", model="mlp", epochs=2,
-                    steps_per_epoch=5)))
+                    steps_per_epoch=5).recorded_run))
 
 
 def test_a_resume_applies_and_logs_what_may_change(tmp_path, caplog):
@@ -229,7 +231,8 @@ def test_a_change_of_micro_batches_is_refused(tmp_path):
   """Issue 29 item 3: micro-batches decide a pipeline's arithmetic."""
   def pipeline(micro_batches):
     return rundir.record_of(TrainConfig(
-        strategy="pipeline", model="mlp", micro_batches=micro_batches))
+        strategy="pipeline", model="mlp",
+        micro_batches=micro_batches).recorded_run)
   assert pipeline(4)["micro_batches"] == 4
   rundir.open_run(str(tmp_path), pipeline(4)).release()
   _with_checkpoint(tmp_path)

@@ -25,6 +25,7 @@ from tfmgpu import checks
 from tfmgpu import cluster
 from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
+from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
 from tfmgpu import settings
 from tfmgpu import user_code
@@ -354,6 +355,19 @@ class RunSettings:
         global_batch_size=self.global_batch_size,
         virtual_devices=self.virtual_devices, model=self.model,
         model_size=self.model_size)
+
+  @property
+  def recorded_run(self) -> rundir.RecordedRun:
+    """What `run.json` records of this run (`rundir.record_of`)."""
+    layout = self.distribution.record(self.options)
+    return rundir.RecordedRun(
+        strategy=self.strategy, placement=layout["placement"],
+        micro_batches=layout["micro_batches"], model=self.model,
+        model_size=self.model_size, optimizer=self.optimizer,
+        global_batch_size=self.global_batch_size, seed=self.seed,
+        dataset=self.dataset, learning_rate=self.learning_rate,
+        epochs=self.epochs, steps_per_epoch=self.steps_per_epoch,
+        loss=self.loss, metrics=self.metrics, data_path=self.data_path)
 
   @property
   def cluster_target(self) -> cluster.ClusterTarget:

@@ -30,6 +30,7 @@ Importing this module imports nothing heavy (no TensorFlow).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import fcntl
@@ -353,23 +354,48 @@ def _resolved(record: dict[str, Any]) -> dict[str, Any]:
   return resolved
 
 
-def record_of(config: Any) -> dict[str, Any]:
-  """The record of a `TrainConfig`: what `run.json` holds (its
-  distribution records what shapes the checkpoints: `Distribution.record`)."""
-  layout = config.distribution.record(config.options)
+@dataclasses.dataclass(frozen=True)
+class RecordedRun:
+  """What `run.json` records of a run (`record_of`): the settings its
+  checkpoints depend on (`FIXED`) and those a resume may change
+  (`CHANGEABLE`). `TrainConfig.recorded_run` makes one.
+
+  Attributes:
+    placement: the distribution's word for what shapes the checkpoints
+      (`Distribution.record`), e.g. `"pipeline (num_stages=3, ...)"`.
+    micro_batches: a pipeline's micro-batches, else `None`.
+  """
+  strategy: str
+  placement: str
+  micro_batches: int | None
+  model: str
+  model_size: str | None
+  optimizer: str
+  global_batch_size: int
+  seed: int
+  dataset: str | None
+  learning_rate: float
+  epochs: int
+  steps_per_epoch: int | None
+  loss: str | None = None
+  metrics: tuple[str, ...] | None = None
+  data_path: str | None = None
+
+
+def record_of(run: RecordedRun) -> dict[str, Any]:
+  """What `run.json` holds for `run` (the user's files named absolutely,
+  the versions of tfmgpu, TensorFlow and Keras added)."""
   return _resolved({
-      "model": config.model,
-      "model_size": getattr(config, "model_size", None),
-      "optimizer": config.optimizer,
-      "global_batch_size": config.global_batch_size, "seed": config.seed,
-      "dataset": config.dataset, "placement": layout["placement"],
-      "micro_batches": layout["micro_batches"],
-      "learning_rate": config.learning_rate, "epochs": config.epochs,
-      "steps_per_epoch": config.steps_per_epoch,
-      "loss": getattr(config, "loss", None),
-      "metrics": (list(config.metrics) if getattr(config, "metrics", None)
-                  is not None else None),  # As JSON reads it back.
-      "strategy": config.strategy, "data_path": config.data_path,
+      "model": run.model, "model_size": run.model_size,
+      "optimizer": run.optimizer,
+      "global_batch_size": run.global_batch_size, "seed": run.seed,
+      "dataset": run.dataset, "placement": run.placement,
+      "micro_batches": run.micro_batches,
+      "learning_rate": run.learning_rate, "epochs": run.epochs,
+      "steps_per_epoch": run.steps_per_epoch, "loss": run.loss,
+      "metrics": (list(run.metrics) if run.metrics is not None
+                  else None),  # As JSON reads it back.
+      "strategy": run.strategy, "data_path": run.data_path,
       "versions": versions(),
   })
 
@@ -433,7 +459,7 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
 
   Args:
     model_dir: the run directory.
-    record: this run's (`record_of(config)`).
+    record: this run's (`record_of(config.recorded_run)`).
     write: write the record (the chief); `False` only compares.
 
   Returns:
@@ -526,7 +552,7 @@ def open_run(model_dir: str, record: Mapping[str, Any], *,
 
   Args:
     model_dir: the run directory.
-    record: this run's (`record_of(config)`).
+    record: this run's (`record_of(config.recorded_run)`).
     chief: this process writes the run's outputs: it creates the directory,
       takes the lock, deletes temporary files that a killed run left
       (`files.remove_stale_temporaries`) and writes the record. Other

@@ -199,7 +199,7 @@ def open_run_dir(config: config_lib.TrainConfig, role: cluster.TaskRole
   record (`tfmgpu.rundir`); returns the config naming it and the lock."""
   model_dir = config.model_dir or rundir.default_model_dir(config.strategy)
   config = config.replace(model_dir=model_dir)
-  lock = rundir.open_run(model_dir, rundir.record_of(config),
+  lock = rundir.open_run(model_dir, rundir.record_of(config.recorded_run),
                          chief=cluster.writes_outputs(role,
                                                       config.cluster_target))
   return config, lock
