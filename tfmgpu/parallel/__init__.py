@@ -2,6 +2,8 @@
 only modules listed before it):
 
 * `choices`: the partition criteria and schedule names (no TensorFlow);
+* `layout`: `Layout`, the sizes of a data x pipeline x tensor layout and
+  its device mesh (no TensorFlow);
 * `placed_model`: the `PlacedModel` protocol and `is_placed`, what callers
   may ask of a placed model (no TensorFlow);
 * `graph`: a Keras model's layer calls in topological order and the tensors
@@ -33,7 +35,8 @@ only modules listed before it):
   rules): the kernels inside blocks split by variable path;
 * `replicated`: `ReplicatedModel`, data-parallel copies of a placed model,
   gradients summed per group of devices holding the same part;
-* `hybrid`: `Layout` and `build_layout`, data x pipeline x tensor meshes;
+* `hybrid`: `build_layout`, data x pipeline x tensor meshes (`Layout`
+  re-exported);
 * `zero_memory`: per-device bytes held and sent under ZeRO stages 0-3;
 * `zero`: `ShardedModel`, data parallelism with weights, gradients and
   optimizer slots sharded over the replica devices (ZeRO stages 1-3);
@@ -62,7 +65,7 @@ from typing import Any
 
 _EXPORTS = {
     "BranchParallel": "tfmgpu.parallel.branches",
-    "Layout": "tfmgpu.parallel.hybrid",
+    "Layout": "tfmgpu.parallel.layout",
     "PipelinedModel": "tfmgpu.parallel.pipeline",
     "ReplicatedModel": "tfmgpu.parallel.replicated",
     "ShardedModel": "tfmgpu.parallel.zero",
@@ -77,10 +80,10 @@ _EXPORTS = {
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
 _SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
-               "hybrid", "inspection", "links", "microbatch", "partition",
-               "pipeline", "pipeline_step", "placed", "plan", "replicated",
-               "schedule", "shared", "staged", "tensor", "timeline", "zero",
-               "zero_memory")
+               "hybrid", "inspection", "layout", "links", "microbatch",
+               "partition", "pipeline", "pipeline_step", "placed", "plan",
+               "replicated", "schedule", "shared", "staged", "tensor",
+               "timeline", "zero", "zero_memory")
 
 __all__ = sorted(_EXPORTS)
 

@@ -1,10 +1,11 @@
 """Hybrid layouts: data x pipeline x tensor parallelism from the parts.
 
-A `Layout` names the three sizes: `R` data-parallel replicas, each a chain
-of `K` stages, each stage's split layers sharded over `T` devices, so
-`R * K * T` devices in all, ordered replica-major with the tensor shards
-innermost (the shards of one layer, which talk in every block, are
-neighbours: on a GPU host, the devices joined by the fastest links):
+A `Layout` (`tfmgpu.parallel.layout`, plain data without Keras) names the
+three sizes: `R` data-parallel replicas, each a chain of `K` stages, each
+stage's split layers sharded over `T` devices, so `R * K * T` devices in
+all, ordered replica-major with the tensor shards innermost (the shards of
+one layer, which talk in every block, are neighbours: on a GPU host, the
+devices joined by the fastest links):
 
     device index = r * (K * T) + k * T + t
 
@@ -33,54 +34,7 @@ from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import plan as plan_lib
 from tfmgpu.parallel import replicated
 from tfmgpu.parallel import staged
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """The sizes of a hybrid layout.
-
-  Attributes:
-    data: `R`, data-parallel replicas.
-    stages: `K`, pipeline (or model-parallel) stages per replica.
-    tensor: `T`, devices each split layer is sharded over.
-    micro_batches: micro-batches per step of each replica's pipeline;
-      `None` runs the stages one after another (model parallelism).
-    schedule: the pipeline's schedule, `gpipe` or `1f1b`.
-    recompute: recompute activations in the pipeline's backward.
-  """
-  data: int = 1
-  stages: int = 1
-  tensor: int = 1
-  micro_batches: int | None = None
-  schedule: str = "gpipe"
-  recompute: bool = False
-
-  def __post_init__(self):
-    for name in ("data", "stages", "tensor"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1.")
-
-  @property
-  def num_devices(self) -> int:
-    return self.data * self.stages * self.tensor
-
-  @property
-  def label(self) -> str:
-    """E.g. `data 2 x stages 2 x tensor 2`."""
-    return (f"data {self.data} x stages {self.stages} x tensor "
-            f"{self.tensor}")
-
-  def mesh(self, devices: Sequence[str]) -> list[list[list[str]]]:
-    """`mesh[r][k][t]`: the device of replica `r`, stage `k`, shard `t`."""
-    if len(devices) < self.num_devices:
-      raise ValueError(
-          f"The layout {self.label} needs {self.num_devices} devices but "
-          f"{len(devices)} are given ({list(devices)}). Use fewer replicas, "
-          "stages or shards, or more devices (--virtual_devices on CPU).")
-    k, t = self.stages, self.tensor
-    return [[[devices[r * k * t + s * t + i] for i in range(t)]
-             for s in range(k)] for r in range(self.data)]
+from tfmgpu.parallel.layout import Layout  # Re-exported: `hybrid.Layout`.
 
 
 def stage_homes(grid: list[list[str]]) -> list[str]:

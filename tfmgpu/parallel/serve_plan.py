@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 from tfmgpu.parallel import accounting
 from tfmgpu.parallel import kv_cache
+from tfmgpu.parallel import layout as layout_lib
 from tfmgpu.parallel import plan as plan_lib
 
 GOALS = ("latency", "throughput")
@@ -67,16 +68,6 @@ class ServeCandidate:
     return " x ".join(parts) or "one device"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  data: int = 1
-  stages: int = 1
-  tensor: int = 1
-  micro_batches: int | None = None
-  schedule: str = "gpipe"
-  recompute: bool = False
-
-
 def _step_s(acc: accounting.LayoutAccount, hw: accounting.Hardware,
             rows: int, width: int) -> float:
   """One decode step for `rows` rows of one copy (module docstring)."""
@@ -96,8 +87,8 @@ def _step_s(acc: accounting.LayoutAccount, hw: accounting.Hardware,
   return min(one_by_one, overlapped) if K > 1 else one_by_one
 
 
-def _weigh(model: Any, hw: accounting.Hardware, layout: _Layout, rows: int,
-           context: int, width: int, rules: Any) -> ServeCandidate:
+def _weigh(model: Any, hw: accounting.Hardware, layout: layout_lib.Layout,
+           rows: int, context: int, width: int, rules: Any) -> ServeCandidate:
   acc = accounting.account(model, layout, global_batch_size=layout.data,
                            rules=rules, devices=hw.devices(
                                layout.stages * layout.tensor))
@@ -120,7 +111,7 @@ def _layouts(model: Any, hw: accounting.Hardware, rules: Any):
       continue
     for k in range(1, min(blocks, hw.num_devices // t) + 1):
       for r in range(1, hw.num_devices // (t * k) + 1):
-        yield _Layout(r, k, t)
+        yield layout_lib.Layout(r, k, t)
 
 
 def weigh_serving(model: Any, hardware: accounting.Hardware, *, batch: int,

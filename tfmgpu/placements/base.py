@@ -27,6 +27,7 @@ from absl import logging
 
 from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
+from tfmgpu.parallel import layout as layout_lib
 from tfmgpu.settings import Record
 from tfmgpu.settings import setting
 from tfmgpu.strategies import registry
@@ -78,14 +79,19 @@ class LayoutOptions:
     return self.data_parallel > 1 or self.tensor_parallel > 1
 
   @property
+  def sizes(self) -> layout_lib.Layout:
+    """The layout's sizes (no micro-batches: see `layout_of`)."""
+    return layout_lib.Layout(data=self.data_parallel, stages=self.stages,
+                             tensor=self.tensor_parallel)
+
+  @property
   def devices_needed(self) -> int:
-    return self.data_parallel * self.stages * self.tensor_parallel
+    return self.sizes.num_devices
 
   @property
   def label(self) -> str:
     """`data 2 x stages 2 x tensor 2`, as the summary prints it."""
-    return (f"data {self.data_parallel} x stages {self.stages} x tensor "
-            f"{self.tensor_parallel}")
+    return self.sizes.label
 
 
 class LayoutPlacement(registry.Distribution):
@@ -109,11 +115,9 @@ class LayoutPlacement(registry.Distribution):
     return None
 
   def layout_of(self, options: Any) -> Any:
-    """The `tfmgpu.parallel.hybrid.Layout` of `options`."""
-    from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
-    return hybrid.Layout(data=options.data_parallel, stages=options.stages,
-                         tensor=options.tensor_parallel,
-                         micro_batches=self.micro_batches(options))
+    """The `tfmgpu.parallel.layout.Layout` of `options`."""
+    return dataclasses.replace(options.sizes,
+                               micro_batches=self.micro_batches(options))
 
   def uses_layout_devices(self, options: Any) -> bool:
     """Whether the layout takes the first `devices_needed` devices found."""

@@ -1,0 +1,63 @@
+"""The sizes of a hybrid layout: data x pipeline x tensor parallelism.
+
+A `Layout` is plain data, importable without Keras or TensorFlow: the
+planners that weigh layouts (`serve_plan`, `accounting`) and the
+placements that name one (`Distribution.layout_of`) use it, and
+`tfmgpu.parallel.hybrid.build_layout` builds it (`hybrid.Layout` is this
+class). Devices are ordered replica-major with the tensor shards innermost:
+
+    device index = r * (K * T) + k * T + t
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The sizes of a hybrid layout.
+
+  Attributes:
+    data: `R`, data-parallel replicas.
+    stages: `K`, pipeline (or model-parallel) stages per replica.
+    tensor: `T`, devices each split layer is sharded over.
+    micro_batches: micro-batches per step of each replica's pipeline;
+      `None` runs the stages one after another (model parallelism).
+    schedule: the pipeline's schedule, `gpipe` or `1f1b`.
+    recompute: recompute activations in the pipeline's backward.
+  """
+  data: int = 1
+  stages: int = 1
+  tensor: int = 1
+  micro_batches: int | None = None
+  schedule: str = "gpipe"
+  recompute: bool = False
+
+  def __post_init__(self):
+    for name in ("data", "stages", "tensor"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1.")
+
+  @property
+  def num_devices(self) -> int:
+    return self.data * self.stages * self.tensor
+
+  @property
+  def label(self) -> str:
+    """E.g. `data 2 x stages 2 x tensor 2`."""
+    return (f"data {self.data} x stages {self.stages} x tensor "
+            f"{self.tensor}")
+
+  def mesh(self, devices: Sequence[str]) -> list[list[list[str]]]:
+    """`mesh[r][k][t]`: the device of replica `r`, stage `k`, shard `t`."""
+    if len(devices) < self.num_devices:
+      raise ValueError(
+          f"The layout {self.label} needs {self.num_devices} devices but "
+          f"{len(devices)} are given ({list(devices)}). Use fewer replicas, "
+          "stages or shards, or more devices (--virtual_devices on CPU).")
+    k, t = self.stages, self.tensor
+    return [[[devices[r * k * t + s * t + i] for i in range(t)]
+             for s in range(k)] for r in range(self.data)]
