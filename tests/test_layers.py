@@ -310,8 +310,8 @@ def later():
 # The rooms the Trainer (`training/loop.py`) is a thin front over: its
 # settings, input plan, executions (runner and evaluator pairs), runners,
 # evaluator and controller. None imports the front.
-TRAINER_ROOMS = ("controller", "coordinator", "evaluation", "execution",
-                 "feeds", "inputs", "model_checks", "runners",
+TRAINER_ROOMS = ("batches", "controller", "coordinator", "evaluation",
+                 "execution", "feeds", "inputs", "model_checks", "runners",
                  "trainer_options")
 
 

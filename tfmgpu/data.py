@@ -4,7 +4,8 @@ The registry, `Arrays` and the built-in datasets live in the
 `tfmgpu.datasets` package; this module keeps their names importable as
 `tfmgpu.data.*`. Batch arithmetic (`check_global_batch`, `epoch_order`) and
 the per-replica pipeline (seeded shuffle, global batch, shard per input
-pipeline, prefetch) are `tfmgpu.training.inputs`'.
+pipeline, prefetch) are `tfmgpu.training.batches`' (re-exported by
+`tfmgpu.training.inputs`).
 
 Importing this module does not import TensorFlow.
 """

@@ -21,10 +21,10 @@ says who batches what (the Keras conventions):
 
 Anything else is refused with an error naming the argument and its type.
 
-Batch arithmetic lives here too: `check_global_batch` (a global batch over
-the replicas) and `epoch_order` (each epoch's order of arrays, fixed by the
-seed and the epoch, so that a resumed run reads what an uninterrupted one
-would).
+Batch arithmetic and the `tf.data` pipelines over arrays are
+`tfmgpu.training.batches`' (`check_global_batch`, `epoch_order`,
+`array_dataset_fn`, ...); this module re-exports them, so callers ask one
+room about inputs.
 """
 
 from __future__ import annotations
@@ -37,42 +37,25 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmgpu import checks
+from tfmgpu.training.batches import array_dataset_fn
+from tfmgpu.training.batches import check_global_batch
+from tfmgpu.training.batches import dataset_fn_from_step
+from tfmgpu.training.batches import distribute_arrays
+from tfmgpu.training.batches import epoch_indices
+from tfmgpu.training.batches import epoch_order
+from tfmgpu.training.batches import pad_rows
+from tfmgpu.training.batches import with_mask
+
+__all__ = [
+    "INFINITE", "ArrayData", "DatasetData", "DatasetFnData", "InputData",
+    "from_user", "from_validation_data",
+    # Re-exported from `tfmgpu.training.batches`.
+    "array_dataset_fn", "check_global_batch", "dataset_fn_from_step",
+    "distribute_arrays", "epoch_indices", "epoch_order", "pad_rows",
+    "with_mask",
+]
 
 INFINITE = -1
-
-
-# ------------------------------------------------------ batch arithmetic
-
-def check_global_batch(global_batch_size: int, num_replicas: int,
-                       what: str = "the strategy") -> int:
-  """Returns the per-replica batch size, or raises a clear error.
-
-  Raises:
-    ValueError: not a positive multiple of `num_replicas`.
-  """
-  if global_batch_size < 1:
-    raise ValueError(f"global_batch_size={global_batch_size} must be >= 1.")
-  checks.check_divisible("global_batch_size", global_batch_size,
-                         num_replicas, f"the {num_replicas} replicas of {what}")
-  return global_batch_size // num_replicas
-
-
-def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-  """The example order of one epoch: a permutation fixed by (seed, epoch).
-
-  Deriving it from the epoch number (not from an iterator's state) makes a
-  resumed run see exactly the data an uninterrupted run would.
-  """
-  return np.random.default_rng([seed, epoch]).permutation(num_examples)
-
-
-def epoch_indices(num_examples: int, *, seed: int, epoch: int,
-                  shuffle: bool) -> np.ndarray:
-  """`epoch_order(num_examples, seed, epoch)` if `shuffle`, else input order."""
-  if shuffle:
-    return epoch_order(num_examples, seed, epoch)
-  return np.arange(num_examples)
 
 
 def _as_structure(value: Any, what: str) -> Any:
@@ -154,14 +137,6 @@ class ArrayData:
     return (grown[0], grown[1], mask) + tuple(grown[2:])
 
 
-def pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
-  """`a` with zero rows appended up to `rows` rows (`a` itself if it has
-  them)."""
-  if len(a) == rows:
-    return a
-  return np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])
-
-
 @dataclasses.dataclass
 class DatasetData:
   """A user's `tf.data.Dataset` of global batches (see the module docstring)."""
@@ -203,22 +178,6 @@ class DatasetFnData:
     if n == int(tf.data.INFINITE_CARDINALITY):
       return INFINITE
     return None if n < 0 else n // local
-
-
-def dataset_fn_from_step(fn: Callable[..., tf.data.Dataset], step: int):
-  """`fn` started at global step `step`: `fn.from_step(step)` when `fn` can
-  seek, else `fn(ctx)` with the batches of `step` steps skipped (a step takes
-  one batch per replica that the pipeline feeds)."""
-  if not step:
-    return fn
-  if hasattr(fn, "from_step"):
-    return fn.from_step(step)
-
-  def skipped(ctx):
-    per_pipeline = max(ctx.num_replicas_in_sync // ctx.num_input_pipelines, 1)
-    return fn(ctx).skip(step * per_pipeline)
-
-  return skipped
 
 
 def _pipeline_id(strategy: tf.distribute.Strategy, pipelines: int) -> int:
@@ -306,46 +265,3 @@ def from_validation_data(validation_data: Any) -> InputData:
                      "(x_val, y_val), (x_val, y_val, sample_weight) or a "
                      "tf.data.Dataset.")
   return from_user(validation_data, what="validation_data")
-
-
-def with_mask(dataset: tf.data.Dataset) -> tf.data.Dataset:
-  """`(x, y[, sw])` batches as `(x, y, mask[, sw])` with a mask of ones."""
-  def add(*batch):
-    rows = tf.shape(tf.nest.flatten(batch[0])[0])[0]
-    return (batch[0], batch[1], tf.ones([rows], tf.float32)) + tuple(batch[2:])
-  return dataset.map(add)
-
-
-def array_dataset_fn(data: tuple, *, global_batch_size: int,
-                     order: np.ndarray | None, drop_remainder: bool,
-                     repeat: bool = False):
-  """`fn(input_context)` over in-memory arrays (the order of `epoch_order`:
-  pipeline `i` takes every n-th row, batched per replica)."""
-  if order is not None:
-    data = tf.nest.map_structure(lambda a: a[order], data)
-
-  def dataset_fn(ctx=None):
-    per_replica = global_batch_size
-    part = data
-    if ctx is not None:
-      per_replica = ctx.get_per_replica_batch_size(global_batch_size)
-      if ctx.num_input_pipelines > 1:
-        part = tf.nest.map_structure(
-            lambda a: a[ctx.input_pipeline_id::ctx.num_input_pipelines], data)
-    ds = tf.data.Dataset.from_tensor_slices(part)
-    if repeat:
-      ds = ds.repeat()
-    ds = ds.batch(per_replica, drop_remainder=drop_remainder)
-    return ds.prefetch(tf.data.AUTOTUNE)
-
-  return dataset_fn
-
-
-def distribute_arrays(strategy: tf.distribute.Strategy, data: tuple, *,
-                      global_batch_size: int, order: np.ndarray | None = None,
-                      drop_remainder: bool = True):
-  """`array_dataset_fn(...)` distributed over `strategy`'s replicas."""
-  check_global_batch(global_batch_size, strategy.num_replicas_in_sync)
-  return strategy.distribute_datasets_from_function(array_dataset_fn(
-      data, global_batch_size=global_batch_size, order=order,
-      drop_remainder=drop_remainder))
