@@ -15,6 +15,7 @@ machine (a multi-worker cluster, a TPU) carries, on the line right before its
 fence, `<!-- illustrative: WHY -->`; it is listed and skipped, and must say why.
 """
 
+import json
 import os
 import re
 import shlex
@@ -369,15 +370,71 @@ _SEQUENCES = [
      "--sample_seed=0"],
 ]
 _IN_SEQUENCE = {c for seq in _SEQUENCES for c in seq}
-_CHECKED = [[c] for c in COMMANDS
-            if COMMANDS[c][0] != "not run" and c not in _IN_SEQUENCE]
-_CHECKED += _SEQUENCES
+
+
+def _train_devices(argv: list[str]) -> str | None:
+  """For a `tfmgpu.train` command, its `--virtual_devices` (`""`: none);
+  else `None`."""
+  if argv[1:3] != ["-m", "tfmgpu.train"]:
+    return None
+  return next((a.split("=", 1)[1] for a in argv
+               if a.startswith("--virtual_devices=")), "")
+
+
+def _checked() -> list[tuple[str, list[str]]]:
+  """What `test_readme_command_runs` runs: `(how, commands)`, each one test.
+
+  `"in order"`: each command in its own process, in order, in one
+  directory (a `_SEQUENCES` entry; or commands whose argv is the same, as
+  `--help` of one program: run once). `"one process"`: `tfmgpu.train`
+  commands that split the devices alike, run one after another in one
+  process (TensorFlow imported once; a process cannot split its devices
+  twice), as `python -m tfmgpu.train` runs them.
+  """
+  by_argv: dict[tuple, list[str]] = {}
+  for command, how in COMMANDS.items():
+    if how[0] != "not run" and command not in _IN_SEQUENCE:
+      by_argv.setdefault(tuple(_argv(command, how)), []).append(command)
+  checked, trains = [("in order", seq) for seq in _SEQUENCES], {}
+  for argv, commands in by_argv.items():
+    runs = COMMANDS[commands[0]][0] == "run"  # Not a --help check.
+    devices = _train_devices(list(argv)) if runs else None
+    if devices is None:
+      checked.append(("in order", commands))
+    else:
+      trains.setdefault(devices, []).extend(commands)
+  return checked + [("one process", c) for c in trains.values()]
+
+
+_CHECKED = _checked()
+
+# Runs `tfmgpu.train` once per argv of `sys.argv[1]` (JSON) in this process,
+# as `python -m tfmgpu.train ARGS` would, and prints the exit codes.
+_TRAIN_IN_ONE_PROCESS = """
+import json, sys
+from absl import flags
+from tfmgpu import train
+codes = []
+for args in json.loads(sys.argv[1]):
+  flags.FLAGS.unparse_flags()  # Each command from the defaults.
+  sys.argv = [train.__file__, *args]
+  try:
+    train.run()
+  except SystemExit as e:
+    codes.append(e.code)
+print("exit codes:", json.dumps(codes))
+"""
+
+
+def _run(argv: list[str], cwd, env) -> subprocess.CompletedProcess:
+  return subprocess.run(argv, cwd=cwd, env=env, capture_output=True,
+                        text=True, timeout=_TIMEOUT_S)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence", _CHECKED,
-                         ids=[s[-1] for s in _CHECKED])
-def test_readme_command_runs(sequence, tmp_path):
+@pytest.mark.parametrize("how, sequence", _CHECKED,
+                         ids=[" + ".join(s) for _, s in _CHECKED])
+def test_readme_command_runs(how, sequence, tmp_path):
   """Each command as written (plus the args that make it cheap), from a
   directory holding the checkout's scripts/, with TF's logs at the CLIs'
   defaults: no C++ log line may show."""
@@ -388,18 +445,34 @@ def test_readme_command_runs(sequence, tmp_path):
   env["PYTHONPATH"] = os.pathsep.join(
       [os.path.abspath(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
   env["TFMGPU_CACHE_DIR"] = str(tmp_path / "cache")
+  if how == "one process":
+    args = [_argv(c, COMMANDS[c])[3:] for c in sequence]
+    out = _run([sys.executable, "-c", _TRAIN_IN_ONE_PROCESS,
+                json.dumps(args)], tmp_path, env)
+    _check_output(" + ".join(sequence), out, (0,))
+    assert f"exit codes: {json.dumps([0] * len(args))}" in out.stdout, (
+        f"{sequence}: {out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return
+  done = []
   for command in sequence:
-    how = COMMANDS[command]
-    out = subprocess.run(_argv(command, how), cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=_TIMEOUT_S)
-    shown = f"\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr ---\n" \
-            f"{out.stderr[-3000:]}"
+    argv = _argv(command, COMMANDS[command])
+    if argv in done:  # The same --help as the command before: run once.
+      continue
+    done.append(argv)
+    help_ = COMMANDS[command][0] == "help"
+    out = _run(argv, tmp_path, env)
     # tfmgpu's CLIs exit 0 after --help (#29 item 12); a script run by
     # absl's plain `app.run` exits 1 after printing it.
-    ok = (0, 1) if how[0] == "help" and "scripts/" in command else (0,)
-    assert out.returncode in ok, f"{command!r} ({how}) exited " \
-                                 f"{out.returncode}:{shown}"
-    assert out.stdout.strip() or how[0] != "help", f"empty --help:{shown}"
-    found = _TF_CPP_LINE.search(out.stdout + out.stderr)
-    assert not found, f"{command!r} printed TF's C++ log line " \
-                      f"{found.group(0)!r}:{shown}"
+    _check_output(command, out,
+                  (0, 1) if help_ and "scripts/" in command else (0,))
+    assert out.stdout.strip() or not help_, f"{command!r}: empty --help"
+
+
+def _check_output(command: str, out: subprocess.CompletedProcess,
+                  ok: tuple[int, ...]) -> None:
+  shown = f"\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr ---\n" \
+          f"{out.stderr[-3000:]}"
+  assert out.returncode in ok, f"{command!r} exited {out.returncode}:{shown}"
+  found = _TF_CPP_LINE.search(out.stdout + out.stderr)
+  assert not found, f"{command!r} printed TF's C++ log line " \
+                    f"{found.group(0)!r}:{shown}"
