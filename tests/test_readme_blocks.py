@@ -8,9 +8,11 @@ block or command that is in neither fails `test_every_block_and_command_is_
 run_or_listed`. No command's output may hold a line of TF's C++ logging.
 
 
-Each block runs in a fresh interpreter (`sys.executable -c CODE`) in a
-temporary directory: a block defines every name it uses, and one that needs
-logical devices configures them itself. A block that cannot run on one CPU
+Each block runs as in a fresh interpreter, in a directory and a namespace of
+its own: a block defines every name it uses, and one that needs logical
+devices configures them itself. Blocks that split the CPU alike share one
+interpreter (TensorFlow imported once), one after another, with Keras'
+session cleared between them. A block that cannot run on one CPU
 machine (a multi-worker cluster, a TPU) carries, on the line right before its
 fence, `<!-- illustrative: WHY -->`; it is listed and skipped, and must say why.
 """
@@ -84,30 +86,71 @@ def test_the_parser_reads_marks_and_code():
   assert [b["shown"] for b in blocks] == ["1\n", None]
 
 
+def _block_groups(blocks: list[dict]) -> list[list[dict]]:
+  """`blocks` by the logical CPUs they split the machine into (none, 2,
+  4, ...): a process can split its devices once, so each group runs in one
+  interpreter of its own (`_BLOCKS_IN_ONE_PROCESS`)."""
+  groups: dict[str, list[dict]] = {}
+  for block in blocks:
+    cpus = re.search(r"logical_cpus=(\d+)", block["code"])
+    groups.setdefault(cpus[1] if cpus else "", []).append(block)
+  return list(groups.values())
+
+
+BLOCK_GROUPS = _block_groups(RUNNABLE)
+
+# Runs each block of `sys.argv[1]` (JSON) as a fresh interpreter would, one
+# after another: in a directory of its own, in a namespace of its own, with
+# Keras' session cleared; a line `_MARK` before each output.
+_MARK = "@@ README block @@"
+_BLOCKS_IN_ONE_PROCESS = f"""
+import json, os, sys
+for i, code in enumerate(json.loads(sys.argv[1])):
+  if "keras" in sys.modules:
+    sys.modules["keras"].backend.clear_session()
+  print({_MARK!r}, flush=True)
+  print({_MARK!r}, file=sys.stderr, flush=True)
+  os.makedirs(f"block{{i}}")
+  os.chdir(f"block{{i}}")
+  exec(compile(code, f"README block {{i}}", "exec"), {{"__name__": "__main__"}})
+  os.chdir("..")
+  sys.stdout.flush()
+  sys.stderr.flush()
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("block", RUNNABLE,
-                         ids=[f"line{b['line']}" for b in RUNNABLE])
-def test_readme_block_runs(block, tmp_path):
+@pytest.mark.parametrize("group", BLOCK_GROUPS, ids=[
+    "+".join(f"line{b['line']}" for b in g) for g in BLOCK_GROUPS])
+def test_readme_block_runs(group, tmp_path):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   env.pop("TF_CONFIG", None)
-  out = subprocess.run([sys.executable, "-c", block["code"]], cwd=tmp_path,
-                       env=env, capture_output=True, text=True,
-                       timeout=_TIMEOUT_S)
-  assert out.returncode == 0, (
-      f"README.md block at line {block['line']} exited {out.returncode}:\n"
-      f"{block['code']}\n--- stdout ---\n{out.stdout[-4000:]}\n"
-      f"--- stderr ---\n{out.stderr[-6000:]}")
-  # Keras warns when fit's shuffle=True meets a dataset it cannot shuffle.
-  assert "`shuffle=True` was passed" not in out.stderr, (
-      f"README.md block at line {block['line']} makes Keras warn:\n"
-      f"{out.stderr[-3000:]}")
-  if block["shown"] is not None:
-    printed = [line.rstrip() for line in out.stdout.splitlines()]
-    shown = [line.rstrip() for line in block["shown"].splitlines()]
-    assert any(printed[i:i + len(shown)] == shown
-               for i in range(len(printed))), (
-        f"README.md block at line {block['line']} no longer prints the output "
-        f"shown after it:\n{block['shown']}\n--- it printed ---\n{out.stdout}")
+  out = subprocess.run(
+      [sys.executable, "-c", _BLOCKS_IN_ONE_PROCESS,
+       json.dumps([b["code"] for b in group])], cwd=tmp_path, env=env,
+      capture_output=True, text=True, timeout=_TIMEOUT_S * len(group))
+  printed = out.stdout.split(_MARK + "\n")[1:]
+  errors = out.stderr.split(_MARK + "\n")[1:]
+  for index, block in enumerate(group):
+    stdout = printed[index] if index < len(printed) else ""
+    stderr = errors[index] if index < len(errors) else ""
+    last = index == len(printed) - 1
+    assert index < len(printed) - 1 or (last and out.returncode == 0), (
+        f"README.md block at line {block['line']} exited {out.returncode}:\n"
+        f"{block['code']}\n--- stdout ---\n{stdout[-4000:]}\n"
+        f"--- stderr ---\n{stderr[-6000:]}")
+    # Keras warns when fit's shuffle=True meets a dataset it cannot shuffle.
+    assert "`shuffle=True` was passed" not in stderr, (
+        f"README.md block at line {block['line']} makes Keras warn:\n"
+        f"{stderr[-3000:]}")
+    if block["shown"] is not None:
+      lines = [line.rstrip() for line in stdout.splitlines()]
+      shown = [line.rstrip() for line in block["shown"].splitlines()]
+      assert any(lines[i:i + len(shown)] == shown
+                 for i in range(len(lines))), (
+          f"README.md block at line {block['line']} no longer prints the "
+          f"output shown after it:\n{block['shown']}\n--- it printed ---\n"
+          f"{stdout}")
 
 
 # ------------------------------------------------- every block, every command
