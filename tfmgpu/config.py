@@ -215,7 +215,8 @@ class RunSettings:
     self._check_layout_sizes(distribution)
     self._check_zero_stage(distribution)
     # The run's distribution checks its options and cross-field rules.
-    object.__setattr__(self, "_options", distribution.options_from(self))
+    object.__setattr__(self, "_options", distribution.options_of(
+        self.values_of(distribution.Options)))
     try:
       distribution.check_config(self._options, self.run_facts)
     except ValueError as e:
@@ -373,6 +374,13 @@ class RunSettings:
   def cluster_target(self) -> cluster.ClusterTarget:
     """What this run asks of its cluster (`cluster.preflight`)."""
     return cluster.ClusterTarget(self.distribution, self.cluster_resolver)
+
+  def values_of(self, cls: type) -> dict[str, Any]:
+    """This config's values of the fields of the dataclass `cls` that are
+    settings: what a layer below takes instead of the config (an
+    `Options`, `TrainerOptions`)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(cls)
+            if f.name in self.__dataclass_fields__}
 
   def model_options(self) -> dict[str, Any]:
     """The options of `models.build_model(self.model, ...)` this config sets

@@ -160,7 +160,8 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
   text = distribution.plan_text(model, config.options, **run)
   if text is None:  # No plan of its own: the stage options' plan.
     stages = model_parallel.ModelParallel()  # Not a second registry lookup.
-    text = stages.plan_text(model, stages.options_from(config), **run)
+    text = stages.plan_text(
+        model, stages.options_of(config.values_of(stages.Options)), **run)
   return text
 
 
@@ -190,7 +191,7 @@ def make_trainer(config: TrainConfig, placement: strategies_lib.Placement, *,
       placement.model, strategy=placement.strategy,
       execution=placement.distribution.execution,
       options=TrainerOptions.from_settings(
-          config, loss=loss, metrics=metrics, model_dir=model_dir,
+          config.values_of(TrainerOptions), loss=loss, metrics=metrics, model_dir=model_dir,
           callbacks=tuple(callbacks)))
 
 

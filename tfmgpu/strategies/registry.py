@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import importlib
 import os
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from tfmgpu import checks
 from tfmgpu import files
@@ -152,13 +152,18 @@ class Distribution:
     return self.Options(**values)
 
   def options_from(self, source: Any) -> Any:
-    """`Options` read from an object with same-named attributes (a
-    `TrainConfig`, parsed flags); attributes it lacks or sets to `None`
-    keep their defaults."""
-    values = {f.name: getattr(source, f.name)
-              for f in dataclasses.fields(self.Options)
-              if getattr(source, f.name, None) is not None}
-    return self.Options(**values)
+    """`Options` read from an object with same-named attributes (parsed
+    flags); attributes it lacks or sets to `None` keep their defaults."""
+    return self.options_of({f.name: getattr(source, f.name, None)
+                            for f in dataclasses.fields(self.Options)})
+
+  def options_of(self, values: Mapping[str, Any]) -> Any:
+    """`Options` from a run's setting values by name (a config's
+    `values_of(Options)`); names it does not take, and `None`, keep their
+    defaults."""
+    return self.Options(**{f.name: values[f.name]
+                           for f in dataclasses.fields(self.Options)
+                           if values.get(f.name) is not None})
 
   def check_config(self, options: Any, run: RunFacts) -> None:
     """Cross-field rules between this distribution's `options` and the

@@ -3,14 +3,15 @@
 `TrainerOptions` gathers the optimizer, objective, execution and output
 settings that `tfmgpu.Trainer(...)` takes as keyword arguments (it builds
 one from them), so a run hands them over once
-(`TrainerOptions.from_settings(config, ...)`) instead of re-threading each.
+(`TrainerOptions.from_settings(config.values_of(TrainerOptions), ...)`)
+instead of re-threading each.
 Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +95,13 @@ class TrainerOptions:
     object.__setattr__(self, "callbacks", tuple(self.callbacks))
 
   @classmethod
-  def from_settings(cls, source: Any, **overrides: Any) -> "TrainerOptions":
-    """The options a run's settings name (`source`: a `TrainConfig` or any
-    object with same-named attributes), `overrides` applied last."""
-    values = {f.name: getattr(source, f.name) for f in dataclasses.fields(cls)
-              if hasattr(source, f.name)}
+  def from_settings(cls, settings: Mapping[str, Any], **overrides: Any
+                    ) -> "TrainerOptions":
+    """The options a run's settings name (`settings`: values by name, e.g.
+    a config's `values_of(TrainerOptions)`; other names are not taken),
+    `overrides` applied last."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in settings.items() if k in names}
     values.update(overrides)
     return cls(**values)
 
