@@ -27,6 +27,8 @@ _SPEC.loader.exec_module(matrix)
 @pytest.mark.parametrize("family,layout", [
     ("bert", "mirrored2"),
     ("bert", "model_parallel2"),
+    ("bert", "1f1b2"),
+    ("bert", "tensor2"),
     ("gemma", "gpipe2"),
     ("llama", "1f1b2"),
     ("llama", "tensor2"),
@@ -37,6 +39,15 @@ def test_keras_hub_model_trains_as_one_device_keras(family, layout,
   predicted, diff = matrix.run_case(family, layout, cpu_devices)
   assert predicted <= 1e-5
   assert diff <= 1e-5
+
+
+def test_bert_without_a_layout_map_is_split_by_path_rules():
+  """The registry's `bert` (a BertTextClassifier from config): keras_hub's
+  path rules shard its attention and MLP kernels, not its embeddings."""
+  axes = layout_maps.own_axes(matrix.build("bert"), 2)
+  assert axes["transformer_layer_0/self_attention_layer/query/kernel"] == 1
+  assert axes["transformer_layer_1/feedforward_output_dense/kernel"] == 0
+  assert not [p for p in axes if "embedding" in p]
 
 
 def test_causal_lms_are_cut_between_their_blocks():
