@@ -20,6 +20,11 @@ per block and per example:
     merge layers (`Add`, ...): inputs - 1 per element; reshape-like layers
     (`Flatten`, `Reshape`, `Dropout`, `Concatenate`, `Embedding`, ...): 0;
   - a nested model: the sum over its own layers;
+  - a custom layer with `Dense` / `EinsumDense` sublayers (keras_hub's
+    transformer blocks): their matmuls at every position, attention's
+    `T^2` terms, + one per output element (`block_flops.sublayer_flops`);
+    a `ReversibleEmbedding` called in reverse (an LM head): `2 * vocabulary
+    * width` per position;
   - anything else: one FLOP per output element (a coarse estimate);
 * activation bytes: the outputs of every layer (kept for the backward
   pass), and inside `MultiHeadAttention` its query, key and value
@@ -46,6 +51,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import keras
 
+from tfmgpu.parallel import block_flops
 from tfmgpu.parallel import graph as graph_lib
 
 # What a byte crossing a cut costs, relative to what the model's layers cost
@@ -227,6 +233,10 @@ def node_flops(node, shape: ShapeOf = _symbolic) -> int:
   if isinstance(layer, keras.layers.MultiHeadAttention):
     return _attention_flops(node, shape)
   flops = _kernel_flops(layer, in_shape, shape(outs[0]), out_el)
+  if flops is None:
+    flops = block_flops.reverse_embedding_flops(node, in_shape)
+  if flops is None:
+    flops = block_flops.sublayer_flops(layer, in_shape, out_el)
   if flops is not None:
     return flops
   return _elementwise_flops(layer, len(ins), in_shape, out_el)
