@@ -76,3 +76,14 @@ def test_llama3_8b_plan_predicts_a_step_of_seconds(llama3_8b):
       32 * 100e12)
   assert ideal < step.compute_s < 6 * ideal
   assert 0.1 < step.tensor_s < step.compute_s
+
+
+def test_a_blocks_kept_activations_count_its_matmuls_and_scores(llama3_8b):
+  """What one Llama 3 block keeps for its backward, per example: its output,
+  each projection's output (q, k, v, o; gate, up, down) and the attention
+  scores and their softmax (32 heads x T x T each), in float32."""
+  block = next(b for b in cost.model_blocks(llama3_8b)
+               if b.layers == ("transformer_layer_0",))
+  matmuls = 4096 + 1024 + 1024 + 4096 + 2 * 14336 + 4096
+  want = 4 * (T * 4096 + T * matmuls + 2 * 32 * T * T)
+  assert block.activation_bytes == want

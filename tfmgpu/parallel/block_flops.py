@@ -1,4 +1,5 @@
-"""Forward FLOPs inside custom layers: keras_hub's transformer blocks.
+"""Forward FLOPs and kept activations inside custom layers: keras_hub's
+transformer blocks.
 
 A keras_hub backbone's blocks (`TransformerEncoder`, `TransformerDecoder`,
 `LlamaTransformerDecoder`, `GemmaDecoderBlock`, ...) are subclassed layers:
@@ -17,6 +18,12 @@ Their cost, per example, for a block called on `(T, D)` positions:
   causal mask computes them all, as `cost` counts for `MultiHeadAttention`;
 * one FLOP per output element for the rest (norms, activations, rotary
   embeddings, residual adds; small beside the matmuls).
+
+What such a block keeps for its backward (`sublayer_activation_elements`):
+each `Dense` / `EinsumDense` sublayer's output at every position, and each
+attention's scores and their softmax (`2 * heads * T * T`), as `cost`
+counts inside `MultiHeadAttention`; norm and activation outputs are not
+counted.
 
 A `ReversibleEmbedding` called with `reverse=True` (a keras_hub causal LM's
 head: the token embedding's transpose) is a matmul over the vocabulary:
@@ -104,6 +111,30 @@ def sublayer_flops(layer: keras.layers.Layer, in_shape: Sequence[int | None],
           4 * kernel_widths(sub)[1] +
           SOFTMAX_FLOPS * _heads(kernel, width))
   return flops
+
+
+def sublayer_activation_elements(layer: keras.layers.Layer,
+                                 in_shape: Sequence[int | None]) -> int:
+  """Elements per example a custom layer keeps inside it for its backward
+  (see the module docstring); 0 without `Dense` / `EinsumDense` sublayers.
+
+  Args:
+    layer: the layer called.
+    in_shape: its (first) input's shape, batch axis first.
+  """
+  if not isinstance(layer, keras.layers.Layer):  # A bare op (keras.ops).
+    return 0
+  tokens = _positions(in_shape)
+  width = int(in_shape[-1]) if in_shape and in_shape[-1] else 1
+  kept = 0
+  for sub in _compat.flatten_layers(layer):
+    kernel = _kernel(sub) if sub is not layer else None
+    if kernel is None:
+      continue
+    kept += tokens * kernel_widths(sub)[1]
+    if sub.name == "query":
+      kept += 2 * _heads(kernel, width) * tokens * tokens
+  return kept
 
 
 def reverse_embedding_flops(node: Any, in_shape: Sequence[int | None]

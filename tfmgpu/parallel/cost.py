@@ -30,6 +30,8 @@ per block and per example:
   pass), and inside `MultiHeadAttention` its query, key and value
   projections, its scores and their softmax (`heads * T^2` each: what
   dominates a transformer's memory at long contexts) and the weighted sum;
+  inside a custom block, its `Dense` / `EinsumDense` outputs and its
+  attention scores and softmax;
 * at each cut, the bytes of every tensor crossing it (`cut_bytes`): what one
   stage sends to the next, and receives back as gradients.
 
@@ -172,15 +174,20 @@ def attention_internal_elements(node, shape: ShapeOf = _symbolic) -> int:
 
 def node_activation_bytes(node, shape: ShapeOf = _symbolic) -> int:
   """Bytes per example a layer call keeps for the backward pass: its
-  outputs, and inside a `MultiHeadAttention` its projections and scores
-  (in the dtype of its output). `shape` gives each tensor's shape
+  outputs, and inside a `MultiHeadAttention` its projections and scores,
+  inside a custom block (keras_hub's) its sublayers' matmul outputs and
+  attention scores (`block_flops.sublayer_activation_elements`; in the
+  dtype of its output). `shape` gives each tensor's shape
   (`ModelGraph.shape`); defaults to the symbolic one."""
   outs = sum(graph_lib.elements(shape(t)) * graph_lib.dtype_size(t.dtype)
              for t in node.output_tensors)
-  if not isinstance(node.operation, keras.layers.MultiHeadAttention):
-    return outs
   size = graph_lib.dtype_size(node.output_tensors[0].dtype)
-  return outs + size * attention_internal_elements(node, shape)
+  if isinstance(node.operation, keras.layers.MultiHeadAttention):
+    return outs + size * attention_internal_elements(node, shape)
+  if isinstance(node.operation, keras.Model) or not node.input_tensors:
+    return outs
+  return outs + size * block_flops.sublayer_activation_elements(
+      node.operation, shape(node.input_tensors[0]))
 
 
 def _elementwise_flops(layer, num_inputs: int, in_shape, out_el: int) -> int:
