@@ -130,3 +130,23 @@ def test_a_local_preset_loads_its_weights(tmp_path):
     hub.check_preset("qwen", str(tmp_path))
   with pytest.raises(ValueError, match="model='gpt'"):
     hub.check_preset("gpt", str(tmp_path / "qwen"))
+
+
+def test_a_bert_preset_loads_its_classifier_head(tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfmgpu import models  # pylint: disable=g-import-not-at-top
+  from tfmgpu.models import hub  # pylint: disable=g-import-not-at-top
+  clf = hub.text_classifier("bert", num_classes=3, sequence_length=8)
+  clf.save_to_preset(str(tmp_path / "bert"))
+  model = models.build_model("bert", input_shape=(8,), num_classes=3,
+                             preset=str(tmp_path / "bert"))
+  x = np.arange(16, dtype="int32").reshape(2, 8)
+  np.testing.assert_allclose(
+      model.predict(x, verbose=0),
+      clf.predict({"token_ids": x, "segment_ids": np.zeros_like(x),
+                   "padding_mask": np.ones_like(x)}, verbose=0),
+      rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="holds a classifier of 3 classes but "
+                     "the data has num_classes=12"):
+    models.build_model("bert", input_shape=(8,), num_classes=12,
+                       preset=str(tmp_path / "bert"))

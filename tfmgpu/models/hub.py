@@ -212,8 +212,7 @@ def text_classifier(family: str, size: str = TINY, *, num_classes: int,
   backbone_name, task_name, sizes = ENCODERS[family]
   task = getattr(hub.models, task_name)
   if preset is not None:
-    return task.from_preset(preset, num_classes=num_classes,
-                            preprocessor=None, compile=False)
+    return _classifier_preset(task, preset, num_classes)
   if size not in sizes:
     raise ValueError(f"model_size={size!r} is not a size of model "
                      f"{family!r}. Choose one of {', '.join(sizes)}.")
@@ -223,6 +222,24 @@ def text_classifier(family: str, size: str = TINY, *, num_classes: int,
   backbone = getattr(hub.models, backbone_name)(**config)
   return task(backbone=backbone, num_classes=num_classes, preprocessor=None,
               dropout=config.get("dropout", 0.1), compile=False)
+
+
+def _classifier_preset(task: Any, preset: str, num_classes: int) -> Any:
+  """The classifier saved in `preset` with its head (checked against
+  `num_classes`), or a backbone-only preset with a new random head."""
+  import os  # pylint: disable=g-import-not-at-top
+  if not os.path.isfile(os.path.join(str(preset), "task.json")):
+    return task.from_preset(preset, num_classes=num_classes,
+                            preprocessor=None, compile=False)
+  # keras_hub skips the saved head whenever num_classes is passed.
+  model = task.from_preset(preset, preprocessor=None, compile=False)
+  if model.num_classes != num_classes:
+    raise ValueError(
+        f"model_preset={preset!r} holds a classifier of {model.num_classes} "
+        f"classes but the data has num_classes={num_classes}: use a preset "
+        "with only the backbone (its head is then new), or data with "
+        f"{model.num_classes} classes.")
+  return model
 
 
 def build_classifier(family: str, input_shape: Any, num_classes: int, *,
