@@ -1,7 +1,8 @@
 """keras_hub models through every layout, against one-device Keras `fit`.
 
-Tiny `GPT2CausalLM`, `BertTextClassifier`, `LlamaCausalLM`, `GemmaCausalLM`
-and `QwenCausalLM` (random weights, dropout 0) train 3 SGD steps on random
+Tiny `GPT2CausalLM`, `BertTextClassifier` (the registry's `bert`, which
+wraps it), `LlamaCausalLM`, `GemmaCausalLM` and `QwenCausalLM` (random
+weights, dropout 0) train 3 SGD steps on random
 tokens with Keras `fit` on one device, and from the same weights under each
 layout: mirrored x2, model_parallel 2, pipeline 2 (GPipe and 1F1B, 2
 micro-batches), tensor 2 (the backbone's own layout map, or keras_hub path
@@ -40,15 +41,11 @@ LAYOUTS: dict[str, dict[str, Any] | None] = {
 def build(family: str, seed: int = 0):
   """A tiny keras_hub task model, seeded."""
   import keras  # pylint: disable=g-import-not-at-top
-  import keras_hub  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(seed)
-  models = keras_hub.models
-  if family == "bert":
-    backbone = models.BertBackbone(vocabulary_size=VOCAB, num_heads=2,
-                                   max_sequence_length=LENGTH, dropout=0.0,
-                                   **TINY)
-    return models.BertTextClassifier(backbone=backbone, num_classes=3,
-                                     preprocessor=None, dropout=0.0)
+  if family == "bert":  # The registry's: a BertTextClassifier, wrapped.
+    from tfmgpu import models  # pylint: disable=g-import-not-at-top
+    return models.build_model("bert", input_shape=dict(
+        token_ids=(LENGTH,), padding_mask=(LENGTH,)), num_classes=3)
   from tfmgpu.models import hub  # pylint: disable=g-import-not-at-top
   return hub.causal_lm(family, vocabulary_size=VOCAB, sequence_length=LENGTH)
 
@@ -63,7 +60,6 @@ def data(family: str):
   x = {"token_ids": rng.randint(1, VOCAB, (n, LENGTH)).astype("int32"),
        "padding_mask": mask}
   if family == "bert":
-    x["segment_ids"] = np.zeros((n, LENGTH), "int32")
     return x, rng.randint(0, 3, n).astype("int32"), None
   return x, rng.randint(1, VOCAB, (n, LENGTH)).astype("int32"), \
       mask.astype("float32")

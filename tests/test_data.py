@@ -9,6 +9,7 @@ from tfmgpu import data
 def test_registry_holds_exactly_todays_names():
   assert set(data.available_datasets()) == {
       "digits", "digits8x8", "synthetic", "npz", "tfrecord", "stdlib_text",
+      "stdlib_modules",
       "mnist", "fashion_mnist", "cifar10"}
 
 

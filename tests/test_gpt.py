@@ -143,7 +143,7 @@ def test_model_size_reaches_the_builder_and_is_checked():
     TrainConfig(model="gpt", model_size="huge")
   with pytest.raises(ValueError, match=r"model 'convnet' has no named sizes; "
                      r"drop model_size, or use a model that has them "
-                     r"\(gemma, gpt, gpt2, llama, qwen\)"):
+                     r"\(bert, gemma, gpt, gpt2, llama, qwen\)"):
     TrainConfig(model="convnet", model_size="tiny")
 
 

@@ -9,7 +9,8 @@ from tfmgpu import models
 def test_registry_holds_exactly_todays_names():
   assert set(models.available_models()) == {
       "convnet", "mlp", "deep_mlp", "small_resnet", "gpt", "resnet50",
-      "mobilenet_v2", "efficientnet_b0", "gpt2", "llama", "gemma", "qwen"}
+      "mobilenet_v2", "efficientnet_b0", "gpt2", "llama", "gemma", "qwen",
+      "bert"}
 
 
 def test_convnet_is_the_classic_digit_net():

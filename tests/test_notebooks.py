@@ -27,7 +27,8 @@ import pytest
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_data_parallel", "02_model_and_pipeline_parallel",
-            "03_inference", "04_existing_pipeline", "05_bring_your_own")
+            "03_inference", "04_existing_pipeline", "05_bring_your_own",
+            "06_keras_hub_llm")
 # Generous: each notebook takes well under a minute on an idle 2-core CPU,
 # but CI shares its cores.
 CELL_TIMEOUT_S = 600

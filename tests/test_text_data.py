@@ -201,3 +201,21 @@ def test_a_run_prints_bits_per_byte_next_to_the_baseline(arrays, tmp_path):
       rf"{base:.4f}; {abs(gap):.4f} {'below' if gap >= 0 else 'above'}\)",
       str(summary)), str(summary)
   assert "test loss / bits_per_byte / perplexity / accuracy" in str(summary)
+
+
+def test_stdlib_modules_classifies_windows_of_the_same_text():
+  from tfmgpu.datasets import stdlib_modules  # pylint: disable=g-import-not-at-top
+  arrays = data.load_dataset("stdlib_modules", seq_len=32)
+  assert arrays.num_classes == len(text.MODULES) == 12
+  assert arrays.x_train.shape[1:] == (32,) and arrays.x_train.dtype == np.int32
+  assert set(np.unique(arrays.y_test)) == set(range(12))
+  assert not np.all(np.diff(arrays.y_train) >= 0)  # Shuffled.
+  # The first validation window of each module is the start of its last 10%.
+  for label, source in enumerate(text.module_sources()):
+    cut = text.split_point(len(source))
+    first = arrays.x_test[np.argmax(arrays.y_test == label)]
+    assert bytes(first.astype(np.uint8)) == source[cut:cut + 32]
+  assert 0.1 < stdlib_modules.majority_accuracy(arrays.y_train,
+                                                arrays.y_test) < 0.3
+  with pytest.raises(ValueError, match="seq_len=100000 is longer"):
+    stdlib_modules.load(seq_len=100_000)

@@ -96,7 +96,7 @@ class RunSettings:
   model_preset: str | None = setting(
       None, "A local keras_hub preset directory (config.json and weights; "
       "nothing is downloaded) that a keras_hub --model (gpt2, llama, gemma, "
-      "qwen) loads instead of building --model_size.")
+      "qwen, bert) loads instead of building --model_size.")
   dataset: str | None = setting(None, _dataset_help)
   data_path: str | None = setting(
       None, ".npz file (x_train, y_train, x_test, y_test) for "

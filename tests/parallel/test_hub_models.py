@@ -27,6 +27,8 @@ _SPEC.loader.exec_module(matrix)
 @pytest.mark.parametrize("family,layout", [
     ("bert", "mirrored2"),
     ("bert", "model_parallel2"),
+    ("bert", "1f1b2"),
+    ("bert", "tensor2"),
     ("gemma", "gpipe2"),
     ("llama", "1f1b2"),
     ("llama", "tensor2"),
@@ -37,6 +39,15 @@ def test_keras_hub_model_trains_as_one_device_keras(family, layout,
   predicted, diff = matrix.run_case(family, layout, cpu_devices)
   assert predicted <= 1e-5
   assert diff <= 1e-5
+
+
+def test_bert_without_a_layout_map_is_split_by_path_rules():
+  """The registry's `bert` (a BertTextClassifier from config): keras_hub's
+  path rules shard its attention and MLP kernels, not its embeddings."""
+  axes = layout_maps.own_axes(matrix.build("bert"), 2)
+  assert axes["transformer_layer_0/self_attention_layer/query/kernel"] == 1
+  assert axes["transformer_layer_1/feedforward_output_dense/kernel"] == 0
+  assert not [p for p in axes if "embedding" in p]
 
 
 def test_causal_lms_are_cut_between_their_blocks():
@@ -119,3 +130,23 @@ def test_a_local_preset_loads_its_weights(tmp_path):
     hub.check_preset("qwen", str(tmp_path))
   with pytest.raises(ValueError, match="model='gpt'"):
     hub.check_preset("gpt", str(tmp_path / "qwen"))
+
+
+def test_a_bert_preset_loads_its_classifier_head(tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfmgpu import models  # pylint: disable=g-import-not-at-top
+  from tfmgpu.models import hub  # pylint: disable=g-import-not-at-top
+  clf = hub.text_classifier("bert", num_classes=3, sequence_length=8)
+  clf.save_to_preset(str(tmp_path / "bert"))
+  model = models.build_model("bert", input_shape=(8,), num_classes=3,
+                             preset=str(tmp_path / "bert"))
+  x = np.arange(16, dtype="int32").reshape(2, 8)
+  np.testing.assert_allclose(
+      model.predict(x, verbose=0),
+      clf.predict({"token_ids": x, "segment_ids": np.zeros_like(x),
+                   "padding_mask": np.ones_like(x)}, verbose=0),
+      rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="holds a classifier of 3 classes but "
+                     "the data has num_classes=12"):
+    models.build_model("bert", input_shape=(8,), num_classes=12,
+                       preset=str(tmp_path / "bert"))

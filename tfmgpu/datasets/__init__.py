@@ -8,7 +8,8 @@
   `cache`: `cache_dir`, where tfmgpu caches per-machine choices.
 * `tfrecord`: TFRecord shards, written by `scripts/write_tfrecords.py` and
   streamed per worker (`tfrecord`).
-* `text`: `stdlib_text`, byte-level language modelling.
+* `text`: `stdlib_text`, byte-level language modelling;
+  `stdlib_modules`: which module a window of the same text is from.
 * `downloads`: `mnist`, `fashion_mnist`, `cifar10` from `keras.datasets`.
 
 Each built-in module registers its datasets when imported; importing this
@@ -23,6 +24,8 @@ from tfmgpu.datasets import registry
 from tfmgpu.datasets import builtin  # Registers digits, ..., npz.
 from tfmgpu.datasets import tfrecord  # Registers tfrecord.
 from tfmgpu.datasets import text  # Registers stdlib_text.
+from tfmgpu.datasets import stdlib_modules  # Registers stdlib_modules.
 from tfmgpu.datasets import downloads  # Registers mnist, ..., cifar10.
 
-__all__ = ["builtin", "downloads", "registry", "text", "tfrecord"]
+__all__ = ["builtin", "downloads", "registry", "stdlib_modules", "text",
+           "tfrecord"]

@@ -62,8 +62,8 @@ def stdlib_dir() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def source_bytes() -> bytes:
-  """The `MODULES`' source files concatenated, in order (read once).
+def module_sources() -> tuple[bytes, ...]:
+  """The source of each of `MODULES`, in order (read once).
 
   Raises:
     data.DatasetUnavailableError: a module's `.py` source is not installed
@@ -81,7 +81,13 @@ def source_bytes() -> bytes:
           f"{path} cannot be read ({e.strerror or e}). Install this "
           "Python's standard-library sources (e.g. the python3.x package "
           "rather than a minimal one).") from e
-  return b"".join(parts)
+  return tuple(parts)
+
+
+def source_bytes() -> bytes:
+  """The `MODULES`' source files concatenated, in order (see
+  `module_sources`)."""
+  return b"".join(module_sources())
 
 
 def check_source_hash(source: bytes) -> bool:

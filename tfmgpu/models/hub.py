@@ -1,6 +1,7 @@
-"""keras_hub language models by name: `gpt2`, `llama`, `gemma`, `qwen`.
+"""keras_hub language models by name: `gpt2`, `llama`, `gemma`, `qwen`, `bert`.
 
-Each builds a keras_hub `CausalLM` (its backbone from a config, random
+The causal LMs (`gpt2`, `llama`, `gemma`, `qwen`) each build a keras_hub
+`CausalLM` (its backbone from a config, random
 weights; or a local preset directory, `preset=DIR`: nothing is downloaded)
 and wraps it so that it reads what tfmgpu's text data gives: `(T,)` token
 ids (every position real), or `{"token_ids": (T,), "padding_mask": (T,)}`.
@@ -12,6 +13,17 @@ weights over tensor-parallel devices (`tfmgpu.parallel.layout_maps`).
 Sizes: `tiny` (tests; the vocabulary is the data's `num_classes`) and the
 published shapes (`gpt2_base`, `llama3_8b`, `gemma_2b`, `qwen2_5_0_5b`,
 ...; their own vocabularies) for `--plan_only`.
+
+`bert` builds a keras_hub `BertTextClassifier` (a `BertBackbone` from a
+config, random weights; `tiny`, `bert_base`, `bert_large`) that reads `(T,)`
+byte ids (segment 0, every position real, or a `padding_mask` given) and
+gives `(B, num_classes)` logits. It trains on `stdlib_modules`: which
+standard-library module a window of source comes from, a text
+classification task on text that ships with Python (a masked LM would need
+masking done in the data, and `stdlib_text`'s next-byte targets would let a
+bidirectional encoder see the answer). Its vocabulary is the 256 byte
+values at `tiny` and BERT's 30522 word pieces at the published sizes (the
+bytes are ids below it).
 
 keras-hub is an optional extra (`pip install tfmgpu[hub]`): importing this
 module imports neither it, TensorFlow nor Keras.
@@ -76,14 +88,34 @@ FAMILIES: dict[str, tuple[str, str, dict[str, dict[str, Any]]]] = {
     }),
 }
 
-# The sequence length each size reads from `stdlib_text`.
-CONTEXT_TINY, CONTEXT_PUBLISHED = 64, 1024
+# `{family: (backbone class, task class, {size: backbone config})}` of the
+# text classifiers.
+ENCODERS: dict[str, tuple[str, str, dict[str, dict[str, Any]]]] = {
+    "bert": ("BertBackbone", "BertTextClassifier", {
+        TINY: dict(_DECODER, vocabulary_size=256, num_heads=2, dropout=0.0),
+        "bert_base": dict(vocabulary_size=30522, num_layers=12, num_heads=12,
+                          hidden_dim=768, intermediate_dim=3072),
+        "bert_large": dict(vocabulary_size=30522, num_layers=24,
+                           num_heads=16, hidden_dim=1024,
+                           intermediate_dim=4096),
+    }),
+}
+
+# The sequence length each size reads from `stdlib_text` (`stdlib_modules`
+# for the encoders, whose published context is 512).
+CONTEXT_TINY, CONTEXT_PUBLISHED, CONTEXT_ENCODER = 64, 1024, 512
 
 
 def text_options(size: str | None) -> dict[str, int]:
   """`stdlib_text`'s options for a size: short windows for `tiny`."""
   return {"seq_len": CONTEXT_TINY if size in (None, TINY)
           else CONTEXT_PUBLISHED}
+
+
+def encoder_options(size: str | None) -> dict[str, int]:
+  """`stdlib_modules`' options for an encoder's size."""
+  return {"seq_len": CONTEXT_TINY if size in (None, TINY)
+          else CONTEXT_ENCODER}
 
 
 def check_preset(model: str, preset: str) -> None:
@@ -94,10 +126,11 @@ def check_preset(model: str, preset: str) -> None:
       `preset` is not a local preset directory (with its `config.json`).
   """
   import os  # pylint: disable=g-import-not-at-top
-  if model not in FAMILIES:
+  if model not in FAMILIES and model not in ENCODERS:
     raise ValueError(
         f"model_preset={preset!r} is given for model={model!r}, which "
-        f"loads no keras_hub preset; use one of {', '.join(FAMILIES)}.")
+        "loads no keras_hub preset; use one of "
+        f"{', '.join([*FAMILIES, *ENCODERS])}.")
   if not os.path.isfile(os.path.join(str(preset), "config.json")):
     raise ValueError(
         f"model_preset={preset!r} is not a local keras_hub preset directory "
@@ -171,22 +204,89 @@ def build(family: str, input_shape: Any, num_classes: int, *,
   return keras.Model(inputs, logits, name=family)
 
 
+def text_classifier(family: str, size: str = TINY, *, num_classes: int,
+                    sequence_length: int, preset: str | None = None) -> Any:
+  """A keras_hub text classifier of `family` at `size` (no preprocessor,
+  dropout 0 at `tiny`), or the one saved in the local preset `preset`."""
+  hub = _keras_hub()
+  backbone_name, task_name, sizes = ENCODERS[family]
+  task = getattr(hub.models, task_name)
+  if preset is not None:
+    return _classifier_preset(task, preset, num_classes)
+  if size not in sizes:
+    raise ValueError(f"model_size={size!r} is not a size of model "
+                     f"{family!r}. Choose one of {', '.join(sizes)}.")
+  config = dict(sizes[size])
+  config["max_sequence_length"] = (sequence_length if size == TINY
+                                   else max(sequence_length, CONTEXT_ENCODER))
+  backbone = getattr(hub.models, backbone_name)(**config)
+  return task(backbone=backbone, num_classes=num_classes, preprocessor=None,
+              dropout=config.get("dropout", 0.1), compile=False)
+
+
+def _classifier_preset(task: Any, preset: str, num_classes: int) -> Any:
+  """The classifier saved in `preset` with its head (checked against
+  `num_classes`), or a backbone-only preset with a new random head."""
+  import os  # pylint: disable=g-import-not-at-top
+  if not os.path.isfile(os.path.join(str(preset), "task.json")):
+    return task.from_preset(preset, num_classes=num_classes,
+                            preprocessor=None, compile=False)
+  # keras_hub skips the saved head whenever num_classes is passed.
+  model = task.from_preset(preset, preprocessor=None, compile=False)
+  if model.num_classes != num_classes:
+    raise ValueError(
+        f"model_preset={preset!r} holds a classifier of {model.num_classes} "
+        f"classes but the data has num_classes={num_classes}: use a preset "
+        "with only the backbone (its head is then new), or data with "
+        f"{model.num_classes} classes.")
+  return model
+
+
+def build_classifier(family: str, input_shape: Any, num_classes: int, *,
+                     size: str = TINY, preset: str | None = None
+                     ) -> "keras.Model":
+  """The text classifier wrapped to take tfmgpu's token data: `(T,)` ids
+  (or `{"token_ids", "padding_mask"}`), segment 0; `(B, num_classes)`."""
+  length, masked = _token_shape(input_shape)
+  if not num_classes:
+    raise ValueError(
+        f"num_classes={num_classes!r}: model {family!r} classifies texts "
+        "and needs class labels (stdlib_modules, the default, has 12).")
+  task = text_classifier(family, size, num_classes=int(num_classes),
+                         sequence_length=length, preset=preset)
+  ids = keras.Input((length,), dtype="int32", name="token_ids")
+  if masked:
+    mask = keras.Input((length,), dtype="int32", name="padding_mask")
+    inputs: Any = {"token_ids": ids, "padding_mask": mask}
+  else:
+    inputs, mask = ids, keras.ops.ones_like(ids)
+  logits = task({"token_ids": ids, "segment_ids": keras.ops.zeros_like(ids),
+                 "padding_mask": mask})
+  return keras.Model(inputs, logits, name=family)
+
+
 def _register(family: str, title: str) -> None:
-  sizes = tuple(FAMILIES[family][2])
+  encoder = family in ENCODERS
+  sizes = tuple((ENCODERS if encoder else FAMILIES)[family][2])
+  make = build_classifier if encoder else build
 
   def builder(input_shape: Any, num_classes: int, *, size: str = TINY,
               preset: str | None = None) -> "keras.Model":
-    return build(family, input_shape, num_classes, size=size, preset=preset)
+    return make(family, input_shape, num_classes, size=size, preset=preset)
 
+  task = "text classifier" if encoder else "causal LM"
+  dataset = "stdlib_modules" if encoder else "stdlib_text"
   builder.__name__ = family
-  builder.__doc__ = f"keras_hub's {title} `CausalLM` (see `models.hub`)."
+  builder.__doc__ = f"keras_hub's {title} {task} (see `models.hub`)."
   register_model(
-      family, f"keras_hub {title} causal LM (random weights; sizes "
+      family, f"keras_hub {title} {task} (random weights; sizes "
       f"{sizes[0]} .. {sizes[-1]}; --model_preset=DIR loads a local preset; "
-      "reads stdlib_text unless --dataset is given).", sizes=sizes,
-      dataset="stdlib_text", dataset_options=text_options)(builder)
+      f"reads {dataset} unless --dataset is given).", sizes=sizes,
+      dataset=dataset,
+      dataset_options=encoder_options if encoder else text_options)(builder)
 
 
 for _family, _title in (("gpt2", "GPT-2"), ("llama", "Llama"),
-                        ("gemma", "Gemma"), ("qwen", "Qwen")):
+                        ("gemma", "Gemma"), ("qwen", "Qwen"),
+                        ("bert", "BERT")):
   _register(_family, _title)

@@ -8,6 +8,9 @@ only modules listed before it):
   may ask of a placed model (no TensorFlow);
 * `graph`: a Keras model's layer calls in topological order and the tensors
   that cross a cut before any of them (activations, skip tensors, inputs);
+* `block_flops`: forward FLOPs and kept activations inside custom layers
+  (keras_hub's transformer blocks: their matmuls and attention's `T^2`
+  terms);
 * `cost`: the cost model: parameter bytes, forward FLOPs and activation bytes
   of each layer, and the bytes crossing each cut;
 * `plan`: the `StagePlan`: which layers go to which device, with their

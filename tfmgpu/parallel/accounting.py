@@ -335,6 +335,7 @@ def path_split(model: Any, axes: Mapping[str, int]) -> TensorSplit:
     axes: `{variable path: axis}`.
   """
   import math  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import block_flops  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import cost  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import graph as graph_lib  # pylint: disable=g-import-not-at-top
   graph = (model if isinstance(model, graph_lib.ModelGraph)
@@ -348,27 +349,28 @@ def path_split(model: Any, axes: Mapping[str, int]) -> TensorSplit:
                        [1:-1]) or 1
     mine = _path_kernels(node.operation, axes)
     # Never more FLOPs than the cost model gives the whole call.
-    total = sum(2 * tokens * math.prod(k.shape) for k in mine)
+    total = sum(2 * tokens * math.prod(l.kernel.shape) for l in mine)
     scale = min(1.0, cost.node_flops(node, graph.shape) / total) if total \
         else 0.0
-    for kernel in mine:
+    for sub in mine:
+      kernel = sub.kernel
       shape = tuple(int(d) for d in kernel.shape)
       size = graph_lib.dtype_size(kernel.dtype)
       axis = axes[kernel.path]
+      width_in, width_out = block_flops.kernel_widths(sub)
       layers.append(SplitLayer(
           name, "column" if axis else "row", (shape[axis],),
           math.prod(shape) * size,
           math.prod(shape) * size if kernel.trainable else 0,
           int(scale * 2 * tokens * math.prod(shape)), 0,
-          tokens * shape[0] * size,
-          tokens * math.prod(shape[1:]) * size))
+          tokens * width_in * size, tokens * width_out * size))
   return TensorSplit(tuple(layers), {p: str(a) for p, a in axes.items()})
 
 
 def _path_kernels(layer: Any, axes: Mapping[str, int]) -> list[Any]:
-  """The kernels inside `layer` that `axes` names."""
+  """The layers inside `layer` whose kernel `axes` names."""
   from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
-  return [sub.kernel for sub in _compat.flatten_layers(layer)
+  return [sub for sub in _compat.flatten_layers(layer)
           if getattr(sub, "kernel", None) is not None
           and sub.kernel.path in axes]
 

@@ -20,11 +20,18 @@ per block and per example:
     merge layers (`Add`, ...): inputs - 1 per element; reshape-like layers
     (`Flatten`, `Reshape`, `Dropout`, `Concatenate`, `Embedding`, ...): 0;
   - a nested model: the sum over its own layers;
+  - a custom layer with `Dense` / `EinsumDense` sublayers (keras_hub's
+    transformer blocks): their matmuls at every position, attention's
+    `T^2` terms, + one per output element (`block_flops.sublayer_flops`);
+    a `ReversibleEmbedding` called in reverse (an LM head): `2 * vocabulary
+    * width` per position;
   - anything else: one FLOP per output element (a coarse estimate);
 * activation bytes: the outputs of every layer (kept for the backward
   pass), and inside `MultiHeadAttention` its query, key and value
   projections, its scores and their softmax (`heads * T^2` each: what
   dominates a transformer's memory at long contexts) and the weighted sum;
+  inside a custom block, its `Dense` / `EinsumDense` outputs and its
+  attention scores and softmax;
 * at each cut, the bytes of every tensor crossing it (`cut_bytes`): what one
   stage sends to the next, and receives back as gradients.
 
@@ -46,6 +53,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import keras
 
+from tfmgpu.parallel import block_flops
 from tfmgpu.parallel import graph as graph_lib
 
 # What a byte crossing a cut costs, relative to what the model's layers cost
@@ -166,15 +174,20 @@ def attention_internal_elements(node, shape: ShapeOf = _symbolic) -> int:
 
 def node_activation_bytes(node, shape: ShapeOf = _symbolic) -> int:
   """Bytes per example a layer call keeps for the backward pass: its
-  outputs, and inside a `MultiHeadAttention` its projections and scores
-  (in the dtype of its output). `shape` gives each tensor's shape
+  outputs, and inside a `MultiHeadAttention` its projections and scores,
+  inside a custom block (keras_hub's) its sublayers' matmul outputs and
+  attention scores (`block_flops.sublayer_activation_elements`; in the
+  dtype of its output). `shape` gives each tensor's shape
   (`ModelGraph.shape`); defaults to the symbolic one."""
   outs = sum(graph_lib.elements(shape(t)) * graph_lib.dtype_size(t.dtype)
              for t in node.output_tensors)
-  if not isinstance(node.operation, keras.layers.MultiHeadAttention):
-    return outs
   size = graph_lib.dtype_size(node.output_tensors[0].dtype)
-  return outs + size * attention_internal_elements(node, shape)
+  if isinstance(node.operation, keras.layers.MultiHeadAttention):
+    return outs + size * attention_internal_elements(node, shape)
+  if isinstance(node.operation, keras.Model) or not node.input_tensors:
+    return outs
+  return outs + size * block_flops.sublayer_activation_elements(
+      node.operation, shape(node.input_tensors[0]))
 
 
 def _elementwise_flops(layer, num_inputs: int, in_shape, out_el: int) -> int:
@@ -227,6 +240,10 @@ def node_flops(node, shape: ShapeOf = _symbolic) -> int:
   if isinstance(layer, keras.layers.MultiHeadAttention):
     return _attention_flops(node, shape)
   flops = _kernel_flops(layer, in_shape, shape(outs[0]), out_el)
+  if flops is None:
+    flops = block_flops.reverse_embedding_flops(node, in_shape)
+  if flops is None:
+    flops = block_flops.sublayer_flops(layer, in_shape, out_el)
   if flops is not None:
     return flops
   return _elementwise_flops(layer, len(ins), in_shape, out_el)
