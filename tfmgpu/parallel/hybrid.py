@@ -99,8 +99,8 @@ def _on_devices(plan: plan_lib.StagePlan, devices: Sequence[str]
 def _transform(axes: dict[str, int] | None, devices_of: Any) -> Any:
   if not axes:
     return None
-  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
-  return layout_maps.transform(axes, devices_of)
+  from tfmgpu.parallel import split_blocks  # pylint: disable=g-import-not-at-top
+  return split_blocks.transform(axes, devices_of)
 
 
 def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
@@ -133,8 +133,8 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
         schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
   if not axes:
     return placed
-  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
-  return layout_maps.split_stages(placed, model, axes, grid)
+  from tfmgpu.parallel import split_blocks  # pylint: disable=g-import-not-at-top
+  return split_blocks.split_stages(placed, model, axes, grid)
 
 
 LAYOUT_MAP = "layout_map"  # rules= asking for the model's own layout map.
