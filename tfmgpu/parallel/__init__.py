@@ -36,7 +36,9 @@ only modules listed before it):
 * `tensor`: `tensor_parallel` (a model rebuilt with split layers) and
   `TensorParallelModel`;
 * `split_kernel`: `SplitKernelDense`, one kernel split along one axis;
-* `split_blocks`: the kernels a layout names split in place inside blocks;
+* `split_embedding`: `VocabParallelEmbedding`, an embedding and its
+  reversed LM head split by vocabulary rows;
+* `split_blocks`: the weights a layout names split in place inside blocks;
 * `layout_maps`: tensor parallelism from a Keras `LayoutMap` (or path
   rules): `{variable path: axis}` of the weights to split;
 * `replicated`: `ReplicatedModel`, data-parallel copies of a placed model,
@@ -88,8 +90,9 @@ _SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
                "hybrid", "inspection", "links", "microbatch", "partition",
                "pipeline", "pipeline_step", "placed", "plan", "replicated",
                "schedule", "shared", "shards", "split_attention",
-               "split_blocks", "split_dense", "split_kernel", "staged",
-               "tensor", "tensor_rules", "timeline", "zero", "zero_memory")
+               "split_blocks", "split_dense", "split_embedding",
+               "split_kernel", "staged", "tensor", "tensor_rules", "timeline",
+               "zero", "zero_memory")
 
 __all__ = sorted(_EXPORTS)
 

@@ -99,6 +99,26 @@ class ShardedLayer(keras.layers.Layer):
       for v, piece in zip(variables, pieces):
         v.assign(piece)
 
+  def save_own_variables(self, store: Any) -> None:
+    """Writes the unsplit layer's weights (`get_weights`) to a `.keras` or
+    `.weights.h5` store: a file holds no layout."""
+    for i, value in enumerate(self.get_weights()):
+      store[str(i)] = value
+
+  def load_own_variables(self, store: Any) -> None:
+    """Reads what `save_own_variables` wrote and splits it into the shards.
+
+    Raises:
+      ValueError: the store holds another number of weights.
+    """
+    want = len(self._unsplit_layout())
+    if len(store.keys()) != want:
+      raise ValueError(
+          f"layer {self.name!r} ({type(self).__name__}) expects {want} "
+          f"weights (the unsplit layer's) in the file, found "
+          f"{len(store.keys())}; was it saved from another model?")
+    self.set_weights([np.asarray(store[str(i)]) for i in range(want)])
+
   def get_config(self) -> dict[str, Any]:
     config = super().get_config()
     config["devices"] = list(self.devices)

@@ -3,7 +3,10 @@
 `split_layers(layer, axes, devices)` swaps every `Dense` and `EinsumDense`
 inside `layer` (any depth: a keras_hub block's attention projections and
 MLP) whose kernel `axes` names (`{variable path: axis}`, read from a
-`LayoutMap` by `layout_maps`) for a `split_kernel.SplitKernelDense`.
+`LayoutMap` by `layout_maps`) for a `split_kernel.SplitKernelDense`, and
+an `Embedding` / `ReversibleEmbedding` whose table it names (by vocabulary
+rows) for a `split_embedding.VocabParallelEmbedding` (a keras_hub tied LM
+head with it: one layer, one table).
 Attention itself, rotary embeddings and normalisation run unsplit on
 `devices[0]`. A split block still gives and takes its weights in unsplit
 form (`get_weights` / `set_weights` in the original order), so weights move
@@ -22,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import keras
 
 from tfmgpu import _compat
+from tfmgpu.parallel import split_embedding
 from tfmgpu.parallel import split_kernel
 from tfmgpu.parallel import tensor
 
@@ -34,8 +38,8 @@ def _refuse(path: str, layer: keras.layers.Layer, why: str) -> ValueError:
       "that divides it.")
 
 
-def _split_one(layer: keras.layers.Layer, path: str, axis: int,
-               devices: Sequence[str]) -> split_kernel.SplitKernelDense:
+def _split_dense(layer: keras.layers.Layer, path: str, axis: int,
+                 devices: Sequence[str]) -> split_kernel.SplitKernelDense:
   """The split copy of one Dense / EinsumDense (its kernel at `path`)."""
   shape = tuple(layer.kernel.shape)
   if shape[axis] % len(devices):
@@ -48,15 +52,68 @@ def _split_one(layer: keras.layers.Layer, path: str, axis: int,
       bias_shape=None if bias is None else tuple(bias.shape),
       activation=keras.activations.serialize(layer.activation),
       kernel_initializer="zeros", name=layer.name, dtype=layer.dtype_policy)
-  split.set_weights([keras.ops.convert_to_numpy(w)
-                     for w in [layer.kernel] + ([] if bias is None
-                                                else [bias])])
+  split.set_weights(layer.get_weights())
   return split
+
+
+def _split_embedding(layer: keras.layers.Layer, path: str, axis: int,
+                     devices: Sequence[str]
+                     ) -> split_embedding.VocabParallelEmbedding:
+  """The vocabulary-parallel copy of one Embedding / ReversibleEmbedding."""
+  if axis != 0:
+    raise _refuse(path, layer, f"an embedding splits by vocabulary rows "
+                  f"(axis 0) only, not axis {axis}")
+  if layer.input_dim % len(devices):
+    raise _refuse(path, layer, f"its vocabulary of {layer.input_dim} is "
+                  f"not divisible by T={len(devices)}")
+  reversible = isinstance(layer, keras.layers.ReversibleEmbedding)
+  split = split_embedding.VocabParallelEmbedding(
+      layer.input_dim, layer.output_dim, devices, reversible=reversible,
+      tie_weights=getattr(layer, "tie_weights", True),
+      logit_soft_cap=getattr(layer, "logit_soft_cap", None),
+      reverse_dtype=getattr(layer, "reverse_dtype", None),
+      mask_zero=layer.mask_zero, embeddings_initializer="zeros",
+      name=layer.name, dtype=layer.dtype_policy)
+  split.set_weights(layer.get_weights())
+  return split
+
+
+# Layer type -> (the attribute of the weight a layout names, its splitter).
+# A subclass that keeps its base's `call` (keras_hub's ReversibleEmbedding)
+# splits as its base.
+_SPLITTERS: dict[type, tuple[str, Callable[..., keras.layers.Layer]]] = {
+    keras.layers.Dense: ("kernel", _split_dense),
+    keras.layers.EinsumDense: ("kernel", _split_dense),
+    keras.layers.Embedding: ("embeddings", _split_embedding),
+    keras.layers.ReversibleEmbedding: ("embeddings", _split_embedding),
+}
+
+
+def _splitter(layer: keras.layers.Layer) -> tuple[str, Callable] | None:
+  for cls in type(layer).__mro__:
+    if cls in _SPLITTERS:
+      return _SPLITTERS[cls] if type(layer).call is cls.call else None
+  return None
+
+
+def _splits(layer: keras.layers.Layer, axes: Mapping[str, int],
+            devices: Sequence[str], named: Mapping[int, str]
+            ) -> list[tuple[keras.layers.Layer, keras.layers.Layer]]:
+  """`[(sublayer, its split copy)]` of the sublayers whose weight `axes`
+  names (any depth; `layer` itself included)."""
+  out = []
+  for sub in _compat.flatten_layers(layer):
+    how = _splitter(sub)
+    weight = getattr(sub, how[0], None) if how else None
+    path = named.get(id(weight)) if weight is not None else None
+    if path in axes:
+      out.append((sub, how[1](sub, path, axes[path], devices)))
+  return out
 
 
 def split_layers(layer: keras.layers.Layer, axes: Mapping[str, int],
                  devices: Sequence[str], paths: Sequence[str]) -> Any:
-  """`layer` with its sublayers whose kernels `axes` names split over
+  """`layer` with its sublayers whose weights `axes` names split over
   `devices` (in place), or the split copy of `layer` itself.
 
   Args:
@@ -68,7 +125,8 @@ def split_layers(layer: keras.layers.Layer, axes: Mapping[str, int],
       (a copy's own paths may differ).
 
   Returns:
-    The layer to call: `layer` (changed in place) or a `split_kernel.SplitKernelDense`.
+    The layer to call: `layer` (changed in place), a `SplitKernelDense` or
+    a `VocabParallelEmbedding`.
 
   Raises:
     ValueError: a weight `axes` names cannot be split (named by its path).
@@ -78,44 +136,35 @@ def split_layers(layer: keras.layers.Layer, axes: Mapping[str, int],
   if not wanted:
     return layer
   original = list(layer.weights)
-  splits = []
-  for sub in _compat.flatten_layers(layer):
-    kernel = getattr(sub, "kernel", None)
-    path = named.get(id(kernel)) if kernel is not None else None
-    if path in axes and type(sub) in (keras.layers.Dense,  # pylint: disable=unidiomatic-typecheck
-                                      keras.layers.EinsumDense):
-      splits.append((sub, _split_one(sub, path, axes[path], devices)))
-  done = {named[id(sub.kernel)] for sub, _ in splits}
+  splits = _splits(layer, axes, devices, named)
+  done = {named[id(w)] for sub, _ in splits for w in sub.weights}
   for path in wanted:
     if path not in done:
       holder = next(s for s in reversed(_compat.flatten_layers(layer))
                     if any(id(w) == id(v) for w in s.weights
                            for v in original if named[id(v)] == path))
-      raise _refuse(path, holder, "only Dense and EinsumDense kernels split "
-                    "(embeddings, biases and normalisation stay whole)")
+      raise _refuse(path, holder, "only Dense and EinsumDense kernels and "
+                    "embedding tables split (biases and normalisation stay "
+                    "whole)")
   if splits and splits[0][0] is layer:
     return splits[0][1]
   for sub, split in splits:
     _compat.replace_sublayer(layer, sub, split)
-  _present_unsplit(layer, original, dict((id(s), n) for s, n in splits),
-                   [s for s, _ in splits])
+  _present_unsplit(layer, original, splits)
   return layer
 
 
 def _present_unsplit(layer: keras.layers.Layer, original: list[Any],
-                     split_of: dict[int, split_kernel.SplitKernelDense],
-                     replaced: list[keras.layers.Layer]) -> None:
+                     splits: list[tuple[keras.layers.Layer, Any]]) -> None:
   """Makes `layer.get_weights` / `set_weights` give and take its weights as
-  before the split (same order; a split kernel whole)."""
+  before the split (same order; a split weight whole)."""
   slots = []
   for v in original:
     slot = ("var", v, None)
-    for sub in replaced:
-      bias = getattr(sub, "bias", None)
-      if v is sub.kernel:
-        slot = ("split", split_of[id(sub)], 0)
-      elif bias is not None and v is bias:
-        slot = ("split", split_of[id(sub)], 1)
+    for sub, split in splits:
+      index = [i for i, w in enumerate(sub.weights) if w is v]
+      if index:
+        slot = ("split", split, index[0])
     slots.append(slot)
 
   def get_weights():
@@ -189,7 +238,9 @@ def split_stages(placed: Any, model: keras.Model, axes: Mapping[str, int],
       if split_layers(layer, axes, grid[k], paths) is not layer:
         raise ValueError(
             f"the tensor-parallel layout splits layer {layer.name!r} as a "
-            "whole; on stages, give a whole layer as a rules= entry "
-            "({name regex: column|row|heads}) and the layout map for the "
-            "weights inside blocks.")
+            "whole; on stages, give a whole Dense or attention layer as a "
+            "rules= entry ({name regex: column|row|heads}) and the layout "
+            "map for the weights inside blocks. A vocabulary-parallel "
+            "embedding splits without stages only (tensor, data x tensor): "
+            "drop it from the layout map here.")
   return placed
