@@ -127,3 +127,18 @@ def test_a_local_preset_loads_its_weights(tmp_path):
     hub.check_preset("qwen", str(tmp_path))
   with pytest.raises(ValueError, match="model='gpt'"):
     hub.check_preset("gpt", str(tmp_path / "qwen"))
+
+
+def test_the_plan_counts_each_split_kernels_traffic_by_its_sides():
+  """An EinsumDense `btnh,nhd->btd` reads `n*h` features a token and
+  writes `d`: the bytes its shards join (forward its output, backward its
+  input's gradient)."""
+  from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
+  model = matrix.build("llama")
+  split = accounting.path_split(model, layout_maps.own_axes(model, 2))
+  out = next(l for l in split.layers if l.name == "transformer_layer_0"
+             and l.sizes == (model.backbone.num_query_heads,))
+  hidden = model.backbone.hidden_dim
+  tokens = out.output_bytes // (hidden * 4)  # Per example.
+  assert tokens >= 1 and out.input_bytes == out.output_bytes == \
+      tokens * hidden * 4

@@ -348,29 +348,43 @@ def path_split(model: Any, axes: Mapping[str, int]) -> TensorSplit:
                        [1:-1]) or 1
     mine = _path_kernels(node.operation, axes)
     # Never more FLOPs than the cost model gives the whole call.
-    total = sum(2 * tokens * math.prod(k.shape) for k in mine)
+    total = sum(2 * tokens * math.prod(k.shape) for _, k in mine)
     scale = min(1.0, cost.node_flops(node, graph.shape) / total) if total \
         else 0.0
-    for kernel in mine:
+    for layer, kernel in mine:
       shape = tuple(int(d) for d in kernel.shape)
       size = graph_lib.dtype_size(kernel.dtype)
       axis = axes[kernel.path]
+      ins, outs = _kernel_sides(layer, shape)
       layers.append(SplitLayer(
           name, "column" if axis else "row", (shape[axis],),
           math.prod(shape) * size,
           math.prod(shape) * size if kernel.trainable else 0,
           int(scale * 2 * tokens * math.prod(shape)), 0,
-          tokens * shape[0] * size,
-          tokens * math.prod(shape[1:]) * size))
+          tokens * ins * size, tokens * outs * size))
   return TensorSplit(tuple(layers), {p: str(a) for p, a in axes.items()})
 
 
-def _path_kernels(layer: Any, axes: Mapping[str, int]) -> list[Any]:
-  """The kernels inside `layer` that `axes` names."""
+def _path_kernels(layer: Any, axes: Mapping[str, int]
+                  ) -> list[tuple[Any, Any]]:
+  """`[(sublayer, its kernel)]` inside `layer` whose kernel `axes` names."""
   from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
-  return [sub.kernel for sub in _compat.flatten_layers(layer)
+  return [(sub, sub.kernel) for sub in _compat.flatten_layers(layer)
           if getattr(sub, "kernel", None) is not None
           and sub.kernel.path in axes]
+
+
+def _kernel_sides(layer: Any, shape: Sequence[int]) -> tuple[int, int]:
+  """`(input, output)` features per token of a Dense / EinsumDense with a
+  kernel of `shape`: the kernel's axes its input and output carry (an
+  EinsumDense `btnh,nhd->btd` reads `n*h`, writes `d`)."""
+  import math  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import split_kernel  # pylint: disable=g-import-not-at-top
+  x, k, out = split_kernel.layer_specs(layer)
+  if len(k) != len(shape):
+    return shape[0], math.prod(shape[1:])
+  return (math.prod(d for a, d in zip(k, shape) if a in x),
+          math.prod(d for a, d in zip(k, shape) if a in out))
 
 
 def _split_of(model: Any, rules: Any, tensor: int) -> TensorSplit:

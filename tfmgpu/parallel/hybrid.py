@@ -196,6 +196,9 @@ def build_layout(model: keras.Model, layout: Layout, *,
       (e.g. keras_hub's `LlamaBackbone.get_layout_map(mesh)`: its model
       axis is the tensor dimension, its batch axis the data dimension), or
       `{path regex: axis}` (`{"feedforward_output_dense/kernel": 0}`).
+      Dense / EinsumDense kernels split along the axis given; a token
+      embedding's table along axis 0 (vocabulary-parallel, with the LM head
+      it serves reversed), without stages only.
 
   Returns:
     A placed Keras model: a `ReplicatedModel` of the copies when
