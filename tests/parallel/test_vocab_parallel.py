@@ -65,9 +65,11 @@ def matrix():
 
 
 def test_gpt2s_tied_head_splits_by_vocabulary_as_one_weight(matrix,
-                                                            cpu_devices):
+                                                            cpu_devices,
+                                                            tmp_path):
   """GPT-2's LM head is its token embedding reversed: one split layer
-  serves both ends, its table one weight, training as one device."""
+  serves both ends, its table one weight, training as one device; the
+  split model's `.keras` file loads back (its blocks unsplit)."""
   x, y, sw = matrix.data("gpt2")
   reference = matrix.build("gpt2")
   matrix.fit(reference, x, y, sw)
@@ -86,3 +88,8 @@ def test_gpt2s_tied_head_splits_by_vocabulary_as_one_weight(matrix,
   assert len(out.get_weights()) == len(reference.get_weights())
   for a, b in zip(out.get_weights(), reference.get_weights()):
     np.testing.assert_allclose(a, b, atol=1e-5)
+  placed.model.save(str(tmp_path / "gpt2.keras"))
+  loaded = keras.saving.load_model(str(tmp_path / "gpt2.keras"))
+  np.testing.assert_allclose(
+      loaded.predict(x, batch_size=matrix.BATCH, verbose=0),
+      placed.predict(x, batch_size=matrix.BATCH, verbose=0), atol=1e-6)
