@@ -9,6 +9,7 @@ import importlib.util
 import pathlib
 
 import keras
+import numpy as np
 import pytest
 
 from tfmgpu.parallel import graph as graph_lib
@@ -67,12 +68,19 @@ def test_the_backbones_layout_map_names_the_weights_it_splits(cpu_devices):
   axes = layout_maps.split_axes(model, layout_map)
   assert axes["transformer_layer_0/self_attention/query/kernel"] == 0
   assert axes["transformer_layer_1/feedforward_gate_dense/kernel"] == 1
-  # The default keeps what tfmgpu cannot split (the embedding) whole ...
+  # The default keeps the embedding whole (stages cannot split it) ...
   assert "token_embedding/embeddings" not in layout_maps.own_axes(model, 2)
-  # ... but a map given explicitly is refused there, naming the weight.
-  with pytest.raises(ValueError, match="'token_embedding/embeddings'"):
-    hybrid.build_layout(model, hybrid.Layout(tensor=2),
-                        devices=cpu_devices[:2], layout_map=layout_map)
+  # ... a map given explicitly splits it (and Llama's untied head) by
+  # vocabulary, predicting as the unsplit model.
+  placed = hybrid.build_layout(model, hybrid.Layout(tensor=2),
+                               devices=cpu_devices[:2], layout_map=layout_map)
+  vocab = placed.model.get_layer("token_embedding")
+  hidden = model.backbone.hidden_dim
+  assert [tuple(v.shape) for v in vocab.weights] == [
+      (matrix.VOCAB // 2, hidden)] * 2 + [(hidden, matrix.VOCAB // 2)] * 2
+  x, _, _ = matrix.data("llama")
+  np.testing.assert_allclose(placed.predict(x, verbose=0),
+                             model.predict(x, verbose=0), atol=1e-5)
 
 
 def test_a_split_the_sizes_do_not_allow_names_the_weight(cpu_devices):
@@ -150,3 +158,18 @@ def test_a_bert_preset_loads_its_classifier_head(tmp_path):
                      "the data has num_classes=12"):
     models.build_model("bert", input_shape=(8,), num_classes=12,
                        preset=str(tmp_path / "bert"))
+
+
+def test_the_plan_counts_each_split_kernels_traffic_by_its_sides():
+  """An EinsumDense `btnh,nhd->btd` reads `n*h` features a token and
+  writes `d`: the bytes its shards join (forward its output, backward its
+  input's gradient)."""
+  from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
+  model = matrix.build("llama")
+  split = accounting.path_split(model, layout_maps.own_axes(model, 2))
+  out = next(l for l in split.layers if l.name == "transformer_layer_0"
+             and l.sizes == (model.backbone.num_query_heads,))
+  hidden = model.backbone.hidden_dim
+  tokens = out.output_bytes // (hidden * 4)  # Per example.
+  assert tokens >= 1 and out.input_bytes == out.output_bytes == \
+      tokens * hidden * 4

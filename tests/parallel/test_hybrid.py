@@ -285,7 +285,7 @@ def assert_shards_on_the_mesh(model, layout, devices, concrete):
   for r, copy in enumerate(copies):
     parts = getattr(copy, "stages", None) or [copy.model]
     for k, part in enumerate(parts):
-      split = [l for l in part.layers if isinstance(l, tensor._ShardedLayer)]  # pylint: disable=protected-access
+      split = [l for l in part.layers if isinstance(l, tensor.ShardedLayer)]
       assert split, (r, k)
       for layer in split:
         assert list(layer.devices) == mesh[r][k], (layer.name, r, k)

@@ -153,7 +153,7 @@ def _misplaced(ops, device):
 def test_each_shard_runs_forward_and_backward_on_its_device(runs, T):
   tp, _, step = runs(T, "sgd")
   by_shard = _shard_ops(inspection.op_placements(step))
-  split = [l for l in tp.model.layers if isinstance(l, tensor._ShardedLayer)]  # pylint: disable=protected-access
+  split = [l for l in tp.model.layers if isinstance(l, tensor.ShardedLayer)]
   assert {l.name for l in split} >= {"block0_attention", "block1_mlp_up",
                                      "block1_mlp_down"}
   for layer in split:
@@ -333,6 +333,6 @@ def test_tensor_parallel_stages_train_as_unsplit(data, reference,
       losses, _unsplit_weights(staged), reference, "sgd")
   for stage, devices in zip(staged.stages, shards):
     split_layers = [l for l in stage.layers
-                    if isinstance(l, tensor._ShardedLayer)]  # pylint: disable=protected-access
+                    if isinstance(l, tensor.ShardedLayer)]
     assert split_layers and all(l.devices == tuple(devices)
                                 for l in split_layers)

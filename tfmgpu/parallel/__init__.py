@@ -32,10 +32,20 @@ only modules listed before it):
 * `pipeline_step`: the ops of one pipelined training step, in schedule order;
 * `pipeline`: `PipelinedModel`, micro-batches streamed through the stages;
 * `branches`: `BranchParallel`, parallel sub-models on one input;
-* `tensor`: tensor parallelism: layers split over devices (column, row,
-  attention heads), `tensor_parallel` and `TensorParallelModel`;
+* `on_device`: a computation with its forward and backward on one device;
+* `shards`: `ShardedLayer`, the base of the split layers: shards on their
+  devices, weights (and `.keras` files) in the unsplit layer's form;
+* `split_dense`: `ColumnParallelDense`, `RowParallelDense`;
+* `split_attention`: `HeadParallelAttention` (heads split over devices);
+* `tensor_rules`: which whole layers split and how (`{regex: kind}`);
+* `tensor`: `tensor_parallel` (a model rebuilt with split layers) and
+  `TensorParallelModel`;
+* `split_kernel`: `SplitKernelDense`, one kernel split along one axis;
+* `split_embedding`: `VocabParallelEmbedding`, an embedding and its
+  reversed LM head split by vocabulary rows;
+* `split_blocks`: the weights a layout names split in place inside blocks;
 * `layout_maps`: tensor parallelism from a Keras `LayoutMap` (or path
-  rules): the kernels inside blocks split by variable path;
+  rules): `{variable path: axis}` of the weights to split;
 * `replicated`: `ReplicatedModel`, data-parallel copies of a placed model,
   gradients summed per group of devices holding the same part;
 * `hybrid`: `build_layout`, data x pipeline x tensor meshes (`Layout`
@@ -85,8 +95,10 @@ _EXPORTS = {
 _SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
                "hybrid", "inspection", "layout", "links", "microbatch",
                "partition", "pipeline", "pipeline_step", "placed", "plan",
-               "replicated", "schedule", "shared", "staged", "tensor",
-               "timeline", "zero", "zero_memory")
+               "replicated", "schedule", "shared", "shards", "split_attention",
+               "split_blocks", "split_dense", "split_embedding",
+               "split_kernel", "staged", "tensor", "tensor_rules", "timeline",
+               "zero", "zero_memory")
 
 __all__ = sorted(_EXPORTS)
 

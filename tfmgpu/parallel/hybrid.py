@@ -53,8 +53,8 @@ def _on_devices(plan: plan_lib.StagePlan, devices: Sequence[str]
 def _transform(axes: dict[str, int] | None, devices_of: Any) -> Any:
   if not axes:
     return None
-  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
-  return layout_maps.transform(axes, devices_of)
+  from tfmgpu.parallel import split_blocks  # pylint: disable=g-import-not-at-top
+  return split_blocks.transform(axes, devices_of)
 
 
 def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
@@ -87,8 +87,8 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
         schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
   if not axes:
     return placed
-  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
-  return layout_maps.split_stages(placed, model, axes, grid)
+  from tfmgpu.parallel import split_blocks  # pylint: disable=g-import-not-at-top
+  return split_blocks.split_stages(placed, model, axes, grid)
 
 
 LAYOUT_MAP = "layout_map"  # rules= asking for the model's own layout map.
@@ -150,6 +150,9 @@ def build_layout(model: keras.Model, layout: Layout, *,
       (e.g. keras_hub's `LlamaBackbone.get_layout_map(mesh)`: its model
       axis is the tensor dimension, its batch axis the data dimension), or
       `{path regex: axis}` (`{"feedforward_output_dense/kernel": 0}`).
+      Dense / EinsumDense kernels split along the axis given; a token
+      embedding's table along axis 0 (vocabulary-parallel, with the LM head
+      it serves reversed), without stages only.
 
   Returns:
     A placed Keras model: a `ReplicatedModel` of the copies when

@@ -1,0 +1,246 @@
+"""The kernels a layout names, split inside a model's layers, in place.
+
+`split_layers(layer, axes, devices)` swaps every `Dense` and `EinsumDense`
+inside `layer` (any depth: a keras_hub block's attention projections and
+MLP) whose kernel `axes` names (`{variable path: axis}`, read from a
+`LayoutMap` by `layout_maps`) for a `split_kernel.SplitKernelDense`, and
+an `Embedding` / `ReversibleEmbedding` whose table it names (by vocabulary
+rows) for a `split_embedding.VocabParallelEmbedding` (a keras_hub tied LM
+head with it: one layer, one table).
+Attention itself, rotary embeddings and normalisation run unsplit on
+`devices[0]`. A split block still gives and takes its weights in unsplit
+form (`get_weights` / `set_weights` in the original order), so weights move
+between layouts by layer name as for every tfmgpu placement. A weight
+`axes` names that cannot be split (another layer type, an axis that `T`
+does not divide) is refused with its path.
+
+`transform` does it while `tensor.tensor_parallel` rebuilds a model;
+`split_stages` in a staged or pipelined model's stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import keras
+
+from tfmgpu import _compat
+from tfmgpu.parallel import split_embedding
+from tfmgpu.parallel import split_kernel
+from tfmgpu.parallel import tensor
+
+
+def _refuse(path: str, layer: keras.layers.Layer, why: str) -> ValueError:
+  return ValueError(
+      f"the tensor-parallel layout names weight {path!r} (layer "
+      f"{layer.name!r}, {type(layer).__name__}) but tfmgpu cannot split it: "
+      f"{why}. Drop it from the layout map (or rules), or use a tensor size "
+      "that divides it.")
+
+
+def _split_dense(layer: keras.layers.Layer, path: str, axis: int,
+                 devices: Sequence[str]) -> split_kernel.SplitKernelDense:
+  """The split copy of one Dense / EinsumDense (its kernel at `path`)."""
+  shape = tuple(layer.kernel.shape)
+  if shape[axis] % len(devices):
+    raise _refuse(path, layer, f"its axis {axis} of size {shape[axis]} is "
+                  f"not divisible by T={len(devices)}")
+  x, k, out = split_kernel.layer_specs(layer)
+  bias = getattr(layer, "bias", None)
+  split = split_kernel.SplitKernelDense(
+      f"{x},{k}->{out}", shape, axis, devices,
+      bias_shape=None if bias is None else tuple(bias.shape),
+      activation=keras.activations.serialize(layer.activation),
+      kernel_initializer="zeros", name=layer.name, dtype=layer.dtype_policy)
+  split.set_weights(layer.get_weights())
+  return split
+
+
+def _split_embedding(layer: keras.layers.Layer, path: str, axis: int,
+                     devices: Sequence[str]
+                     ) -> split_embedding.VocabParallelEmbedding:
+  """The vocabulary-parallel copy of one Embedding / ReversibleEmbedding."""
+  if axis != 0:
+    raise _refuse(path, layer, f"an embedding splits by vocabulary rows "
+                  f"(axis 0) only, not axis {axis}")
+  if layer.input_dim % len(devices):
+    raise _refuse(path, layer, f"its vocabulary of {layer.input_dim} is "
+                  f"not divisible by T={len(devices)}")
+  reversible = isinstance(layer, keras.layers.ReversibleEmbedding)
+  split = split_embedding.VocabParallelEmbedding(
+      layer.input_dim, layer.output_dim, devices, reversible=reversible,
+      tie_weights=getattr(layer, "tie_weights", True),
+      logit_soft_cap=getattr(layer, "logit_soft_cap", None),
+      reverse_dtype=getattr(layer, "reverse_dtype", None),
+      mask_zero=layer.mask_zero, embeddings_initializer="zeros",
+      name=layer.name, dtype=layer.dtype_policy)
+  split.set_weights(layer.get_weights())
+  return split
+
+
+# Layer type -> (the attribute of the weight a layout names, its splitter).
+# A subclass that keeps its base's `call` (keras_hub's ReversibleEmbedding)
+# splits as its base.
+_SPLITTERS: dict[type, tuple[str, Callable[..., keras.layers.Layer]]] = {
+    keras.layers.Dense: ("kernel", _split_dense),
+    keras.layers.EinsumDense: ("kernel", _split_dense),
+    keras.layers.Embedding: ("embeddings", _split_embedding),
+    keras.layers.ReversibleEmbedding: ("embeddings", _split_embedding),
+}
+
+
+def _splitter(layer: keras.layers.Layer) -> tuple[str, Callable] | None:
+  for cls in type(layer).__mro__:
+    if cls in _SPLITTERS:
+      return _SPLITTERS[cls] if type(layer).call is cls.call else None
+  return None
+
+
+def _splits(layer: keras.layers.Layer, axes: Mapping[str, int],
+            devices: Sequence[str], named: Mapping[int, str]
+            ) -> list[tuple[keras.layers.Layer, keras.layers.Layer]]:
+  """`[(sublayer, its split copy)]` of the sublayers whose weight `axes`
+  names (any depth; `layer` itself included)."""
+  out = []
+  for sub in _compat.flatten_layers(layer):
+    how = _splitter(sub)
+    weight = getattr(sub, how[0], None) if how else None
+    path = named.get(id(weight)) if weight is not None else None
+    if path in axes:
+      out.append((sub, how[1](sub, path, axes[path], devices)))
+  return out
+
+
+def split_layers(layer: keras.layers.Layer, axes: Mapping[str, int],
+                 devices: Sequence[str], paths: Sequence[str]) -> Any:
+  """`layer` with its sublayers whose weights `axes` names split over
+  `devices` (in place), or the split copy of `layer` itself.
+
+  Args:
+    layer: a fresh copy of a model layer (variables of its own).
+    axes: `{variable path: axis}` (`split_axes`, `path_rules`), paths of
+      the original layer's weights.
+    devices: the `T` devices.
+    paths: the original layer's weight paths, in `layer.weights` order
+      (a copy's own paths may differ).
+
+  Returns:
+    The layer to call: `layer` (changed in place), a `SplitKernelDense` or
+    a `VocabParallelEmbedding`.
+
+  Raises:
+    ValueError: a weight `axes` names cannot be split (named by its path).
+  """
+  named = {id(w): p for w, p in zip(layer.weights, paths)}
+  wanted = [p for p in paths if p in axes]
+  if not wanted:
+    return layer
+  original = list(layer.weights)
+  splits = _splits(layer, axes, devices, named)
+  done = {named[id(w)] for sub, _ in splits for w in sub.weights}
+  for path in wanted:
+    if path not in done:
+      holder = next(s for s in reversed(_compat.flatten_layers(layer))
+                    if any(id(w) == id(v) for w in s.weights
+                           for v in original if named[id(v)] == path))
+      raise _refuse(path, holder, "only Dense and EinsumDense kernels and "
+                    "embedding tables split (biases and normalisation stay "
+                    "whole)")
+  if splits and splits[0][0] is layer:
+    return splits[0][1]
+  for sub, split in splits:
+    _compat.replace_sublayer(layer, sub, split)
+  _present_unsplit(layer, original, splits)
+  return layer
+
+
+def _present_unsplit(layer: keras.layers.Layer, original: list[Any],
+                     splits: list[tuple[keras.layers.Layer, Any]]) -> None:
+  """Makes `layer.get_weights` / `set_weights` give and take its weights as
+  before the split (same order; a split weight whole)."""
+  slots = []
+  for v in original:
+    slot = ("var", v, None)
+    for sub, split in splits:
+      index = [i for i, w in enumerate(sub.weights) if w is v]
+      if index:
+        slot = ("split", split, index[0])
+    slots.append(slot)
+
+  def get_weights():
+    return [keras.ops.convert_to_numpy(v) if kind == "var"
+            else v.get_weights()[i] for kind, v, i in slots]
+
+  def set_weights(values):
+    pending: dict[int, list[Any]] = {}
+    for (kind, v, i), value in zip(slots, values):
+      if kind == "var":
+        v.assign(value)
+      else:
+        pending.setdefault(id(v), [v, v.get_weights()])[1][i] = value
+    for split, weights in pending.values():
+      split.set_weights(weights)
+
+  object.__setattr__(layer, "get_weights", get_weights)
+  object.__setattr__(layer, "set_weights", set_weights)
+
+
+def transform(axes: Mapping[str, int],
+              devices_of: Callable[[str], Sequence[str]]
+              ) -> tensor.Transform:
+  """The `tensor.tensor_parallel(transform=...)` that splits, in each copied
+  layer, the kernels `axes` names over `devices_of(node name)`; a layer
+  called twice keeps the first call's split."""
+  done: dict[int, Any] = {}
+
+  def apply(name: str, layer: keras.layers.Layer, copy: keras.layers.Layer,
+            args: Any, kwargs: Any) -> keras.layers.Layer:
+    if not isinstance(copy, keras.layers.Layer):
+      return copy  # A bare op (keras.ops.multiply): no weights.
+    if id(copy) not in done:
+      if not copy.built:  # Its weights made as the model's layer's were.
+        copy(*args, **kwargs)
+      paths = [w.path for w in layer.weights]
+      done[id(copy)] = split_layers(copy, axes, devices_of(name), paths)
+    return done[id(copy)]
+
+  return apply
+
+
+def split_stages(placed: Any, model: keras.Model, axes: Mapping[str, int],
+                 grid: Sequence[Sequence[str]]) -> Any:
+  """Splits, in place, the kernels `axes` names inside the layers of a
+  staged or pipelined model's stages: stage `k`'s over `grid[k]`.
+
+  Args:
+    placed: a `StagedModel` or `PipelinedModel` of `model`.
+    model: the unsplit model (its variable paths are the ones `axes` names).
+    axes: `{variable path: axis}`.
+    grid: each stage's `T` devices.
+
+  Returns:
+    `placed`.
+
+  Raises:
+    ValueError: `axes` names a whole layer of the model (a top-level
+      `Dense`): give it as a `rules=` entry instead; or a weight that
+      cannot be split (named by its path).
+  """
+  originals = {}
+  for layer in _compat.flatten_layers(model):
+    originals.setdefault(layer.name, layer)
+  for k, stage in enumerate(placed.stages):
+    for layer in stage.layers:
+      original = originals.get(layer.name)
+      if original is None or not original.weights:
+        continue
+      paths = [w.path for w in original.weights]
+      if split_layers(layer, axes, grid[k], paths) is not layer:
+        raise ValueError(
+            f"the tensor-parallel layout splits layer {layer.name!r} as a "
+            "whole; on stages, give a whole Dense or attention layer as a "
+            "rules= entry ({name regex: column|row|heads}) and the layout "
+            "map for the weights inside blocks. A vocabulary-parallel "
+            "embedding splits without stages only (tensor, data x tensor): "
+            "drop it from the layout map here.")
+  return placed

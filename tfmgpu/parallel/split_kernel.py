@@ -1,0 +1,135 @@
+"""A `Dense` or `EinsumDense` with its kernel split along one axis.
+
+The layer `split_blocks` puts in place of a kernel a layout map names,
+inside a model's blocks (a keras_hub block's attention projections and
+MLP): shard `t` holds `1/T` of the kernel on `devices[t]` and computes its
+part of the product there (forward and backward, `on_device`); the parts are
+joined on `devices[0]` (concatenated for an output axis, summed for a
+contracted one), then the bias (held once) and the activation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+
+from tfmgpu.parallel.on_device import on_device
+from tfmgpu.parallel.shards import ShardedLayer
+from tfmgpu.parallel.shards import sliced_initializer
+from tfmgpu.parallel.shards import split_size
+
+
+def layer_specs(layer: keras.layers.Layer) -> tuple[str, str, str]:
+  """`(input, kernel, output)` einsum specs of a Dense or EinsumDense."""
+  if isinstance(layer, keras.layers.EinsumDense):
+    ins, out = layer.equation.split("->")
+    x, k = ins.split(",")
+    return x, k, out
+  return "...i", "io", "...o"
+
+
+def _position(spec: str, letter: str) -> int:
+  """The axis of `letter` in an einsum operand spec (negative after a
+  `...`)."""
+  if "..." in spec:
+    tail = spec.split("...")[1]
+    if letter in tail:
+      return tail.index(letter) - len(tail)
+  return spec.index(letter)
+
+
+@keras.saving.register_keras_serializable(package="tfmgpu")
+class SplitKernelDense(ShardedLayer):
+  """A `Dense` or `EinsumDense` with its kernel split along one axis.
+
+  Shard `t` (on `devices[t]`) computes `einsum(x_t, kernel_t)`: for an axis
+  of the output, its slice of the output (joined by concatenation); for a
+  contracted axis, the product of its slice of `x` (joined by a sum). The
+  join, the bias (held once, on `devices[0]`) and the activation run on
+  `devices[0]`. `get_weights` gives the original layer's (kernel whole);
+  `from_config(get_config())` rebuilds an equal layer (weights drawn from
+  the initializers, as a Keras layer's).
+  """
+
+  def __init__(self, equation: str, kernel_shape: Sequence[int], axis: int,
+               devices: Sequence[str], *,
+               bias_shape: Sequence[int] | None = None,
+               activation: Any = None,
+               kernel_initializer: Any = "glorot_uniform",
+               bias_initializer: Any = "zeros", **kwargs):
+    super().__init__(devices, **kwargs)
+    self.equation, self.axis = equation, int(axis)
+    self.kernel_shape = tuple(int(d) for d in kernel_shape)
+    self.bias_shape = (None if bias_shape is None
+                       else tuple(int(d) for d in bias_shape))
+    x, k, out = (equation.split("->")[0].split(",")
+                 + [equation.split("->")[1]])
+    letter = k[self.axis]
+    self.gathers = letter in out
+    self._join_axis = (_position(out, letter) if self.gathers
+                       else _position(x, letter))
+    self.activation = keras.activations.get(activation)
+    self.kernel_initializer = keras.initializers.get(kernel_initializer)
+    self.bias_initializer = keras.initializers.get(bias_initializer)
+    self._make_weights()
+
+  def _make_weights(self) -> None:
+    T = len(self.devices)
+    piece = list(self.kernel_shape)
+    piece[self.axis] = split_size(piece[self.axis], T,
+                                  f"layer {self.name!r} kernel axis "
+                                  f"{self.axis}")
+    inits = sliced_initializer(self.kernel_initializer, self.kernel_shape,
+                               self.axis, T, self.variable_dtype)
+    self.kernels = [self._add_shard_weight(t, f"kernel_{t}", piece, inits[t])
+                    for t in range(T)]
+    self.bias = (None if self.bias_shape is None else self._add_shard_weight(
+        0, "bias", self.bias_shape, self.bias_initializer))
+    self.built = True
+
+  def _shard(self, t: int, x):
+    if not self.gathers:
+      size = self.kernels[t].shape[self.axis]
+      x = keras.ops.take(x, np.arange(t * size, (t + 1) * size),
+                         axis=self._join_axis)
+    return keras.ops.einsum(self.equation, x,
+                            keras.ops.cast(self.kernels[t], x.dtype))
+
+  def _join(self, *parts):
+    y = (keras.ops.concatenate(parts, axis=self._join_axis) if self.gathers
+         else keras.ops.sum(keras.ops.stack(parts), axis=0))
+    if self.bias is not None:
+      y = keras.ops.add(y, keras.ops.cast(self.bias, y.dtype))
+    return self.activation(y) if self.activation is not None else y
+
+  def call(self, inputs):
+    parts = [on_device(d, lambda x, t=t: self._shard(t, x), inputs,
+                       name=f"{self.name}_shard{t}")
+             for t, d in enumerate(self.devices)]
+    return on_device(self.devices[0], self._join, *parts,
+                     name=f"{self.name}_join")
+
+  def compute_output_spec(self, inputs):
+    return keras.KerasTensor(
+        keras.ops.einsum(self.equation, np.zeros(
+            [1 if d is None else d for d in inputs.shape]),
+                         np.zeros(self.kernel_shape)).shape,
+        self.compute_dtype)
+
+  def _unsplit_layout(self):
+    return [(self.kernels, self.axis)] + (
+        [] if self.bias is None else [([self.bias], None)])
+
+  def get_config(self) -> dict[str, Any]:
+    config = super().get_config()
+    config.update(
+        equation=self.equation, kernel_shape=list(self.kernel_shape),
+        axis=self.axis,
+        bias_shape=None if self.bias_shape is None else list(self.bias_shape),
+        activation=keras.activations.serialize(self.activation),
+        kernel_initializer=keras.initializers.serialize(
+            self.kernel_initializer),
+        bias_initializer=keras.initializers.serialize(self.bias_initializer))
+    return config
