@@ -125,3 +125,17 @@ def test_each_block_writes_its_cache_on_its_device(layout, generators,
     else:  # Keys and values joined on shard 0; the kernels' parts on both.
       assert writes == {cpus[0]}, (block, writes)
       assert matmuls == {cpus[0], cpus[1]}, (block, matmuls)
+
+
+def test_the_registry_wrapper_generates_placed_as_unplaced(prompts):
+  """`--model=llama` wraps the CausalLM in a functional model: generation
+  finds it inside, unplaced and placed."""
+  from tfmgpu import models  # pylint: disable=g-import-not-at-top
+  wrapper = models.build_model("llama", input_shape=(16,),
+                               num_classes=VOCAB, size="tiny", seed=0)
+  placed = hybrid.build_layout(wrapper, LAYOUTS["pipeline2"],
+                               devices=tfmgpu.list_devices("CPU")[:2])
+  ids = prompts["token_ids"][:2, :2]  # Two rows, all prompt.
+  unplaced = tfmgpu.generate(wrapper, ids, max_new_tokens=NEW)
+  out = tfmgpu.generate(placed, ids, max_new_tokens=NEW)
+  np.testing.assert_array_equal(out["token_ids"], unplaced["token_ids"])

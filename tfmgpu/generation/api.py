@@ -35,8 +35,9 @@ def adapter_for(model: Any) -> decode.CacheAdapter:
   """
   if placed_model.is_placed(model):
     return placed_lib.placed_adapter(model)
-  if hub_cache.is_causal_lm(model):
-    return hub_cache.HubCache(model)
+  lm = hub_cache.causal_lm_in(model)
+  if lm is not None:
+    return hub_cache.HubCache(lm)
   if gpt_cache.is_gpt(model):
     return gpt_cache.GPTCache(model)
   raise ValueError(

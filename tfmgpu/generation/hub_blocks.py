@@ -87,12 +87,22 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def _task_of(spec: cloning.ModelSpec) -> tuple[str, dict] | None:
+  """`(class name, config)` of the keras_hub causal LM the unsplit model
+  is, or wraps as one of its layers (`tfmgpu.models.hub`'s wrapper for
+  `--model=llama` and the like); `None`: neither."""
+  if callable(getattr(spec.cls, "call_with_cache", None)):
+    return spec.cls.__name__, spec.config
+  for layer in spec.config.get("layers", ()):
+    if layer.get("class_name") in FAMILIES:
+      return layer["class_name"], layer["config"]
+  return None
+
+
 def is_hub_copy(copy: Any) -> bool:
-  """Whether a placed copy is a keras_hub causal LM's (its unsplit class
-  has `call_with_cache`)."""
+  """Whether a placed copy is a keras_hub causal LM's (or a wrapper's)."""
   return (isinstance(copy, cloning.UnsplitWeights)
-          and callable(getattr(copy.unsplit_spec.cls, "call_with_cache",
-                               None)))
+          and _task_of(copy.unsplit_spec) is not None)
 
 
 def cache_sizes(get: Callable[[str], Any]) -> dict[str, int | None]:
@@ -120,23 +130,24 @@ class PlacedHubCache:
 
   Args:
     copy: a `StagedModel`, `PipelinedModel` or `TensorParallelModel` of a
-      keras_hub causal LM (one data copy of a `ReplicatedModel`).
+      keras_hub causal LM, or of a model wrapping one (one data copy of a
+      `ReplicatedModel`).
 
   Raises:
     ValueError: a task class not in `FAMILIES`.
   """
 
   def __init__(self, copy: Any):
-    cls = copy.unsplit_spec.cls
-    family = FAMILIES.get(cls.__name__)
+    task, config = _task_of(copy.unsplit_spec)
+    family = FAMILIES.get(task)
     if family is None:
       raise ValueError(
-          f"model {copy.name!r} is a placed keras_hub {cls.__name__}; "
+          f"model {copy.name!r} is a placed keras_hub {task}; "
           "generation on placed keras_hub models replays the "
           f"call_with_cache of {sorted(FAMILIES)} only. Generate it "
           "unplaced (`model.to_unsplit()`) or with strategy='mirrored'.")
     self.family = family
-    sizes = cache_sizes(copy.unsplit_spec.config["backbone"]["config"].get)
+    sizes = cache_sizes(config["backbone"]["config"].get)
     self.kv_heads, self.head_dim = sizes["kv_heads"], sizes["head_dim"]
     self.max_positions, self.vocab = sizes["max_positions"], sizes["vocab"]
     self.layers = copy.weighted_layers()
