@@ -181,7 +181,8 @@ def test_a_placed_model_refuses_a_strategy_and_a_placed_non_gpt(
       keras.layers.Dense(3, name="a")(inputs)))
   staged = hybrid.build_layout(mlp, hybrid.Layout(stages=2),
                                devices=cpu_devices[:2])
-  with pytest.raises(ValueError, match="is not tfmgpu's gpt.*to_unsplit"):
+  with pytest.raises(ValueError, match="neither tfmgpu's gpt nor a "
+                     "keras_hub CausalLM.*to_unsplit"):
     tfmgpu.generate(staged, np.ones((1, 4), np.int32), max_new_tokens=2)
 
 

@@ -8,9 +8,9 @@ Examples:
 
 Placements place the model as for `predict` (e.g. `--strategy=pipeline
 --num_stages=2`, `--strategy=tensor_parallel --tensor_parallel=2`): each
-layer's KV cache stays on its devices. A `gpt` trained on `stdlib_text`
-reads bytes: `--prompt` is text and the
-new tokens print as text as they come. Other models take `--prompt_ids`
+layer's KV cache stays on its devices (a keras_hub model's: each
+block's). A `gpt` trained on `stdlib_text` reads bytes: `--prompt` is text
+and the new tokens print as text as they come. Other models take `--prompt_ids`
 and print token ids. Past the model's context, generation goes on in
 windows (the last half of the context becomes the next prompt).
 """

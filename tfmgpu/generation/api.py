@@ -1,9 +1,10 @@
 """`generate`: text from a causal language model, with a KV cache.
 
-Takes tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced, on one device or
-with its request rows spread over a `tf.distribute.Strategy`'s replicas;
-or a `gpt` placed by `tfmgpu.parallel.hybrid.build_layout` (tensor,
-pipeline, data and their hybrids), each cache beside its layer.
+Takes tfmgpu's `gpt` or a keras_hub `CausalLM` (or a model wrapping one),
+unplaced, on one device or with its request rows spread over a
+`tf.distribute.Strategy`'s replicas; or either placed by
+`tfmgpu.parallel.hybrid.build_layout` (tensor, pipeline, data and their
+hybrids), each cache beside its layer.
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ from tfmgpu.parallel import placed_model
 
 def adapter_for(model: Any) -> decode.CacheAdapter:
   """The cache adapter of `model`: `GPTCache`, `HubCache`, or for a placed
-  `gpt` its copies' and stages' caches (`placed.placed_adapter`).
+  model its copies' and stages' caches (`placed.placed_adapter`).
 
   Raises:
-    ValueError: a placed model that is not a `gpt`, or a model that is
-      neither a `gpt` nor a keras_hub `CausalLM`.
+    ValueError: a model that is neither a `gpt` nor a keras_hub `CausalLM`
+      (nor wraps one), placed or not.
   """
   if placed_model.is_placed(model):
     return placed_lib.placed_adapter(model)
-  if hub_cache.is_causal_lm(model):
-    return hub_cache.HubCache(model)
+  lm = hub_cache.causal_lm_in(model)
+  if lm is not None:
+    return hub_cache.HubCache(lm)
   if gpt_cache.is_gpt(model):
     return gpt_cache.GPTCache(model)
   raise ValueError(
@@ -62,7 +64,7 @@ class Generator:
   retrace.
 
   Args:
-    model: tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced; or a `gpt`
+    model: tfmgpu's `gpt` or a keras_hub `CausalLM`, unplaced; or either
       placed by `hybrid.build_layout` (it places its own work: no
       strategy, no XLA).
     strategy: `None` (one device), a registered name (e.g. `"mirrored"`)
@@ -186,9 +188,10 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
 
   Args:
     model: tfmgpu's `gpt` or a keras_hub `CausalLM` (its preprocessor is not
-      used), unplaced; or a `gpt` placed by `hybrid.build_layout`: each
-      layer's cache and work stay on its devices, rows split over its
-      data-parallel copies (and over a pipeline's stages).
+      used; or a model wrapping one), unplaced; or either placed by
+      `hybrid.build_layout`: each layer's cache and work stay on its
+      devices, rows split over its data-parallel copies (and over a
+      pipeline's stages).
     inputs: keras_hub's form `{"token_ids": (B, T) int, "padding_mask":
       (B, T) bool}` (prompts of different lengths, right-padded), or a
       `(B, T)` token array whose tokens are all prompt (`(T,)`: one row).
@@ -211,9 +214,9 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
     prompt, then its new tokens, then zeros where `padding_mask` is False.
 
   Raises:
-    ValueError: an unsupported model (a placed keras_hub model), inputs that are not right-
-      padded prompts, a sequence longer than the model's positions, or bad
-      sampler options.
+    ValueError: an unsupported model (see `adapter_for`), inputs that are
+      not right-padded prompts, a sequence longer than the model's
+      positions, or bad sampler options.
   """
   sampling = samplers.Sampling(sampler, k=k, p=p, temperature=temperature,
                                seed=seed)

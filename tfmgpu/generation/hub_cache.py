@@ -22,6 +22,16 @@ def is_causal_lm(model: Any) -> bool:
           and getattr(model, "backbone", None) is not None)
 
 
+def causal_lm_in(model: Any) -> Any:
+  """The keras_hub `CausalLM` that `model` is, or wraps as one of its
+  layers (`tfmgpu.models.hub`'s wrapper of `--model=llama` and the like:
+  its extra inputs are not used by generation); `None`: neither."""
+  for candidate in [model, *getattr(model, "layers", ())]:
+    if is_causal_lm(candidate):
+      return candidate
+  return None
+
+
 class HubCache:
   """Cached decoding of a keras_hub `CausalLM` (GPT-2, Llama, Gemma, ...),
   a `decode.CacheAdapter`.

@@ -6,7 +6,9 @@ A model placed by `tfmgpu.parallel.hybrid.build_layout` is one copy
 (`weighted_layers()`, the unsplit model's names): `gpt_cache.GPTCache`
 runs every layer on the device of its weights, so a stage's blocks keep
 their cache on the stage's device and a head-split attention keeps each
-shard's keys and values on the shard's device.
+shard's keys and values on the shard's device; a keras_hub causal LM's
+copy is decoded block by block by `hub_blocks.PlacedHubCache`, each
+block's cache on its device.
 
 `RowGroups` joins copies: the request's rows are split over the copies
 (data parallelism), and within a pipeline's copy into one group per stage,
@@ -21,25 +23,28 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from tfmgpu.generation import gpt_cache
+from tfmgpu.generation import hub_blocks
 from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import replicated
 
 
-def _copy_adapter(copy: Any) -> gpt_cache.GPTCache:
-  """The cache adapter of one placed copy.
+def _copy_adapter(copy: Any) -> Any:
+  """The cache adapter of one placed copy: `PlacedHubCache` for a keras_hub
+  causal LM's, `GPTCache` for a `gpt`'s.
 
   Raises:
-    ValueError: a copy that is not a placed `gpt` (keras_hub models are
-      generated unplaced or data-parallel for now).
+    ValueError: a copy of neither.
   """
+  if hub_blocks.is_hub_copy(copy):
+    return hub_blocks.PlacedHubCache(copy)
   layers = copy.weighted_layers()
   if not set(gpt_cache.LAYER_NAMES) <= set(layers):
     raise ValueError(
         f"model {copy.name!r} is placed over devices ({type(copy).__name__})"
-        " but is not tfmgpu's gpt: generation on placed models reads gpt's "
-        "layers (token_embedding, block0_attention, ...). Generate a "
-        "keras_hub CausalLM unplaced (`model.to_unsplit()`) or with "
-        "strategy='mirrored'.")
+        " but is neither tfmgpu's gpt nor a keras_hub CausalLM: generation "
+        "on placed models reads gpt's layers (token_embedding, "
+        "block0_attention, ...) or a keras_hub CausalLM's blocks. Generate "
+        "other models unplaced (`model.to_unsplit()`).")
   return gpt_cache.GPTCache(copy, layers, placed=True)
 
 

@@ -201,6 +201,12 @@ class UnsplitWeights:
   def weighted_layers(self) -> dict[str, Any]:
     raise NotImplementedError
 
+  @property
+  def unsplit_spec(self) -> ModelSpec:
+    """The unsplit model's class and config (e.g. to read a keras_hub
+    backbone's sizes)."""
+    return self._unsplit_spec
+
   def load_from(self, unsplit: keras.Model) -> None:
     """Copies the weights of the unsplit model into this one."""
     mine = self.weighted_layers()

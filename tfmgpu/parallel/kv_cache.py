@@ -13,9 +13,11 @@ stages, `T` tensor shards):
   `kv_heads / T` heads' cache on each of the `T` devices; an unsplit one
   keeps it whole on the stage's first device.
 
-A keras_hub `CausalLM` counts its backbone's `num_layers` blocks (key/
-value heads under grouped-query attention) on the stage holding the
-backbone; its attention is not split by the tensor rules.
+A keras_hub `CausalLM` counts each of its backbone's blocks (key/value
+heads under grouped-query attention) on the stage holding the block; under
+tensor parallelism a block's cache stays whole on its stage's first shard
+(`generation.hub_blocks`: its split kernels' parts are joined before the
+attention).
 
 `serving_table` puts the cache beside the weights each device holds (from
 `tfmgpu.parallel.accounting`): what a device needs to serve.
@@ -39,8 +41,7 @@ class CacheLayer:
   """Attention layers whose keys and values a generation caches.
 
   Attributes:
-    name: the model's layer holding them (a keras_hub backbone holds
-      `count` blocks).
+    name: the model's layer holding them (a keras_hub block's name).
     kv_heads: key/value heads per block.
     head_dim: the width of one head.
     value_bytes: bytes of one cached value (the compute dtype's).
@@ -78,14 +79,15 @@ def cache_layers(model: Any, rules: Mapping[str, str] | None = None
   """
   rules = choices.TENSOR_RULES_GPT if rules is None else rules
   heads_rules = [r for r, kind in rules.items() if kind == "heads"]
-  backbone = getattr(model, "backbone", None)
+  lm = _hub_lm(model)
+  backbone = getattr(lm, "backbone", None)
   if backbone is not None and hasattr(backbone, "num_layers"):
     heads = (getattr(backbone, "num_query_heads", None)
              or backbone.num_heads)
     kv = getattr(backbone, "num_key_value_heads", None) or heads
     dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // heads
-    return [CacheLayer(backbone.name, int(kv), int(dim),
-                       _value_bytes(model), int(backbone.num_layers))]
+    return [CacheLayer(block.name, int(kv), int(dim), _value_bytes(lm))
+            for block in backbone.transformer_layers]
   return [CacheLayer(layer.name, int(layer.num_heads), int(layer.key_dim),
                      _value_bytes(layer), 1,
                      any(re.fullmatch(r, layer.name) for r in heads_rules))
@@ -133,16 +135,19 @@ def per_device(model: Any, layout: Any, *, batch: int, context: int,
 
 def serving_table(model: Any, layout: Any, *, batch: int, context: int,
                   rules: Mapping[str, str] | None = None,
-                  devices: Sequence[str] | None = None) -> str:
+                  devices: Sequence[str] | None = None,
+                  plan: plan_lib.StagePlan | None = None) -> str:
   """Per device of replica 0: the weights it holds, its KV cache for
-  `batch` rows of `context` positions, and their sum."""
+  `batch` rows of `context` positions, and their sum (`plan`: the cut into
+  stages, `plan_stages` when `None`)."""
   from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
   acc = accounting.account(
       model, layout, global_batch_size=layout.data * (
-          layout.micro_batches or 1), rules=rules, devices=devices)
+          layout.micro_batches or 1), rules=rules, devices=devices,
+      plan=plan)
   names = [d.device for d in acc.devices]
   cache = per_device(model, layout, batch=batch, context=context,
-                     rules=rules, devices=names)
+                     rules=rules, devices=names, plan=plan)
   fmt = plan_lib._fmt_bytes  # pylint: disable=protected-access
   rows = [(d.device, fmt(d.memory.weights), fmt(cache[d.device]),
            fmt(d.memory.weights + cache[d.device])) for d in acc.devices]
@@ -154,3 +159,58 @@ def serving_table(model: Any, layout: Any, *, batch: int, context: int,
            f"{context} positions, {math.ceil(batch / layout.data)} per data "
            "copy; per device of copy 0:")
   return "\n".join([title, line(header)] + [line(r) for r in rows])
+
+
+def _hub_lm(model: Any) -> Any:
+  """The keras_hub `CausalLM` that `model` is or wraps as one of its
+  layers (`tfmgpu.models.hub`'s wrapper), else `None`."""
+  for candidate in [model, *getattr(model, "layers", ())]:
+    if callable(getattr(candidate, "call_with_cache", None)):
+      return candidate
+  return None
+
+
+def is_causal_lm(model: Any) -> bool:
+  """Whether `model` generates text: a keras_hub `CausalLM` (its
+  `call_with_cache`; or a model wrapping one, as `--model=llama` does) or
+  tfmgpu's `gpt` (its layer names)."""
+  if _hub_lm(model) is not None:
+    return True
+  names = {layer.name for layer in getattr(model, "layers", ())}
+  return {"block0_attention", "position_embedding", "logits"} <= names
+
+
+def plan_section(model: Any, layout: Any, *, batch: int,
+                 context: int | None,
+                 rules: Mapping[str, str] | None = None,
+                 devices: Sequence[str] | None = None,
+                 plan: plan_lib.StagePlan | None = None) -> str | None:
+  """What `--plan_only` adds for a causal LM: `serving_table` (weights and
+  KV cache per device of copy 0) for `batch` rows of `context` positions;
+  `None` for other models.
+
+  Args:
+    model: the unsplit model (built with weight shapes only is enough).
+    layout: the run's `hybrid.Layout` (`None`: one whole copy).
+    batch: rows served at once; a run passes its global batch size.
+    context: positions per row; a run passes its sequence length (the
+      input width). `None`: the model's own input width (no section when
+      it has none).
+    rules, devices, plan: as for `serving_table`.
+  """
+  if not is_causal_lm(model):
+    return None
+  rules = rules if isinstance(rules, Mapping) else None  # "layout_map".
+  if layout is None:
+    from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+    layout = hybrid.Layout()
+  if context is None:  # The model's input width, when it has one.
+    inputs = getattr(model, "inputs", None) or [None]
+    context = getattr(inputs[0], "shape", (None, None))[1]
+    if context is None:
+      return None
+  table = serving_table(model, layout, batch=batch, context=context,
+                        rules=rules, devices=devices, plan=plan)
+  return (f"Generation: the global batch size ({batch} rows) at the "
+          f"sequence length ({context} positions); other sizes: python -m "
+          "tfmgpu.generate --memory_plan --serve_batch=N.\n" + table)

@@ -153,6 +153,18 @@ class Auto(registry.Distribution):
   def plan_text(self, model: Any, options: AutoOptions, *,
                 global_batch_size: int, optimizer: str,
                 input_shape: Any = None) -> str:
-    """The layouts weighed and the one chosen."""
-    del global_batch_size, optimizer, input_shape  # The options have them.
-    return choose(model, options).table()
+    """The layouts weighed and the one chosen; for a causal LM, then the
+    weights and KV cache of serving it in the chosen layout
+    (`base.serving_text`)."""
+    del global_batch_size, optimizer  # The options have them.
+    plan = choose(model, options)
+    chosen, chosen_options = resolve(plan, options)
+    from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+    layout = chosen.layout_of(chosen_options) or hybrid.Layout(
+        data=plan.chosen.devices)  # Mirrored: whole copies.
+    from tfmgpu import devices  # pylint: disable=g-import-not-at-top
+    names = devices.accelerator_devices()[:layout.stages * layout.tensor]
+    serving = base.serving_text(model, layout, options.global_batch_size,
+                                input_shape, devices=names)
+    return plan.table() if serving is None else (
+        f"{plan.table()}\n\n{serving}")

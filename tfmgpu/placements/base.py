@@ -202,9 +202,22 @@ class LayoutPlacement(registry.Distribution):
                 optimizer: str, input_shape: Any = None) -> str | None:
     """The stage plan and its per-device memory table; for a copied or
     sharded layout, the bytes each kind of parallelism sends and its step
-    projected on an 8-GPU host (`tfmgpu.parallel.accounting`)."""
+    projected on an 8-GPU host (`tfmgpu.parallel.accounting`); for a causal
+    LM, then the weights and KV cache of serving it (`serving_text`)."""
     if self.uses_layout_devices(options):
-      return self._layout_text(model, options, global_batch_size, optimizer)
+      text, plan, names = self._layout_text(model, options,
+                                            global_batch_size, optimizer)
+    else:
+      text, plan = self._stage_text(model, options, global_batch_size,
+                                    optimizer, input_shape)
+      names = list(plan.devices)
+    serving = serving_text(model, self.layout_of(options), global_batch_size,
+                           input_shape, rules=tensor_rules(options),
+                           plan=plan, devices=names)
+    return text if serving is None else f"{text}\n\n{serving}"
+
+  def _stage_text(self, model: Any, options: Any, global_batch_size: int,
+                  optimizer: str, input_shape: Any) -> tuple[str, Any]:
     from tfmgpu import devices  # pylint: disable=g-import-not-at-top
     planned = planned_devices(options.stages)
     plan = self.plan(model, options, planned, input_shape=input_shape)
@@ -217,10 +230,10 @@ class LayoutPlacement(registry.Distribution):
     if planned:
       lines.append(f"(A plan for {len(planned)} devices; this machine has "
                    f"{len(devices.accelerator_devices())}.)")
-    return "\n".join(lines)
+    return "\n".join(lines), plan
 
   def _layout_text(self, model: Any, options: Any, global_batch_size: int,
-                   optimizer: str) -> str:
+                   optimizer: str) -> tuple[str, Any, list[str]]:
     from tfmgpu import devices  # pylint: disable=g-import-not-at-top
     from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
     layout = self.layout_of(options)
@@ -233,7 +246,21 @@ class LayoutPlacement(registry.Distribution):
         optimizer=optimizer, rules=tensor_rules(options), devices=names,
         plan=plan)
     table = accounting.format_layout_table(account, "dgx_a100")
-    return table if plan is None else f"{plan}\n\n{table}"
+    return (table if plan is None else f"{plan}\n\n{table}"), plan, names
+
+
+def serving_text(model: Any, layout: Any, global_batch_size: int,
+                 input_shape: Any, *, rules: Any = None, plan: Any = None,
+                 devices: Any = None) -> str | None:
+  """For a causal LM, the weights and KV cache per device of serving the
+  global batch at the sequence length (`input_shape[0]`) in `layout`
+  (`kv_cache.plan_section`); `None` for other models."""
+  from tfmgpu.parallel import kv_cache  # pylint: disable=g-import-not-at-top
+  context = (int(input_shape[0]) if input_shape and len(input_shape) == 1
+             and input_shape[0] else None)
+  return kv_cache.plan_section(model, layout, batch=global_batch_size,
+                               context=context, rules=rules, plan=plan,
+                               devices=devices)
 
 
 def check_layout_sizes(options: LayoutOptions, micro_batches: int | None, *,

@@ -1,0 +1,158 @@
+"""Generation on placed keras_hub causal LMs: tiny GPT-2, Llama (grouped-
+query, rotary) and Gemma under pipeline 2, tensor 2 and data 2 x tensor 2
+give keras_hub's own greedy tokens; seeded top-k gives the unplaced
+tokens on every layout; each block's cache is written on its device."""
+
+import re
+
+import numpy as np
+import pytest
+
+import tfmgpu
+from tfmgpu import devices as devices_lib
+from tfmgpu import generation
+from tfmgpu.parallel import hybrid
+
+keras_hub = pytest.importorskip("keras_hub")
+
+VOCAB = 64
+NEW = 3
+TOP_K = {"sampler": "top_k", "k": 5, "seed": 7}
+LAYOUTS = {
+    "pipeline2": hybrid.Layout(stages=2),
+    "tensor2": hybrid.Layout(tensor=2),
+    "data2_tensor2": hybrid.Layout(data=2, tensor=2),
+}
+
+
+def _lm(name):
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(1)
+  if name == "gpt2":
+    return keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=32), preprocessor=None)
+  sizes = dict(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
+               num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+  if name == "gemma":
+    return keras_hub.models.GemmaCausalLM(keras_hub.models.GemmaBackbone(
+        head_dim=8, **sizes), preprocessor=None)
+  return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
+      **sizes), preprocessor=None)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  lengths = (5, 2, 8)
+  ids = np.random.RandomState(0).randint(1, VOCAB, (3, 8))
+  mask = np.arange(8)[None, :] < np.array(lengths)[:, None]
+  return {"token_ids": (ids * mask).astype(np.int32), "padding_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def lms():
+  return {name: _lm(name) for name in ("gpt2", "llama", "gemma")}
+
+
+@pytest.fixture(scope="module")
+def generators(lms):
+  """`(model, layout) -> Generator`, built on first use."""
+  cpus = tfmgpu.list_devices("CPU")
+  made = {}
+
+  def get(name, layout):
+    if (name, layout) not in made:
+      spec = LAYOUTS[layout]
+      made[name, layout] = generation.Generator(hybrid.build_layout(
+          lms[name], spec, devices=cpus[:spec.num_devices]))
+    return made[name, layout]
+
+  return get
+
+
+def _keras_hub_greedy(lm, prompts):
+  """keras_hub's own generate: each row's prompt and `NEW` tokens."""
+  wide = {k: np.pad(v, [(0, 0), (0, 16)]) for k, v in prompts.items()}
+  lm.compile(sampler="greedy")
+  theirs = lm.generate(wide, stop_token_ids=None)["token_ids"]
+  lengths = prompts["padding_mask"].sum(axis=1)
+  return [list(row[:n + NEW]) for row, n in zip(theirs, lengths)]
+
+
+def _rows(out):
+  return [list(row[mask]) for row, mask in zip(out["token_ids"],
+                                               out["padding_mask"])]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
+def test_placed_greedy_equals_keras_hub_generate(name, layout, lms,
+                                                  generators, prompts):
+  out = generators(name, layout).generate(prompts, max_new_tokens=NEW)
+  assert _rows(out) == _keras_hub_greedy(lms[name], prompts)
+
+
+def test_seeded_top_k_is_the_same_on_every_layout(lms, generators,
+                                                  prompts):
+  unplaced = tfmgpu.generate(lms["llama"], prompts, max_new_tokens=NEW,
+                             **TOP_K)
+  sampling = generation.Sampling(**TOP_K)
+  for layout in LAYOUTS:
+    out = generators("llama", layout).generate(
+        prompts, max_new_tokens=NEW, sampling=sampling)
+    for key in ("token_ids", "padding_mask"):
+      np.testing.assert_array_equal(out[key], unplaced[key], err_msg=layout)
+
+
+def _kinds(graph_def):
+  """`(nodes, kinds)`: a graph's and its functions' nodes, and
+  `kinds(node)`: the op types it runs (a call node: its function's, and
+  theirs in turn; a block's decode step is one XLA call on its device)."""
+  functions = {f.signature.name: f for f in graph_def.library.function}
+
+  def kinds(node, seen=()):
+    name = node.attr["f"].func.name if "f" in node.attr else None
+    if name not in functions or name in seen:
+      return {node.op}
+    return set().union(*(kinds(n, seen + (name,))
+                         for n in functions[name].node_def))
+
+  nodes = list(graph_def.node) + [
+      n for f in graph_def.library.function for n in f.node_def]
+  return nodes, kinds
+
+
+@pytest.mark.parametrize("layout", ["pipeline2", "tensor2"])
+def test_each_block_writes_its_cache_on_its_device(layout, generators,
+                                                   prompts):
+  generator = generators("llama", layout)
+  generator.generate(prompts, max_new_tokens=NEW)
+  nodes, kinds = _kinds(generator.graphs[-1].as_graph_def())
+  cpus = [devices_lib.canonical_device(d)
+          for d in tfmgpu.list_devices("CPU")]
+  for block in (0, 1):
+    mine = [n for n in nodes if re.search(rf"(^|/)block{block}/", n.name)
+            and n.device]
+    writes = {devices_lib.canonical_device(n.device) for n in mine
+              if "XlaDynamicUpdateSlice" in kinds(n)}  # The cache write.
+    matmuls = {devices_lib.canonical_device(n.device) for n in mine
+               if kinds(n) & {"Einsum", "MatMul", "BatchMatMulV2"}}
+    if layout == "pipeline2":  # Block b on stage b, all of it.
+      assert writes == matmuls == {cpus[block]}, (block, writes, matmuls)
+    else:  # Keys and values joined on shard 0; the kernels' parts on both.
+      assert writes == {cpus[0]}, (block, writes)
+      assert matmuls == {cpus[0], cpus[1]}, (block, matmuls)
+
+
+def test_the_registry_wrapper_generates_placed_as_unplaced(prompts):
+  """`--model=llama` wraps the CausalLM in a functional model: generation
+  finds it inside, unplaced and placed."""
+  from tfmgpu import models  # pylint: disable=g-import-not-at-top
+  wrapper = models.build_model("llama", input_shape=(16,),
+                               num_classes=VOCAB, size="tiny", seed=0)
+  placed = hybrid.build_layout(wrapper, LAYOUTS["pipeline2"],
+                               devices=tfmgpu.list_devices("CPU")[:2])
+  ids = prompts["token_ids"][:2, :2]  # Two rows, all prompt.
+  unplaced = tfmgpu.generate(wrapper, ids, max_new_tokens=NEW)
+  out = tfmgpu.generate(placed, ids, max_new_tokens=NEW)
+  np.testing.assert_array_equal(out["token_ids"], unplaced["token_ids"])
