@@ -2,8 +2,9 @@
 
 Tiny `GPT2CausalLM`, `BertTextClassifier` (the registry's `bert`, which
 wraps it), `LlamaCausalLM`, `GemmaCausalLM` and `QwenCausalLM` (random
-weights, dropout 0) train 3 SGD steps on random
-tokens with Keras `fit` on one device, and from the same weights under each
+weights, dropout 0) train 3 steps (SGD, and Adam: its squared gradients
+tell a tied weight's summed gradient from its parts) on random tokens with
+Keras `fit` on one device, and from the same weights under each
 layout: mirrored x2, model_parallel 2, pipeline 2 (GPipe and 1F1B, 2
 micro-batches), tensor 2 (the backbone's own layout map, or keras_hub path
 rules for GPT-2 and BERT), data 2 x tensor 2 and data 2 x stages 2 x
@@ -13,6 +14,7 @@ before training and of the weights after it (the placed model's copied back
 into the unsplit model with `copy_weights_to`).
 
     python3 scripts/hub_matrix.py [--models=gpt2,llama] [--layouts=tensor2]
+        [--optimizers=sgd,adam]
 
 Needs 8 logical devices (made here) and keras-hub. Takes minutes on a CPU.
 """
@@ -65,9 +67,13 @@ def data(family: str):
       mask.astype("float32")
 
 
-def fit(model, x, y, sample_weight) -> None:
+OPTIMIZERS = {"sgd": lambda keras: keras.optimizers.SGD(LR),
+              "adam": lambda keras: keras.optimizers.Adam(0.01)}
+
+
+def fit(model, x, y, sample_weight, optimizer: str = "sgd") -> None:
   import keras  # pylint: disable=g-import-not-at-top
-  model.compile(optimizer=keras.optimizers.SGD(LR),
+  model.compile(optimizer=OPTIMIZERS[optimizer](keras),
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True))
   model.fit(x, y, sample_weight=sample_weight, batch_size=BATCH,
@@ -97,17 +103,18 @@ def _placed(family: str, layout: str, devices: list[str]):
   return placed, weights, model
 
 
-def run_case(family: str, layout: str, devices: list[str]
-             ) -> tuple[float, float]:
-  """`(max |predict - unsplit predict|, max |weights - one-device fit's|)`."""
+def run_case(family: str, layout: str, devices: list[str],
+             optimizer: str = "sgd") -> tuple[float, float]:
+  """`(max |predict - unsplit predict|, max |weights - one-device fit's|)`,
+  both trained with `optimizer` (a key of `OPTIMIZERS`)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   x, y, sw = data(family)
   reference = build(family)
-  fit(reference, x, y, sw)
+  fit(reference, x, y, sw, optimizer)
   placed, weights, unsplit = _placed(family, layout, devices)
   predicted = np.abs(placed.predict(x, batch_size=BATCH, verbose=0) -
                      unsplit.predict(x, batch_size=BATCH, verbose=0)).max()
-  fit(placed, x, y, sw)
+  fit(placed, x, y, sw, optimizer)
   diff = max(float(np.abs(a - b).max())
              for a, b in zip(weights(), reference.get_weights()))
   return float(predicted), diff
@@ -126,24 +133,28 @@ def main(argv: list[str] | None = None,
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="gpt2,bert,llama,gemma,qwen")
   parser.add_argument("--layouts", default=",".join(LAYOUTS))
+  parser.add_argument("--optimizers", default="sgd,adam",
+                      help=f"Of {sorted(OPTIMIZERS)}.")
   args = parser.parse_args(argv)
   devices = _devices()
   rows = []
-  out(f"{'model':8} {'layout':16} {'predict':>10} {'weights':>10} "
-      f"{'ok':>3} {'seconds':>8}")
-  for family in args.models.split(","):
-    for layout in args.layouts.split(","):
-      start = time.perf_counter()
-      try:
-        predicted, diff = run_case(family, layout, devices)
-        ok = "yes" if max(predicted, diff) <= 1e-5 else "NO"
-        row = (family, layout, f"{predicted:.1e}", f"{diff:.1e}", ok)
-      except Exception as e:  # pylint: disable=broad-except
-        row = (family, layout, "error", f"{type(e).__name__}: "
-               f"{str(e)[:70]}", "NO")
-      rows.append(row)
-      out(f"{row[0]:8} {row[1]:16} {row[2]:>10} {row[3]:>10} {row[4]:>3} "
-          f"{time.perf_counter() - start:8.1f}")
+  out(f"{'model':8} {'layout':16} {'optimizer':9} {'predict':>10} "
+      f"{'weights':>10} {'ok':>3} {'seconds':>8}")
+  cases = [(f, l, o) for f in args.models.split(",")
+           for l in args.layouts.split(",") for o in args.optimizers.split(",")]
+  for family, layout, optimizer in cases:
+    start = time.perf_counter()
+    try:
+      predicted, diff = run_case(family, layout, devices, optimizer)
+      ok = "yes" if max(predicted, diff) <= 1e-5 else "NO"
+      row = (family, layout, optimizer, f"{predicted:.1e}", f"{diff:.1e}",
+             ok)
+    except Exception as e:  # pylint: disable=broad-except
+      row = (family, layout, optimizer, "error", f"{type(e).__name__}: "
+             f"{str(e)[:70]}", "NO")
+    rows.append(row)
+    out(f"{row[0]:8} {row[1]:16} {row[2]:9} {row[3]:>10} {row[4]:>10} "
+        f"{row[5]:>3} {time.perf_counter() - start:8.1f}")
   return rows
 
 

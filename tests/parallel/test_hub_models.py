@@ -42,6 +42,19 @@ def test_keras_hub_model_trains_as_one_device_keras(family, layout,
   assert diff <= 1e-5
 
 
+@pytest.mark.parametrize("family,layout", [("gpt2", "gpipe2"),
+                                           ("gemma", "1f1b2")])
+def test_a_tied_embedding_across_stages_trains_as_one_device_adam(
+    family, layout, cpu_devices):
+  """The token table is used by the first stage (a sparse lookup) and the
+  last (the dense LM head): Adam squares the summed gradient, so the parts
+  must be added as one dense gradient, as TF's tape adds them (concatenated
+  as rows they ended 3e-2 away)."""
+  predicted, diff = matrix.run_case(family, layout, cpu_devices, "adam")
+  assert predicted <= 1e-5
+  assert diff <= 1e-5
+
+
 def test_bert_without_a_layout_map_is_split_by_path_rules():
   """The registry's `bert` (a BertTextClassifier from config): keras_hub's
   path rules shard its attention and MLP kernels, not its embeddings."""

@@ -73,20 +73,25 @@ def head(structure: Any, n: Any) -> Any:
 
 
 def sum_gradients(grads: Sequence[Any]) -> Any:
-  """Adds one variable's gradients from several micro-batches."""
+  """Adds one variable's gradients from several micro-batches or uses.
+
+  As TF's tape adds them: sparse parts only (an embedding's lookups) stay
+  sparse, their rows concatenated; any dense part (a tied embedding's
+  LM-head use) makes the sum dense. The form matters beyond the sum:
+  Keras' Adam squares a sparse gradient's rows before they are added, so
+  a dense use concatenated as rows would train a tied weight differently
+  from one device.
+  """
   grads = [g for g in grads if g is not None]
   if not grads:
     return None
   if len(grads) == 1:
     return grads[0]
-  if any(isinstance(g, tf.IndexedSlices) for g in grads):
-    slices = [g if isinstance(g, tf.IndexedSlices) else
-              tf.IndexedSlices(g, tf.range(tf.shape(g)[0]), tf.shape(g))
-              for g in grads]
-    return tf.IndexedSlices(tf.concat([s.values for s in slices], 0),
-                            tf.concat([s.indices for s in slices], 0),
-                            slices[0].dense_shape)
-  return tf.add_n(grads)
+  if all(isinstance(g, tf.IndexedSlices) for g in grads):
+    return tf.IndexedSlices(tf.concat([s.values for s in grads], 0),
+                            tf.concat([s.indices for s in grads], 0),
+                            grads[0].dense_shape)
+  return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 
 def call_losses(stage: keras.Model) -> list[Any]:
