@@ -47,6 +47,9 @@ class Layout:
       `None` runs the stages one after another (model parallelism).
     schedule: the pipeline's schedule, `gpipe` or `1f1b`.
     recompute: recompute activations in the pipeline's backward.
+    virtual_stages: `V` non-consecutive stages per device (interleaved
+      1F1B): the plan then has `stages * V` stages, stage `k` on the
+      device of stage `k % stages`.
   """
   data: int = 1
   stages: int = 1
@@ -54,9 +57,10 @@ class Layout:
   micro_batches: int | None = None
   schedule: str = "gpipe"
   recompute: bool = False
+  virtual_stages: int = 1
 
   def __post_init__(self):
-    for name in ("data", "stages", "tensor"):
+    for name in ("data", "stages", "tensor", "virtual_stages"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1.")
@@ -91,9 +95,11 @@ def stage_homes(grid: list[list[str]]) -> list[str]:
 
 def _on_devices(plan: plan_lib.StagePlan, devices: Sequence[str]
                 ) -> plan_lib.StagePlan:
-  """The same cut, stage `k` on `devices[k]`."""
+  """The same cut, stage `k` on `devices[k % len(devices)]` (virtual
+  stages repeat the devices in order)."""
   return dataclasses.replace(plan, stages=tuple(
-      dataclasses.replace(s, device=d) for s, d in zip(plan.stages, devices)))
+      dataclasses.replace(s, device=devices[k % len(devices)])
+      for k, s in enumerate(plan.stages)))
 
 
 def _transform(axes: dict[str, int] | None, devices_of: Any) -> Any:
@@ -130,7 +136,8 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
   else:
     placed = pipeline.PipelinedModel(
         source, mine, micro_batches=layout.micro_batches,
-        schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
+        schedule=layout.schedule, recompute=layout.recompute,
+        virtual_stages=layout.virtual_stages, unsplit=model)
   if not axes:
     return placed
   from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
@@ -213,12 +220,15 @@ def build_layout(model: keras.Model, layout: Layout, *,
       devices_lib.accelerator_devices()
   mesh = layout.mesh(devices_lib.resolve_devices(found[:layout.num_devices]))
   homes = stage_homes(mesh[0])
+  chunks = layout.stages * layout.virtual_stages
   if plan is None and layout.stages > 1:
-    plan = partition.plan_stages(model, layout.stages, criterion=criterion,
-                                 split_points=split_points, devices=homes)
-  elif plan is not None and plan.num_stages != layout.stages:
-    raise ValueError(f"plan has {plan.num_stages} stages but the layout "
-                     f"{layout.label} asks for {layout.stages}.")
+    plan = partition.plan_stages(
+        model, chunks, criterion=criterion, split_points=split_points,
+        devices=[homes[k % layout.stages] for k in range(chunks)])
+  elif plan is not None and plan.num_stages != chunks:
+    raise ValueError(
+        f"plan has {plan.num_stages} stages but the layout {layout.label} "
+        f"with virtual_stages={layout.virtual_stages} asks for {chunks}.")
   axes = _split_axes(model, layout_map, rules, layout.tensor)
   if axes is not None and rules in (None, LAYOUT_MAP):
     rules = {}
