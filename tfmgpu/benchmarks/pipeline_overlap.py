@@ -141,6 +141,36 @@ def _time_interleaved(settings: Sequence[dict[str, Any]], x, y, *,
       s["samples"].append(s["probe"].sample())
 
 
+def measure_concurrency(devices: Sequence[str], *, rounds: int = 9,
+                        depth: int = 40) -> float:
+  """How many of `devices` compute at once: one chain of `depth` matmuls
+  (1024 x 128) on `devices[0]` alone against one chain on each device in
+  the same call, `len(devices) * t(one) / t(all)` of the best rounds
+  (interleaved). `len(devices)`: full overlap; 1.0: they take turns. The
+  gain a pipeline over these devices can show is bounded by it (logical
+  CPUs share the host's cores with each other and with other processes).
+  """
+  x = tf.random.normal([1024, 128])
+  w = tf.random.normal([128, 128]) * 0.05
+
+  def chain(device):
+    with tf.device(device):
+      a = x
+      for _ in range(depth):
+        a = tf.tanh(tf.matmul(a, w))
+      return tf.reduce_sum(a)
+
+  one = tf.function(lambda: chain(devices[0]))
+  every = tf.function(lambda: tf.add_n([chain(d) for d in devices]))
+  for fn in (one, every):
+    fn().numpy()
+  t_one, t_all = [], []
+  for _ in range(rounds):
+    t_one.append(_seconds(one))
+    t_all.append(_seconds(every))
+  return len(devices) * min(t_one) / min(t_all)
+
+
 def measure_send_s(source: str, target: str, nbytes: int, *,
                    repeats: int = 30) -> float:
   """Seconds one tensor of `nbytes` costs to send from device `source` to
