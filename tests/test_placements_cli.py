@@ -3,6 +3,7 @@
 import os
 import re
 
+from absl import app
 from absl.testing import flagsaver
 import numpy as np
 import pytest
@@ -108,6 +109,35 @@ def test_cli_trains_a_pipeline_like_the_unsplit_model(tmp_path, capsys):
                                  out).group(1)
   assert "stages" in out
   assert losses["pipeline"] == losses["default"]
+
+
+def test_cli_trains_an_interleaved_pipeline_like_the_unsplit_model(
+    tmp_path, capsys):
+  losses = {}
+  for strategy in ("default", "pipeline"):
+    with flagsaver.flagsaver(strategy=strategy, model="deep_mlp",
+                             num_stages=2, virtual_stages=2, schedule="1f1b",
+                             micro_batches=4, epochs=1, steps_per_epoch=3,
+                             model_dir=str(tmp_path / strategy), verbose=0):
+      assert train.main(["train"]) == 0
+    out = capsys.readouterr().out
+    losses[strategy] = re.search(r"train loss / accuracy\s+([\d.]+)",
+                                 out).group(1)
+  assert "2 stages per device (interleaved), bubble 11%" in out
+  assert losses["pipeline"] == losses["default"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"schedule": "gpipe"}, "virtual_stages=2 interleaves 1F1B; "
+     "schedule='gpipe' cannot"),
+    ({"schedule": "1f1b", "micro_batches": 3, "global_batch_size": 48},
+     "micro_batches=3 must be a multiple of the 2 devices"),
+])
+def test_cli_interleaved_pipeline_errors(flags, message):
+  with flagsaver.flagsaver(strategy="pipeline", num_stages=2,
+                           virtual_stages=2, verbose=0, **flags):
+    with pytest.raises(app.UsageError, match=re.escape(message)):
+      train.main(["train"])
 
 
 def test_cli_pipeline_batch_not_divisible_by_micro_batches(capsys):

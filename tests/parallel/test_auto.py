@@ -221,3 +221,22 @@ def test_hybrid_options_resolve_to_registered_placements(wide_gpt):
     distribution, chosen = auto_placement.resolve(chosen_plan, options)
     assert distribution.name == name
     assert chosen.devices_needed == candidate.num_devices == 4
+
+
+def test_interleaved_1f1b_is_weighed_and_pays_for_its_sends(gpt):
+  """Interleaved 1F1B (2 chunks per device) is a candidate where M is a
+  multiple of the stages; free sends make its bubble smaller than plain
+  1F1B's, and a send cost charged per chunk crossing takes it back."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  free = auto.plan_layout(gpt, hardware(devices=2), global_batch_size=64)
+  plain = by_label(free, "pipeline K=2 M=4 1f1b")
+  interleaved = by_label(free, "pipeline K=2 M=4 1f1b V=2")
+  assert interleaved.options()["virtual_stages"] == 2
+  assert interleaved.compute_s < plain.compute_s
+  costly = auto.plan_layout(
+      gpt, dataclasses.replace(hardware(devices=2), send_overhead_s=5e-3),
+      global_batch_size=64)
+  assert (by_label(costly, "pipeline K=2 M=4 1f1b V=2").compute_s
+          > by_label(costly, "pipeline K=2 M=4 1f1b").compute_s)
+  assert not any("V=2" in c.label for c in free.candidates
+                 if c.strategy == "pipeline" and c.micro_batches % 2)

@@ -148,6 +148,23 @@ def test_data_x_pipeline_trains_as_unsplit(data, cpu_devices, name):
   assert set(sums) == set(cpu_devices[:4])
 
 
+def test_data_x_interleaved_pipeline_trains_as_unsplit(data, cpu_devices):
+  """`virtual_stages=2`: each copy cut into 4 stages on its 2 devices
+  (stage k on device k % 2), interleaved 1F1B, equal to unsplit SGD."""
+  make, tol = gp.OPTIMIZERS["sgd"]
+  layout = hybrid.Layout(data=2, stages=2, micro_batches=gp.MICRO,
+                         schedule="1f1b", virtual_stages=2)
+  model = hybrid.build_layout(gp._gpt(), layout, devices=cpu_devices)  # pylint: disable=protected-access
+  assert [r.stage_devices for r in model.replicas] == [
+      tuple(cpu_devices[k % 2] for k in range(4)),
+      tuple(cpu_devices[2 + k % 2] for k in range(4))]
+  assert all(r.virtual_stages == 2 for r in model.replicas)
+  losses, step = _train(model, *data, make)
+  _assert_same((losses, model.to_unsplit().get_weights()),
+               _unsplit_train(*data, make), tol)
+  _assert_replica_ops_on_their_devices(model, step)
+
+
 def test_data_x_pipeline_clips_the_summed_gradient(data, cpu_devices):
   make = lambda: keras.optimizers.SGD(0.1)
   model = hybrid.build_layout(

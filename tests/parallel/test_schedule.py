@@ -203,3 +203,21 @@ def test_interleaving_errors_are_named(kwargs, message):
   args = {"num_devices": 2, "micro_batches": 4, "schedule": "1f1b", **kwargs}
   with pytest.raises(ValueError, match=message):
     schedule.device_orders(**args)
+
+
+@pytest.mark.parametrize("virtual", [1, 2, 3])
+def test_sends_are_charged_to_the_sending_device(virtual):
+  """`send_time` lands on every task whose output crosses devices: each
+  micro-batch sends K*V-1 activations and as many gradients, so the busy
+  time grows by 2*M*(K*V-1)*send_time, V times as much with V chunks."""
+  devices, m, send = 2, 4, 0.05
+  chunks = devices * virtual
+  args = ([1.0 / virtual] * chunks, [2.0 / virtual] * chunks, m)
+  kwargs = dict(schedule="1f1b", virtual_stages=virtual)
+  free = timeline_lib.simulate(*args, **kwargs)
+  charged = timeline_lib.simulate(*args, send_time=send, **kwargs)
+  assert sum(charged.busy) - sum(free.busy) == pytest.approx(
+      2 * m * (chunks - 1) * send)
+  assert charged.step_time > free.step_time
+  with pytest.raises(ValueError, match=r"send_time=-1 must be >= 0"):
+    timeline_lib.simulate(*args, send_time=-1, **kwargs)

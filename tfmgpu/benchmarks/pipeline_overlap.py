@@ -72,6 +72,7 @@ class OverlapRun:
   schedule: str
   results: dict[int, Overlap]
   virtual_stages: int = 1
+  send_s: float = 0.0  # One cross-device send at M, charged by the timeline.
 
 
 def _train_step(pipe, optimizer, loss_fn):
@@ -140,13 +141,73 @@ def _time_interleaved(settings: Sequence[dict[str, Any]], x, y, *,
       s["samples"].append(s["probe"].sample())
 
 
+def measure_concurrency(devices: Sequence[str], *, rounds: int = 9,
+                        depth: int = 40) -> float:
+  """How many of `devices` compute at once: one chain of `depth` matmuls
+  (1024 x 128) on `devices[0]` alone against one chain on each device in
+  the same call, `len(devices) * t(one) / t(all)` of the best rounds
+  (interleaved). `len(devices)`: full overlap; 1.0: they take turns. The
+  gain a pipeline over these devices can show is bounded by it (logical
+  CPUs share the host's cores with each other and with other processes).
+  """
+  x = tf.random.normal([1024, 128])
+  w = tf.random.normal([128, 128]) * 0.05
+
+  def chain(device):
+    with tf.device(device):
+      a = x
+      for _ in range(depth):
+        a = tf.tanh(tf.matmul(a, w))
+      return tf.reduce_sum(a)
+
+  one = tf.function(lambda: chain(devices[0]))
+  every = tf.function(lambda: tf.add_n([chain(d) for d in devices]))
+  for fn in (one, every):
+    fn().numpy()
+  t_one, t_all = [], []
+  for _ in range(rounds):
+    t_one.append(_seconds(one))
+    t_all.append(_seconds(every))
+  return len(devices) * min(t_one) / min(t_all)
+
+
+def measure_send_s(source: str, target: str, nbytes: int, *,
+                   repeats: int = 30) -> float:
+  """Seconds one tensor of `nbytes` costs to send from device `source` to
+  `target`: a traced call that makes it on `source` and reads it on
+  `target`, less the same call on `source` alone (median of `repeats`
+  interleaved pairs, at least 0). What `timeline.simulate`'s `send_time`
+  charges each cross-device task."""
+  value = tf.zeros([max(nbytes // 4, 1)])
+
+  def make(where):
+    @tf.function
+    def call(v):
+      with tf.device(source):
+        a = v + 1.0
+      with tf.device(where):
+        return tf.reduce_sum(a)
+    return call
+
+  cross, local = make(target), make(source)
+  cross(value).numpy()
+  local(value).numpy()
+  gaps = []
+  for _ in range(repeats):
+    gaps.append(_seconds(cross, value) - _seconds(local, value))
+  return max(statistics.median(gaps), 0.0)
+
+
 def _summarise(s: dict[str, Any], m: int, num_stages: int,
-               schedule: str, virtual_stages: int = 1) -> Overlap:
-  """`num_stages`: the devices (`K`); the plan has `K * virtual_stages`."""
+               schedule: str, virtual_stages: int = 1,
+               send: float = 0.0) -> Overlap:
+  """`num_stages`: the devices (`K`); the plan has `K * virtual_stages`;
+  `send`: seconds each cross-device send costs its sender."""
   fwd, bwd = probes.stage_times(s["samples"])
   update = statistics.median(s["updates"])
   timeline = timeline_lib.simulate(fwd, bwd, m, schedule=schedule,
-                                   virtual_stages=virtual_stages)
+                                   virtual_stages=virtual_stages,
+                                   send_time=send)
   step = statistics.median(s["times"])
   busy = [0.0] * num_stages
   for k, (f, b) in enumerate(zip(fwd, bwd)):
@@ -192,9 +253,14 @@ def compare_micro_batches(model: keras.Model, plan: plan_lib.StagePlan, x, y,
               for m, v in virtual.items()}
   _time_interleaved(list(settings.values()), x, y, steps=steps,
                     warmup=warmup)
+  rows = int(tf.nest.flatten(x)[0].shape[0])
+  cut = max((st.sent_bytes for st in plan.stages), default=0)
+  send = {m: measure_send_s(plan.stages[0].device, plan.stages[1].device,
+                            cut * rows // m)
+          if len(plan.stages) > 1 else 0.0 for m in settings}
   return OverlapRun(plan, num_stages, micro_batches, schedule, {
-      m: _summarise(s, m, num_stages, schedule, virtual[m])
-      for m, s in settings.items()}, virtual_stages)
+      m: _summarise(s, m, num_stages, schedule, virtual[m], send[m])
+      for m, s in settings.items()}, virtual_stages, send[micro_batches])
 
 
 def benchmark_deep_mlp(devices: Sequence[str], *, width: int = 1024,
@@ -256,6 +322,8 @@ def _print_training(run: OverlapRun, out: Callable[[str], None]) -> None:
       f"{schedule_lib.theoretical_bubble(run.num_stages, m):.3f}")
                        for m, r in run.results.items()], out)
   M, one = run.micro_batches, run.results[1]
+  out(f"(simulated with each cross-device send charged "
+      f"{1e3 * run.send_s:.3f} ms to its sender, measured)")
   if M != 1:
     ratio = one.step / run.results[M].step
     out(f"\nTraining: M={M} vs M=1: {ratio:.2f}x faster per step "

@@ -27,6 +27,7 @@ from tfmgpu.benchmarks import hybrid as hybrid_lib
 from tfmgpu.benchmarks import inference as inference_lib
 from tfmgpu.benchmarks import language_model as lm_lib
 from tfmgpu.benchmarks import orbit as orbit_lib
+from tfmgpu.benchmarks import pipeline_overlap as overlap_lib
 from tfmgpu.benchmarks import projection as projection_lib
 from tfmgpu.benchmarks import report as report_lib
 from tfmgpu.benchmarks.options import SuiteOptions
@@ -505,6 +506,9 @@ def _pipeline_gain(report: report_lib.Report, opts: SuiteOptions, text,
     return
   report.say("  pipeline x2 (one thread per op): step speed-up over M=1 and "
              "bubble, measured vs simulated from the stages' measured times")
+  bound = overlap_lib.measure_concurrency(["/cpu:0", "/cpu:1"])
+  report.say(f"    the 2 devices compute at once x{bound:.2f} (2.00: each "
+             "its own core; the bound on any pipeline gain here)")
   for schedule, m, virtual in _pipeline_runs(opts.quick):
     run, = lm_lib.pipeline_gain(text, size=size, num_stages=2,
                                 micro_batches=(m,), global_batch_size=batch,

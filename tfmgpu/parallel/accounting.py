@@ -79,6 +79,10 @@ class Hardware:
     task_overhead_s: fixed time of each forward or backward a device runs
       (one per micro-batch and stage): launching its kernels, sending its
       tensors. It keeps tiny micro-batches from looking free.
+    send_overhead_s: time a device spends on each activation or gradient
+      it sends to another stage's device (`timeline.simulate`'s
+      `send_time`), on top of the link's delay: interleaved 1F1B sends `V`
+      times as often.
     devices_per_host: devices joined by `link`; groups spanning more talk
       over the network. `None`: all devices are in one host.
     network_bytes_per_s: bandwidth per device between hosts (`None`: the
@@ -95,6 +99,7 @@ class Hardware:
   devices_per_host: int | None = None
   network_bytes_per_s: float | None = None
   network: str = ""
+  send_overhead_s: float = 0.0
 
   def __post_init__(self):
     for name in ("num_devices", "memory_bytes", "flops_per_s",
@@ -102,9 +107,9 @@ class Hardware:
       value = getattr(self, name)
       if isinstance(value, bool) or not value > 0:
         raise ValueError(f"{name}={value!r} must be > 0.")
-    if not self.task_overhead_s >= 0:
-      raise ValueError(f"task_overhead_s={self.task_overhead_s!r} must be "
-                       ">= 0.")
+    for name in ("task_overhead_s", "send_overhead_s"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0.")
     for name in ("devices_per_host", "network_bytes_per_s"):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not value > 0):
@@ -476,6 +481,7 @@ class LayoutAccount:
   reduce_bytes: tuple[tuple[int, int], ...]
   cut_bytes: tuple[int, ...]
   model_name: str = ""
+  virtual_stages: int = 1
 
   @property
   def num_devices(self) -> int:
@@ -563,7 +569,8 @@ def account_layout(plan: plan_lib.StagePlan, split: TensorSplit, *,
                    global_batch_size: int, data: int = 1, tensor: int = 1,
                    micro_batches: int = 1, schedule: str = "gpipe",
                    recompute: bool = False, optimizer: str | int = "adam",
-                   devices: Sequence[str] | None = None) -> LayoutAccount:
+                   devices: Sequence[str] | None = None,
+                   virtual_stages: int = 1) -> LayoutAccount:
   """Memory and bytes per device of a layout (see the module docstring).
 
   Args:
@@ -577,6 +584,10 @@ def account_layout(plan: plan_lib.StagePlan, split: TensorSplit, *,
     optimizer: optimizer name or slots per trainable weight.
     devices: names of replica 0's `K * T` devices in mesh order (default
       `/device:GPU:0`, ...).
+    virtual_stages: `V`, interleaved 1F1B: each stage's device runs `V`
+      chunks (the step simulates each as `1 / V` of its stage, every chunk
+      paying its own task overhead and sends). Memory is counted as plain
+      1F1B's.
 
   Raises:
     ValueError: sizes below 1, a batch that `R * M` does not divide, or a
@@ -609,7 +620,23 @@ def account_layout(plan: plan_lib.StagePlan, split: TensorSplit, *,
       tuple(float(s.flops) for s in home.stages),
       tuple((sh.reduce_forward_bytes, sh.reduce_backward_bytes)
             for sh in shares),
-      tuple(s.sent_bytes for s in plan.stages), plan.model_name)
+      tuple(s.sent_bytes for s in plan.stages), plan.model_name,
+      virtual_stages)
+
+
+def _simulate(acc: LayoutAccount, hw: Hardware, fwd: list[float],
+              bwd: list[float], delay: float) -> float:
+  """The simulated step of per-stage times; with `V` virtual stages each
+  stage's work is split into `V` chunks on its device (chunk `c` on device
+  `c % K`), each chunk paying `task_overhead_s` again."""
+  v, K = acc.virtual_stages, len(fwd)
+  if v > 1:
+    o = hw.task_overhead_s
+    fwd = [(fwd[c % K] - o) / v + o for c in range(K * v)]
+    bwd = [(bwd[c % K] - o) / v + o for c in range(K * v)]
+  return timeline.simulate(
+      fwd, bwd, acc.micro_batches, schedule=acc.schedule, virtual_stages=v,
+      transfer_time=delay, send_time=hw.send_overhead_s).step_time
 
 
 def _step(acc: LayoutAccount, hw: Hardware) -> StepTime:
@@ -626,9 +653,7 @@ def _step(acc: LayoutAccount, hw: Hardware) -> StepTime:
   t_fwd = [_ring(T, fb * micro) / t_bw for fb, _ in acc.reduce_bytes]
   t_bwd = [_ring(T, (bb + (fb if acc.recompute else 0)) * micro) / t_bw
            for fb, bb in acc.reduce_bytes]
-  run = lambda f, b, delay: timeline.simulate(
-      f, b, acc.micro_batches, schedule=acc.schedule,
-      transfer_time=delay).step_time
+  run = lambda f, b, delay: _simulate(acc, hw, f, b, delay)
   compute = run(fwd, bwd, 0.0)
   fwd = [a + b for a, b in zip(fwd, t_fwd)]
   bwd = [a + b for a, b in zip(bwd, t_bwd)]

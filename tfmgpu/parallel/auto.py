@@ -3,7 +3,8 @@
 The layouts weighed are the ones tfmgpu builds, and their hybrids: data
 parallelism (`mirrored` over n of the devices), model parallelism
 (`model_parallel` over K stages), pipelines (`pipeline` over K stages, M
-micro-batches, GPipe or 1F1B, with or without recomputation), tensor
+micro-batches, GPipe, 1F1B or interleaved 1F1B with `VIRTUAL_STAGES`
+chunks per device, with or without recomputation), tensor
 parallelism (`tensor_parallel`: the layers the tensor rules name split over
 T in `TENSOR_SIZES`, only where their heads and widths divide and T devices
 fit in one host), and `R` data-parallel copies of stages, of shards or of
@@ -51,6 +52,8 @@ TENSOR_SIZES = (2, 4, 8)
 # Micro-batch counts weighed for a pipeline (those the batch divides).
 MICRO_BATCHES = (2, 4, 8, 16, 32)
 SCHEDULES = ("gpipe", "1f1b")
+# Chunks per device weighed for interleaved 1F1B.
+VIRTUAL_STAGES = (2,)
 # Simpler first: the tie-break between equally fast, equally large layouts.
 _SIMPLICITY = {"mirrored": 0, "model_parallel": 1, "pipeline": 2,
                "tensor_parallel": 3}
@@ -92,6 +95,7 @@ class Candidate:
   data: int = 1
   tensor: int = 1
   sent_bytes: int = 0
+  virtual_stages: int = 1
   account: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
@@ -114,8 +118,11 @@ class Candidate:
     if self.strategy == "model_parallel":
       parts.append(f"model_parallel K={self.devices}")
     elif self.strategy == "pipeline":
+      virtual = (f" V={self.virtual_stages}" if self.virtual_stages > 1
+                 else "")
       parts.append(f"pipeline K={self.devices} M={self.micro_batches} "
-                   f"{self.schedule}{' recompute' if self.recompute else ''}")
+                   f"{self.schedule}{virtual}"
+                   f"{' recompute' if self.recompute else ''}")
     if self.tensor > 1:
       parts.append(f"tensor {self.tensor}")
     return " x ".join(parts)
@@ -133,6 +140,8 @@ class Candidate:
     if self.strategy == "pipeline":
       values.update(micro_batches=self.micro_batches, schedule=self.schedule,
                     recompute=self.recompute)
+      if self.virtual_stages > 1:
+        values["virtual_stages"] = self.virtual_stages
     if self.data > 1:
       values["data_parallel"] = self.data
     return values
@@ -237,14 +246,16 @@ class AutoPlan:
 def _weigh(plan: plan_lib.StagePlan, split: accounting.TensorSplit,
            hw: Hardware, batch: int, optimizer: str | int, strategy: str, *,
            data: int = 1, tensor: int = 1, micro_batches: int = 1,
-           schedule: str = "gpipe", recompute: bool = False) -> Candidate:
+           schedule: str = "gpipe", recompute: bool = False,
+           virtual_stages: int = 1) -> Candidate:
   """The layout's `accounting.account_layout` and predicted step on `hw`,
   as a candidate (`data` replicas of `plan`'s stages, each split over
   `tensor` devices)."""
   acc = accounting.account_layout(
       plan, split, global_batch_size=batch, data=data, tensor=tensor,
       micro_batches=micro_batches, schedule=schedule, recompute=recompute,
-      optimizer=optimizer, devices=hw.devices(plan.num_stages * tensor))
+      optimizer=optimizer, devices=hw.devices(plan.num_stages * tensor),
+      virtual_stages=virtual_stages)
   step = acc.step(hw)
   memory = acc.peak.memory.total
   devices = {"mirrored": data, "tensor_parallel": tensor}.get(
@@ -254,7 +265,7 @@ def _weigh(plan: plan_lib.StagePlan, split: accounting.TensorSplit,
                    memory_bytes=memory, fits=memory <= hw.memory_bytes,
                    data=1 if strategy == "mirrored" else data, tensor=tensor,
                    sent_bytes=max(d.sent.total for d in acc.devices),
-                   account=acc)
+                   virtual_stages=virtual_stages, account=acc)
 
 
 def _counts(limit: int) -> list[int]:
@@ -280,12 +291,24 @@ def _stage_candidates(plan: plan_lib.StagePlan,
   for m in MICRO_BATCHES:
     if m * data > batch or batch % (m * data):
       continue
-    for schedule in SCHEDULES:
+    for schedule, v in _schedules(plan, m):
       for recompute in (False, True):
         out.append(_weigh(plan, split, hw, batch, optimizer, "pipeline",
                           micro_batches=m, schedule=schedule,
-                          recompute=recompute, **sizes))
+                          recompute=recompute, virtual_stages=v, **sizes))
   return out
+
+
+def _schedules(plan: plan_lib.StagePlan, m: int) -> list[tuple[str, int]]:
+  """`(schedule, virtual stages)` weighed at `m` micro-batches: each of
+  `SCHEDULES`, and interleaved 1F1B with `VIRTUAL_STAGES` chunks per
+  device where `m` is a multiple of the stages and the plan has a layer
+  for every chunk."""
+  K = plan.num_stages
+  layers = sum(len(s.layers) for s in plan.stages)
+  return [(s, 1) for s in SCHEDULES] + [
+      ("1f1b", v) for v in VIRTUAL_STAGES
+      if K > 1 and m % K == 0 and layers >= K * v]
 
 
 def _tensor_sizes(split: accounting.TensorSplit, hw: Hardware) -> list[int]:

@@ -45,9 +45,11 @@ def stage_homes(grid: list[list[str]]) -> list[str]:
 
 def _on_devices(plan: plan_lib.StagePlan, devices: Sequence[str]
                 ) -> plan_lib.StagePlan:
-  """The same cut, stage `k` on `devices[k]`."""
+  """The same cut, stage `k` on `devices[k % len(devices)]` (virtual
+  stages repeat the devices in order)."""
   return dataclasses.replace(plan, stages=tuple(
-      dataclasses.replace(s, device=d) for s, d in zip(plan.stages, devices)))
+      dataclasses.replace(s, device=devices[k % len(devices)])
+      for k, s in enumerate(plan.stages)))
 
 
 def _transform(axes: dict[str, int] | None, devices_of: Any) -> Any:
@@ -84,7 +86,8 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
   else:
     placed = pipeline.PipelinedModel(
         source, mine, micro_batches=layout.micro_batches,
-        schedule=layout.schedule, recompute=layout.recompute, unsplit=model)
+        schedule=layout.schedule, recompute=layout.recompute,
+        virtual_stages=layout.virtual_stages, unsplit=model)
   if not axes:
     return placed
   from tfmgpu.parallel import split_blocks  # pylint: disable=g-import-not-at-top
@@ -170,12 +173,15 @@ def build_layout(model: keras.Model, layout: Layout, *,
       devices_lib.accelerator_devices()
   mesh = layout.mesh(devices_lib.resolve_devices(found[:layout.num_devices]))
   homes = stage_homes(mesh[0])
+  chunks = layout.stages * layout.virtual_stages
   if plan is None and layout.stages > 1:
-    plan = partition.plan_stages(model, layout.stages, criterion=criterion,
-                                 split_points=split_points, devices=homes)
-  elif plan is not None and plan.num_stages != layout.stages:
-    raise ValueError(f"plan has {plan.num_stages} stages but the layout "
-                     f"{layout.label} asks for {layout.stages}.")
+    plan = partition.plan_stages(
+        model, chunks, criterion=criterion, split_points=split_points,
+        devices=[homes[k % layout.stages] for k in range(chunks)])
+  elif plan is not None and plan.num_stages != chunks:
+    raise ValueError(
+        f"plan has {plan.num_stages} stages but the layout {layout.label} "
+        f"with virtual_stages={layout.virtual_stages} asks for {chunks}.")
   axes = _split_axes(model, layout_map, rules, layout.tensor)
   if axes is not None and rules in (None, LAYOUT_MAP):
     rules = {}

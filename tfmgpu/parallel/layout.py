@@ -27,6 +27,9 @@ class Layout:
       `None` runs the stages one after another (model parallelism).
     schedule: the pipeline's schedule, `gpipe` or `1f1b`.
     recompute: recompute activations in the pipeline's backward.
+    virtual_stages: `V` non-consecutive stages per device (interleaved
+      1F1B): the plan then has `stages * V` stages, stage `k` on the
+      device of stage `k % stages`.
   """
   data: int = 1
   stages: int = 1
@@ -34,9 +37,10 @@ class Layout:
   micro_batches: int | None = None
   schedule: str = "gpipe"
   recompute: bool = False
+  virtual_stages: int = 1
 
   def __post_init__(self):
-    for name in ("data", "stages", "tensor"):
+    for name in ("data", "stages", "tensor", "virtual_stages"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1.")

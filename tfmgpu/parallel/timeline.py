@@ -203,11 +203,35 @@ def _per_stage(times: float | Sequence[float], num_stages: int | None,
   return times
 
 
+def _times(forward_times, backward_times, num_stages: int | None,
+           **delays: float) -> tuple[list[float], list[float]]:
+  """The per-stage forward and backward times, checked with `delays`."""
+  fwd = _per_stage(forward_times, num_stages, "forward_times")
+  bwd = _per_stage(backward_times, num_stages or len(fwd), "backward_times")
+  if len(bwd) != len(fwd):
+    raise ValueError(f"forward_times has {len(fwd)} stages but "
+                     f"backward_times has {len(bwd)}.")
+  for name, value in delays.items():
+    if not value >= 0:
+      raise ValueError(f"{name}={value} must be >= 0.")
+  return fwd, bwd
+
+
+def _sends(task: schedule_lib.Task, num_stages: int, devices: int) -> int:
+  """1 if `task`'s output goes to another device (a forward to the next
+  stage, a backward to the previous one), else 0."""
+  forward = task.kind == schedule_lib.FORWARD
+  to = task.stage + (1 if forward else -1)
+  if not 0 <= to < num_stages:
+    return 0
+  return int(to % devices != task.stage % devices)
+
+
 def simulate(forward_times: float | Sequence[float],
              backward_times: float | Sequence[float], micro_batches: int, *,
              schedule: str | schedule_lib.Schedule = "gpipe",
              num_stages: int | None = None, virtual_stages: int = 1,
-             transfer_time: float = 0.0) -> Timeline:
+             transfer_time: float = 0.0, send_time: float = 0.0) -> Timeline:
   """Predicts the timeline of one pipelined step.
 
   Each stage runs its tasks in the schedule's order (one at a time, like a
@@ -226,7 +250,12 @@ def simulate(forward_times: float | Sequence[float],
       per chunk, chunk `c` runs on device `c % K` (`K = stages / V`), and
       each device runs its chunks' tasks one at a time. Defaults to `1`.
     transfer_time: delay of every activation or gradient sent between
-      stages. Defaults to `0`.
+      stages (the link's; its sender is free meanwhile). Defaults to `0`.
+    send_time: time the sending device itself spends on every activation
+      or gradient it sends to another device (a copy on a host's logical
+      devices, a launch on a GPU), added to the task that sends. With
+      `virtual_stages=V` a micro-batch crosses devices `K * V - 1` times
+      each way, `V` times as often as without. Defaults to `0`.
 
   Returns:
     The `Timeline`.
@@ -235,14 +264,9 @@ def simulate(forward_times: float | Sequence[float],
     ValueError: negative or mismatched times, `micro_batches < 1`, or an
       unknown schedule.
   """
-  fwd = _per_stage(forward_times, num_stages, "forward_times")
-  bwd = _per_stage(backward_times, num_stages or len(fwd), "backward_times")
+  fwd, bwd = _times(forward_times, backward_times, num_stages,
+                    transfer_time=transfer_time, send_time=send_time)
   K = len(fwd)
-  if len(bwd) != K:
-    raise ValueError(f"forward_times has {K} stages but backward_times has "
-                     f"{len(bwd)}.")
-  if transfer_time < 0:
-    raise ValueError(f"transfer_time={transfer_time} must be >= 0.")
   schedule = schedule_lib.check_schedule(schedule)
   devices = _devices(K, virtual_stages)
   orders = schedule_lib.device_orders(devices, micro_batches, schedule,
@@ -258,6 +282,7 @@ def simulate(forward_times: float | Sequence[float],
       ready = max(ready, end[d] + (transfer_time if d.stage % devices
                                    != device else 0.0))
     cost = (fwd if task.kind == schedule_lib.FORWARD else bwd)[task.stage]
+    cost += send_time * _sends(task, K, devices)
     end[task] = free[device] = ready + cost
     events.append(Event(task, ready, ready + cost))
   return Timeline(K, micro_batches, schedule.value, tuple(events),
