@@ -4,6 +4,8 @@ shard's weights and slots on its owner in the traced step, and per-device
 bytes that fall as each stage says.
 """
 
+import json
+import logging
 import re
 
 import keras
@@ -314,7 +316,8 @@ def test_zero_stage_is_refused_where_it_does_not_work():
 
 
 @pytest.mark.usefixtures("parsed_flags")
-def test_cli_trains_mirrored_zero_stage_3(tmp_path, capsys):
+def test_cli_trains_mirrored_zero_stage_3_and_resumes_as_a_pipeline(
+    tmp_path, capsys, caplog):
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from tfmgpu import train  # pylint: disable=g-import-not-at-top
   with flagsaver.flagsaver(strategy="mirrored", zero_stage=3, model="gpt",
@@ -327,3 +330,15 @@ def test_cli_trains_mirrored_zero_stage_3(tmp_path, capsys):
   assert re.search(r"^zero\s+stage 3: weights, gradients and optimizer "
                    r"slots sharded", out, re.M)
   assert (tmp_path / "model.keras").exists()
+  # The run resumes as a 2-stage pipeline: its checkpoint restores there
+  # (weights by layer name, the optimizer's slots and step).
+  with flagsaver.flagsaver(strategy="pipeline", num_stages=2, model="gpt",
+                           model_size="tiny", epochs=2, steps_per_epoch=2,
+                           model_dir=str(tmp_path), verbose=0):
+    with caplog.at_level(logging.INFO):
+      assert train.main(["train"]) == 0
+  assert re.search(r"^stages\s+2 on ", capsys.readouterr().out, re.M)
+  assert "Resumed from" in caplog.text
+  assert "after 1 whole epoch, global step 2" in caplog.text
+  assert json.loads((tmp_path / "run.json").read_text())["placement"] == (
+      "pipeline (num_stages=2, partition=balanced)")
