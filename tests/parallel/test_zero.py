@@ -58,10 +58,11 @@ def _data(model_name, rows):
 BUILD = {"bn": _bn_model, "gpt": _gpt}
 
 
-def _fit(model, x, y, optimizer, batch, strategy=None, clip_norm=None):
+def _fit(model, x, y, optimizer, batch, strategy=None, clip_norm=None,
+         **settings):
   trainer = Trainer(model, strategy=strategy, optimizer=optimizer,
                     learning_rate=0.05 if optimizer == "sgd" else 0.01,
-                    clip_norm=clip_norm, verbose=0, metrics=[])
+                    clip_norm=clip_norm, verbose=0, metrics=[], **settings)
   result = trainer.fit(x, y, epochs=1, global_batch_size=batch,
                        steps_per_epoch=STEPS, shuffle=False)
   return result, trainer
@@ -127,6 +128,37 @@ def test_trains_equal_to_mirrored(references, name, replicas, stage,
   sharded, _ = _sharded(name, replicas, stage, optimizer, clip_norm)
   _assert_equal(sharded, references(name, replicas, optimizer, clip_norm),
                 optimizer)
+
+
+def test_trainer_zero_stage_shards_over_its_strategy_devices(references):
+  """`Trainer(zero_stage=2)` given a MirroredStrategy and a model built in
+  its scope: sharded over the strategy's devices, trained equal to it."""
+  devices = tfmgpu.list_devices("CPU")[:2]
+  strategy = tf.distribute.MirroredStrategy(
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    model = _bn_model()
+  x, y = _data("bn", STEPS * 16)
+  _, trainer = _fit(model, x, y, "sgd", 16, strategy, zero_stage=2)
+  sharded = trainer.model
+  assert isinstance(sharded, zero.ShardedModel) and sharded.stage == 2
+  assert sharded.devices == list(strategy.extended.worker_devices)
+  assert trainer.num_replicas == 1  # The model places its own replicas.
+  _assert_equal(sharded, references("bn", 2, "sgd", None), "sgd")
+  again = Trainer(sharded, zero_stage=2, verbose=0, metrics=[])
+  assert again.model is sharded
+  with pytest.raises(ValueError, match=r"zero_stage=3 but model .* is "
+                     r"already sharded at stage 2"):
+    Trainer(sharded, zero_stage=3)
+
+
+def test_trainer_zero_stage_uses_every_local_device():
+  from tfmgpu.strategies import replicas  # pylint: disable=g-import-not-at-top
+  trainer = Trainer(_gpt(), zero_stage=3, verbose=0, metrics=[])
+  assert trainer.model.devices == replicas.select_replica_devices(
+      None, None, None)
+  assert {zero.device_name(d) for d in trainer.model.owners.values()} == {
+      zero.device_name(d) for d in trainer.model.devices}
 
 
 def test_mixed_precision_equal_to_mirrored(references):

@@ -35,8 +35,12 @@ only modules listed before it):
   gradients summed per group of devices holding the same part;
 * `hybrid`: `Layout` and `build_layout`, data x pipeline x tensor meshes;
 * `zero_memory`: per-device bytes held and sent under ZeRO stages 0-3;
+* `zero_shards`: where a ZeRO model's state lives: owners balanced by
+  bytes, reads on the owner, stage 1-2 copies, bytes per device;
 * `zero`: `ShardedModel`, data parallelism with weights, gradients and
   optimizer slots sharded over the replica devices (ZeRO stages 1-3);
+* `zero_placement`: `Trainer(zero_stage=N)`: a model sharded over its
+  strategy's devices (or every local one);
 * `links`: named link bandwidths, device speeds, GPU hosts, the default
   memory budget (no tfmgpu imports);
 * `accounting`: a layout's per-device memory, bytes sent per kind of
@@ -80,7 +84,7 @@ _SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
                "hybrid", "inspection", "links", "microbatch", "partition",
                "pipeline", "pipeline_step", "placed", "plan", "replicated",
                "schedule", "shared", "staged", "tensor", "timeline", "zero",
-               "zero_memory")
+               "zero_memory", "zero_placement", "zero_shards")
 
 __all__ = sorted(_EXPORTS)
 
