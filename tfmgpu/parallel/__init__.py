@@ -49,6 +49,8 @@ only modules listed before it):
   beside the weights (`serving_table`);
 * `serve_plan`: `plan_serving`, the layout to generate with (latency or
   throughput), weights and KV cache within the memory;
+* `zero_cost`: the ZeRO stages as `auto` weighs them (variants of a
+  data-parallel candidate);
 * `auto`: `plan_layout`, the fastest predicted layout that fits in memory.
 
 These are the engines; this package registers no names. The placements
@@ -84,7 +86,8 @@ _SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
                "hybrid", "inspection", "links", "microbatch", "partition",
                "pipeline", "pipeline_step", "placed", "plan", "replicated",
                "schedule", "shared", "staged", "tensor", "timeline", "zero",
-               "zero_memory", "zero_placement", "zero_shards")
+               "zero_cost", "zero_memory", "zero_placement",
+               "zero_shards")
 
 __all__ = sorted(_EXPORTS)
 
