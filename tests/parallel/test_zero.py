@@ -150,6 +150,9 @@ def test_trainer_zero_stage_shards_over_its_strategy_devices(references):
   with pytest.raises(ValueError, match=r"zero_stage=3 but model .* is "
                      r"already sharded at stage 2"):
     Trainer(sharded, zero_stage=3)
+  with strategy.scope(), pytest.raises(ValueError, match=r"zero_stage=1: "
+                                       r"create the Trainer outside"):
+    Trainer(_bn_model(), strategy=strategy, zero_stage=1)
 
 
 def test_trainer_zero_stage_uses_every_local_device():

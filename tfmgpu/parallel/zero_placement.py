@@ -34,8 +34,9 @@ def shard_for_trainer(model: keras.Model, strategy: Any, stage: int
     The `ShardedModel` and TF's default strategy (stage 0: as given).
 
   Raises:
-    ValueError: an unknown stage, a model sharded at another stage, or a
-      strategy that spans several workers (one host only).
+    ValueError: an unknown stage, a model sharded at another stage, a
+      call inside a strategy's scope, or a strategy that spans several
+      workers (one host only).
   """
   stage = zero.check_stage(stage)
   if isinstance(model, zero.ShardedModel):
@@ -47,6 +48,13 @@ def shard_for_trainer(model: keras.Model, strategy: Any, stage: int
     return model, strategy
   if not stage:
     return model, strategy
+  if tf.distribute.has_strategy():
+    raise ValueError(
+        f"zero_stage={stage}: create the Trainer outside `strategy.scope()`"
+        " (each variable then moves to one owner; inside the scope TF would "
+        "mirror it again). Build the model in the scope if you like, then "
+        "call tfmgpu.Trainer(model, strategy=strategy, zero_stage=...) "
+        "after the `with` block.")
   strategy = strategy or tf.distribute.get_strategy()
   if replicas_lib.in_multi_worker_mode(strategy):
     raise ValueError(
