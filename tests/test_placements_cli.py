@@ -74,9 +74,19 @@ def test_plan_only_auto_prints_the_candidates_and_the_choice(capsys):
 
 
 def test_cli_auto_trains_the_layout_that_fits(tmp_path, capsys):
-  # deep_mlp's replicas need ~10 MiB each at batch 64: 6 MB forces a split.
+  # deep_mlp's replicas need ~10 MiB each at batch 64: 6 MB fits them with
+  # their state sharded (ZeRO stage 3: ~3.4 MiB), 3.4 MB forces a split.
   with flagsaver.flagsaver(strategy="auto", model="deep_mlp",
                            device_memory_gb=0.006, epochs=1,
+                           steps_per_epoch=2, model_dir=str(tmp_path / "z"),
+                           verbose=0):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"^chosen: mirrored n=4 zero 3\.", out, re.M), out
+  assert re.search(r"^zero\s+stage 3: weights, gradients and optimizer "
+                   r"slots sharded", out, re.M)
+  with flagsaver.flagsaver(strategy="auto", model="deep_mlp",
+                           device_memory_gb=0.0034, epochs=1,
                            steps_per_epoch=2, model_dir=str(tmp_path),
                            verbose=0):
     assert train.main(["train"]) == 0

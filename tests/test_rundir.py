@@ -242,6 +242,30 @@ def test_a_change_of_micro_batches_is_refused(tmp_path):
   rundir.open_run(str(tmp_path), pipeline(4)).release()
 
 
+def test_a_portable_run_may_resume_in_another_portable_layout(tmp_path):
+  """A ZeRO run's checkpoints carry the weights by layer name: it resumes
+  as a pipeline (placement and micro-batches change); plain mirrored's do
+  not, and a move into it is refused."""
+  def record(**settings):
+    return rundir.record_of(TrainConfig(model="mlp", **settings).recorded_run)
+  zero3 = record(strategy="mirrored", zero_stage=3)
+  assert zero3["portable"] and not record(strategy="mirrored")["portable"]
+  rundir.open_run(str(tmp_path), zero3).release()
+  _with_checkpoint(tmp_path)
+  pipe = record(strategy="pipeline", num_stages=2)
+  assert pipe["portable"]
+  assert rundir.check_record(str(tmp_path), pipe) == ["placement",
+                                                      "micro_batches"]
+  saved = json.loads((tmp_path / rundir.RECORD_NAME).read_text())
+  assert saved["placement"] == pipe["placement"]
+  with pytest.raises(rundir.RunRecordMismatchError,
+                     match=r"placement: 'pipeline .*' -> 'data_parallel'"):
+    rundir.check_record(str(tmp_path), record(strategy="mirrored"))
+  with pytest.raises(rundir.RunRecordMismatchError, match=r"seed: 0 -> 1"):
+    rundir.check_record(str(tmp_path), record(strategy="mirrored",
+                                              zero_stage=3, seed=1))
+
+
 @pytest.mark.parametrize("content", [None, ""])
 def test_a_missing_record_is_written_only_after_a_restore(tmp_path, caplog,
                                                           content):

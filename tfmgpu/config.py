@@ -363,7 +363,8 @@ class RunSettings:
     layout = self.distribution.record(self.options)
     return rundir.RecordedRun(
         strategy=self.strategy, placement=layout["placement"],
-        micro_batches=layout["micro_batches"], model=self.model,
+        micro_batches=layout["micro_batches"],
+        portable=bool(layout.get("portable")), model=self.model,
         model_size=self.model_size, optimizer=self.optimizer,
         global_batch_size=self.global_batch_size, seed=self.seed,
         dataset=self.dataset, learning_rate=self.learning_rate,

@@ -19,7 +19,10 @@ written (atomically) when a directory is first used. A resume compares: a
 change of what the checkpoints depend on (`FIXED`) is refused with one line
 per field, `old -> new` (`RunRecordMismatchError`); a change of what may
 change (`CHANGEABLE`: learning rate, epochs, steps per epoch, loss, metrics)
-is applied and logged, and the record updated. A directory without
+is applied and logged, and the record updated. The layout (`MOVABLE`:
+placement, micro-batches) may change when both runs' checkpoints are
+portable (`portable` in the record: the weights by layer name, e.g. a
+`mirrored --zero_stage=3` run resumed as `pipeline --num_stages=2`). A directory without
 checkpoints holds no run yet: its record is simply rewritten. A directory
 with checkpoints but no record (deleted, or an empty file) gets one only
 after a checkpoint restores into the run (`confirm_record`, called by the
@@ -56,6 +59,9 @@ FIXED = ("model", "model_size", "optimizer", "global_batch_size", "seed",
 # What a resume may change: applied from then on, and logged.
 CHANGEABLE = ("learning_rate", "epochs", "steps_per_epoch", "loss", "metrics")
 _FLAG_OF = {"placement": "strategy"}  # The flag that sets a record field.
+# What a resume may change when both runs' checkpoints are portable (they
+# carry the weights by layer name, `tfmgpu.training.portable`): the layout.
+MOVABLE = ("placement", "micro_batches")
 # Chief's records waiting for a checkpoint to restore (run.json was missing):
 # real path of the model_dir -> the record to write then.
 _UNCONFIRMED: dict[str, dict[str, Any]] = {}
@@ -364,6 +370,8 @@ class RecordedRun:
     placement: the distribution's word for what shapes the checkpoints
       (`Distribution.record`), e.g. `"pipeline (num_stages=3, ...)"`.
     micro_batches: a pipeline's micro-batches, else `None`.
+    portable: whether its checkpoints restore into other layouts
+      (`Distribution.portable`): a resume may then change the placement.
   """
   strategy: str
   placement: str
@@ -380,6 +388,7 @@ class RecordedRun:
   loss: str | None = None
   metrics: tuple[str, ...] | None = None
   data_path: str | None = None
+  portable: bool = False
 
 
 def record_of(run: RecordedRun) -> dict[str, Any]:
@@ -390,7 +399,7 @@ def record_of(run: RecordedRun) -> dict[str, Any]:
       "optimizer": run.optimizer,
       "global_batch_size": run.global_batch_size, "seed": run.seed,
       "dataset": run.dataset, "placement": run.placement,
-      "micro_batches": run.micro_batches,
+      "micro_batches": run.micro_batches, "portable": run.portable,
       "learning_rate": run.learning_rate, "epochs": run.epochs,
       "steps_per_epoch": run.steps_per_epoch, "loss": run.loss,
       "metrics": (list(run.metrics) if run.metrics is not None
@@ -463,7 +472,8 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
     write: write the record (the chief); `False` only compares.
 
   Returns:
-    The `CHANGEABLE` fields this run changes (applied, and logged).
+    The `CHANGEABLE` fields this run changes (applied, and logged), and
+    the `MOVABLE` ones of a move between portable layouts.
 
   Raises:
     RunRecordMismatchError: a `FIXED` field differs while the directory
@@ -483,9 +493,11 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
   if not any(f in old for f in FIXED):
     raise RunDirError(_blank_record(model_dir, old))
   fixed = [f for f in FIXED if f in old and old[f] != record.get(f)]
+  if _moves_layout(model_dir, old, record, fixed):
+    fixed = [f for f in fixed if f not in MOVABLE]
   if fixed:
     raise RunRecordMismatchError(_mismatch(model_dir, old, record, fixed))
-  changed = [f for f in CHANGEABLE if old.get(f) != record.get(f)]
+  changed = [f for f in CHANGEABLE + MOVABLE if old.get(f) != record.get(f)]
   for name in changed:
     logging.info("Resuming %s with %s=%r (was %r): applied from now on.",
                  model_dir, name, record.get(name), old.get(name))
@@ -495,6 +507,23 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
   if write and (changed or old.get("versions") != record.get("versions")):
     write_record(model_dir, {**old, **record, "updated": now})
   return changed
+
+
+def _moves_layout(model_dir: str, old: Mapping[str, Any],
+                  record: Mapping[str, Any], fixed: list[str]) -> bool:
+  """Whether a resume changes the placement (and at most its
+  micro-batches: `MOVABLE`) between layouts whose checkpoints are both
+  portable (a ZeRO run resumed as a pipeline): the weights restore by layer
+  name, the optimizer's slots in the model's variable order (a layout that
+  splits variables fails to read them, loudly, and names the checkpoint)."""
+  if "placement" not in fixed or not set(fixed) <= set(MOVABLE):
+    return False
+  if not (old.get("portable") and record.get("portable")):
+    return False
+  logging.info("Resuming %s in another layout: %s (was %s); its checkpoints "
+               "restore by layer name.", model_dir, record.get("placement"),
+               old.get("placement"))
+  return True
 
 
 def _blank_record(model_dir: str, old: Mapping[str, Any]) -> str:

@@ -3,6 +3,7 @@
 No training: the planner reads the cost model of small models built once.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -70,6 +71,9 @@ def test_the_transformer_too_big_for_one_device_is_split(gpt):
   assert roomy.chosen.label == "mirrored n=4"
   budget = by_label(roomy, "mirrored n=4").memory_bytes - 1
   plan = auto.plan_layout(gpt, hardware(budget), global_batch_size=16)
+  assert plan.chosen.label.startswith("mirrored n=4 zero ")  # State sharded.
+  budget = by_label(roomy, "mirrored n=4 zero 3").memory_bytes - 1
+  plan = auto.plan_layout(gpt, hardware(budget), global_batch_size=16)
   assert plan.chosen.strategy == "pipeline"
   assert plan.chosen.memory_bytes <= budget
 
@@ -124,12 +128,17 @@ def test_the_table_says_predicted_and_why(mlp):
 
 
 def test_the_options_resolve_to_a_registered_distribution(mlp):
+  devices = [f"/device:CPU:{i}" for i in range(4)]
   options = auto_placement.AutoOptions(device_memory_gb=0.005,
                                        global_batch_size=64)
-  plan = auto_placement.choose(mlp, options,
-                               devices=[f"/device:CPU:{i}" for i in range(4)])
+  plan = auto_placement.choose(mlp, options, devices=devices)
   assert plan.hardware.link == "cpu"
   assert plan.hardware.memory_bytes == 5 * MB
+  distribution, chosen = auto_placement.resolve(plan, options)
+  assert distribution.name == plan.chosen.strategy == "mirrored"
+  assert (chosen.num_replicas, chosen.zero_stage) == (4, 3)
+  options = dataclasses.replace(options, device_memory_gb=0.0034)
+  plan = auto_placement.choose(mlp, options, devices=devices)
   distribution, chosen = auto_placement.resolve(plan, options)
   assert distribution.name == plan.chosen.strategy == "pipeline"
   assert chosen.num_stages == plan.chosen.devices
@@ -240,3 +249,23 @@ def test_interleaved_1f1b_is_weighed_and_pays_for_its_sends(gpt):
           > by_label(costly, "pipeline K=2 M=4 1f1b").compute_s)
   assert not any("V=2" in c.label for c in free.candidates
                  if c.strategy == "pipeline" and c.micro_batches % 2)
+
+
+def test_zero_stages_are_weighed_and_chosen_when_whole_copies_do_not_fit(gpt):
+  """Issue 28: `auto` weighs ZeRO stages 1-3 beside plain data parallelism:
+  same compute, less state per device; a stage wins when whole copies do
+  not fit and it does."""
+  model = gpt
+  roomy = auto.plan_layout(model, hardware(), global_batch_size=64)
+  plain = by_label(roomy, "mirrored n=4")
+  stages = [by_label(roomy, f"mirrored n=4 zero {s}") for s in (1, 2, 3)]
+  assert plain.memory_bytes > stages[0].memory_bytes > stages[1].memory_bytes
+  assert stages[1].memory_bytes > stages[2].memory_bytes
+  assert all(s.compute_s == plain.compute_s for s in stages)
+  assert roomy.chosen is plain  # As fast, and simpler.
+  budget = (stages[2].memory_bytes + stages[1].memory_bytes) // 2
+  tight = auto.plan_layout(model, hardware(memory_bytes=budget),
+                           global_batch_size=64)
+  assert not by_label(tight, "mirrored n=4").fits
+  assert tight.chosen.label == "mirrored n=4 zero 3"
+  assert tight.chosen.options() == {"num_replicas": 4, "zero_stage": 3}

@@ -4,6 +4,8 @@ shard's weights and slots on its owner in the traced step, and per-device
 bytes that fall as each stage says.
 """
 
+import json
+import logging
 import re
 
 import keras
@@ -56,10 +58,11 @@ def _data(model_name, rows):
 BUILD = {"bn": _bn_model, "gpt": _gpt}
 
 
-def _fit(model, x, y, optimizer, batch, strategy=None, clip_norm=None):
+def _fit(model, x, y, optimizer, batch, strategy=None, clip_norm=None,
+         **settings):
   trainer = Trainer(model, strategy=strategy, optimizer=optimizer,
                     learning_rate=0.05 if optimizer == "sgd" else 0.01,
-                    clip_norm=clip_norm, verbose=0, metrics=[])
+                    clip_norm=clip_norm, verbose=0, metrics=[], **settings)
   result = trainer.fit(x, y, epochs=1, global_batch_size=batch,
                        steps_per_epoch=STEPS, shuffle=False)
   return result, trainer
@@ -125,6 +128,40 @@ def test_trains_equal_to_mirrored(references, name, replicas, stage,
   sharded, _ = _sharded(name, replicas, stage, optimizer, clip_norm)
   _assert_equal(sharded, references(name, replicas, optimizer, clip_norm),
                 optimizer)
+
+
+def test_trainer_zero_stage_shards_over_its_strategy_devices(references):
+  """`Trainer(zero_stage=2)` given a MirroredStrategy and a model built in
+  its scope: sharded over the strategy's devices, trained equal to it."""
+  devices = tfmgpu.list_devices("CPU")[:2]
+  strategy = tf.distribute.MirroredStrategy(
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    model = _bn_model()
+  x, y = _data("bn", STEPS * 16)
+  _, trainer = _fit(model, x, y, "sgd", 16, strategy, zero_stage=2)
+  sharded = trainer.model
+  assert isinstance(sharded, zero.ShardedModel) and sharded.stage == 2
+  assert sharded.devices == list(strategy.extended.worker_devices)
+  assert trainer.num_replicas == 1  # The model places its own replicas.
+  _assert_equal(sharded, references("bn", 2, "sgd", None), "sgd")
+  again = Trainer(sharded, zero_stage=2, verbose=0, metrics=[])
+  assert again.model is sharded
+  with pytest.raises(ValueError, match=r"zero_stage=3 but model .* is "
+                     r"already sharded at stage 2"):
+    Trainer(sharded, zero_stage=3)
+  with strategy.scope(), pytest.raises(ValueError, match=r"zero_stage=1: "
+                                       r"create the Trainer outside"):
+    Trainer(_bn_model(), strategy=strategy, zero_stage=1)
+
+
+def test_trainer_zero_stage_uses_every_local_device():
+  from tfmgpu.strategies import replicas  # pylint: disable=g-import-not-at-top
+  trainer = Trainer(_gpt(), zero_stage=3, verbose=0, metrics=[])
+  assert trainer.model.devices == replicas.select_replica_devices(
+      None, None, None)
+  assert {zero.device_name(d) for d in trainer.model.owners.values()} == {
+      zero.device_name(d) for d in trainer.model.devices}
 
 
 def test_mixed_precision_equal_to_mirrored(references):
@@ -314,7 +351,8 @@ def test_zero_stage_is_refused_where_it_does_not_work():
 
 
 @pytest.mark.usefixtures("parsed_flags")
-def test_cli_trains_mirrored_zero_stage_3(tmp_path, capsys):
+def test_cli_trains_mirrored_zero_stage_3_and_resumes_as_a_pipeline(
+    tmp_path, capsys, caplog):
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from tfmgpu import train  # pylint: disable=g-import-not-at-top
   with flagsaver.flagsaver(strategy="mirrored", zero_stage=3, model="gpt",
@@ -327,3 +365,15 @@ def test_cli_trains_mirrored_zero_stage_3(tmp_path, capsys):
   assert re.search(r"^zero\s+stage 3: weights, gradients and optimizer "
                    r"slots sharded", out, re.M)
   assert (tmp_path / "model.keras").exists()
+  # The run resumes as a 2-stage pipeline: its checkpoint restores there
+  # (weights by layer name, the optimizer's slots and step).
+  with flagsaver.flagsaver(strategy="pipeline", num_stages=2, model="gpt",
+                           model_size="tiny", epochs=2, steps_per_epoch=2,
+                           model_dir=str(tmp_path), verbose=0):
+    with caplog.at_level(logging.INFO):
+      assert train.main(["train"]) == 0
+  assert re.search(r"^stages\s+2 on ", capsys.readouterr().out, re.M)
+  assert "Resumed from" in caplog.text
+  assert "after 1 whole epoch, global step 2" in caplog.text
+  assert json.loads((tmp_path / "run.json").read_text())["placement"] == (
+      "pipeline (num_stages=2, partition=balanced)")

@@ -51,8 +51,12 @@ only modules listed before it):
 * `hybrid`: `build_layout`, data x pipeline x tensor meshes (`Layout`
   re-exported);
 * `zero_memory`: per-device bytes held and sent under ZeRO stages 0-3;
+* `zero_shards`: where a ZeRO model's state lives: owners balanced by
+  bytes, reads on the owner, stage 1-2 copies, bytes per device;
 * `zero`: `ShardedModel`, data parallelism with weights, gradients and
   optimizer slots sharded over the replica devices (ZeRO stages 1-3);
+* `zero_placement`: `Trainer(zero_stage=N)`: a model sharded over its
+  strategy's devices (or every local one);
 * `links`: named link bandwidths, device speeds, GPU hosts, the default
   memory budget (no tfmgpu imports);
 * `accounting`: a layout's per-device memory, bytes sent per kind of
@@ -61,6 +65,8 @@ only modules listed before it):
   beside the weights (`serving_table`);
 * `serve_plan`: `plan_serving`, the layout to generate with (latency or
   throughput), weights and KV cache within the memory;
+* `zero_cost`: the ZeRO stages as `auto` weighs them (variants of a
+  data-parallel candidate);
 * `auto`: `plan_layout`, the fastest predicted layout that fits in memory.
 
 These are the engines; this package registers no names. The placements
@@ -98,7 +104,8 @@ _SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
                "replicated", "schedule", "shared", "shards", "split_attention",
                "split_blocks", "split_dense", "split_embedding",
                "split_kernel", "staged", "tensor", "tensor_rules", "timeline",
-               "zero", "zero_memory")
+               "zero", "zero_cost", "zero_memory", "zero_placement",
+               "zero_shards")
 
 __all__ = sorted(_EXPORTS)
 

@@ -8,7 +8,8 @@ chunks per device, with or without recomputation), tensor
 parallelism (`tensor_parallel`: the layers the tensor rules name split over
 T in `TENSOR_SIZES`, only where their heads and widths divide and T devices
 fit in one host), and `R` data-parallel copies of stages, of shards or of
-both (`R * K * T` devices at most). Each is costed by
+both (`R * K * T` devices at most), and data parallelism with its state
+sharded (ZeRO stages 1-3, `tfmgpu.parallel.zero_cost`). Each is costed by
 `tfmgpu.parallel.accounting` from the model's costs
 (`tfmgpu.parallel.cost`, per stage as `plan_stages` cuts it):
 
@@ -42,6 +43,7 @@ from typing import Any, Sequence
 
 from tfmgpu.parallel import accounting
 from tfmgpu.parallel import plan as plan_lib
+from tfmgpu.parallel import zero_cost
 
 # Backward FLOPs per forward FLOP (gradients of inputs and of weights).
 BACKWARD_FACTOR = accounting.BACKWARD_FACTOR
@@ -82,6 +84,7 @@ class Candidate:
     tensor: `T`, devices each split layer is sharded over.
     sent_bytes: bytes the busiest device sends per step (all kinds).
     account: the `accounting.LayoutAccount` behind the numbers.
+    zero_stage: `mirrored`'s ZeRO stage (`tfmgpu.parallel.zero_cost`).
   """
   strategy: str
   devices: int
@@ -97,6 +100,7 @@ class Candidate:
   sent_bytes: int = 0
   virtual_stages: int = 1
   account: Any = dataclasses.field(default=None, compare=False, repr=False)
+  zero_stage: int = 0
 
   @property
   def step_s(self) -> float:
@@ -113,7 +117,8 @@ class Candidate:
   def label(self) -> str:
     """E.g. `mirrored n=4`, `data 2 x pipeline K=2 M=4 gpipe x tensor 2`."""
     if self.strategy == "mirrored":
-      return f"mirrored n={self.devices}"
+      zero = f" zero {self.zero_stage}" if self.zero_stage else ""
+      return f"mirrored n={self.devices}{zero}"
     parts = [f"data {self.data}"] if self.data > 1 else []
     if self.strategy == "model_parallel":
       parts.append(f"model_parallel K={self.devices}")
@@ -130,7 +135,8 @@ class Candidate:
   def options(self) -> dict[str, Any]:
     """The chosen distribution's option values (`TrainConfig` names)."""
     if self.strategy == "mirrored":
-      return {"num_replicas": self.devices}
+      zero = {"zero_stage": self.zero_stage} if self.zero_stage else {}
+      return {"num_replicas": self.devices, **zero}
     if self.strategy == "tensor_parallel":
       values: dict[str, Any] = {"tensor_parallel": self.tensor}
     else:
@@ -147,13 +153,15 @@ class Candidate:
     return values
 
   @property
-  def family(self) -> tuple[str, bool, bool]:
-    """The kind of layout: its strategy, with data copies, with shards."""
-    return (self.strategy, self.data > 1, self.tensor > 1)
+  def family(self) -> tuple[str, bool, bool, int]:
+    """The kind of layout: its strategy, with data copies, with shards,
+    its ZeRO stage."""
+    return (self.strategy, self.data > 1, self.tensor > 1, self.zero_stage)
 
   def _key(self) -> tuple:
     return (self.step_s, self.memory_bytes,
-            _SIMPLICITY[self.strategy] + (self.data > 1) + (self.tensor > 1),
+            _SIMPLICITY[self.strategy] + (self.data > 1) + (self.tensor > 1)
+            + self.zero_stage,
             self.num_devices, self.micro_batches)
 
 
@@ -206,7 +214,8 @@ class AutoPlan:
       if c.fits:
         best.setdefault(c.family, c)
     return [c for c in self.candidates
-            if c.strategy == "mirrored" or c in best.values()
+            if (c.strategy == "mirrored" and not c.zero_stage)
+            or c in best.values()
             or not _dominated(c, self.candidates)]
 
   def table(self, everything: bool = False) -> str:
@@ -360,6 +369,7 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
   n_all = hardware.num_devices
   out = _unstaged_candidates(whole, split, hardware, global_batch_size,
                              optimizer)
+  out += zero_cost.zero_variants(model, out, hardware, optimizer)
   for k in _counts(min(n_all, len(whole.layer_names))):
     try:
       staged = plan(k)
@@ -384,7 +394,7 @@ def _reason(chosen: Candidate, candidates: Sequence[Candidate],
          f"{len(fitting)} of {len(candidates)} layouts that fit in {budget} "
          "per device."]
   dp = next((c for c in candidates if c.strategy == "mirrored"
-             and c.devices == hw.num_devices), None)
+             and c.devices == hw.num_devices and not c.zero_stage), None)
   if dp is not None and dp is not chosen:
     if not dp.fits:
       why.append(f"{dp.label} would need "

@@ -136,6 +136,11 @@ class Auto(registry.Distribution):
   Options = AutoOptions
   layout = "replicas or stages"
 
+  def portable(self, options: AutoOptions) -> bool:
+    """Unknown before the choice (whole copies write no portable view)."""
+    del options
+    return False
+
   def place(self, options: AutoOptions, build: Callable[[], Any], *,
             strategy: Any = None, seed: int = 0) -> registry.Placement:
     plan = choose(base.build_for_plan(build), options)

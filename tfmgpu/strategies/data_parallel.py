@@ -167,6 +167,11 @@ class Mirrored(DataParallel):
     """Saves the whole model (a sharded one gathered first)."""
     return super().save_model(_sharded_placement("unsplit")(model), path)
 
+  def portable(self, options: Any) -> bool:
+    """With `zero_stage` the model places itself: its checkpoints carry the
+    weights by layer name (a resume may move them into a pipeline)."""
+    return bool(options.zero_stage)
+
   def replicas(self, placement: registry.Placement) -> int:
     """With `zero_stage`, one replica per device (the model places them
     itself, under the default strategy)."""

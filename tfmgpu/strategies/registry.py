@@ -233,12 +233,22 @@ class Distribution:
     """What `run.json` records of this distribution: `placement` (what
     shapes the checkpoints: `data_parallel` for any data-parallel strategy
     and replica count, else the name and the options declared with
-    `record=`) and `micro_batches` (they decide the batch arithmetic)."""
+    `record=`), `micro_batches` (they decide the batch arithmetic) and
+    `portable` (`portable`)."""
     if self.kind is not Kind.PLACEMENT:
-      return {"placement": "data_parallel", "micro_batches": None}
+      return {"placement": "data_parallel", "micro_batches": None,
+              "portable": self.portable(options)}
     shape = ", ".join(f"{k}={v}" for k, v in settings.recorded(options))
     return {"placement": f"{self.name} ({shape})" if shape else self.name,
-            "micro_batches": self.micro_batches(options)}
+            "micro_batches": self.micro_batches(options),
+            "portable": self.portable(options)}
+
+  def portable(self, options: Any) -> bool:
+    """Whether the checkpoints of a run under `options` carry the weights
+    by layer name (`tfmgpu.training.portable`: the model places itself), so
+    that a resume may move them into another layout that does too."""
+    del options
+    return self.kind is Kind.PLACEMENT
 
   def plan_text(self, model: Any, options: Any, *, global_batch_size: int,
                 optimizer: str, input_shape: Any = None) -> str | None:

@@ -40,6 +40,7 @@ from tfmgpu.training.controller import TrainResult
 from tfmgpu.training.optimizers import prepare_optimizer
 from tfmgpu.training.optimizers import OPTIMIZER_CHOICES  # pylint: disable=unused-import  (public here)
 from tfmgpu.training.trainer_options import TrainerOptions
+from tfmgpu.parallel.zero_placement import shard_for_trainer
 
 
 # Executions by name: a registered distribution names its own
@@ -65,7 +66,8 @@ class Trainer:
 
   Args:
     model: a Keras model built in `strategy.scope()`; a staged or pipelined
-      model brings its own per-device backward.
+      model brings its own per-device backward. With `zero_stage=1|2|3`
+      it is sharded over the strategy's devices (`zero_placement`).
     strategy: the `tf.distribute.Strategy`; defaults to the current one.
     options: a `TrainerOptions` (optimizer, loss, metrics, input mode,
       model_dir, callbacks, ...). Defaults to `TrainerOptions()`.
@@ -80,6 +82,7 @@ class Trainer:
                options: TrainerOptions | None = None,
                execution: str = "sync", **settings: Any):
     self.options = o = TrainerOptions.of(options, settings)
+    model, strategy = shard_for_trainer(model, strategy, o.zero_stage)
     self.model = model
     self.strategy = strategy or tf.distribute.get_strategy()
     self.objective = objectives.Objective(model, o.loss, o.metrics,

@@ -65,6 +65,9 @@ class TrainerOptions:
     callbacks: Keras callbacks (epoch/batch hooks, `model.stop_training`).
     verbose: 1 shows a progress line per epoch (plain off a terminal), 0
       logs one line per epoch.
+    zero_stage: shard the model's state over the replicas' devices (ZeRO,
+      `tfmgpu.parallel.zero`): `1` the optimizer slots, `2` and the
+      gradients, `3` and the weights. Defaults to `0` (whole copies).
 
   Raises:
     ValueError: `steps_per_execution < 1`.
@@ -87,6 +90,7 @@ class TrainerOptions:
   checkpoint_every_s: float | None = None
   callbacks: Sequence[Any] = ()
   verbose: int = 1
+  zero_stage: int = 0
 
   def __post_init__(self):
     if self.steps_per_execution < 1:

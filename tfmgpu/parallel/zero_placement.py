@@ -1,0 +1,69 @@
+"""`Trainer(model, zero_stage=N)`: the model sharded over the replicas'
+devices (ZeRO, `tfmgpu.parallel.zero.ShardedModel`), as
+`--strategy=mirrored --zero_stage=N` does from the command line.
+
+The devices are those of the strategy the Trainer is given (a
+`MirroredStrategy`'s replicas; a model built in its scope has its mirrored
+variables moved to one owner each), or, under TF's default strategy, every
+device a `mirrored` run would replicate over (the GPUs, else the logical
+CPUs). The sharded model then trains under the default strategy: it places
+its own work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfmgpu.parallel import zero
+from tfmgpu.strategies import replicas as replicas_lib
+
+
+def shard_for_trainer(model: keras.Model, strategy: Any, stage: int
+                      ) -> tuple[keras.Model, Any]:
+  """`(model, strategy)` for a Trainer asked for ZeRO `stage`.
+
+  Args:
+    model: a built Keras model, or a `ShardedModel` of the same stage.
+    strategy: the Trainer's strategy (`None`: the current one).
+    stage: `0` (nothing sharded: returned as given), `1`, `2` or `3`.
+
+  Returns:
+    The `ShardedModel` and TF's default strategy (stage 0: as given).
+
+  Raises:
+    ValueError: an unknown stage, a model sharded at another stage, a
+      call inside a strategy's scope, or a strategy that spans several
+      workers (one host only).
+  """
+  stage = zero.check_stage(stage)
+  if isinstance(model, zero.ShardedModel):
+    if stage and model.stage != stage:
+      raise ValueError(f"zero_stage={stage} but model {model.name!r} is "
+                       f"already sharded at stage {model.stage}: pass "
+                       f"zero_stage={model.stage} (or 0), or shard the "
+                       "unsplit model.")
+    return model, strategy
+  if not stage:
+    return model, strategy
+  if tf.distribute.has_strategy():
+    raise ValueError(
+        f"zero_stage={stage}: create the Trainer outside `strategy.scope()`"
+        " (each variable then moves to one owner; inside the scope TF would "
+        "mirror it again). Build the model in the scope if you like, then "
+        "call tfmgpu.Trainer(model, strategy=strategy, zero_stage=...) "
+        "after the `with` block.")
+  strategy = strategy or tf.distribute.get_strategy()
+  if replicas_lib.in_multi_worker_mode(strategy):
+    raise ValueError(
+        f"zero_stage={stage} shards over the devices of one host; strategy "
+        f"{type(strategy).__name__} spans several workers. Use a "
+        "MirroredStrategy (or none: every local device), or zero_stage=0.")
+  if strategy.num_replicas_in_sync > 1:
+    devices = list(strategy.extended.worker_devices)
+  else:
+    devices = replicas_lib.select_replica_devices(None, None, None)
+  return (zero.ShardedModel(model, devices, stage=stage),
+          tf.distribute.get_strategy())
