@@ -48,23 +48,35 @@ def run_suite(opts: SuiteOptions, *,
   took = {}
   for name in sections:
     logging.info("bench section %s", name)
-    begin = time.perf_counter()
+    begin, cpu = time.perf_counter(), _cpu_seconds()
     sections_lib.SECTIONS[name](report, opts, arrays)
-    took[name] = time.perf_counter() - begin
+    took[name] = (time.perf_counter() - begin, _cpu_seconds() - cpu)
   os.makedirs(opts.output_dir, exist_ok=True)
   csv_path = report.write_csv(os.path.join(opts.output_dir, "results.csv"))
   written = plots.write_plots(report, opts)
   report.say(f"\nWrote {csv_path}" + "".join(f", {p}" for p in written))
   seconds = time.perf_counter() - start
-  report.say(f"Suite took {seconds:.0f} s (" + ", ".join(
-      f"{name} {s:.0f}" for name, s in took.items()) + f"); load average "
-             f"{os.getloadavg()[0]:.2f} at the end.")
+  # CPU seconds (every thread of this process) say what the run costs on
+  # cores nobody else uses; wall seconds on a loaded machine do not.
+  report.say(f"Suite took {seconds:.0f} s wall, {_cpu_seconds():.0f} s "
+             "CPU (this process and its children); by section, wall / CPU s: " + ", ".join(
+                 f"{name} {wall:.0f} / {cpu:.0f}"
+                 for name, (wall, cpu) in took.items())
+             + f"; load average {os.getloadavg()[0]:.2f} at the end.")
   if opts.quick:
     report.figure("bench --quick wall time, s", seconds, target=
                   report_lib.Target(QUICK_SECONDS, at_least=False,
                                     why="on 2 quiet cores"))
   report.say_verdicts()
   return report
+
+
+def _cpu_seconds() -> float:
+  """CPU seconds (user + system, every thread) of this process and of the
+  child processes it waited for (the ceiling's fresh process)."""
+  times = os.times()
+  return (times.user + times.system + times.children_user
+          + times.children_system)
 
 
 # What the suite takes on a quiet 2-core machine (the last measured runs;
