@@ -196,8 +196,10 @@ def test_bench_cli_runs_a_section(tmp_path):
                    r"1\.20", out.stdout, re.M)
   assert re.search(r"^  (held  |MISSED) bench --quick wall time, s .* target "
                    r"<= 150, on 2 quiet cores", out.stdout, re.M)
-  assert re.search(r"^Suite took \d+ s \(training \d+, projection \d+\)",
-                   out.stdout, re.M)
+  assert re.search(r"^Suite took \d+ s wall, \d+ s CPU \(this process and "
+                   r"its children\); by "
+                   r"section, wall / CPU s: training \d+ / \d+, projection "
+                   r"\d+ / \d+;", out.stdout, re.M)
   assert out.stderr == "", out.stderr[-3000:]  # Tables only: no log line.
   rows = list(csv.DictReader(open(tmp_path / "results.csv")))
   assert {r["cpu"] for r in rows} == {cpu}

@@ -42,7 +42,7 @@ _QUICK = flags.DEFINE_bool(
     "quick", False, "The sections with targets (" + ",".join(
         bench_options.QUICK_SECTIONS) + ", unless --sections says "
     "otherwise), fewer steps, rounds and paths, the autotune only read "
-    "from its cache: about 2.5 minutes on a quiet 2-core machine (the full "
+    "from its cache: about 2-3.5 minutes on a quiet 2-core machine (the full "
     "suite: about 15). Every run ends with a verdict line per target.")
 _MODELS = flags.DEFINE_list("models", ["convnet", "mlp"], "Models to train.")
 _REPLICAS = flags.DEFINE_list("replicas", ["1", "2", "4"],

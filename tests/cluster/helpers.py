@@ -24,13 +24,20 @@ ENV.pop("TF_CONFIG", None)
 
 # One run's shape, shared by the multi-worker, parity and preemption tests so
 # that the uninterrupted 2-worker run is computed once.
-MWMS_ARGS = ("--epochs=3", "--steps_per_epoch=30", "--steps_per_execution=1",
+# The digits dithered (see `dithered_digits`): one process and two workers
+# sum per-example gradients in different orders (3e-7 apart after a step),
+# and on the digits' tied max-pools that drifted them 1e-2 apart.
+DITHERED_DIGITS = os.path.join(os.path.dirname(__file__),
+                               "dithered_digits.py") + ":load"
+MWMS_ARGS = (f"--dataset={DITHERED_DIGITS}", "--epochs=3",
+             "--steps_per_epoch=30", "--steps_per_execution=1",
              "--global_batch_size=64", "--seed=0", "--verbose=0")
 
 
 def reference_config(model_dir, **changes) -> TrainConfig:
   """One process, mirrored over 2 replicas: the same run as MWMS_ARGS."""
   config = TrainConfig(strategy="mirrored", num_replicas=2, epochs=3,
+                       dataset=DITHERED_DIGITS,
                        steps_per_epoch=30, steps_per_execution=1,
                        global_batch_size=64, seed=0, verbose=0,
                        model_dir=str(model_dir))

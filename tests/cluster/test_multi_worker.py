@@ -43,12 +43,16 @@ def test_two_workers_train_what_one_process_trains(uninterrupted_mwms,
   assert helpers.summary_value(text, "worker:1", "saved model") == "none"
   assert os.listdir(run["tmpdir"]) == []
 
-  # Parity with one process and 2 replicas (allclose: different all-reduce).
+  # Parity with one process and 2 replicas. The two add per-example
+  # gradients in different orders (3e-7 apart after one step); Adam
+  # amplifies that over 90 steps to 3e-4 (Keras's Adam and the fused one
+  # alike), on dithered digits (`helpers.DITHERED_DIGITS`; on the plain
+  # digits' tied max-pools Keras's Adam drifts 6e-2).
   reference = runs.run_training(
       helpers.reference_config(tmp_path / "ref"))
   chief = keras.models.load_model(model_dir / "model.keras")
   for a, b in zip(chief.get_weights(), reference.model.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)
   assert float(helpers.summary_value(text, "worker:0", "test loss / accuracy"
                                       ).split(" / ")[1]) == pytest.approx(
                                           reference.test_accuracy, abs=2e-3)

@@ -32,7 +32,7 @@ class SuiteOptions:
     quick: fewer steps, rounds and paths (the autotune only read from its
       cache, the training table without its floors, the ceiling of the
       convnet at the suite's batch, the language model on one device and
-      data parallelism), for a run of about 2.5 minutes on 2 quiet cores.
+      data parallelism), for a run of about 2-3.5 minutes on 2 quiet cores.
     autotune: before the training table, measure tfmgpu's options for each
       model and replica count (`tfmgpu.training.autotune`, cached) and train
       the `tfmgpu` path with the choice; `False`: tfmgpu's defaults.
