@@ -126,6 +126,24 @@ def _split_axes(model: keras.Model, layout_map: Any, rules: Any,
   return axes
 
 
+def _stage_plan(model: keras.Model, layout: Layout,
+                plan: plan_lib.StagePlan | None, homes: Sequence[str], *,
+                criterion: str, split_points: Sequence[str] | None
+                ) -> plan_lib.StagePlan | None:
+  """`plan`, checked, or one made: `stages * virtual_stages` stages on the
+  first replica's stage devices, repeating in order."""
+  chunks = layout.stages * layout.virtual_stages
+  if plan is None and layout.stages > 1:
+    return partition.plan_stages(
+        model, chunks, criterion=criterion, split_points=split_points,
+        devices=[homes[k % layout.stages] for k in range(chunks)])
+  if plan is not None and plan.num_stages != chunks:
+    raise ValueError(
+        f"plan has {plan.num_stages} stages but the layout {layout.label} "
+        f"with virtual_stages={layout.virtual_stages} asks for {chunks}.")
+  return plan
+
+
 def build_layout(model: keras.Model, layout: Layout, *,
                  devices: Sequence[str] | None = None,
                  plan: plan_lib.StagePlan | None = None,
@@ -172,16 +190,8 @@ def build_layout(model: keras.Model, layout: Layout, *,
   found = list(devices) if devices is not None else \
       devices_lib.accelerator_devices()
   mesh = layout.mesh(devices_lib.resolve_devices(found[:layout.num_devices]))
-  homes = stage_homes(mesh[0])
-  chunks = layout.stages * layout.virtual_stages
-  if plan is None and layout.stages > 1:
-    plan = partition.plan_stages(
-        model, chunks, criterion=criterion, split_points=split_points,
-        devices=[homes[k % layout.stages] for k in range(chunks)])
-  elif plan is not None and plan.num_stages != chunks:
-    raise ValueError(
-        f"plan has {plan.num_stages} stages but the layout {layout.label} "
-        f"with virtual_stages={layout.virtual_stages} asks for {chunks}.")
+  plan = _stage_plan(model, layout, plan, stage_homes(mesh[0]),
+                     criterion=criterion, split_points=split_points)
   axes = _split_axes(model, layout_map, rules, layout.tensor)
   if axes is not None and rules in (None, LAYOUT_MAP):
     rules = {}
