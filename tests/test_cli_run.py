@@ -27,3 +27,23 @@ def test_a_console_script_lists_the_clis_key_flags(monkeypatch):
   listed = flags.FLAGS.main_module_help()
   for flag in ("--strategy", "--model", "--virtual_devices", "--epochs"):
     assert flag in listed, flag
+
+
+def test_a_bad_setting_is_one_error_line_not_the_whole_help(capsys,
+                                                           monkeypatch):
+  """A setting `main` refuses (`app.UsageError`) is said in one line; absl
+  alone would print the module's docstring and every flag before it."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+
+  def main(argv):
+    del argv
+    raise app.UsageError("zero_stage=2 is not supported by strategy="
+                         "'pipeline'.")
+
+  monkeypatch.setattr(sys, "argv", ["tfmgpu-train"])
+  with pytest.raises(SystemExit) as exit_:
+    cli.run(main, "tfmgpu.train")
+  assert exit_.value.code == 1
+  err = capsys.readouterr().err
+  assert err.startswith("error: zero_stage=2 is not supported")
+  assert len(err.strip().splitlines()) == 2, err

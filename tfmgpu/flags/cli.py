@@ -9,6 +9,7 @@ for help succeeds (exit 0).
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Callable
 
@@ -77,7 +78,21 @@ def adopt_for_main(module_name: str) -> None:
 
 def run(main: Callable[[list[str]], int | None], module_name: str) -> None:
   """`absl.app.run(main)` for the CLI module `module_name` (its `__name__`),
-  with a full `--help` that exits 0 however it was started."""
+  with a full `--help` that exits 0 however it was started, and a bad
+  setting `main` reports (`app.UsageError`) said in one `error:` line (absl
+  would print the module's whole help before it)."""
   adopt_for_main(module_name)
   define_help_flags()
-  app.run(main)
+  app.run(functools.partial(_one_line_usage_errors, main))
+
+
+def _one_line_usage_errors(main: Callable[[list[str]], int | None],
+                           argv: list[str]) -> int | None:
+  """`main(argv)`, a `UsageError` printed as `error: ...` and a pointer to
+  the flags' help, exiting with its exit code."""
+  try:
+    return main(argv)
+  except app.UsageError as e:
+    print(f"error: {e}\nTry --helpshort (this CLI's flags) or --helpfull.",
+          file=sys.stderr)
+    return e.exitcode
