@@ -335,3 +335,26 @@ def test_the_resume_line_says_where_in_the_epoch_it_stands(tmp_path, caplog):
   saver.save(1, step=5, epoch_step=2)
   _checkpointer(tmp_path).restore_latest()
   assert ": epoch 2, step 2 of it, global step 5." in caplog.text
+
+
+def test_a_resume_whose_variables_come_in_another_order_is_refused(
+    tmp_path):
+  """Optimizer slots restore by position: a model listing the same
+  variables in another order (a resume in another layout) would get other
+  weights' moments without an error, so it is refused, naming the order."""
+  from tfmgpu.training import slot_order  # pylint: disable=g-import-not-at-top
+  saver = _checkpointer(tmp_path, seed=1)
+  saver.save(1, step=1)
+  directory = str(tmp_path / "checkpoints")
+  saved = slot_order.order_of(saver.checkpoint.model)
+  with open(os.path.join(directory, slot_order.FILE_NAME)) as f:
+    assert f.read().splitlines() == saved
+  assert len(saved) == 2 and saved[0] != saved[1]
+  slot_order.check(directory, saved)  # The same order: fine.
+  slot_order.check(directory, saved + ["other/kernel"])  # Other variables.
+  with pytest.raises(slot_order.SlotOrderError,
+                     match=re.escape(f"position 0: {saved[0]!r} then, "
+                                     f"{saved[1]!r} now")):
+    slot_order.check(directory, saved[::-1])
+  os.remove(os.path.join(directory, slot_order.FILE_NAME))
+  slot_order.check(directory, saved[::-1])  # Older checkpoints: no record.

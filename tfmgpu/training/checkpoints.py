@@ -59,6 +59,7 @@ from tfmgpu import _compat
 from tfmgpu import files
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import portable
+from tfmgpu.training import slot_order
 
 # Exit code of `python -m tfmgpu.train` when SIGTERM stopped training after a
 # checkpoint was saved: "preempted, restart me". (143 = 128 + SIGTERM means a
@@ -237,6 +238,7 @@ class Checkpointer:
     # so the checkpoint restores into any layout (`portable`).
     view = ({portable.VIEW: portable.PortableView(model)}
             if placed_model.is_placed(model) else {})
+    self._model = model  # Its variables' order: `slot_order`.
     self._objects = dict(model=model, optimizer=optimizer, epoch=self.epoch,
                          epoch_step=self.epoch_step, step=self.step)
     self._has_view = bool(view)
@@ -283,6 +285,7 @@ class Checkpointer:
       UnreadableCheckpointError: checkpoint files exist but none reads back.
     """
     self._last_number = max(_used_numbers(self.chief_directory), default=0)
+    slot_order.check(self.chief_directory, slot_order.order_of(self._model))
     optimizer = self.checkpoint.optimizer
     lr = _learning_rate_variable(optimizer)
     given = float(lr.numpy()) if lr is not None else None
@@ -363,6 +366,8 @@ class Checkpointer:
     self._saves.assign_add(1)
     path = self._write(os.path.join(self.directory, f"ckpt-{number}"))
     self._commit(path)
+    if self.chief:  # What order its optimizer slots belong to.
+      slot_order.write(self.directory, slot_order.order_of(self._model))
     self._latest = self.chief_path(path)
     return path
 

@@ -1,0 +1,63 @@
+"""The order a checkpoint's optimizer slots belong to, kept beside it.
+
+A Keras optimizer checkpoints its slots (Adam's moments) as a list, in the
+order of the variables it was built for; it restores them by position. A
+run resumed in another layout (`rundir`: a ZeRO run resumed as a pipeline)
+restores its weights by layer name (`portable`), but its slots only line up
+when the new model lists its trainable variables in the same order: when
+the order differs and the shapes happen to agree, the moments would land on
+other weights without an error. The chief therefore writes the variables'
+paths in order to `checkpoints/variables.txt`, and a resume whose model
+lists the same paths in another order is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from tfmgpu import files
+
+FILE_NAME = "variables.txt"
+
+
+class SlotOrderError(RuntimeError):
+  """A checkpoint's optimizer slots belong to another variable order."""
+
+
+def order_of(model: Any) -> list[str]:
+  """The paths of `model`'s trainable variables, in the optimizer's order."""
+  return [str(getattr(v, "path", v.name)) for v in model.trainable_variables]
+
+
+def write(directory: str, order: Sequence[str]) -> None:
+  """Keeps `order` in `directory` (whole or not at all), if it changed."""
+  path = os.path.join(directory, FILE_NAME)
+  text = "".join(f"{p}\n" for p in order)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      if f.read() == text:
+        return
+  files.write_atomically(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def check(directory: str, order: Sequence[str]) -> None:
+  """Raises `SlotOrderError` when the checkpoints in `directory` were saved
+  for the same variables in another order (their slots would restore onto
+  other weights). A missing file (older checkpoints) or other variables
+  (another layout's shards, which fail to restore loudly) pass."""
+  path = os.path.join(directory, FILE_NAME)
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    saved = f.read().splitlines()
+  if saved == list(order) or sorted(saved) != sorted(order):
+    return
+  first = next(i for i, (a, b) in enumerate(zip(saved, order)) if a != b)
+  raise SlotOrderError(
+      f"The checkpoints in {directory} hold optimizer slots for the model's "
+      f"variables in another order (position {first}: {saved[first]!r} "
+      f"then, {order[first]!r} now), as when a run is resumed in another "
+      "layout: restored by position, Adam's moments would land on other "
+      "weights. Resume in the layout the run was saved in, or start a new "
+      "--model_dir from its weights (tfmgpu.restore_weights).")
