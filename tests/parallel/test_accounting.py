@@ -207,3 +207,27 @@ def test_a_split_the_heads_do_not_allow_is_named(gpt):
   with pytest.raises(ValueError, match="global_batch_size=6 must divide"):
     accounting.account(gpt, hybrid.Layout(2, 2, 1, micro_batches=2),
                        global_batch_size=6)
+
+
+def test_an_interleaved_plan_is_counted_per_device(gpt):
+  """`--plan_only --virtual_stages=2` hands a plan of K x V chunks: it is
+  counted per device (it failed: "plan has 4 stages ... stages=2"), and
+  each chunk's KV cache lands on its device (`k % K`)."""
+  from tfmgpu.parallel import kv_cache  # pylint: disable=g-import-not-at-top
+  layout = hybrid.Layout(stages=2, micro_batches=4, schedule="1f1b",
+                         virtual_stages=2)
+  names = ["/device:GPU:0", "/device:GPU:1"]
+  chunks = partition.plan_stages(gpt, 4, devices=names * 2,
+                                 check_devices=False)
+  acc = accounting.account(gpt, layout, global_batch_size=64, plan=chunks,
+                           devices=names)
+  assert [d.device for d in acc.devices] == names
+  cache = kv_cache.per_device(gpt, layout, batch=8, context=16, plan=chunks,
+                              devices=names)
+  whole = kv_cache.per_device(gpt, hybrid.Layout(), batch=8, context=16,
+                              devices=names[:1])
+  assert sum(cache.values()) == sum(whole.values()) > 0
+  expected = dict.fromkeys(names, 0)
+  for layer in kv_cache.cache_layers(gpt, None):
+    expected[names[chunks.stage_of(layer.name) % 2]] += layer.bytes(8, 16, 1)
+  assert cache == expected

@@ -371,3 +371,18 @@ def test_keras_fit_trains_copies_as_unsplit(data, cpu_devices):
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for u, v in zip(copies.to_unsplit().get_weights(), unsplit.get_weights()):
     np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes,message", [
+    (dict(stages=1, micro_batches=4, schedule="1f1b"), "stages >= 2"),
+    (dict(stages=2, micro_batches=4), "schedule='gpipe' cannot"),
+    (dict(stages=2, micro_batches=4, schedule="1f1b", tensor=2),
+     "tensor=2 is not built"),
+])
+def test_an_interleaved_layout_it_cannot_build_is_refused(sizes, message):
+  """Virtual stages were ignored without stages and crashed (an index past
+  the stage grid) with tensor shards: both now refused by name."""
+  with pytest.raises(ValueError, match=re.escape(message)):
+    hybrid.Layout(virtual_stages=2, **sizes)
+  assert "2 virtual stages each" in hybrid.Layout(
+      stages=2, micro_batches=4, schedule="1f1b", virtual_stages=2).label

@@ -684,24 +684,33 @@ def account(model: Any, layout: Any, *, global_batch_size: int,
     partition: what the stage cut balances, when `plan` is not given.
     rules: the tensor rules (`choices.TENSOR_RULES_GPT` by default).
     plan: the cut into `layout.stages` stages; made by `plan_stages` when
-      `None`.
+      `None`. An interleaved plan (`stages * virtual_stages` chunks) is
+      counted per device: a `stages` cut, each stage its device's chunks.
     devices: names of replica 0's devices (mesh order).
   """
   from tfmgpu.parallel import partition as partition_lib  # pylint: disable=g-import-not-at-top
   K, T = layout.stages, layout.tensor
+  V = getattr(layout, "virtual_stages", 1)  # A hybrid.Layout's, or 1.
   names = list(devices or [f"/device:GPU:{i}" for i in range(K * T)])
   if plan is None:
     plan = partition_lib.plan_stages(
         model, K, criterion=partition, devices=names[::T][:K],
         check_devices=False)
+  elif plan.num_stages == K * V and V > 1:  # Interleaved chunks: counted
+    plan = partition_lib.plan_stages(  # per device, each V chunks' worth.
+        model, K, criterion=plan.criterion, devices=names[::T][:K],
+        check_devices=False)
   elif plan.num_stages != K:
-    raise ValueError(f"plan has {plan.num_stages} stages but the layout "
-                     f"asks for stages={K}.")
+    raise ValueError(
+        f"plan has {plan.num_stages} stages but the layout asks for "
+        f"stages={K} (virtual_stages={V}): give a plan of {K} stages (or "
+        f"{K * V} interleaved ones), or plan=None.")
   return account_layout(
       plan, _split_of(model, rules, T),
       global_batch_size=global_batch_size, data=layout.data, tensor=T,
       micro_batches=layout.micro_batches or 1, schedule=layout.schedule,
-      recompute=layout.recompute, optimizer=optimizer, devices=names)
+      recompute=layout.recompute, optimizer=optimizer, devices=names,
+      virtual_stages=V)
 
 
 def _fmt_time(seconds: float) -> str:

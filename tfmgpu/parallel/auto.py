@@ -300,7 +300,7 @@ def _stage_candidates(plan: plan_lib.StagePlan,
   for m in MICRO_BATCHES:
     if m * data > batch or batch % (m * data):
       continue
-    for schedule, v in _schedules(plan, m):
+    for schedule, v in _schedules(plan, m, tensor):
       for recompute in (False, True):
         out.append(_weigh(plan, split, hw, batch, optimizer, "pipeline",
                           micro_batches=m, schedule=schedule,
@@ -308,16 +308,17 @@ def _stage_candidates(plan: plan_lib.StagePlan,
   return out
 
 
-def _schedules(plan: plan_lib.StagePlan, m: int) -> list[tuple[str, int]]:
+def _schedules(plan: plan_lib.StagePlan, m: int, tensor: int = 1
+               ) -> list[tuple[str, int]]:
   """`(schedule, virtual stages)` weighed at `m` micro-batches: each of
   `SCHEDULES`, and interleaved 1F1B with `VIRTUAL_STAGES` chunks per
-  device where `m` is a multiple of the stages and the plan has a layer
-  for every chunk."""
+  device where `m` is a multiple of the stages, the plan has a layer for
+  every chunk and no layer is split over `tensor` devices (not built)."""
   K = plan.num_stages
   layers = sum(len(s.layers) for s in plan.stages)
   return [(s, 1) for s in SCHEDULES] + [
       ("1f1b", v) for v in VIRTUAL_STAGES
-      if K > 1 and m % K == 0 and layers >= K * v]
+      if K > 1 and m % K == 0 and layers >= K * v and tensor == 1]
 
 
 def _tensor_sizes(split: accounting.TensorSplit, hw: Hardware) -> list[int]:

@@ -106,7 +106,9 @@ def per_device(model: Any, layout: Any, *, batch: int, context: int,
     layout: has `data`, `stages` and `tensor` (`hybrid.Layout`).
     batch: request rows over all copies.
     context: positions per row (the longest prompt + new tokens).
-    plan: the cut into `layout.stages` stages; `plan_stages` when `None`.
+    plan: the cut into `layout.stages` stages (or `stages * V`
+      interleaved chunks, chunk `k` on stage `k % stages`' device);
+      `plan_stages` when `None`.
     rules: the tensor rules (`TENSOR_RULES_GPT` by default).
     devices: replica 0's `K * T` device names (default `/device:GPU:i`).
 
@@ -125,7 +127,8 @@ def per_device(model: Any, layout: Any, *, batch: int, context: int,
   rows = math.ceil(batch / layout.data)
   out = dict.fromkeys(names, 0)
   for layer in cache_layers(model, rules):
-    k = plan.stage_of(layer.name) if K > 1 else 0
+    k = plan.stage_of(layer.name) % K if K > 1 else 0  # Interleaved: V
+    # chunks a device, chunk `k` on the device of stage `k % K`.
     shards = range(T) if layer.split and T > 1 else range(1)
     for t in shards:
       out[names[k * T + t]] += layer.bytes(rows, context,

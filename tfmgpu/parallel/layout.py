@@ -44,6 +44,26 @@ class Layout:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1.")
+    if self.virtual_stages > 1:
+      self._check_interleaved()
+
+  def _check_interleaved(self) -> None:
+    """Interleaved 1F1B as built: a pipeline of 2+ stages, 1F1B, no
+    tensor split (its chunks' shards are not placed)."""
+    v = f"virtual_stages={self.virtual_stages}"
+    if self.stages < 2 or self.micro_batches is None:
+      raise ValueError(
+          f"{v} interleaves a pipeline's stages, but the layout has "
+          f"stages={self.stages}, micro_batches={self.micro_batches}: use "
+          "stages >= 2 with micro_batches, or virtual_stages=1.")
+    if self.schedule != "1f1b":
+      raise ValueError(f"{v} interleaves 1F1B; schedule={self.schedule!r} "
+                       "cannot. Use schedule='1f1b' or virtual_stages=1.")
+    if self.tensor > 1:
+      raise ValueError(
+          f"{v} with tensor={self.tensor} is not built: interleaved stages "
+          "split over tensor devices are not placed. Use virtual_stages=1 "
+          "with tensor parallelism, or tensor=1.")
 
   @property
   def num_devices(self) -> int:
@@ -51,9 +71,11 @@ class Layout:
 
   @property
   def label(self) -> str:
-    """E.g. `data 2 x stages 2 x tensor 2`."""
+    """E.g. `data 2 x stages 2 x tensor 2` (`, 2 virtual stages each`)."""
+    virtual = (f", {self.virtual_stages} virtual stages each"
+               if self.virtual_stages > 1 else "")
     return (f"data {self.data} x stages {self.stages} x tensor "
-            f"{self.tensor}")
+            f"{self.tensor}{virtual}")
 
   def mesh(self, devices: Sequence[str]) -> list[list[list[str]]]:
     """`mesh[r][k][t]`: the device of replica `r`, stage `k`, shard `t`."""

@@ -57,6 +57,12 @@ class PipelineOptions(model_parallel.StageOptions):
             f"virtual_stages={self.virtual_stages} cuts the model into "
             "num_stages x virtual_stages stages itself; split_points="
             f"{list(self.split_points)} cannot be combined with it. Drop one.")
+      if self.tensor_parallel > 1:
+        raise ValueError(
+            f"virtual_stages={self.virtual_stages} with tensor_parallel="
+            f"{self.tensor_parallel} is not built (interleaved stages split "
+            "over tensor devices are not placed). Use --virtual_stages=1 "
+            "with --tensor_parallel, or --tensor_parallel=1.")
 
 
 @registry.register
