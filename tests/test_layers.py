@@ -333,3 +333,12 @@ def test_the_trainer_is_a_front_over_its_rooms():
                   if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                   and n.func.id in ("isinstance", "getattr", "hasattr")})
   assert not asked, f"training/loop.py calls {asked}"
+
+
+def test_every_parallel_module_is_reachable_as_an_attribute():
+  """`tfmgpu.parallel.X` works for every module X, imported or not (the
+  lazy `_SUBMODULES` list missed 7 after a session of new modules)."""
+  import tfmgpu.parallel  # pylint: disable=g-import-not-at-top
+  modules = {p.stem for p in (PACKAGE / "parallel").glob("*.py")
+             if p.stem != "__init__"}
+  assert modules == set(tfmgpu.parallel._SUBMODULES)  # pylint: disable=protected-access

@@ -164,6 +164,18 @@ def test_trainer_zero_stage_uses_every_local_device():
       zero.device_name(d) for d in trainer.model.devices}
 
 
+def test_trainer_zero_stage_refuses_a_placed_model():
+  """Re-homing a pipeline's variables to ZeRO owners would undo its
+  placement without a word: refused, naming what to do."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  placed = hybrid.build_layout(
+      _gpt(), hybrid.Layout(stages=2, micro_batches=2),
+      devices=tfmgpu.list_devices("CPU")[:2])
+  with pytest.raises(ValueError, match=r"zero_stage=2 .* already placed "
+                     r"over devices \(PipelinedModel\)\. Shard the unsplit"):
+    Trainer(placed, zero_stage=2)
+
+
 def test_mixed_precision_equal_to_mirrored(references):
   sharded, trainer = _sharded("bn", 2, 3, "adam", 1.0,
                               policy="mixed_float16")

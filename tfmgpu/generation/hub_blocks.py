@@ -4,7 +4,7 @@ A keras_hub causal LM placed by `tfmgpu.parallel.hybrid.build_layout` is
 rebuilt as stages or shards of plain functional models: the task's
 `call_with_cache` is gone, but its decoder blocks are still keras_hub's
 blocks (copies, their Dense kernels possibly split over tensor shards by
-`parallel.layout_maps`), and a block takes its own cache in its call
+`parallel.split_blocks`), and a block takes its own cache in its call
 (`self_attention_cache` / `self_attention_cache_update_index` for GPT-2,
 Llama, Mistral and Qwen; `cache` / `cache_update_index` for Gemma).
 
@@ -17,7 +17,7 @@ norm, and the token embedding reversed (the LM head) on the device of its
 weights. So a pipeline stage keeps its blocks' caches; under tensor
 parallelism a block's split kernels compute their parts on their shards,
 while its attention (and so its cache) runs whole on the stage's first
-shard, as the split model's forward does (`layout_maps`: "attention
+shard, as the split model's forward does (`split_blocks`: "attention
 itself ... runs unsplit on devices[0]"). A decode step of a block whose
 weights are all on one device is one XLA-compiled call there (4.6x the
 tokens/s of op-by-op on a 4-block Llama, pipeline 2, logical CPUs).

@@ -98,14 +98,15 @@ _EXPORTS = {
     "tensor_parallel": "tfmgpu.parallel.tensor",
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
-_SUBMODULES = ("accounting", "auto", "branches", "choices", "cost", "graph",
-               "hybrid", "inspection", "layout", "links", "microbatch",
-               "partition", "pipeline", "pipeline_step", "placed", "plan",
-               "replicated", "schedule", "shared", "shards", "split_attention",
-               "split_blocks", "split_dense", "split_embedding",
-               "split_kernel", "staged", "tensor", "tensor_rules", "timeline",
-               "zero", "zero_cost", "zero_memory", "zero_placement",
-               "zero_shards")
+_SUBMODULES = ("accounting", "auto", "block_flops", "branches", "choices",
+               "cloning", "cost", "graph", "hybrid", "inspection", "kv_cache",
+               "layout", "layout_maps", "links", "microbatch", "on_device",
+               "partition", "pipeline", "pipeline_step", "placed",
+               "placed_model", "plan", "replicated", "schedule", "serve_plan",
+               "shards", "shared", "split_attention", "split_blocks",
+               "split_dense", "split_embedding", "split_kernel", "staged",
+               "tensor", "tensor_rules", "timeline", "zero", "zero_cost",
+               "zero_memory", "zero_placement", "zero_shards")
 
 __all__ = sorted(_EXPORTS)
 

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmgpu.parallel import placed_model
 from tfmgpu.parallel import zero
 from tfmgpu.strategies import replicas as replicas_lib
 
@@ -48,6 +49,12 @@ def shard_for_trainer(model: keras.Model, strategy: Any, stage: int
     return model, strategy
   if not stage:
     return model, strategy
+  if placed_model.is_placed(model):  # Re-homing its variables would undo
+    raise ValueError(  # its placement.
+        f"zero_stage={stage} shards a model's variables over data-parallel "
+        f"devices, but model {model.name!r} is already placed over devices "
+        f"({type(model).__name__}). Shard the unsplit model (e.g. "
+        "`model.to_unsplit()`), or train the placed one with zero_stage=0.")
   if tf.distribute.has_strategy():
     raise ValueError(
         f"zero_stage={stage}: create the Trainer outside `strategy.scope()`"
@@ -55,15 +62,17 @@ def shard_for_trainer(model: keras.Model, strategy: Any, stage: int
         "mirror it again). Build the model in the scope if you like, then "
         "call tfmgpu.Trainer(model, strategy=strategy, zero_stage=...) "
         "after the `with` block.")
-  strategy = strategy or tf.distribute.get_strategy()
-  if replicas_lib.in_multi_worker_mode(strategy):
+  if replicas_lib.in_multi_worker_mode(
+      strategy or tf.distribute.get_strategy()):
     raise ValueError(
         f"zero_stage={stage} shards over the devices of one host; strategy "
         f"{type(strategy).__name__} spans several workers. Use a "
         "MirroredStrategy (or none: every local device), or zero_stage=0.")
-  if strategy.num_replicas_in_sync > 1:
-    devices = list(strategy.extended.worker_devices)
-  else:
+  given = strategy is not None
+  strategy = strategy or tf.distribute.get_strategy()
+  if given and not isinstance(strategy, type(tf.distribute.get_strategy())):
+    devices = list(strategy.extended.worker_devices)  # Its own devices.
+  else:  # No strategy (or TF's default): every local device.
     devices = replicas_lib.select_replica_devices(None, None, None)
   return (zero.ShardedModel(model, devices, stage=stage),
           tf.distribute.get_strategy())
