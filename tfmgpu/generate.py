@@ -118,12 +118,13 @@ def _memory_plan() -> str:
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
   from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import kv_cache  # pylint: disable=g-import-not-at-top
-  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import layout as layout_lib  # pylint: disable=g-import-not-at-top
   values = strategy_flags.values()
   distribution = strategies_lib.lookup(values.pop("strategy"))
   model = inference.load_model(serving.MODEL_PATH.value[0])
-  layout = distribution.layout_of(distribution.options_from(
-      types.SimpleNamespace(**values, **stages.values()))) or hybrid.Layout()
+  options = distribution.options_from(
+      types.SimpleNamespace(**values, **stages.values()))
+  layout = distribution.layout_of(options) or layout_lib.Layout()
   return kv_cache.serving_table(model, layout, batch=_SERVE_BATCH.value,
                                 context=_context())
 

@@ -205,8 +205,8 @@ def plan_section(model: Any, layout: Any, *, batch: int,
     return None
   rules = rules if isinstance(rules, Mapping) else None  # "layout_map".
   if layout is None:
-    from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
-    layout = hybrid.Layout()
+    from tfmgpu.parallel import layout as layout_lib  # pylint: disable=g-import-not-at-top
+    layout = layout_lib.Layout()
   if context is None:  # The model's input width, when it has one.
     inputs = getattr(model, "inputs", None) or [None]
     context = getattr(inputs[0], "shape", (None, None))[1]

@@ -164,8 +164,8 @@ class Auto(registry.Distribution):
     del global_batch_size, optimizer  # The options have them.
     plan = choose(model, options)
     chosen, chosen_options = resolve(plan, options)
-    from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
-    layout = chosen.layout_of(chosen_options) or hybrid.Layout(
+    from tfmgpu.parallel import layout as layout_lib  # pylint: disable=g-import-not-at-top
+    layout = chosen.layout_of(chosen_options) or layout_lib.Layout(
         data=plan.chosen.devices)  # Mirrored: whole copies.
     from tfmgpu import devices  # pylint: disable=g-import-not-at-top
     names = devices.accelerator_devices()[:layout.stages * layout.tensor]
