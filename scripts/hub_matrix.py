@@ -73,9 +73,10 @@ OPTIMIZERS = {"sgd": lambda keras: keras.optimizers.SGD(LR),
 
 def fit(model, x, y, sample_weight, optimizer: str = "sgd") -> None:
   import keras  # pylint: disable=g-import-not-at-top
-  model.compile(optimizer=OPTIMIZERS[optimizer](keras),
-                loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True))
+  with model.distribute_strategy.scope():  # Adam's slots: the model's.
+    model.compile(optimizer=OPTIMIZERS[optimizer](keras),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
   model.fit(x, y, sample_weight=sample_weight, batch_size=BATCH,
             shuffle=False, verbose=0)
 

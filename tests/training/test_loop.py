@@ -272,3 +272,37 @@ def test_trainers_made_in_a_row_do_not_report_retracing(caplog):
                   validation_data=(x[:20], y[:20]))
       trainer.evaluate(x, y, global_batch_size=16)
   assert "retracing" not in caplog.text
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_clip_norm_under_float16_clips_the_unscaled_gradient(digits,
+                                                             replicas):
+  """The summed gradient is still multiplied by the loss scale when it is
+  clipped: clipping it there shrank every step by the scale (32768), so a
+  float16 run with clip_norm barely moved. Now as Keras' global_clipnorm."""
+  x, y = digits[0][:96].reshape(96, -1), digits[1][:96]
+
+  def build():  # No dropout: the two runs see the same arithmetic.
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input(x.shape[1:]),
+        keras.layers.Dense(32, activation="relu", dtype="mixed_float16"),
+        keras.layers.Dense(10, activation="softmax", dtype="float32")])
+
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+      keras.optimizers.SGD(0.5, global_clipnorm=0.1)),
+                    loss="sparse_categorical_crossentropy")
+  reference.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=replicas)
+  with strategy.scope():
+    model = build()
+  trainer = Trainer(model, strategy=strategy, verbose=0, metrics=[],
+                    optimizer=keras.optimizers.SGD(0.5), clip_norm=0.1)
+  assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+  trainer.fit(x, y, epochs=1, global_batch_size=32, shuffle=False)
+  moved = max(float(np.abs(a - b).max()) for a, b in
+              zip(reference.get_weights(), build().get_weights()))
+  diff = max(float(np.abs(a - b).max()) for a, b in
+             zip(model.get_weights(), reference.get_weights()))
+  assert moved > 1e-3 and diff < 1e-4, (moved, diff)

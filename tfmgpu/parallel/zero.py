@@ -305,8 +305,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
             parts, self._devices, self.owner_device(v), options.compression))
     present = [g for g in summed if g is not None]
     if options.clip_norm is not None and present:
-      clipped, _ = tf.clip_by_global_norm(present, options.clip_norm)
-      it = iter(clipped)
+      it = iter(options.clip(present))  # In unscaled units.
       summed = [None if g is None else next(it) for g in summed]
     return summed
 

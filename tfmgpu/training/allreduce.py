@@ -12,7 +12,7 @@ off. Owning the all-reduce also lets it compress gradients to 16 bits
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
@@ -31,10 +31,15 @@ class AllReduceOptions:
     bytes_per_pack: pack small gradients into chunks of this many bytes
       (0: TF's default).
     clip_norm: clip the *summed* gradient to this global norm.
+    loss_scale: `() -> the current loss scale` when the gradients are those
+      of a scaled loss (a `LossScaleOptimizer`'s, see `for_optimizer`): the
+      norm is then compared in the same units, so that the unscaled
+      gradient is clipped to `clip_norm` as Keras' `global_clipnorm` does.
   """
   compression: str = "none"
   bytes_per_pack: int = 0
   clip_norm: float | None = None
+  loss_scale: Callable[[], Any] | None = None
 
   def __post_init__(self):
     if self.compression not in COMPRESSION_CHOICES:
@@ -46,19 +51,51 @@ class AllReduceOptions:
       raise ValueError(f"clip_norm={self.clip_norm} must be > 0 (or None).")
 
 
+  def clip(self, values: list[Any]) -> list[Any]:
+    """`values` (gradients, none `None`) clipped to `clip_norm` as one
+    global norm, in unscaled units; as given without `clip_norm`."""
+    if self.clip_norm is None or not values:
+      return values
+    limit = self.clip_norm
+    if self.loss_scale is not None:
+      limit = tf.cast(self.loss_scale(), tf.float32) * self.clip_norm
+    clipped, _ = tf.clip_by_global_norm(values, limit)
+    return clipped
+
+
+def for_optimizer(options: AllReduceOptions | None,
+                  optimizer: keras.optimizers.Optimizer
+                  ) -> AllReduceOptions | None:
+  """`options` for the gradients `optimizer` is given: with its loss scale
+  when it is a `LossScaleOptimizer` (they are then scaled until it
+  applies them)."""
+  if options is None or not isinstance(
+      optimizer, keras.optimizers.LossScaleOptimizer):
+    return options
+  return dataclasses.replace(
+      options, loss_scale=lambda: optimizer.scale_loss(tf.constant(1.0)))
+
+
 def _no_all_reduce(grads_and_vars):
   return list(grads_and_vars)
 
 
-def take_over_aggregation(optimizer: keras.optimizers.Optimizer) -> None:
+def take_over_aggregation(optimizer: keras.optimizers.Optimizer,
+                          options: AllReduceOptions | None = None
+                          ) -> AllReduceOptions | None:
   """Turns off the optimizer's own all-reduce (tfmgpu does it before).
 
   Patches the instance (and a `LossScaleOptimizer`'s inner optimizer), not
   the class, so other optimizers in the process are untouched.
+
+  Returns:
+    `options` for the gradients `optimizer` is then given
+    (`for_optimizer`: with its loss scale, if it has one).
   """
   for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
     if opt is not None:
       _compat.replace_gradient_all_reduce(opt, _no_all_reduce)
+  return for_optimizer(options, optimizer)
 
 
 def all_reduce_gradients(grads: Sequence[tf.Tensor | None],
@@ -79,8 +116,7 @@ def all_reduce_gradients(grads: Sequence[tf.Tensor | None],
         bytes_per_pack=options.bytes_per_pack)
     values = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values, options=hints)
     values = [tf.cast(g, d) for g, d in zip(values, dtypes)]
-  if options.clip_norm is not None and values:
-    values, _ = tf.clip_by_global_norm(values, options.clip_norm)
+  values = options.clip(values)
   out = list(grads)
   for i, g in zip(present, values):
     out[i] = g

@@ -94,15 +94,15 @@ class Trainer:
     # tfmgpu sums replica gradients itself (then clips), except where the
     # execution leaves them to the strategy (parameter servers).
     owns_allreduce = EXECUTIONS[execution].owns_allreduce
-    self.allreduce = allreduce_lib.AllReduceOptions(
-        compression=o.gradient_compression, bytes_per_pack=o.bytes_per_pack,
-        clip_norm=o.clip_norm) if owns_allreduce else None
     self.optimizer = prepare_optimizer(
         o.optimizer, model, self.strategy, learning_rate=o.learning_rate,
         clip_norm=None if owns_allreduce else o.clip_norm,
         fused=o.fused_optimizer)
-    if owns_allreduce:
-      allreduce_lib.take_over_aggregation(self.optimizer)
+    self.allreduce = allreduce_lib.take_over_aggregation(
+        self.optimizer, allreduce_lib.AllReduceOptions(
+            compression=o.gradient_compression,
+            bytes_per_pack=o.bytes_per_pack, clip_norm=o.clip_norm)
+    ) if owns_allreduce else None
     self.execution = EXECUTIONS[execution](self.strategy, model,
                                            self.objective, o)
     self.evaluator = self.execution.evaluator()
