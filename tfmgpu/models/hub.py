@@ -187,19 +187,23 @@ def _token_shape(input_shape: Any) -> tuple[int, bool]:
   return int(shape[0]), masked
 
 
+def _token_inputs(length: int, masked: bool) -> tuple[Any, Any, Any]:
+  """`(model inputs, token ids, padding mask)`: the ids alone (the mask all
+  ones), or `{"token_ids", "padding_mask"}` when the data has a mask."""
+  ids = keras.Input((length,), dtype="int32", name="token_ids")
+  if not masked:
+    return ids, ids, keras.ops.ones_like(ids)
+  mask = keras.Input((length,), dtype="int32", name="padding_mask")
+  return {"token_ids": ids, "padding_mask": mask}, ids, mask
+
+
 def build(family: str, input_shape: Any, num_classes: int, *,
           size: str = TINY, preset: str | None = None) -> "keras.Model":
   """The `CausalLM` wrapped to take tfmgpu's token data; see the module."""
   length, masked = _token_shape(input_shape)
   lm = causal_lm(family, size, vocabulary_size=int(num_classes or 256),
                  sequence_length=length, preset=preset)
-  ids = keras.Input((length,), dtype="int32", name="token_ids")
-  if masked:
-    mask = keras.Input((length,), dtype="int32", name="padding_mask")
-    inputs: Any = {"token_ids": ids, "padding_mask": mask}
-  else:
-    inputs = ids
-    mask = keras.ops.ones_like(ids)
+  inputs, ids, mask = _token_inputs(length, masked)
   logits = lm({"token_ids": ids, "padding_mask": mask})
   return keras.Model(inputs, logits, name=family)
 
@@ -254,12 +258,7 @@ def build_classifier(family: str, input_shape: Any, num_classes: int, *,
         "and needs class labels (stdlib_modules, the default, has 12).")
   task = text_classifier(family, size, num_classes=int(num_classes),
                          sequence_length=length, preset=preset)
-  ids = keras.Input((length,), dtype="int32", name="token_ids")
-  if masked:
-    mask = keras.Input((length,), dtype="int32", name="padding_mask")
-    inputs: Any = {"token_ids": ids, "padding_mask": mask}
-  else:
-    inputs, mask = ids, keras.ops.ones_like(ids)
+  inputs, ids, mask = _token_inputs(length, masked)
   logits = task({"token_ids": ids, "segment_ids": keras.ops.zeros_like(ids),
                  "padding_mask": mask})
   return keras.Model(inputs, logits, name=family)
