@@ -378,6 +378,8 @@ def test_keras_fit_trains_copies_as_unsplit(data, cpu_devices):
     (dict(stages=2, micro_batches=4), "schedule='gpipe' cannot"),
     (dict(stages=2, micro_batches=4, schedule="1f1b", tensor=2),
      "tensor=2 is not built"),
+    (dict(stages=2, micro_batches=3, schedule="1f1b"),
+     "micro_batches=3 must be a multiple of the 2 devices"),
 ])
 def test_an_interleaved_layout_it_cannot_build_is_refused(sizes, message):
   """Virtual stages were ignored without stages and crashed (an index past

@@ -2,6 +2,8 @@
 only modules listed before it):
 
 * `choices`: the partition criteria and schedule names (no TensorFlow);
+* `schedule`: pipeline schedules (GPipe, 1F1B): each stage's task order
+  (no TensorFlow);
 * `layout`: `Layout`, the sizes of a data x pipeline x tensor layout and
   its device mesh (no TensorFlow);
 * `placed_model`: the `PlacedModel` protocol and `is_placed`, what callers
@@ -27,7 +29,6 @@ only modules listed before it):
 * `inspection`: `op_placements`, the device every op of a traced function
   asks for (to check placement);
 * `staged`: `StagedModel`, model parallelism along a stage plan;
-* `schedule`: pipeline schedules (GPipe, 1F1B): each stage's task order;
 * `timeline`: a pipelined step's timeline: simulated, summarised, drawn;
 * `pipeline_step`: the ops of one pipelined training step, in schedule order;
 * `pipeline`: `PipelinedModel`, micro-batches streamed through the stages;

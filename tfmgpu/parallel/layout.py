@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from tfmgpu.parallel import schedule as schedule_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -48,22 +50,22 @@ class Layout:
       self._check_interleaved()
 
   def _check_interleaved(self) -> None:
-    """Interleaved 1F1B as built: a pipeline of 2+ stages, 1F1B, no
-    tensor split (its chunks' shards are not placed)."""
+    """Interleaved 1F1B as built: a pipeline of 2+ stages, no tensor split
+    (its chunks' shards are not placed), and what `schedule.check_interleaved`
+    asks of the schedule and the micro-batch count."""
     v = f"virtual_stages={self.virtual_stages}"
     if self.stages < 2 or self.micro_batches is None:
       raise ValueError(
           f"{v} interleaves a pipeline's stages, but the layout has "
           f"stages={self.stages}, micro_batches={self.micro_batches}: use "
           "stages >= 2 with micro_batches, or virtual_stages=1.")
-    if self.schedule != "1f1b":
-      raise ValueError(f"{v} interleaves 1F1B; schedule={self.schedule!r} "
-                       "cannot. Use schedule='1f1b' or virtual_stages=1.")
     if self.tensor > 1:
       raise ValueError(
           f"{v} with tensor={self.tensor} is not built: interleaved stages "
           "split over tensor devices are not placed. Use virtual_stages=1 "
           "with tensor parallelism, or tensor=1.")
+    schedule_lib.check_interleaved(self.stages, self.virtual_stages,
+                                   self.micro_batches, self.schedule)
 
   @property
   def num_devices(self) -> int:
