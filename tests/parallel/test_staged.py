@@ -382,6 +382,53 @@ def test_a_custom_layer_named_by_keras_keeps_its_name_when_split():
                              atol=1e-6)
 
 
+class _Gain(keras.layers.Layer):
+  """Scales by `gain`; its config drops `gain` (as keras_hub 0.32's
+  `MixtralTransformerDecoder` drops `router_aux_loss_coef`)."""
+
+  def __init__(self, gain=1.0, **kwargs):
+    super().__init__(**kwargs)
+    self.gain = gain
+
+  def call(self, x):
+    return x * self.gain
+
+  def get_config(self):
+    return {"name": self.name}
+
+
+class _DoubledGain(_Gain):
+  """The same, keeping twice its argument: no copy keeps what it keeps."""
+
+  def __init__(self, gain=1.0, **kwargs):
+    super().__init__(gain=2 * gain, **kwargs)
+
+
+def _gain_model(layer_cls):
+  inputs = keras.Input((4,))
+  h = keras.layers.Dense(4, name="d0")(inputs)
+  outputs = layer_cls(gain=3.0, name="gain")(h)
+  return keras.Model(inputs, keras.layers.Dense(2, name="d1")(outputs))
+
+
+def test_a_layer_whose_config_drops_an_argument_is_copied_from_it():
+  """Split by config alone, the copy scaled by 1.0 instead of 3.0 and the
+  staged model predicted (and trained) another model, with no error."""
+  keras.utils.set_random_seed(3)
+  model = _gain_model(_Gain)
+  x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+  staged = StagedModel.from_model(model, num_stages=2)
+  np.testing.assert_allclose(staged.predict(x, verbose=0),
+                             model.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_a_layer_no_copy_can_keep_is_refused_by_name():
+  keras.utils.set_random_seed(3)
+  with pytest.raises(ValueError, match=r"'gain' \(_DoubledGain\).*"
+                     r"copy differs in"):
+    StagedModel.from_model(_gain_model(_DoubledGain), num_stages=2)
+
+
 # ------------------------------------------------------------------- errors
 
 

@@ -102,12 +102,26 @@ def copy_weights(src: dict[str, Any], dst: dict[str, Any],
 
 
 def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
-  """A fresh, unbuilt copy of a layer (nested models are cloned whole)."""
+  """A fresh, unbuilt copy of a layer (nested models are cloned whole).
+
+  From the layer's config; when the copy holds a constructor argument
+  other than the original does (a config that drops it: keras_hub 0.32's
+  `MixtralTransformerDecoder` loses `router_aux_loss_coef`), from the
+  layer's attributes (`from_attributes`) instead.
+
+  Raises:
+    ValueError: the layer rebuilds neither from its config nor from its
+      attributes, or no copy keeps every argument it kept.
+  """
   if isinstance(layer, keras.Model):
     try:
-      return keras.models.clone_model(layer, recursive=True)
+      clone = keras.models.clone_model(layer, recursive=True)
     except (ValueError, TypeError):
       pass  # Subclassed: fall through to its config.
+    else:
+      for old, new in zip(layer.layers, clone.layers):
+        _check_kept(old, new)
+      return clone
   try:
     clone = layer.__class__.from_config(layer.get_config())
   except (NotImplementedError, TypeError, ValueError) as e:
@@ -115,8 +129,51 @@ def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
         f"from its config ({e}); give it a get_config() that returns its "
         "constructor arguments.") from e
+  if lost_arguments(layer, clone):
+    clone = from_attributes(layer, ValueError(
+        "its config drops " + ", ".join(lost_arguments(layer, clone))))
+  _check_kept(layer, clone)
   clone.name = layer.name  # See `ModelSpec.rebuild`.
   return clone
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(value: Any) -> bool:
+  if isinstance(value, (tuple, list)):
+    return all(_plain(v) for v in value)
+  return isinstance(value, _PLAIN)
+
+
+def lost_arguments(layer: keras.layers.Layer,
+                   clone: keras.layers.Layer) -> list[str]:
+  """The constructor arguments `layer` keeps as attributes of their own
+  name (plain values: numbers, strings, flags and tuples of them) that
+  `clone` holds otherwise, as `name=original (copy: value)`."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  lost = []
+  for name in list(inspect.signature(type(layer).__init__).parameters)[1:]:
+    if name in ("name", "dtype", "trainable"):
+      continue
+    a, b = getattr(layer, name, None), getattr(clone, name, None)
+    if not (_plain(a) and _plain(b)):
+      continue
+    if isinstance(a, list) or isinstance(b, list):
+      a, b = tuple(a or ()), tuple(b or ())
+    if a != b:
+      lost.append(f"{name}={a!r} (copy: {b!r})")
+  return lost
+
+
+def _check_kept(layer: keras.layers.Layer, clone: keras.layers.Layer) -> None:
+  lost = lost_arguments(layer, clone)
+  if lost:
+    raise ValueError(
+        f"layer {layer.name!r} ({type(layer).__name__}) does not rebuild "
+        f"as it is: its copy differs in {', '.join(lost)}, so a split "
+        "model would train another model. Give the layer a get_config() "
+        "that returns every constructor argument.")
 
 
 def from_attributes(layer: keras.layers.Layer,
@@ -156,11 +213,15 @@ def copy_layer(graph: graph_lib.ModelGraph, layer: keras.layers.Layer,
   except (AttributeError, KeyError, ValueError) as e:
     owner = graph.owner(layer)
     if owner is None:
-      return from_attributes(layer, e)
+      clone = from_attributes(layer, e)
+      _check_kept(layer, clone)
+      return clone
   if id(owner) not in fresh:
     fresh[id(owner)] = type(owner).from_config(
         copy.deepcopy(owner.get_config()))
-  return fresh[id(owner)].get_layer(layer.name)
+  clone = fresh[id(owner)].get_layer(layer.name)
+  _check_kept(layer, clone)
+  return clone
 
 
 def stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):

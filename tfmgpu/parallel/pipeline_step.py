@@ -30,9 +30,11 @@ import contextlib
 import re
 from typing import Any, Callable, Sequence
 
+from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import schedule as schedule_lib
@@ -201,6 +203,8 @@ class PipelineStep:
       out = stage(inp, training=True)
       objective = None
       calls = microbatch.call_losses(stage)
+      if calls and self.micro_batches > 1:
+        _warn_call_losses(stage, self.micro_batches)
       if calls:
         total = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32)
                           for l in calls])
@@ -313,3 +317,27 @@ class PipelineStep:
                     for g, r in zip(summed, reg_grads)]
       pairs.extend(zip(variables, summed))
     return shared.sum_by_variable(pairs)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_call_losses(stage: keras.Model, micro_batches: int) -> None:
+  """Says once per stage (at trace time) that its call losses are averaged
+  over micro-batches: exact for per-example means, not for a batch
+  statistic (a mixture-of-experts load-balancing loss)."""
+  if stage.name in _WARNED:
+    return
+  _WARNED.add(stage.name)
+  adders = sorted({l.name for l in _compat.flatten_layers(stage)[1:]
+                   if l.losses and not any(
+                       s.losses for s in _compat.flatten_layers(l)[1:])})
+  logging.warning(
+      "%s: losses added in call() (%s) are computed per micro-batch and "
+      "averaged over the %d micro-batches. That equals the whole batch's "
+      "loss when each is a mean over examples; a batch statistic (a "
+      "mixture-of-experts load-balancing loss) trains differently from the "
+      "unsplit model. Use micro_batches=1 (model parallelism) to train it "
+      "exactly.", stage.name, ", ".join(adders) or "activity regularisers",
+      micro_batches)
+
