@@ -109,6 +109,19 @@ def test_a_split_the_sizes_do_not_allow_names_the_weight(cpu_devices):
                         devices=cpu_devices[:2])
 
 
+def test_a_backbone_with_nothing_to_split_says_what_to_pass(cpu_devices):
+  """Bloom has no layout map and other weight paths: the error said only
+  `rules={} must be a non-empty mapping`."""
+  backbone = keras_hub.models.BloomBackbone(
+      vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=8,
+      intermediate_dim=16)
+  model = keras_hub.models.BloomCausalLM(backbone=backbone, preprocessor=None)
+  with pytest.raises(ValueError, match=r"tensor=2 finds nothing to split.*"
+                     r"Pass layout_map="):
+    hybrid.build_layout(model, hybrid.Layout(tensor=2),
+                        devices=cpu_devices[:2])
+
+
 def test_each_shards_matmuls_run_on_its_device(cpu_devices):
   """Llama split by its layout map: every shard's forward and backward
   products (Einsum / MatMul) are asked for on that shard's device."""
