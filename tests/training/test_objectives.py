@@ -1,5 +1,7 @@
 """Losses and metrics as Keras takes them (`tfmgpu.training.objectives`)."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -44,6 +46,35 @@ def test_a_loss_returning_a_scalar_is_refused_by_name():
                      "loss per example"):
     objective.per_example_loss(np.zeros((3, 1), np.float32),
                                np.zeros((3, 1), np.float32))
+
+
+@pytest.mark.parametrize("loss,message", [
+    (keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                ignore_class=0),
+     "ignore_class=0, which Keras averages over the targets"),
+    (keras.losses.MeanSquaredError(reduction="sum"),
+     "reduction='sum'; tfmgpu's Trainer averages"),
+    (keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+     "reduction='mean_with_sample_weight'"),
+])
+def test_a_loss_keras_reduces_by_another_count_is_refused(loss, message):
+  """They trained silently off Keras (4.6e-2, 2.0e-1, 4.8e-2 in 3 steps):
+  the step averaged every example over the batch regardless."""
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+  with pytest.raises(ValueError, match=re.escape(message)):
+    objectives.Objective(model, loss)
+
+
+def test_an_output_with_a_keras_mask_is_refused_in_the_step():
+  """Keras averages over the unmasked tokens; the step took them all."""
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Embedding(
+      5, 3, mask_zero=True), keras.layers.Dense(5)])
+  objective = objectives.Objective(model, keras.losses.
+                                   SparseCategoricalCrossentropy(
+                                       from_logits=True))
+  x = np.array([[1, 2, 0, 0], [3, 0, 0, 0]])
+  with pytest.raises(ValueError, match="carries a Keras mask"):
+    objective.per_example_loss(x, model(x))
 
 
 def test_evaluation_loss_includes_regularisation_like_keras():

@@ -6,7 +6,8 @@ make their sum equal the unsplit step: `split` cuts every tensor of a batch
 (with their Keras masks), `sum_gradients` adds one variable's gradients
 (dense or `tf.IndexedSlices`), `call_losses` and `weight_regularization`
 separate the losses a call adds (counted per micro-batch) from the weight
-regularisers (counted once per step).
+regularisers (counted once per step), and `counted_loss` says when a loss
+divides by a count the parts of a batch do not share.
 """
 
 from __future__ import annotations
@@ -60,6 +61,29 @@ def carries_mask(structure: Any) -> bool:
   """Whether any tensor of a structure carries a Keras mask."""
   return any(_compat.get_keras_mask(t) is not None
              for t in tf.nest.flatten(structure))
+
+
+def counted_loss(loss: Any) -> str | None:
+  """Why a Keras `loss` (a `keras.losses.Loss`, or a dict / list of them as
+  `compile` takes) divides by a count the batch's parts do not share, or
+  `None`.
+
+  Keras averages a loss with `ignore_class` over the targets not ignored,
+  and one with `reduction="mean_with_sample_weight"` over the sum of the
+  sample weights: the mean of such losses over parts of a batch (data
+  copies, micro-batches, replicas) is not the whole batch's loss.
+  """
+  for item in tf.nest.flatten(loss):
+    if not isinstance(item, keras.losses.Loss):
+      continue
+    ignored = item.get_config().get("ignore_class")
+    if ignored is not None:
+      return (f"loss {item.name!r} has ignore_class={ignored}, which Keras "
+              "averages over the targets that are not ignored")
+    if getattr(item, "reduction", None) == "mean_with_sample_weight":
+      return (f"loss {item.name!r} has reduction='mean_with_sample_weight', "
+              "which Keras divides by the sum of the sample weights")
+  return None
 
 
 def head(structure: Any, n: Any) -> Any:

@@ -308,6 +308,14 @@ class PipelinedModel(staged.StagedModel):
     loss, y_pred, summed = step.run(x, y, self._check_batch(x))
     return loss, y_pred, [summed.get(id(v)) for v in self.trainable_variables]
 
+  def loss_parts(self) -> str | None:
+    """1F1B averages `fit`'s loss over micro-batches; GPipe takes one."""
+    if (self.schedule == schedule_lib.Schedule.GPIPE.value
+        or self.micro_batches == 1):
+      return None
+    return (f"schedule='1f1b' averages the losses of its "
+            f"{self.micro_batches} micro-batches")
+
   def _fit_loss_options(self) -> dict[str, Any]:
     """How `fit`'s compiled loss combines over micro-batches (for 1F1B)."""
     if self.schedule == schedule_lib.Schedule.GPIPE.value:

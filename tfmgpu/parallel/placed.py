@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu.parallel import microbatch
 from tfmgpu.training import allreduce as allreduce_lib
 
 LossFn = Callable[[Any, Any], tf.Tensor]
@@ -188,6 +189,29 @@ class PerDeviceGradientModel(keras.Model):
     """Extra keyword arguments `train_step` passes to the hook (none here)."""
     return {}
 
+  def loss_parts(self) -> str | None:
+    """How `fit` averages the compiled loss over parts of a batch (data
+    copies, 1F1B's micro-batches), or `None`: one loss of the whole batch."""
+    return None
+
+  def _check_loss_parts(self) -> None:
+    """Refuses a loss whose mean over the parts is not the batch's.
+
+    Raises:
+      ValueError: `loss_parts()` and a loss that divides by a count
+        (`microbatch.counted_loss`): training would differ, silently.
+    """
+    parts = self.loss_parts()
+    reason = microbatch.counted_loss(self.loss) if parts else None
+    if reason:
+      raise ValueError(
+          f"{type(self).__name__} {self.name!r}: {parts}, but {reason}: "
+          "their mean differs from the whole batch's loss. Give the loss the "
+          "default reduction and weight the targets with sample_weight (0 "
+          "for those to ignore), or train this model with a layout that "
+          "computes the loss on the whole batch (model parallelism, "
+          "schedule='gpipe', data=1).")
+
   def reduce_gradients(self, grads: Sequence[Any], options: Any = None
                        ) -> list[Any]:
     """Combines the hook's gradients before they are applied.
@@ -209,6 +233,7 @@ class PerDeviceGradientModel(keras.Model):
       raise ValueError(
           f"{type(self).__name__} has no loss to train on. Call "
           "compile(loss=...) before fit().")
+    self._check_loss_parts()
     if not self.optimizer.built:
       raise ValueError(
           f"The optimizer of {type(self).__name__} is not built. Call "

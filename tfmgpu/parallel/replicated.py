@@ -170,7 +170,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
     base = scale_regularization or (lambda t: t)
     scale = lambda t: base(t) / r
     share = loss_fn if loss_reduction == "sum" else (
-        lambda y_true, y_pred: loss_fn(y_true, y_pred) / r)
+        lambda y_true, y_pred: self._mean_share(loss_fn, y_true, y_pred))
     self._check_batch(x)
     xs, ys = microbatch.split(x, r), microbatch.split(y, r)
     totals, preds, grads = [], [], []
@@ -183,6 +183,32 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
       preds.append(y_pred)
       grads.extend(g)
     return tf.add_n(totals), microbatch.concat(preds), grads
+
+  def _mean_share(self, loss_fn: placed.LossFn, y_true, y_pred):
+    """A copy's `1/R` of a loss that averages the rows it gets.
+
+    Raises:
+      ValueError: the output carries a Keras mask (Keras averages the loss
+        over each copy's own unmasked entries: their mean is not the
+        batch's).
+    """
+    if self.data_parallel > 1 and microbatch.carries_mask(y_pred):
+      raise ValueError(
+          f"{self.name!r}: its {self.data_parallel} data-parallel copies "
+          "average the losses of their slices, but the model's output "
+          "carries a Keras mask (e.g. from Embedding(mask_zero=True)), so "
+          "each copy's loss is a mean over its own unmasked entries and "
+          "their mean differs from the whole batch's. Pass the mask as "
+          "sample_weight instead (an output without a Keras mask), or use "
+          "data=1.")
+    return loss_fn(y_true, y_pred) / self.data_parallel
+
+  def loss_parts(self) -> str | None:
+    """`fit` averages the copies' losses (a copy may average its own)."""
+    if self.data_parallel == 1:
+      return None
+    return (f"its {self.data_parallel} data-parallel copies average the "
+            "losses of their slices")
 
   def _fit_loss_options(self) -> dict[str, Any]:
     """`fit`'s compiled loss averages the rows it gets: shares are `1/R`."""

@@ -37,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmgpu.parallel import microbatch
 from tfmgpu.training import text_metrics
 
 LossSpec = Any  # str | keras.losses.Loss | callable | dict | list | None
@@ -66,6 +67,7 @@ def loss_function(loss: Any, *, what: str = "loss") -> Callable[..., Any]:
   if loss is None:
     return default_loss
   if isinstance(loss, keras.losses.Loss):
+    _check_averaged(loss, what)
     return loss.call
   if isinstance(loss, str):
     try:
@@ -82,6 +84,31 @@ def loss_function(loss: Any, *, what: str = "loss") -> Callable[..., Any]:
     return loss
   raise ValueError(f"{what}={loss!r} is not a loss name, a keras.losses.Loss "
                    "or a function fn(y_true, y_pred).")
+
+
+def _check_averaged(loss: keras.losses.Loss, what: str) -> None:
+  """Refuses a Keras loss the step cannot reduce as Keras does: it averages
+  every example's mean element loss over the global batch (Keras'
+  `"sum_over_batch_size"`).
+
+  Raises:
+    ValueError: another reduction, or `ignore_class` (Keras divides by the
+      targets not ignored, a count of the whole batch).
+  """
+  reduction = getattr(loss, "reduction", "sum_over_batch_size")
+  if reduction not in ("sum_over_batch_size", "mean", None, "none"):
+    raise ValueError(
+        f"{what}={loss.name!r} has reduction={reduction!r}; tfmgpu's Trainer "
+        "averages the loss over the global batch (Keras' default, "
+        "'sum_over_batch_size'), whatever the number of replicas. Use the "
+        "default reduction (scale the learning rate for 'sum').")
+  reason = microbatch.counted_loss(loss)
+  if reason:
+    raise ValueError(
+        f"{what}: {reason}, a count of the whole batch that tfmgpu's Trainer "
+        "does not take (it averages every example's loss over the global "
+        "batch). Drop ignore_class and pass sample_weight=0 for the targets "
+        "to ignore (the loss is then averaged over all targets).")
 
 
 def _loss_kind(loss: Any) -> str:
@@ -344,6 +371,14 @@ class Objective:
                    sample_weight: Any) -> tf.Tensor:
     """One output's loss per example: its sample weights applied, the mean
     over the example's elements (before the output's loss weight)."""
+    if microbatch.carries_mask(y_pred):
+      raise ValueError(
+          f"the model's output {out.name!r} carries a Keras mask (e.g. from "
+          "Embedding(mask_zero=True)), which Keras' fit uses to average the "
+          "loss over the unmasked entries of the whole batch; tfmgpu's "
+          "Trainer averages every example's loss over the global batch and "
+          "would train on the masked entries. Pass the mask as sample_weight "
+          "(0 on padding) from a model output without a Keras mask.")
     y_pred = tf.convert_to_tensor(y_pred)
     if y_pred.dtype.is_floating:  # Losses in float32, as Keras' Loss does.
       y_pred = tf.cast(y_pred, tf.float32)
