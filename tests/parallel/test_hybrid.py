@@ -418,3 +418,40 @@ def test_a_loss_averaged_over_counted_targets_is_refused_where_split(
   x = np.random.default_rng(0).integers(0, 12, (8, 6))
   with pytest.raises(ValueError, match=re.escape(message)):
     placed_model.fit(x, x, batch_size=8, verbose=0)
+
+
+class _Custom(keras.optimizers.Optimizer):
+  """An optimizer class tfmgpu does not know (unless it says so)."""
+
+  def update_step(self, gradient, variable, learning_rate):
+    variable.assign_sub(gradient * learning_rate)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: keras.optimizers.Adafactor(0.05), "Adafactor factors"),
+    (lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
+     "clipnorm=0.05 clips each variable by its own norm"),
+    (lambda: keras.optimizers.Lamb(0.01), "Lamb scales"),
+    (lambda: keras.optimizers.Muon(0.01), "Muon orthogonalises"),
+])
+def test_an_optimizer_reading_whole_variables_is_refused_on_shards(
+    make, message, cpu_devices):
+  """Each shard was updated as a whole variable: Muon 2.5e-2, Adafactor
+  6.3e-3, per-variable clipnorm 3.8e-3 from one-device fit, silently."""
+  model = hybrid.build_layout(gp._gpt(), hybrid.Layout(tensor=2),  # pylint: disable=protected-access
+                              devices=cpu_devices[:2])
+  with pytest.raises(ValueError, match=re.escape(message) + ".* into shards"):
+    model.compile(optimizer=make(), loss=gp._loss())  # pylint: disable=protected-access
+
+
+def test_an_unknown_optimizer_on_shards_is_refused_unless_elementwise(
+    cpu_devices):
+  model = hybrid.build_layout(gp._gpt(), hybrid.Layout(tensor=2),  # pylint: disable=protected-access
+                              devices=cpu_devices[:2])
+  with pytest.raises(ValueError, match="_Custom is not one of the element"):
+    model.compile(optimizer=_Custom(learning_rate=0.1), loss=gp._loss())  # pylint: disable=protected-access
+  trusted = _Custom(learning_rate=0.1)
+  trusted.elementwise = True
+  model.compile(optimizer=trusted, loss=gp._loss())  # pylint: disable=protected-access
+  model.compile(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0),
+                loss=gp._loss())  # pylint: disable=protected-access

@@ -54,6 +54,47 @@ def make_optimizer(name: str, learning_rate: float, *,
   return fused_lib.fuse(optimizer)
 
 
+# Optimizers whose update of an element reads that element's gradient and
+# slots only: a weight split into shards updates as the whole weight would.
+_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop",
+                "Adagrad", "Adadelta", "Ftrl", "Lion")
+# Why the others are not: each reads a whole variable.
+_WHOLE_VARIABLE = {
+    "Adafactor": "factors its second moments by the variable's rows and "
+                 "columns and clips by its RMS",
+    "Lamb": "scales each variable's step by its own trust ratio (norms)",
+    "Muon": "orthogonalises each matrix's update",
+}
+
+
+def whole_variable_use(optimizer: Any) -> str | None:
+  """Why `optimizer` updates a variable from more than each element's own
+  gradient and slots (so a weight split into shards would update
+  differently from the whole weight), or `None` when it does not.
+
+  Unknown optimizer classes are reported too, as tfmgpu cannot tell,
+  unless they say `elementwise = True`.
+  """
+  inner = getattr(optimizer, "inner_optimizer", None)
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and inner:
+    optimizer = inner
+  name = type(optimizer).__name__
+  if getattr(optimizer, "clipnorm", None):
+    return (f"clipnorm={optimizer.clipnorm} clips each variable by its own "
+            "norm (global_clipnorm, over all variables, splits exactly)")
+  for cls_name, why in _WHOLE_VARIABLE.items():
+    if isinstance(optimizer, getattr(keras.optimizers, cls_name, ())):
+      return f"{name} {why}"
+  if not isinstance(optimizer, tuple(getattr(keras.optimizers, n)
+                                     for n in _ELEMENTWISE)) and not getattr(
+                                         optimizer, "elementwise", False):
+    return (f"{name} is not one of the element-wise optimizers tfmgpu "
+            f"knows ({', '.join(_ELEMENTWISE)}; set `optimizer.elementwise "
+            "= True` on one whose update of each element reads only that "
+            "element's gradient and slots)")
+  return None
+
+
 def _uses_float16(model: "keras.Model") -> bool:
   return any(getattr(l, "dtype_policy", None) is not None
              and l.dtype_policy.name == "mixed_float16" for l in model.layers)
