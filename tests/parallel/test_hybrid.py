@@ -3,6 +3,7 @@ tensor and all three, each trained equal to the unsplit model, each part's
 ops on the devices the layout names, and weights that move between layouts.
 """
 
+import os
 import re
 
 import keras
@@ -455,3 +456,30 @@ def test_an_unknown_optimizer_on_shards_is_refused_unless_elementwise(
   model.compile(optimizer=trusted, loss=gp._loss())  # pylint: disable=protected-access
   model.compile(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0),
                 loss=gp._loss())  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("first,then", [
+    (dict(tensor=2), dict(stages=2)),  # Shards: no checkpoint read back.
+    (dict(stages=2), dict(data=2, stages=2)),  # Copies: objects unmatched.
+])
+def test_a_resume_whose_slots_cannot_follow_the_layout_says_so(
+    first, then, data, cpu_devices, tmp_path):
+  """It said the directory was damaged ("restore it from a copy"), or
+  dumped an AssertionError of 114 unmatched variables."""
+  from tfmgpu.training import loop  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import slot_order  # pylint: disable=g-import-not-at-top
+  x, y = data
+  for layout, raises in ((first, False), (then, True)):
+    model = hybrid.build_layout(gp._gpt(), hybrid.Layout(**layout),  # pylint: disable=protected-access
+                                devices=cpu_devices)
+    trainer = loop.Trainer(model, strategy=tf.distribute.get_strategy(),
+                           optimizer="adam", loss=gp._loss(), verbose=0,  # pylint: disable=protected-access
+                           model_dir=str(tmp_path))
+    if raises:
+      with pytest.raises(slot_order.SlotOrderError,
+                         match="optimizer slots for other variables.*"
+                         "Resume in the layout the run was saved in"):
+        trainer.fit(x, y, epochs=2, global_batch_size=gp.BATCH)
+    else:
+      trainer.fit(x, y, epochs=1, global_batch_size=gp.BATCH)
+  assert os.listdir(tmp_path / "checkpoints")  # Left as they were.

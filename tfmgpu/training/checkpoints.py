@@ -301,7 +301,10 @@ class Checkpointer:
                         "Trying the next older one.", path, why)
         skipped.append(f"{os.path.basename(path)} ({why})")
         continue
-      status.assert_existing_objects_matched()
+      try:
+        status.assert_existing_objects_matched()
+      except AssertionError as e:
+        raise self._moved_error() or e
       _keep_learning_rate(optimizer, given, path)
       self._latest = path
       logging.info("Resumed from %s: %s.", path, _position(self.progress))
@@ -322,10 +325,22 @@ class Checkpointer:
     self._saves.assign(plain.save_counter)
     return status
 
+  def _moved_error(self) -> Exception | None:
+    """The error of a resume in a layout whose variables the checkpoints'
+    slots cannot follow (`slot_order.moved_error`), or `None`."""
+    difference = slot_order.other_variables(
+        self.chief_directory, slot_order.order_of(self._model))
+    if difference is None:
+      return None
+    return slot_order.moved_error(self.chief_directory, difference)
+
   def _check_nothing_left(self, skipped: list[str]) -> None:
     """Raises if checkpoint files exist although none read back."""
     if not skipped:
       return
+    moved = self._moved_error()
+    if moved is not None:
+      raise moved
     files = sorted(f for f in os.listdir(self.chief_directory)
                    if _FILE.match(f))
     if not files:

@@ -61,3 +61,37 @@ def check(directory: str, order: Sequence[str]) -> None:
       "layout: restored by position, Adam's moments would land on other "
       "weights. Resume in the layout the run was saved in, or start a new "
       "--model_dir from its weights (tfmgpu.restore_weights).")
+
+
+def other_variables(directory: str, order: Sequence[str]) -> str | None:
+  """How the variables the checkpoints in `directory` were saved for
+  differ from `order` in number (with the first path each side alone has),
+  or `None` when they are as many (a model built again in one process may
+  name its layers anew: `dense_1`), or nothing was recorded."""
+  path = os.path.join(directory, FILE_NAME)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    saved = f.read().splitlines()
+  if len(saved) == len(order):
+    return None
+  then = [p for p in saved if p not in set(order)]
+  now = [p for p in order if p not in set(saved)]
+  return (f"{len(saved)} variables then, {len(order)} now"
+          + (f"; only then: {then[0]!r}" if then else "")
+          + (f"; only now: {now[0]!r}" if now else ""))
+
+
+def moved_error(directory: str, difference: str) -> SlotOrderError:
+  """The error of a resume whose model holds other variables than the
+  checkpoints' optimizer slots were saved for."""
+  return SlotOrderError(
+      f"The checkpoints in {directory} hold optimizer slots for other "
+      f"variables than this run's model ({difference}), as when a run "
+      "moves between layouts that split weights into shards or copy them "
+      "(tensor or data parallelism): the weights would restore by layer "
+      "name, but the optimizer's slots (Adam's moments) cannot follow. "
+      "Resume in the layout the run was saved in, or start a new "
+      "--model_dir from its weights (tfmgpu.restore_weights). The "
+      "checkpoints are left as they are.")
+
