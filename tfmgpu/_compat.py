@@ -254,6 +254,24 @@ def optimizer_strategy(optimizer: Any) -> Any:
   return getattr(optimizer, "_distribution_strategy", None)
 
 
+def weight_decay_exclusions(optimizer: Any) -> set[Any]:
+  """The keys of the variables a Keras optimizer excludes from weight decay
+  by object (`exclude_from_weight_decay(var_list=...)`)."""
+  return set(getattr(optimizer, "_exclude_from_weight_decay", None) or ())
+
+
+def set_weight_decay_exclusions(optimizer: Any, keys: set[Any]) -> None:
+  """Excludes the variables of `keys` (as `weight_decay_exclusions` gives
+  them) from `optimizer`'s weight decay, keeping its name patterns."""
+  optimizer._exclude_from_weight_decay = set(keys)  # pylint: disable=protected-access
+  optimizer._exclude_from_weight_decay_cache = {}  # pylint: disable=protected-access
+
+
+def variable_key(optimizer: Any, variable: Any) -> Any:
+  """How a Keras optimizer keys `variable` (weight-decay exclusions)."""
+  return optimizer._var_key(variable)  # pylint: disable=protected-access
+
+
 def learning_rate_variable(optimizer: Any) -> Any:
   """The variable holding a Keras optimizer's learning rate; `None` when it
   follows a schedule."""

@@ -483,3 +483,19 @@ def test_a_resume_whose_slots_cannot_follow_the_layout_says_so(
     else:
       trainer.fit(x, y, epochs=1, global_batch_size=gp.BATCH)
   assert os.listdir(tmp_path / "checkpoints")  # Left as they were.
+
+
+def test_weight_decay_excluded_by_object_is_refused_on_copies(cpu_devices):
+  """The placed copies' variables are not the ones excluded: they were
+  decayed (2.8e-2 off one device), silently; by name they follow."""
+  unsplit = gp._gpt()  # pylint: disable=protected-access
+  model = hybrid.build_layout(unsplit, hybrid.Layout(stages=2),
+                              devices=cpu_devices[:2])
+  optimizer = keras.optimizers.AdamW(weight_decay=0.5)
+  optimizer.exclude_from_weight_decay(var_list=[
+      v for v in unsplit.trainable_variables if len(v.shape) == 1])
+  with pytest.raises(ValueError, match="exclude_from_weight_decay"):
+    model.compile(optimizer=optimizer, loss=gp._loss())  # pylint: disable=protected-access
+  by_name = keras.optimizers.AdamW(weight_decay=0.5)
+  by_name.exclude_from_weight_decay(var_names=["gamma", "beta", "bias"])
+  model.compile(optimizer=by_name, loss=gp._loss())  # pylint: disable=protected-access

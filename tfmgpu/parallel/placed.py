@@ -182,6 +182,9 @@ class PerDeviceGradientModel(keras.Model):
       The same optimizer.
     """
     self._check_optimizer_splits(optimizer)
+    optimizers_lib.check_exclusions(
+        optimizer, self.trainable_variables,
+        f"{type(self).__name__} {self.name!r}")
     colocate_optimizer_updates(optimizer)
     if not optimizer.built:
       optimizer.build(self.trainable_variables)

@@ -131,12 +131,41 @@ def _bind_to(optimizer: Any, strategy: Any) -> Any:
         f"optimizer={name} was created outside this strategy's scope and "
         f"has already built its slot variables, so it cannot move. {fix}")
   try:
-    return type(optimizer).from_config(optimizer.get_config())
+    copy = type(optimizer).from_config(optimizer.get_config())
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(
         f"optimizer={name} was created outside this strategy's scope and "
         f"could not be re-created from its config ({type(e).__name__}: "
         f"{e}). {fix}") from e
+  # Not in the config: kept so that `check_exclusions` sees them.
+  _compat.set_weight_decay_exclusions(
+      copy, _compat.weight_decay_exclusions(optimizer))
+  return copy
+
+
+def check_exclusions(optimizer: Any, variables: Any, trained: str) -> None:
+  """Refuses an optimizer that excludes variables from weight decay by
+  object (`exclude_from_weight_decay(var_list=...)`) that are not among
+  `variables` (those `trained` trains): the decay would apply to their
+  copies, unnoticed.
+
+  Raises:
+    ValueError: naming how many excluded variables are not trained.
+  """
+  inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+  keys = _compat.weight_decay_exclusions(inner)
+  if not keys:
+    return
+  missing = keys - {_compat.variable_key(inner, v) for v in variables}
+  if missing:
+    raise ValueError(
+        f"optimizer: exclude_from_weight_decay(var_list=...) names "
+        f"{len(missing)} variable(s) that {trained} does not train: it "
+        "trains copies of the model's variables (placed over devices, or "
+        "made in a strategy's scope), and the weight decay would apply to "
+        "them unnoticed. Exclude them by name instead, which follows the "
+        "copies: optimizer.exclude_from_weight_decay(var_names=['gamma', "
+        "'beta', 'bias', ...]).")
 
 
 def _check_accumulation(optimizer: Any, strategy: Any) -> None:
@@ -188,6 +217,8 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
     if _uses_float16(model) and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer):
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    check_exclusions(optimizer, model.trainable_variables,
+                     f"model {model.name!r}")
     build = getattr(model, "build_optimizer", None)
     if build is not None:
       build(optimizer)  # Staged models place each stage's slots themselves.
