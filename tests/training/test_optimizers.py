@@ -82,3 +82,32 @@ def test_weight_decay_exclusions_follow_the_optimizer_into_the_scope():
   with pytest.raises(ValueError, match=r"names 1 variable\(s\) that model "
                      r".* does not train.*var_names="):
     Trainer(model, strategy=strategy, optimizer=other, verbose=0)
+
+
+def test_a_multi_optimizer_on_two_replicas_steps_as_on_one_device():
+  """Its inner optimizers all-reduced the (already summed) gradients once
+  more: the step was twice Keras'."""
+  rng = np.random.RandomState(0)
+  x = rng.normal(size=(16, 5)).astype("float32")
+  y = rng.normal(size=(16, 1)).astype("float32")
+
+  def build():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    return keras.Model(inputs, keras.layers.Dense(1, name="d")(inputs))
+
+  def multi():
+    return keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+        default_optimizer=keras.optimizers.SGD(0.1)))
+
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  reference.fit(x, y, batch_size=16, verbose=0)
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = build()
+    optimizer = multi()
+  Trainer(model, strategy=strategy, optimizer=optimizer, loss="mse",
+          metrics=[], verbose=0).fit(x, y, global_batch_size=16, epochs=1)
+  for a, b in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-6)

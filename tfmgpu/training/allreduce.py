@@ -85,16 +85,23 @@ def take_over_aggregation(optimizer: keras.optimizers.Optimizer,
                           ) -> AllReduceOptions | None:
   """Turns off the optimizer's own all-reduce (tfmgpu does it before).
 
-  Patches the instance (and a `LossScaleOptimizer`'s inner optimizer), not
-  the class, so other optimizers in the process are untouched.
+  Patches the instance and every optimizer it wraps (a
+  `LossScaleOptimizer`'s inner one, a `MultiOptimizer`'s), not the class,
+  so other optimizers in the process are untouched. (A wrapped optimizer
+  left alone all-reduced its gradients once more: a `MultiOptimizer` on 2
+  replicas took twice the step.)
 
   Returns:
     `options` for the gradients `optimizer` is then given
     (`for_optimizer`: with its loss scale, if it has one).
   """
-  for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-    if opt is not None:
-      _compat.replace_gradient_all_reduce(opt, _no_all_reduce)
+  pending = [optimizer]
+  while pending:
+    opt = pending.pop()
+    _compat.replace_gradient_all_reduce(opt, _no_all_reduce)
+    inner = getattr(opt, "inner_optimizer", None)
+    pending += ([inner] if inner is not None else []) + list(
+        getattr(opt, "optimizers", None) or [])
   return for_optimizer(options, optimizer)
 
 

@@ -51,8 +51,7 @@ def make_gradients_fn(model: keras.Model,
   for a `LossScaleOptimizer`; a placed model computes each part's backward
   on that part's device (`compute_loss_and_gradients`), with the targets
   and sample weights travelling together (`(y, sw)`, split with the batch).
-  `global_batch_size=None` takes `batch` (the step's rows, when known),
-  else the replica's batch times the replica count.
+  `global_batch_size=None` takes `batch`, else the replicas' rows summed.
 
   Raises:
     ValueError: `jit_compile` for a model whose variables live on several
@@ -62,6 +61,8 @@ def make_gradients_fn(model: keras.Model,
 
   def scaled_loss(target, y_pred, batch=None):
     y_true, sample_weight = target
+    if global_batch_size is None and batch is None:
+      batch = _global_batch_of(y_pred)
     return tf.nn.compute_average_loss(
         objective.per_example_loss(y_true, y_pred, sample_weight),
         global_batch_size=(batch if global_batch_size is None
@@ -86,8 +87,7 @@ def make_gradients_fn(model: keras.Model,
   def tape_grads(x, y, sw=None, batch=None):
     with tf.GradientTape() as tape:
       y_pred = model(x, training=True)
-      loss_value = scaled_loss((y, sw), y_pred, batch) + _regularization(
-          model)
+      loss_value = scaled_loss((y, sw), y_pred, batch) + _regularization(model)
       target = optimizer.scale_loss(loss_value) if scaling else loss_value
     return loss_value, y_pred, tape.gradient(target,
                                              model.trainable_variables)
@@ -111,9 +111,16 @@ def _regularization(model: keras.Model) -> tf.Tensor | float:
 
 
 def _global_batch_of(x: Any) -> tf.Tensor:
-  """This replica's rows times the replica count (call in replica context)."""
-  replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-  return tf.shape(tf.nest.flatten(x)[0])[0] * replicas
+  """The rows of the step's batch over all replicas (call in replica
+  context): summed, as a short last batch of a distributed dataset gives
+  the replicas unequal shares (1 row over 2 replicas: 1 and 0)."""
+  context = tf.distribute.get_replica_context()
+  rows = tf.shape(tf.nest.flatten(x)[0])[0]
+  if context.num_replicas_in_sync == 1:
+    return rows
+  total = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                             tf.cast(rows, tf.float32))
+  return tf.cast(total, tf.int32)
 
 
 def batch_count(y_pred: Any) -> tf.Tensor:
