@@ -111,3 +111,31 @@ def test_a_multi_optimizer_on_two_replicas_steps_as_on_one_device():
           metrics=[], verbose=0).fit(x, y, global_batch_size=16, epochs=1)
   for a, b in zip(model.get_weights(), reference.get_weights()):
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_compiled_model_trains_with_its_compile_unless_told_otherwise():
+  """It trained with the Trainer's defaults (Adam 1e-3, cross-entropy from
+  logits on a softmax output): 0.17 off its own `fit`, silently."""
+  rng = np.random.RandomState(0)
+  x = rng.normal(size=(16, 5)).astype("float32")
+  y = rng.randint(0, 3, 16).astype("int32")
+
+  def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(
+        3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+  reference = build()
+  reference.fit(x, y, batch_size=16, verbose=0)
+  model = build()
+  result = Trainer(model, verbose=0).fit(x, y, global_batch_size=16,
+                                         epochs=1)
+  assert "accuracy" in result.history
+  for a, b in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  told = Trainer(build(), optimizer="adam", verbose=0)
+  assert type(told.optimizer).__name__ != "SGD"

@@ -53,10 +53,9 @@ EXECUTIONS: dict[str, type[execution_lib.SyncExecution]] = {
 
 class Trainer:
   """Trains a Keras model with `strategy.run` steps, on any strategy: a thin
-  front over one `TrainerOptions`, the runner and evaluator of an execution
-  (`tfmgpu.training.execution`) and a `Controller` for the epochs.
+  front over one `TrainerOptions`, an execution's runner and evaluator
+  (`tfmgpu.training.execution`) and a `Controller` for the epochs. Example:
 
-  Example:
     strategy = tfmgpu.get_strategy("mirrored")
     with strategy.scope():
       model = tfmgpu.build_model("convnet", input_shape=(28, 28, 1),
@@ -73,14 +72,15 @@ class Trainer:
       model_dir, callbacks, ...). Defaults to `TrainerOptions()`.
     execution: how steps run: `"sync"` (`strategy.run`) or `"coordinator"`
       (parameter servers: `ParameterServerTrainer`). Defaults to `"sync"`.
-    **settings: `TrainerOptions` fields as keyword arguments, applied over
-      `options` (`Trainer(model, learning_rate=1e-2, verbose=0)`).
+    **settings: `TrainerOptions` fields, applied over `options`; with no
+      `options`, a compiled model's optimizer, loss and metrics fill gaps.
   """
 
   def __init__(self, model: keras.Model, *,
                strategy: tf.distribute.Strategy | None = None,
                options: TrainerOptions | None = None,
                execution: str = "sync", **settings: Any):
+    settings = model_checks.compiled_settings(model, options, settings)
     self.options = o = TrainerOptions.of(options, settings)
     model, strategy = shard_for_trainer(model, strategy, o.zero_stage)
     self.model = model

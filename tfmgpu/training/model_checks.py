@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from absl import logging
 import keras
 import tensorflow as tf
@@ -48,3 +50,50 @@ def warn_about_custom_steps(model: keras.Model) -> None:
         "it. Put extra loss terms in call() with self.add_loss(...), or train "
         "with model.fit under strategy.scope() to use your own step.",
         model.name, ", ".join(custom))
+
+
+# What a `Trainer` takes from the model's own `compile()` when not given.
+_FROM_COMPILE = ("optimizer", "loss", "loss_weights", "metrics",
+                 "weighted_metrics")
+
+
+def _compiled_value(model: keras.Model, name: str) -> Any:
+  """The model's compiled `name`: the optimizer (unbuilt: a built one is
+  copied from its config, its slots fresh), the loss, or what the compile
+  config holds (metrics only by name)."""
+  if name == "optimizer":
+    optimizer = model.optimizer
+    if optimizer is not None and optimizer.built:
+      return type(optimizer).from_config(optimizer.get_config())
+    return optimizer
+  if name == "loss":
+    return model.loss
+  value = (model.get_compile_config() or {}).get(name)
+  if name.endswith("metrics") and value is not None and not all(
+      isinstance(m, str) for m in tf.nest.flatten(value)):
+    logging.warning(
+        "Model %r was compiled with %s objects, which the Trainer cannot "
+        "take from it: pass Trainer(%s=...) to report them.", model.name,
+        name, name)
+    return None
+  return value
+
+
+def compiled_settings(model: keras.Model, options: Any,
+                      settings: dict[str, Any]) -> dict[str, Any]:
+  """`settings` (the `Trainer`'s keyword arguments) completed with what
+  the model's own `compile()` set, for each of optimizer, loss, loss
+  weights and metrics not given, and logged: a compiled model trains as its
+  `fit` would (it trained with the Trainer's defaults, silently). Nothing
+  is taken when `options` are given."""
+  if options is not None or not getattr(model, "compiled", False):
+    return settings
+  taken = {name: _compiled_value(model, name) for name in _FROM_COMPILE
+           if name not in settings}
+  taken = {k: v for k, v in taken.items() if v is not None}
+  if taken:
+    logging.info("Model %r was compiled: the Trainer takes its %s (pass "
+                 "them to Trainer(...) to override).", model.name,
+                 ", ".join(taken))
+  return {**settings, **taken}
+
