@@ -397,10 +397,15 @@ def predicted_step(placement: strategies_lib.Placement, config: TrainConfig
   if placement.costs is None:
     return None, ""
   from tfmgpu.parallel import calibration  # pylint: disable=g-import-not-at-top
-  found = calibration.calibrate(placement.devices)
-  account = placement.costs.account(
-      global_batch_size=config.global_batch_size, optimizer=config.optimizer)
-  step = account.step(found.hardware(len(placement.devices)))
+  try:  # A trained run never fails for want of its prediction.
+    found = calibration.calibrate(placement.devices)
+    account = placement.costs.account(
+        global_batch_size=config.global_batch_size,
+        optimizer=config.optimizer)
+    step = account.step(found.hardware(len(placement.devices)))
+  except (ValueError, TypeError, RuntimeError, tf.errors.OpError) as e:
+    logging.warning("No predicted step in the summary: %s", e)
+    return None, ""
   return step.total_s, f"cost model calibrated: {found.words()}"
 
 
