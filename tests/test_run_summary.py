@@ -71,3 +71,47 @@ def test_multi_worker_without_a_cluster_warns_that_it_trains_alone(caplog):
   assert role.task_type is None
   assert re.search(r"strategy='multi_worker_mirrored' without TF_CONFIG or a "
                    r"SLURM job: this process trains alone", caplog.text)
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "model_parallel"])
+def test_a_placed_run_prints_its_predicted_and_measured_step(
+    digits_arrays, tmp_path, monkeypatch, strategy):
+  """Issue 30: the cost model's step (the layout's accounting on the
+  calibrated devices) beside the measured median step (the loop's clock,
+  first call left out), and their ratio."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import calibration  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import controller  # pylint: disable=g-import-not-at-top
+  fixed = calibration.Calibration(
+      devices=("/device:CPU:0", "/device:CPU:1"), flops_per_s=1e9,
+      task_overhead_s=1e-4, send_overhead_s=1e-5, link_bytes_per_s=1e9,
+      concurrency=1.0, source="cached")
+  monkeypatch.setattr(calibration, "calibrate", lambda devices: fixed)
+  accounts, calls = [], []
+  account = accounting.LayoutCosts.account
+  monkeypatch.setattr(accounting.LayoutCosts, "account", lambda self, **kw: (
+      accounts.append(account(self, **kw)) or accounts[-1]))
+  add = controller._Clock.add  # pylint: disable=protected-access
+  monkeypatch.setattr(controller._Clock, "add", lambda self, n, s, k=1: (  # pylint: disable=protected-access
+      calls.append(s / k), add(self, n, s, k))[-1])
+  summary = runs.run_training(
+      _run(tmp_path, strategy).replace(steps_per_execution=1),
+      arrays=digits_arrays)
+  predicted = accounts[-1].step(fixed.hardware(2)).total_s
+  measured = statistics.median(calls[1:])
+  assert summary.predicted_step_seconds == pytest.approx(predicted)
+  assert summary.step_seconds == pytest.approx(measured)
+  assert accounts[-1].global_batch_size == 32
+  row = re.search(r"^step time\s+(.*)$", str(summary), re.M).group(1)
+  assert f"measured {measured * 1e3:.1f} ms" in row, row
+  assert f"predicted {predicted * 1e3:.1f} ms" in row, row
+  assert f"x{measured / predicted:.2f} of predicted" in row, row
+  assert "1.0 GFLOP/s a device" in row and "cached on this host" in row, row
+
+
+def test_a_data_parallel_run_prints_no_predicted_step(digits_arrays,
+                                                      tmp_path):
+  summary = runs.run_training(_run(tmp_path), arrays=digits_arrays)
+  assert summary.predicted_step_seconds is None
+  assert "step time" not in str(summary)

@@ -221,3 +221,25 @@ def test_sends_are_charged_to_the_sending_device(virtual):
   assert charged.step_time > free.step_time
   with pytest.raises(ValueError, match=r"send_time=-1 must be >= 0"):
     timeline_lib.simulate(*args, send_time=-1, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_devices_that_share_their_compute(name, m):
+  """`concurrency`: devices that take turns (1.0) never overlap, so a step
+  is all the work; enough compute for every device is the plain timeline;
+  half a device's worth doubles every time."""
+  args = ([1.0, 1.5], [2.0, 3.0], m)
+  plain = timeline_lib.simulate(*args, schedule=name)
+  work = m * (1.0 + 1.5 + 2.0 + 3.0)
+  turns = timeline_lib.simulate(*args, schedule=name, concurrency=1.0)
+  assert turns.step_time == pytest.approx(work)
+  assert sum(turns.busy) >= work  # Each task's wall time, shared.
+  assert timeline_lib.simulate(*args, schedule=name, concurrency=2.0
+                               ).events == plain.events
+  half = timeline_lib.simulate(*args, schedule=name, concurrency=0.5)
+  assert half.step_time == pytest.approx(2 * work)
+  between = timeline_lib.simulate(*args, schedule=name, concurrency=1.5)
+  assert plain.step_time <= between.step_time + 1e-9 <= work + 1e-9
+  with pytest.raises(ValueError, match=r"concurrency=0 must be > 0"):
+    timeline_lib.simulate(*args, concurrency=0)

@@ -177,7 +177,7 @@ def tokens_per_sec(timing: training_lib.Timing, seq_len: int) -> float:
 def pipeline_gain(arrays: data_lib.Arrays, *, size: str, num_stages: int,
                   micro_batches: Sequence[int], global_batch_size: int,
                   steps: int = 6, seed: int = 0, schedule: str = "gpipe",
-                  virtual_stages: int = 1
+                  virtual_stages: int = 1, concurrency: float | None = None
                   ) -> list[pipeline_overlap.OverlapRun]:
   """One `num_stages` split of `gpt` with M = 1 against each M of
   `micro_batches` (interleaved, one run per M): measured step times beside
@@ -201,8 +201,8 @@ def pipeline_gain(arrays: data_lib.Arrays, *, size: str, num_stages: int,
 
   return [pipeline_overlap.compare_micro_batches(
       model, plan, x, y, loss_fn, micro_batches=m, steps=steps, warmup=2,
-      schedule=schedule, virtual_stages=virtual_stages)
-          for m in micro_batches]
+      schedule=schedule, virtual_stages=virtual_stages,
+      concurrency=concurrency) for m in micro_batches]
 
 
 def text_arrays(seq_len: int) -> data_lib.Arrays:

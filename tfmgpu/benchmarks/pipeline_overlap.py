@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfmgpu.benchmarks import pipeline as probes
 from tfmgpu.models import demo
+from tfmgpu.parallel import calibration
 from tfmgpu.parallel import partition
 from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import plan as plan_lib
@@ -49,6 +50,9 @@ class Overlap:
     infer_predicted: the simulated forward-only pass.
     measured_bubble: `1 - sum(busy) / (K * (step - update))` over the `K`
       devices (compare `timeline.bubble_fraction`, the simulated one).
+    calibrated: the simulated step with the devices sharing the measured
+      concurrency (`timeline.simulate(concurrency=)`) plus `update`;
+      `None` when none was given.
   """
   step: float
   fastest: float
@@ -61,6 +65,7 @@ class Overlap:
   infer: float
   infer_predicted: float
   measured_bubble: float
+  calibrated: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,73 +146,24 @@ def _time_interleaved(settings: Sequence[dict[str, Any]], x, y, *,
       s["samples"].append(s["probe"].sample())
 
 
-def measure_concurrency(devices: Sequence[str], *, rounds: int = 9,
-                        depth: int = 40) -> float:
-  """How many of `devices` compute at once: one chain of `depth` matmuls
-  (1024 x 128) on `devices[0]` alone against one chain on each device in
-  the same call, `len(devices) * t(one) / t(all)` of the best rounds
-  (interleaved). `len(devices)`: full overlap; 1.0: they take turns. The
-  gain a pipeline over these devices can show is bounded by it (logical
-  CPUs share the host's cores with each other and with other processes).
-  """
-  x = tf.random.normal([1024, 128])
-  w = tf.random.normal([128, 128]) * 0.05
-
-  def chain(device):
-    with tf.device(device):
-      a = x
-      for _ in range(depth):
-        a = tf.tanh(tf.matmul(a, w))
-      return tf.reduce_sum(a)
-
-  one = tf.function(lambda: chain(devices[0]))
-  every = tf.function(lambda: tf.add_n([chain(d) for d in devices]))
-  for fn in (one, every):
-    fn().numpy()
-  t_one, t_all = [], []
-  for _ in range(rounds):
-    t_one.append(_seconds(one))
-    t_all.append(_seconds(every))
-  return len(devices) * min(t_one) / min(t_all)
-
-
-def measure_send_s(source: str, target: str, nbytes: int, *,
-                   repeats: int = 30) -> float:
-  """Seconds one tensor of `nbytes` costs to send from device `source` to
-  `target`: a traced call that makes it on `source` and reads it on
-  `target`, less the same call on `source` alone (median of `repeats`
-  interleaved pairs, at least 0). What `timeline.simulate`'s `send_time`
-  charges each cross-device task."""
-  value = tf.zeros([max(nbytes // 4, 1)])
-
-  def make(where):
-    @tf.function
-    def call(v):
-      with tf.device(source):
-        a = v + 1.0
-      with tf.device(where):
-        return tf.reduce_sum(a)
-    return call
-
-  cross, local = make(target), make(source)
-  cross(value).numpy()
-  local(value).numpy()
-  gaps = []
-  for _ in range(repeats):
-    gaps.append(_seconds(cross, value) - _seconds(local, value))
-  return max(statistics.median(gaps), 0.0)
+# The probes live with the calibration that feeds them to the cost model.
+measure_concurrency = calibration.measure_concurrency
+measure_send_s = calibration.measure_send_s
 
 
 def _summarise(s: dict[str, Any], m: int, num_stages: int,
                schedule: str, virtual_stages: int = 1,
-               send: float = 0.0) -> Overlap:
+               send: float = 0.0, concurrency: float | None = None
+               ) -> Overlap:
   """`num_stages`: the devices (`K`); the plan has `K * virtual_stages`;
-  `send`: seconds each cross-device send costs its sender."""
+  `send`: seconds each cross-device send costs its sender; `concurrency`:
+  the devices' measured concurrency, for the calibrated step."""
   fwd, bwd = probes.stage_times(s["samples"])
   update = statistics.median(s["updates"])
-  timeline = timeline_lib.simulate(fwd, bwd, m, schedule=schedule,
-                                   virtual_stages=virtual_stages,
-                                   send_time=send)
+  simulate = lambda c: timeline_lib.simulate(
+      fwd, bwd, m, schedule=schedule, virtual_stages=virtual_stages,
+      send_time=send, concurrency=c)
+  timeline = simulate(None)
   step = statistics.median(s["times"])
   busy = [0.0] * num_stages
   for k, (f, b) in enumerate(zip(fwd, bwd)):
@@ -220,14 +176,16 @@ def _summarise(s: dict[str, Any], m: int, num_stages: int,
       infer_predicted=timeline_lib.simulate(
           fwd, [0.0] * len(fwd), m, schedule="gpipe").step_time,
       measured_bubble=1.0 - sum(busy) / (num_stages
-                                         * max(step - update, 1e-9)))
+                                         * max(step - update, 1e-9)),
+      calibrated=(None if concurrency is None
+                  else simulate(concurrency).step_time + update))
 
 
 def compare_micro_batches(model: keras.Model, plan: plan_lib.StagePlan, x, y,
                           loss_fn, *, micro_batches: int,
                           schedule: str = "gpipe", steps: int = 10,
-                          warmup: int = 3,
-                          virtual_stages: int = 1) -> OverlapRun:
+                          warmup: int = 3, virtual_stages: int = 1,
+                          concurrency: float | None = None) -> OverlapRun:
   """Times `plan`'s pipeline with M=1 and M=`micro_batches`, interleaved.
 
   Args:
@@ -242,6 +200,9 @@ def compare_micro_batches(model: keras.Model, plan: plan_lib.StagePlan, x, y,
     virtual_stages: `V`: `plan`'s stages repeat its first `K` devices and
       M=`micro_batches` runs interleaved 1F1B (M=1 runs the stages in
       order, `"1f1b"`). Defaults to 1.
+    concurrency: the devices' measured concurrency
+      (`calibration.measure_concurrency`): each `Overlap.calibrated`
+      simulates them sharing it. Defaults to `None` (not simulated).
 
   Returns:
     An `OverlapRun` with one `Overlap` per M.
@@ -259,7 +220,8 @@ def compare_micro_batches(model: keras.Model, plan: plan_lib.StagePlan, x, y,
                             cut * rows // m)
           if len(plan.stages) > 1 else 0.0 for m in settings}
   return OverlapRun(plan, num_stages, micro_batches, schedule, {
-      m: _summarise(s, m, num_stages, schedule, virtual[m], send[m])
+      m: _summarise(s, m, num_stages, schedule, virtual[m], send[m],
+                    concurrency)
       for m, s in settings.items()}, virtual_stages, send[micro_batches])
 
 

@@ -62,6 +62,9 @@ only modules listed before it):
   memory budget (no tfmgpu imports);
 * `accounting`: a layout's per-device memory, bytes sent per kind of
   parallelism and projected step;
+* `calibration`: the cost model's machine figures measured on this host
+  (training FLOP/s, per-task and per-send costs, devices sharing cores),
+  cached per host: what a placed run's predicted step uses;
 * `kv_cache`: text generation's KV-cache bytes per device of a layout,
   beside the weights (`serving_table`);
 * `serve_plan`: `plan_serving`, the layout to generate with (latency or
@@ -99,7 +102,8 @@ _EXPORTS = {
     "tensor_parallel": "tfmgpu.parallel.tensor",
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
-_SUBMODULES = ("accounting", "auto", "block_flops", "branches", "choices",
+_SUBMODULES = ("accounting", "auto", "block_flops", "branches", "calibration",
+               "choices",
                "cloning", "cost", "graph", "hybrid", "inspection", "kv_cache",
                "layout", "layout_maps", "links", "microbatch", "on_device",
                "partition", "pipeline", "pipeline_step", "placed",

@@ -88,6 +88,9 @@ class Hardware:
     network_bytes_per_s: bandwidth per device between hosts (`None`: the
       link's).
     network: the network's name, for the table.
+    concurrency: devices' worth of compute the devices share when they
+      compute at once (`None`: each computes alone; logical devices of one
+      CPU share its cores: `tfmgpu.parallel.calibration` measures it).
   """
   num_devices: int
   device_kind: str
@@ -100,6 +103,7 @@ class Hardware:
   network_bytes_per_s: float | None = None
   network: str = ""
   send_overhead_s: float = 0.0
+  concurrency: float | None = None
 
   def __post_init__(self):
     for name in ("num_devices", "memory_bytes", "flops_per_s",
@@ -110,7 +114,7 @@ class Hardware:
     for name in ("task_overhead_s", "send_overhead_s"):
       if not getattr(self, name) >= 0:
         raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0.")
-    for name in ("devices_per_host", "network_bytes_per_s"):
+    for name in ("devices_per_host", "network_bytes_per_s", "concurrency"):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not value > 0):
         raise ValueError(f"{name}={value!r} must be > 0 or None.")
@@ -634,9 +638,13 @@ def _simulate(acc: LayoutAccount, hw: Hardware, fwd: list[float],
     o = hw.task_overhead_s
     fwd = [(fwd[c % K] - o) / v + o for c in range(K * v)]
     bwd = [(bwd[c % K] - o) / v + o for c in range(K * v)]
+  # Shared compute: each stage's device is `data * tensor` devices at once.
+  shared = (None if hw.concurrency is None
+            else hw.concurrency / (acc.data * acc.tensor))
   return timeline.simulate(
       fwd, bwd, acc.micro_batches, schedule=acc.schedule, virtual_stages=v,
-      transfer_time=delay, send_time=hw.send_overhead_s).step_time
+      transfer_time=delay, send_time=hw.send_overhead_s,
+      concurrency=shared).step_time
 
 
 def _step(acc: LayoutAccount, hw: Hardware) -> StepTime:
@@ -668,6 +676,53 @@ def _step(acc: LayoutAccount, hw: Hardware) -> StepTime:
                   _ring(acc.data, grads) / d_bw, used)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayoutCosts:
+  """What `account` needs of a model for one layout, without the model:
+  kept by a placed run to predict its step (`account`)."""
+  plan: plan_lib.StagePlan
+  split: TensorSplit
+  layout: Any
+  devices: tuple[str, ...]
+
+  def account(self, *, global_batch_size: int,
+              optimizer: str | int = "adam") -> LayoutAccount:
+    """`account_layout` of the layout at `global_batch_size`."""
+    layout = self.layout
+    return account_layout(
+        self.plan, self.split, global_batch_size=global_batch_size,
+        data=layout.data, tensor=layout.tensor,
+        micro_batches=layout.micro_batches or 1, schedule=layout.schedule,
+        recompute=layout.recompute, optimizer=optimizer,
+        devices=list(self.devices),
+        virtual_stages=getattr(layout, "virtual_stages", 1))
+
+
+def layout_costs(model: Any, layout: Any, *, partition: str = "balanced",
+                 rules: Mapping[str, str] | None = None,
+                 plan: plan_lib.StagePlan | None = None,
+                 devices: Sequence[str] | None = None) -> LayoutCosts:
+  """The `LayoutCosts` of `model` in `layout`; arguments as `account`."""
+  from tfmgpu.parallel import partition as partition_lib  # pylint: disable=g-import-not-at-top
+  K, T = layout.stages, layout.tensor
+  V = getattr(layout, "virtual_stages", 1)  # A hybrid.Layout's, or 1.
+  names = list(devices or [f"/device:GPU:{i}" for i in range(K * T)])
+  if plan is None:
+    plan = partition_lib.plan_stages(
+        model, K, criterion=partition, devices=names[::T][:K],
+        check_devices=False)
+  elif plan.num_stages == K * V and V > 1:  # Interleaved chunks: counted
+    plan = partition_lib.plan_stages(  # per device, each V chunks' worth.
+        model, K, criterion=plan.criterion, devices=names[::T][:K],
+        check_devices=False)
+  elif plan.num_stages != K:
+    raise ValueError(
+        f"plan has {plan.num_stages} stages but the layout asks for "
+        f"stages={K} (virtual_stages={V}): give a plan of {K} stages (or "
+        f"{K * V} interleaved ones), or plan=None.")
+  return LayoutCosts(plan, _split_of(model, rules, T), layout, tuple(names))
+
+
 def account(model: Any, layout: Any, *, global_batch_size: int,
             optimizer: str | int = "adam", partition: str = "balanced",
             rules: Mapping[str, str] | None = None,
@@ -688,29 +743,10 @@ def account(model: Any, layout: Any, *, global_batch_size: int,
       counted per device: a `stages` cut, each stage its device's chunks.
     devices: names of replica 0's devices (mesh order).
   """
-  from tfmgpu.parallel import partition as partition_lib  # pylint: disable=g-import-not-at-top
-  K, T = layout.stages, layout.tensor
-  V = getattr(layout, "virtual_stages", 1)  # A hybrid.Layout's, or 1.
-  names = list(devices or [f"/device:GPU:{i}" for i in range(K * T)])
-  if plan is None:
-    plan = partition_lib.plan_stages(
-        model, K, criterion=partition, devices=names[::T][:K],
-        check_devices=False)
-  elif plan.num_stages == K * V and V > 1:  # Interleaved chunks: counted
-    plan = partition_lib.plan_stages(  # per device, each V chunks' worth.
-        model, K, criterion=plan.criterion, devices=names[::T][:K],
-        check_devices=False)
-  elif plan.num_stages != K:
-    raise ValueError(
-        f"plan has {plan.num_stages} stages but the layout asks for "
-        f"stages={K} (virtual_stages={V}): give a plan of {K} stages (or "
-        f"{K * V} interleaved ones), or plan=None.")
-  return account_layout(
-      plan, _split_of(model, rules, T),
-      global_batch_size=global_batch_size, data=layout.data, tensor=T,
-      micro_batches=layout.micro_batches or 1, schedule=layout.schedule,
-      recompute=layout.recompute, optimizer=optimizer, devices=names,
-      virtual_stages=V)
+  return layout_costs(model, layout, partition=partition, rules=rules,
+                      plan=plan, devices=devices).account(
+                          global_batch_size=global_batch_size,
+                          optimizer=optimizer)
 
 
 def _fmt_time(seconds: float) -> str:

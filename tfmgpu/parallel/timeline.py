@@ -231,7 +231,8 @@ def simulate(forward_times: float | Sequence[float],
              backward_times: float | Sequence[float], micro_batches: int, *,
              schedule: str | schedule_lib.Schedule = "gpipe",
              num_stages: int | None = None, virtual_stages: int = 1,
-             transfer_time: float = 0.0, send_time: float = 0.0) -> Timeline:
+             transfer_time: float = 0.0, send_time: float = 0.0,
+             concurrency: float | None = None) -> Timeline:
   """Predicts the timeline of one pipelined step.
 
   Each stage runs its tasks in the schedule's order (one at a time, like a
@@ -256,6 +257,10 @@ def simulate(forward_times: float | Sequence[float],
       devices, a launch on a GPU), added to the task that sends. With
       `virtual_stages=V` a micro-batch crosses devices `K * V - 1` times
       each way, `V` times as often as without. Defaults to `0`.
+    concurrency: devices' worth of compute the devices share (`None`: each
+      computes alone): `n` tasks at once each run at `min(1, concurrency /
+      n)` of their speed (`1.0`: logical devices taking turns on one CPU;
+      `tfmgpu.parallel.calibration` measures it). Defaults to `None`.
 
   Returns:
     The `Timeline`.
@@ -272,6 +277,22 @@ def simulate(forward_times: float | Sequence[float],
   orders = schedule_lib.device_orders(devices, micro_batches, schedule,
                                       virtual_stages=virtual_stages)
   deps = lambda t: schedule_lib.dependencies(t, K, micro_batches, schedule)
+  costs = {t: (fwd if t.kind == schedule_lib.FORWARD else bwd)[t.stage]
+           + send_time * _sends(t, K, devices) for o in orders for t in o}
+  if concurrency is not None and not concurrency > 0:
+    raise ValueError(f"concurrency={concurrency!r} must be > 0 (or None).")
+  events = (_shared(orders, deps, costs, transfer_time, concurrency)
+            if concurrency is not None and concurrency < devices
+            else _in_order(orders, deps, costs, transfer_time))
+  return Timeline(K, micro_batches, schedule.value, tuple(events),
+                  virtual_stages)
+
+
+def _in_order(orders: Sequence[Sequence[schedule_lib.Task]], deps,
+              costs: dict[schedule_lib.Task, float], transfer_time: float
+              ) -> list[Event]:
+  """`simulate`'s timeline of devices that compute alone."""
+  devices = len(orders)
   end: dict[schedule_lib.Task, float] = {}
   free = [0.0] * devices
   events = []
@@ -281,9 +302,45 @@ def simulate(forward_times: float | Sequence[float],
     for d in deps(task):
       ready = max(ready, end[d] + (transfer_time if d.stage % devices
                                    != device else 0.0))
-    cost = (fwd if task.kind == schedule_lib.FORWARD else bwd)[task.stage]
-    cost += send_time * _sends(task, K, devices)
+    cost = costs[task]
     end[task] = free[device] = ready + cost
     events.append(Event(task, ready, ready + cost))
-  return Timeline(K, micro_batches, schedule.value, tuple(events),
-                  virtual_stages)
+  return events
+
+
+def _shared(orders: Sequence[Sequence[schedule_lib.Task]], deps,
+            costs: dict[schedule_lib.Task, float], transfer_time: float,
+            concurrency: float) -> list[Event]:
+  """`simulate`'s timeline when the devices share `concurrency` devices'
+  worth of compute: between two events (a task starts or ends) each of the
+  `n` running tasks progresses at `min(1, concurrency / n)`."""
+  n_dev = len(orders)
+  position, end = [0] * n_dev, {}
+  left: list[float | None] = [None] * n_dev  # Work left of a running task.
+  start, free, now, events = [0.0] * n_dev, [0.0] * n_dev, 0.0, []
+  while any(p < len(o) for p, o in zip(position, orders)):
+    ready = [None] * n_dev  # When each idle device can start its next task.
+    for d in range(n_dev):
+      if left[d] is None and position[d] < len(orders[d]):
+        task = orders[d][position[d]]
+        if all(x in end for x in deps(task)):
+          ready[d] = max([free[d], now] + [
+              end[x] + (transfer_time if x.stage % n_dev != d else 0.0)
+              for x in deps(task)])
+    for d in range(n_dev):
+      if ready[d] is not None and ready[d] <= now:
+        left[d], start[d] = costs[orders[d][position[d]]], now
+    running = [d for d in range(n_dev) if left[d] is not None]
+    rate = min(1.0, concurrency / len(running)) if running else 0.0
+    later = [r for r in ready if r is not None and r > now]
+    step = min([left[d] / rate for d in running] +
+               [r - now for r in later])
+    now += step
+    for d in running:
+      left[d] -= step * rate
+      if left[d] <= 1e-15:
+        task = orders[d][position[d]]
+        end[task], free[d], left[d] = now, now, None
+        events.append(Event(task, start[d], now))
+        position[d] += 1
+  return events

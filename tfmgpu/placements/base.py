@@ -163,7 +163,23 @@ class LayoutPlacement(registry.Distribution):
     placed = self.split(model, plan, options)
     return registry.Placement(
         tf.distribute.get_strategy(), list(placed.devices), placed, plan,
-        distribution=self, options=options)
+        distribution=self, options=options,
+        costs=self.costs_of(model, plan, options, list(placed.devices)))
+
+  def costs_of(self, model: Any, plan: Any, options: Any,
+               devices: Sequence[str]) -> Any:
+    """The placed layout's `accounting.LayoutCosts` (replica 0's devices
+    first in `devices`), for the run summary's predicted step; `None` (and
+    a log line) when the cost model cannot cost the model."""
+    from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
+    layout = self.layout_of(options)
+    try:
+      return accounting.layout_costs(
+          model, layout, plan=plan, rules=tensor_rules(options),
+          devices=list(devices)[:layout.stages * layout.tensor])
+    except (ValueError, TypeError, KeyError) as e:
+      logging.info("No predicted step for this layout: %s", e)
+      return None
 
   def serve(self, models: Sequence[Any], options: Any) -> tuple[Any, Any]:
     model = one_model(self.name, models)

@@ -80,6 +80,8 @@ class Placement:
     plan: the stage plan of a split model, else `None`.
     distribution: the distribution that placed it.
     options: that distribution's options.
+    costs: what the cost model needs to predict the step of a placed
+      layout (`tfmgpu.parallel.accounting.LayoutCosts`), else `None`.
   """
   strategy: Any
   devices: list[str]
@@ -87,6 +89,7 @@ class Placement:
   plan: Any = None
   distribution: "Distribution | None" = None
   options: Any = None
+  costs: Any = None
 
 
 class Distribution:

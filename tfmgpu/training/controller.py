@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -47,6 +48,8 @@ class TrainResult:
       first (tracing) call when there were others.
     checkpoint: the last checkpoint written, if any.
     initial_step: the global step this call started from (resumed).
+    step_seconds: the median seconds per step of this call's calls after
+      the first (tracing) one; NaN when only that one ran.
   """
   history: dict[str, list[float]]
   epochs_run: int
@@ -55,6 +58,7 @@ class TrainResult:
   examples_per_sec: float
   checkpoint: str | None
   initial_step: int = 0
+  step_seconds: float = float("nan")
 
 
 @dataclasses.dataclass
@@ -140,14 +144,23 @@ class _Clock:
   def __init__(self):
     self.calls, self.examples, self.seconds = 0, 0, 0.0
     self.first_examples, self.first_seconds = 0, 0.0
+    self.per_step: list[float] = []  # Each call's seconds per step.
 
-  def add(self, examples: int, seconds: float) -> None:
+  def add(self, examples: int, seconds: float, steps: int = 1) -> None:
     if self.calls == 0:
       self.first_examples, self.first_seconds = examples, seconds
     else:
       self.examples += examples
       self.seconds += seconds
+      self.per_step.append(seconds / max(steps, 1))
     self.calls += 1
+
+  @property
+  def step_seconds(self) -> float:
+    """The median seconds per step after the first call (see
+    `TrainResult.step_seconds`)."""
+    return (statistics.median(self.per_step) if self.per_step
+            else float("nan"))
 
   @property
   def rate(self) -> float:
@@ -277,6 +290,7 @@ class Controller:
         history=self.history, epochs_run=len(self.history.get("loss", [])),
         initial_epoch=initial_epoch, steps=self.total_steps,
         examples_per_sec=self.clock.rate,
+        step_seconds=self.clock.step_seconds,
         checkpoint=self.last_checkpoint if chief else None,
         initial_step=progress.step)
 
@@ -304,7 +318,7 @@ class Controller:
       sums = self.runner.run(done, steps_per_epoch - done)
       elapsed = time.perf_counter() - start
       self._check_finite(sums, epoch)
-      self.clock.add(int(sums.count), elapsed)
+      self.clock.add(int(sums.count), elapsed, sums.steps)
       total = total + sums
       done += sums.steps
       self.total_steps += sums.steps
