@@ -27,6 +27,10 @@ Logical devices share the machine's cores: these figures show what a
 layout costs in TF's work and copies, not what GPUs would gain.
 
   python scripts/bench_generate.py --layouts --new_tokens=32
+
+The keras_hub comparison with issue 27's targets (>= 1.0x keras_hub's
+`generate`, >= 3x the loop without a cache) is the suite's `generate`
+section: `python -m tfmgpu.bench --sections=generate --replicas=1`.
 """
 
 from __future__ import annotations

@@ -209,12 +209,18 @@ def _hub_lm(name):
   return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
-def test_keras_hub_greedy_equals_its_own_generate(name):
+@pytest.mark.parametrize("name,replicas", [
+    ("gpt2", None), ("llama", None), ("gemma", None), ("llama", 2)])
+def test_keras_hub_greedy_equals_its_own_generate(name, replicas):
+  """One device, and the rows spread over mirrored x2 (3 rows: one
+  padded)."""
   lm = _hub_lm(name)
   new = 8
   prompts = _prompts(vocab=64)
-  out = tfmgpu.generate(lm, prompts, max_new_tokens=new)
+  strategy = replicas and tfmgpu.get_strategy("mirrored",
+                                              num_replicas=replicas)
+  out = tfmgpu.generate(lm, prompts, max_new_tokens=new,
+                        strategy=strategy or None)
   # keras_hub fills every position after each prompt up to the input's
   # width: give it room, compare each row's first `new` new tokens.
   wide = {k: np.pad(v, [(0, 0), (0, 16)]) for k, v in prompts.items()}

@@ -134,3 +134,25 @@ def test_a_stage_decodes_its_blocks_in_one_compiled_call_on_its_device(
              and n.op in ("StatefulPartitionedCall", "PartitionedCall")]
     assert calls and {devices_lib.canonical_device(n.device)
                       for n in calls} == {device}, (block, calls)
+
+
+def test_a_vocabulary_parallel_gpt_generates_the_unsplit_tokens(
+    gpt, prompts, unplaced):
+  """The token table split by vocabulary rows and the LM head by columns
+  (`split_embedding.VocabParallelEmbedding`): the same greedy and seeded
+  tokens as the unsplit model, the decode loop traced once per sampler."""
+  from tfmgpu.parallel import split_embedding  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
+  placed = hybrid.build_layout(
+      gpt, hybrid.Layout(tensor=2), devices=tfmgpu.list_devices("CPU")[:2],
+      rules=tensor.GPT_RULES,
+      layout_map={r"^token_embedding/embeddings$": 0, r"^logits/kernel$": 1})
+  assert any(isinstance(l, split_embedding.VocabParallelEmbedding)
+             for l in placed.model.layers)
+  generator = generation.Generator(placed)
+  for sampler, options in (("greedy", {}), ("top_k", TOP_K)):
+    out = generator.generate(prompts, max_new_tokens=NEW,
+                             sampling=generation.Sampling(**options))
+    for key in ("token_ids", "padding_mask"):
+      np.testing.assert_array_equal(out[key], unplaced[sampler][key])
+  assert generator.traces == 2

@@ -229,7 +229,7 @@ COMMANDS = {
     "--virtual_devices=2 --model_dir=runs/gpt": ("run", "--epochs=1 "
                                                  "--steps_per_epoch=1"),
     "python -m tfmgpu.generate --model_path=runs/gpt/model.keras "
-    "--prompt=\"def \" --sampler=top_k --top_k=5 --temperature=0.8 "
+    "--prompt=\"import \" --sampler=top_k --top_k=5 --temperature=0.8 "
     "--sample_seed=0": ("run", "--max_new_tokens=4"),
     # Hybrid parallelism.
     "python -m tfmgpu.train --model=gpt --strategy=pipeline --data_parallel=2 "
@@ -252,6 +252,7 @@ COMMANDS = {
     "python -m tfmgpu.bench": ("help",),
     "python -m tfmgpu.bench --quick": ("help",),  # Minutes: test_benchmark.
     "python -m tfmgpu.bench --sections=latency": ("help",),
+    "python -m tfmgpu.bench --sections=generate --replicas=1": ("help",),
     "python -m tfmgpu.predict --output=p.npy": ("help",),
     "python -m tfmgpu.predict --model_path=runs/X/model.keras": ("help",),
     "python scripts/predict_memory.py": ("help",),
@@ -290,7 +291,7 @@ OTHER_BLOCKS = {
                                        "command above it (measured figures)",
     "test loss / bits_per_byte / perplexity / accuracy": (
         "the end of a full gpt run's summary (measured figures)"),
-    "def indesing, starg ing argstring ames": (
+    "import to sing in ment inst inerstare": (
         "text sampled by a fully trained gpt (the run above, not its "
         "one-step stand-in)"),
 }
@@ -409,7 +410,7 @@ _SEQUENCES = [
     ["python -m tfmgpu.train --model=gpt --strategy=mirrored "
      "--virtual_devices=2 --model_dir=runs/gpt",
      "python -m tfmgpu.generate --model_path=runs/gpt/model.keras "
-     "--prompt=\"def \" --sampler=top_k --top_k=5 --temperature=0.8 "
+     "--prompt=\"import \" --sampler=top_k --top_k=5 --temperature=0.8 "
      "--sample_seed=0"],
 ]
 _IN_SEQUENCE = {c for seq in _SEQUENCES for c in seq}

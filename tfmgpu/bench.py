@@ -61,7 +61,9 @@ _SECTIONS = flags.DEFINE_list(
     "pipeline x tensor layouts on 4 and, with --virtual_devices=8, 8 "
     "devices, against data parallelism, beside the cost model's projection "
     "for an 8-GPU host; on 2 cores ~1 minute with --quick, ~8 in full "
-    "with --virtual_devices=8).")
+    "with --virtual_devices=8); generate (tfmgpu.generate tokens/s vs "
+    "keras_hub's generate and a loop without a cache, one device, batch 1 "
+    "and 32; needs keras-hub).")
 _INTRA_OP_THREADS = flags.DEFINE_integer(
     "intra_op_threads", None, "Threads per op. Default: cores // devices when "
     "the CPU is split; 0: TensorFlow's own setting (all cores per op).",

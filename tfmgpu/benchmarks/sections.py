@@ -23,6 +23,7 @@ from tfmgpu import inference as serving_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.benchmarks import ceiling as ceiling_lib
+from tfmgpu.benchmarks import generation as generation_lib
 from tfmgpu.benchmarks import hybrid as hybrid_lib
 from tfmgpu.benchmarks import inference as inference_lib
 from tfmgpu.benchmarks import language_model as lm_lib
@@ -726,4 +727,5 @@ SECTIONS: dict[str, Section] = {
     "tf_data": _tf_data,
     "checkpoints": _checkpoint_cost,
     "projection": _projection,
+    "generate": generation_lib.section,
 }

@@ -171,7 +171,9 @@ class GPTCache:
     attention = self.blocks[0]["attention"]
     self.head_dim = attention.key_dim
     self.max_positions = int(self.position_embedding.max_length)
-    self.vocab = int(self.logits.units)
+    # A `Dense`, or its kernel split by vocabulary (`SplitKernelDense`).
+    self.vocab = int(getattr(self.logits, "units", None)
+                     or self.logits.kernel_shape[-1])
     self.dtype = self.token_embedding.compute_dtype
 
   def _call(self, layer: Any, x: tf.Tensor) -> tf.Tensor:
