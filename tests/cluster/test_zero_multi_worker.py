@@ -2,9 +2,10 @@
 
 `all_gather_owned` gives each worker the owners' values; a stage-1 Adam
 step (`apply_owned`, slots on their owner only) equals the unsharded step
-bit for bit; TF 2.21 has no
-ring reduce-scatter on CPU (the fact `zero_collectives` is built around:
-if this test starts failing because the op works, the step can use it).
+bit for bit, and its slots gathered (`gather_slots`) equal the unsharded
+ones; TF 2.21 has no ring reduce-scatter on CPU (the fact
+`zero_collectives` is built around: if this test starts failing because
+the op works, the step can use it).
 """
 
 import ast

@@ -34,7 +34,8 @@ print("gathered", [sorted(set(g.numpy().ravel().tolist())) for g in got],
 
 
 def train(zero: bool) -> str:
-  """3 Adam steps of a small MLP; returns the weights' digest."""
+  """3 Adam steps of a small MLP; the digest of its weights, unsharded
+  slots and step count."""
   with strategy.scope():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
@@ -73,8 +74,16 @@ def train(zero: bool) -> str:
   mine = [tuple(v.shape) for v, o in zip(variables, owners) if o == ME]
   print("zero" if zero else "plain", "slots", slots, "owned", mine,
         flush=True)
-  data = b"".join(v.numpy().tobytes() for v in variables)
-  return hashlib.sha256(data).hexdigest()
+  full = optimizer
+  if zero:  # The unsharded slots, as a portable save would write them.
+    full = keras.optimizers.Adam(1e-2)
+    full.build(variables)
+    strategy.run(tf.function(lambda: zero_collectives.gather_slots(
+        optimizer, full, variables, owners)))
+  state = [v.numpy() for v in variables] + [
+      s.numpy() for row in zero_collectives.slots_by_variable(
+          full, len(variables)) for s in row] + [full.iterations.numpy()]
+  return hashlib.sha256(b"".join(a.tobytes() for a in state)).hexdigest()
 
 
 print("digests", train(False), train(True), flush=True)

@@ -24,8 +24,10 @@ exist on their owner alone (built in the scope, the workers' different
 slot sets break MWMS's variable-initialising broadcasts: "Shape mismatch
 in the collective instance"); each owner applies its summed gradients,
 and the owners' new values are all-gathered into every worker's copy.
-What is not built yet: the Trainer and CLI route, checkpoints of the
-slots held by non-chief workers (only the chief writes a checkpoint), and
+`gather_slots` copies every owner's slots into an unsharded optimizer on
+every worker (for a portable save: the chief writes one checkpoint, with
+the slots in the unsharded layout). What is not built yet: the Trainer
+and CLI route (so no save or resume goes through `gather_slots` yet), and
 stage 3 (weights that exist on their owner only; MWMS variables are
 mirrored on every worker).
 """
@@ -37,6 +39,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.training import allreduce as allreduce_lib
 
 
@@ -149,3 +152,50 @@ def apply_owned(optimizer: keras.optimizers.Optimizer,
                                args=(value,))
 
   ctx.merge_call(assign_all, args=(new,))
+
+
+def slots_by_variable(optimizer: keras.optimizers.Optimizer,
+                      count: int) -> list[list[Any]]:
+  """`optimizer`'s slots (its step counter and learning rate left out),
+  one list per variable it was built for: Keras 3 creates them variable
+  by variable (Adam: momentum, velocity)."""
+  inner = getattr(optimizer, "inner_optimizer", optimizer)
+  skip = {id(inner.iterations), id(_compat.learning_rate_variable(inner))}
+  slots = [v for v in inner.variables if id(v) not in skip]
+  if count == 0 or len(slots) % count:
+    raise ValueError(f"optimizer {inner.name!r} has {len(slots)} slots for "
+                     f"{count} variables; expected a whole number of slots "
+                     "per variable.")
+  k = len(slots) // count
+  return [slots[i * k:(i + 1) * k] for i in range(count)]
+
+
+def gather_slots(optimizer: keras.optimizers.Optimizer,
+                 full: keras.optimizers.Optimizer,
+                 variables: Sequence[Any], owners: Sequence[int]) -> None:
+  """Every worker's `full` optimizer takes each owner's slots (in replica
+  context; one all-gather): the unsharded slots, e.g. for a checkpoint
+  that restores into `mirrored` or an unsplit model.
+
+  Args:
+    optimizer: from `build_owned_optimizer` (this replica's slots).
+    full: the same kind of optimizer built (outside the strategy's scope)
+      on all of `variables`.
+    variables: the model's trainable variables.
+    owners: the owning replica of each variable.
+  """
+  mine = _replica_id(tf.distribute.get_replica_context())
+  own = iter(slots_by_variable(optimizer,
+                               len(owned(variables, owners, mine))))
+  whole = slots_by_variable(full, len(variables))
+  values, slot_owners = [], []
+  for o, targets in zip(owners, whole):
+    sources = next(own) if o == mine else [None] * len(targets)
+    for target, source in zip(targets, sources):
+      values.append(tf.zeros(target.shape, target.dtype) if source is None
+                    else tf.convert_to_tensor(source))
+      slot_owners.append(o)
+  new = all_gather_owned(values, slot_owners)
+  for target, value in zip((t for ts in whole for t in ts), new):
+    target.assign(value)
+  full.iterations.assign(optimizer.iterations)
