@@ -2,10 +2,10 @@
 
 `all_gather_owned` gives each worker the owners' values; a stage-1 Adam
 step (`apply_owned`, slots on their owner only) equals the unsharded step
-bit for bit, and its slots gathered (`gather_slots`) equal the unsharded
-ones; TF 2.21 has no ring reduce-scatter on CPU (the fact
-`zero_collectives` is built around: if this test starts failing because
-the op works, the step can use it).
+bit for bit, its slots gathered (`gather_slots`) equal the unsharded
+ones and scatter back (`scatter_slots`); TF 2.21 has no ring
+reduce-scatter on CPU (the fact `zero_collectives` is built around: if
+this test starts failing because the op works, the step can use it).
 """
 
 import ast
@@ -30,6 +30,7 @@ def test_all_gather_owned_across_two_workers(tmp_path):
     lines = helpers.task_lines(run.text, task)
     assert "gathered [[10.0], [1.0], [12.0], [3.0]]" in lines, lines
     assert "reduce_scatter unavailable" in lines, lines
+    assert "scattered equal True" in lines, lines
     plain, zero = re.search(r"^digests (\w+) (\w+)$", lines, re.M).groups()
     assert zero == plain, lines
     slots, mine = re.search(r"^zero slots (.*) owned (.*)$", lines,

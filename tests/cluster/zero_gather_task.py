@@ -80,6 +80,12 @@ def train(zero: bool) -> str:
     full.build(variables)
     strategy.run(tf.function(lambda: zero_collectives.gather_slots(
         optimizer, full, variables, owners)))
+    back = zero_collectives.build_owned_optimizer(
+        keras.optimizers.Adam(1e-2), variables, owners, ME)
+    zero_collectives.scatter_slots(full, back, variables, owners, ME)
+    print("scattered equal", all(
+        np.array_equal(a.numpy(), b.numpy())
+        for a, b in zip(optimizer.variables, back.variables)), flush=True)
   state = [v.numpy() for v in variables] + [
       s.numpy() for row in zero_collectives.slots_by_variable(
           full, len(variables)) for s in row] + [full.iterations.numpy()]

@@ -26,7 +26,8 @@ in the collective instance"); each owner applies its summed gradients,
 and the owners' new values are all-gathered into every worker's copy.
 `gather_slots` copies every owner's slots into an unsharded optimizer on
 every worker (for a portable save: the chief writes one checkpoint, with
-the slots in the unsharded layout). What is not built yet: the Trainer
+the slots in the unsharded layout); `scatter_slots` takes them back after
+a restore. What is not built yet: the Trainer
 and CLI route (so no save or resume goes through `gather_slots` yet), and
 stage 3 (weights that exist on their owner only; MWMS variables are
 mirrored on every worker).
@@ -199,3 +200,19 @@ def gather_slots(optimizer: keras.optimizers.Optimizer,
   for target, value in zip((t for ts in whole for t in ts), new):
     target.assign(value)
   full.iterations.assign(optimizer.iterations)
+
+
+def scatter_slots(full: keras.optimizers.Optimizer,
+                  optimizer: keras.optimizers.Optimizer,
+                  variables: Sequence[Any], owners: Sequence[int],
+                  replica: int) -> None:
+  """The reverse of `gather_slots`, after a restore: `optimizer` (built by
+  `build_owned_optimizer` for `replica`) takes its own variables' slots
+  from `full` (the unsharded optimizer every worker restored). Local: no
+  collective."""
+  whole = slots_by_variable(full, len(variables))
+  own = slots_by_variable(optimizer, len(owned(variables, owners, replica)))
+  for targets, sources in zip(own, owned(whole, owners, replica)):
+    for target, source in zip(targets, sources):
+      target.assign(source)
+  optimizer.iterations.assign(full.iterations)
