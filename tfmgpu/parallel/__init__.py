@@ -58,6 +58,9 @@ only modules listed before it):
   optimizer slots sharded over the replica devices (ZeRO stages 1-3);
 * `zero_placement`: `Trainer(zero_stage=N)`: a model sharded over its
   strategy's devices (or every local one);
+* `zero_collectives`: ZeRO across workers' pieces: the owners' values
+  all-gathered, a stage-1 update with slots on their owner only (not yet
+  routed from the Trainer or the CLI);
 * `links`: named link bandwidths, device speeds, GPU hosts, the default
   memory budget (no tfmgpu imports);
 * `accounting`: a layout's per-device memory, bytes sent per kind of
@@ -111,7 +114,8 @@ _SUBMODULES = ("accounting", "auto", "block_flops", "branches", "calibration",
                "shards", "shared", "split_attention", "split_blocks",
                "split_dense", "split_embedding", "split_kernel", "staged",
                "tensor", "tensor_rules", "timeline", "zero", "zero_cost",
-               "zero_memory", "zero_placement", "zero_shards")
+               "zero_collectives", "zero_memory", "zero_placement",
+               "zero_shards")
 
 __all__ = sorted(_EXPORTS)
 

@@ -46,6 +46,13 @@ over the replicas), weights to and from the unsplit model, which it holds
 (`to_unsplit`, `weighted_layers`: checkpoints restore into any layout). Its
 checkpoints have the keys of the unsplit model's, so a run resumes across
 stages and from or into plain `mirrored`.
+
+Its devices may be in other processes: after
+`tf.config.experimental_connect_to_cluster`, devices such as
+`/job:worker/replica:0/task:1/device:CPU:0` keep their weights and slots
+in that task's process, driven by this client (in-graph;
+tests/cluster/test_zero_in_graph.py). `multi_worker_mirrored`, where each
+worker runs its own program, is not routed here (`zero_collectives`).
 """
 
 from __future__ import annotations

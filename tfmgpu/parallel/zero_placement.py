@@ -66,8 +66,10 @@ def shard_for_trainer(model: keras.Model, strategy: Any, stage: int
       strategy or tf.distribute.get_strategy()):
     raise ValueError(
         f"zero_stage={stage} shards over the devices of one host; strategy "
-        f"{type(strategy).__name__} spans several workers. Use a "
-        "MirroredStrategy (or none: every local device), or zero_stage=0.")
+        f"{type(strategy).__name__} spans several workers, and the Trainer "
+        "does not route ZeRO across workers yet (its pieces are in "
+        "tfmgpu.parallel.zero_collectives). Use a MirroredStrategy (or "
+        "none: every local device), or zero_stage=0.")
   given = strategy is not None
   strategy = strategy or tf.distribute.get_strategy()
   if given and not isinstance(strategy, type(tf.distribute.get_strategy())):
