@@ -150,6 +150,7 @@ def test_rows_split_differently_get_the_same_seeded_tokens(gpt):
       "padding_mask": np.array([[1, 0, 1, 0]], bool)}, "right-padded"),
     ({"tokens": np.ones((1, 4), np.int32)}, "keys"),
     (np.ones((1, 4), np.float32), "integer"),
+    (np.array([[-3, 6]]), "holds -3; token ids are >= 0"),
 ])
 def test_bad_inputs_are_named(gpt, inputs, match):
   with pytest.raises(ValueError, match=match):
@@ -166,6 +167,10 @@ def test_bad_options_are_named(gpt):
     tfmgpu.generate(gpt, ids, max_new_tokens=2, sampler="beam")
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     tfmgpu.generate(gpt, ids, max_new_tokens=0)
+  with pytest.raises(ValueError, match="k=5 is read only by sampler='top_k'"):
+    tfmgpu.generate(gpt, ids, max_new_tokens=2, k=5)
+  with pytest.raises(ValueError, match=r"stop_token_ids=5 must be a list"):
+    tfmgpu.generate(gpt, ids, max_new_tokens=2, stop_token_ids=5)
 
 
 def test_a_placed_model_refuses_a_strategy_and_a_placed_non_gpt(

@@ -293,6 +293,12 @@ def replace_gradient_all_reduce(
   return True
 
 
+def variable_storage(variable: Any) -> Any:
+  """The `tf.Variable` behind a Keras variable (its `value` is a cast
+  tensor under a mixed-precision autocast scope)."""
+  return variable._value  # pylint: disable=protected-access
+
+
 def rehome_variable(variable: Any, device: str) -> None:
   """Moves a Keras variable's storage to `device` (a new `tf.Variable`
   there, holding the same value; the Keras variable object, which layers,

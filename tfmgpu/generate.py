@@ -170,7 +170,8 @@ def _write(generator, prompt: list[int], as_text: bool) -> int:
   """Prints the prompt, then each new token as it comes, then the rate."""
   from tfmgpu import generation  # pylint: disable=g-import-not-at-top
   sampling = generation.Sampling(
-      _SAMPLER.value, k=_TOP_K.value, p=_TOP_P.value,
+      _SAMPLER.value, k=_TOP_K.value if _SAMPLER.value == "top_k" else None,
+      p=_TOP_P.value if _SAMPLER.value == "top_p" else None,
       temperature=_TEMPERATURE.value, seed=_SAMPLE_SEED.value)
   stops = [int(t) for t in _STOP_TOKEN_IDS.value or []]
   decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -151,6 +151,10 @@ class Generator:
     seed = sampling.seed
     if seed is None:
       seed = 0 if sampling.sampler == "greedy" else secrets.randbelow(2**30)
+    if stop_token_ids is not None and not isinstance(
+        stop_token_ids, (list, tuple, set, np.ndarray)):
+      raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a list "
+                       f"of token ids, e.g. [{stop_token_ids!r}].")
     stops = tuple(int(t) for t in stop_token_ids or ())
     state = decode.initial_state(request.token_ids, request.lengths,
                                  np.arange(len(request.lengths)),

@@ -51,6 +51,9 @@ def _arrays(inputs: Any) -> tuple[np.ndarray, np.ndarray]:
   if not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"inputs token_ids has dtype {ids.dtype}; give integer "
                      "token ids.")
+  if (ids[mask] < 0).any():
+    raise ValueError(f"inputs token_ids holds {int(ids[mask].min())}; token "
+                     "ids are >= 0 (indices into the vocabulary).")
   return ids.astype(np.int32), mask
 
 

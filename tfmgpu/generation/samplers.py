@@ -49,6 +49,12 @@ class Sampling:
         self.p is None or not 0.0 < float(self.p) <= 1.0):
       raise ValueError(f"p={self.p!r} must be in (0, 1] for "
                        "sampler='top_p', e.g. p=0.9.")
+    for name, owner in (("k", "top_k"), ("p", "top_p")):
+      if getattr(self, name) is not None and self.sampler != owner:
+        raise ValueError(
+            f"{name}={getattr(self, name)!r} is read only by sampler="
+            f"{owner!r}, not sampler={self.sampler!r}: pass sampler="
+            f"{owner!r}, or drop {name}.")
     if not float(self.temperature) > 0.0:
       raise ValueError(f"temperature={self.temperature!r} must be > 0, e.g. "
                        "1.0 (greedy ignores it).")

@@ -34,8 +34,23 @@ def check_micro_batches(micro_batches: Any) -> int:
 
 
 def split(structure: Any, num: int) -> list[Any]:
-  """Splits every tensor of a structure along axis 0 into `num` parts."""
+  """Splits every tensor of a structure along axis 0 into `num` parts.
+
+  A batch whose size is known only when it runs (a dataset's) is checked
+  then, with an error that says what to do (a short last batch).
+  """
   flat = tf.nest.flatten(structure)
+  dynamic = [t for t in flat if isinstance(t, tf.Tensor) and t.shape.rank
+             and t.shape[0] is None]
+  if dynamic and num > 1:
+    with tf.control_dependencies([tf.debugging.assert_equal(
+        tf.shape(dynamic[0])[0] % num, 0, message=(
+            f"a batch must split into {num} equal parts (data-parallel "
+            "replicas or micro-batches), and this one's rows do not (a "
+            "dataset's short last batch?): batch the dataset with "
+            "drop_remainder=True, or use a batch size that every batch, the "
+            "last included, divides."))]):
+      flat = [None if t is None else tf.identity(t) for t in flat]
   parts = [[None] * num if t is None else tf.split(t, num, axis=0)
            for t in flat]
   return [tf.nest.pack_sequence_as(structure, [p[m] for p in parts])

@@ -121,7 +121,8 @@ class ShardedModel(placed.PerDeviceGradientModel):
     self.unsplit = model
     self.stage = stage
     self._devices = tuple(devices)
-    weights = unique(model.weights)
+    # Seed generators' states (Dropout) are variables but not weights.
+    weights = unique(list(model.weights) + list(model.non_trainable_variables))
     owners = assign_owners([variable_bytes(v) for v in weights], len(devices))
     for v, owner in zip(weights, owners):
       _compat.rehome_variable(v, devices[owner])

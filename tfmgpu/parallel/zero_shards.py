@@ -14,6 +14,8 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
+
 from tfmgpu.parallel import zero_memory
 from tfmgpu.strategies.options import ZERO_STAGES
 
@@ -75,7 +77,8 @@ def read_on_owner(variable: Any) -> tf.Tensor:
   """The variable's value, read by an op on the variable's own device
   (`convert_to_tensor` would only colocate it, leaving no device in the
   traced graph)."""
-  storage = variable.value if isinstance(variable, keras.Variable) else variable
+  storage = (_compat.variable_storage(variable)
+             if isinstance(variable, keras.Variable) else variable)
   with tf.device(storage.device):
     return tf.raw_ops.ReadVariableOp(resource=storage.handle,
                                      dtype=storage.dtype)
