@@ -458,3 +458,14 @@ def test_plan_and_options_together_are_rejected():
   plan = partition.plan_stages(model, 2)
   with pytest.raises(ValueError, match=r"either plan=.* or num_stages"):
     StagedModel.from_model(model, plan, num_stages=2)
+
+
+def test_save_writes_the_unsplit_model(tmp_path):
+  """`placed.save(path)` raised a bare NotImplementedError from Keras."""
+  model = _mlp()
+  staged = StagedModel.from_model(model, num_stages=2)
+  staged.save(str(tmp_path / "m.keras"))
+  loaded = keras.saving.load_model(str(tmp_path / "m.keras"))
+  x = np.random.default_rng(0).normal(size=(4, 12)).astype(np.float32)
+  np.testing.assert_allclose(loaded.predict(x, verbose=0),
+                             staged.predict(x, verbose=0), atol=1e-6)

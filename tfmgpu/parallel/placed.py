@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu.parallel import microbatch
+from tfmgpu.parallel import placed_model
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import optimizers as optimizers_lib
 
@@ -170,6 +171,21 @@ class PerDeviceGradientModel(keras.Model):
       # Build now, eagerly: built lazily inside the traced step, Keras would
       # create every slot on the default device instead of beside its variable.
       self.build_optimizer(self.optimizer)
+
+  def save(self, filepath: Any, *args, **kwargs) -> Any:
+    """Saves the unsplit model (`to_unsplit()`), which any layout, or
+    none, loads: the placed parts do not save themselves (Keras raised a
+    bare `NotImplementedError` from `get_config`).
+
+    Raises:
+      NotImplementedError: a placed model without an unsplit form.
+    """
+    unsplit = placed_model.unsplit_of(self)
+    if unsplit is self:
+      raise NotImplementedError(
+          f"{type(self).__name__} {self.name!r} has no unsplit form to save; "
+          "save the model it was placed from instead.")
+    return unsplit.save(filepath, *args, **kwargs)
 
   def build_optimizer(self, optimizer: keras.optimizers.Optimizer):
     """Prepares an optimizer for a custom loop over this model.
