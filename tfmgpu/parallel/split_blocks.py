@@ -26,6 +26,7 @@ import keras
 
 from tfmgpu import _compat
 from tfmgpu.parallel import split_embedding
+from tfmgpu.parallel import split_hub_attention
 from tfmgpu.parallel import split_kernel
 from tfmgpu.parallel import tensor
 
@@ -101,8 +102,15 @@ def _splits(layer: keras.layers.Layer, axes: Mapping[str, int],
             ) -> list[tuple[keras.layers.Layer, keras.layers.Layer]]:
   """`[(sublayer, its split copy)]` of the sublayers whose weight `axes`
   names (any depth; `layer` itself included)."""
-  out = []
+  out, fused = [], set()
   for sub in _compat.flatten_layers(layer):
+    if id(sub) in fused:
+      continue
+    if split_hub_attention.family_of(sub) is not None:
+      pairs = split_hub_attention.fuse(sub, axes, devices, named)
+      fused.update(id(dense) for dense, _ in pairs)
+      out.extend(pairs)
+      continue
     how = _splitter(sub)
     weight = getattr(sub, how[0], None) if how else None
     path = named.get(id(weight)) if weight is not None else None

@@ -56,6 +56,7 @@ class SplitKernelDense(ShardedLayer):
   def __init__(self, equation: str, kernel_shape: Sequence[int], axis: int,
                devices: Sequence[str], *,
                bias_shape: Sequence[int] | None = None,
+               bias_axis: int | None = None,
                activation: Any = None,
                kernel_initializer: Any = "glorot_uniform",
                bias_initializer: Any = "zeros", **kwargs):
@@ -64,6 +65,9 @@ class SplitKernelDense(ShardedLayer):
     self.kernel_shape = tuple(int(d) for d in kernel_shape)
     self.bias_shape = (None if bias_shape is None
                        else tuple(int(d) for d in bias_shape))
+    # The bias axis split with the kernel's (a head-split projection's bias
+    # by heads, each shard adding its own); `None`: held once.
+    self.bias_axis = None if bias_axis is None else int(bias_axis)
     x, k, out = (equation.split("->")[0].split(",")
                  + [equation.split("->")[1]])
     letter = k[self.axis]
@@ -85,17 +89,35 @@ class SplitKernelDense(ShardedLayer):
                                self.axis, T, self.variable_dtype)
     self.kernels = [self._add_shard_weight(t, f"kernel_{t}", piece, inits[t])
                     for t in range(T)]
-    self.bias = (None if self.bias_shape is None else self._add_shard_weight(
-        0, "bias", self.bias_shape, self.bias_initializer))
+    self.bias, self.biases = None, []
+    if self.bias_shape is not None and self.bias_axis is None:
+      self.bias = self._add_shard_weight(0, "bias", self.bias_shape,
+                                         self.bias_initializer)
+    elif self.bias_shape is not None:
+      piece = list(self.bias_shape)
+      piece[self.bias_axis] //= T
+      inits = sliced_initializer(self.bias_initializer, self.bias_shape,
+                                 self.bias_axis, T, self.variable_dtype)
+      self.biases = [self._add_shard_weight(t, f"bias_{t}", piece, inits[t])
+                     for t in range(T)]
     self.built = True
+
+  def shard_product(self, t: int, x, *, bias: bool = True):
+    """Shard `t`'s product for its part `x` of the input (its slice of the
+    output, for a kernel split along an output axis), with its slice of
+    the bias when the bias is split too (`bias`) and no activation."""
+    y = keras.ops.einsum(self.equation, x,
+                         keras.ops.cast(self.kernels[t], x.dtype))
+    if bias and self.biases:
+      y = keras.ops.add(y, keras.ops.cast(self.biases[t], y.dtype))
+    return y
 
   def _shard(self, t: int, x):
     if not self.gathers:
       size = self.kernels[t].shape[self.axis]
       x = keras.ops.take(x, np.arange(t * size, (t + 1) * size),
                          axis=self._join_axis)
-    return keras.ops.einsum(self.equation, x,
-                            keras.ops.cast(self.kernels[t], x.dtype))
+    return self.shard_product(t, x)
 
   def _join(self, *parts):
     y = (keras.ops.concatenate(parts, axis=self._join_axis) if self.gathers
@@ -119,6 +141,8 @@ class SplitKernelDense(ShardedLayer):
         self.compute_dtype)
 
   def _unsplit_layout(self):
+    if self.biases:
+      return [(self.kernels, self.axis), (self.biases, self.bias_axis)]
     return [(self.kernels, self.axis)] + (
         [] if self.bias is None else [([self.bias], None)])
 
@@ -128,6 +152,7 @@ class SplitKernelDense(ShardedLayer):
         equation=self.equation, kernel_shape=list(self.kernel_shape),
         axis=self.axis,
         bias_shape=None if self.bias_shape is None else list(self.bias_shape),
+        bias_axis=self.bias_axis,
         activation=keras.activations.serialize(self.activation),
         kernel_initializer=keras.initializers.serialize(
             self.kernel_initializer),
