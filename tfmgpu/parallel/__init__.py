@@ -40,6 +40,8 @@ only modules listed before it):
 * `tensor_rules`: which whole layers split and how (`{regex: kind}`);
 * `tensor`: `tensor_parallel` (a model rebuilt with split layers) and
   `TensorParallelModel`;
+* `split_mlp`: column outputs kept on their shards for the row kernel
+  reading them (a block's MLP: one sum);
 * `split_kernel`: `SplitKernelDense`, one kernel split along one axis;
 * `split_embedding`: `VocabParallelEmbedding`, an embedding and its
   reversed LM head split by vocabulary rows;
@@ -107,7 +109,7 @@ _SUBMODULES = ("accounting", "auto", "block_flops", "branches", "choices",
                "placed_model", "plan", "replicated", "schedule", "serve_plan",
                "shards", "shared", "split_attention", "split_blocks",
                "split_dense", "split_embedding", "split_hub_attention",
-               "split_kernel", "staged",
+               "split_kernel", "split_mlp", "staged",
                "tensor", "tensor_rules", "timeline", "zero", "zero_cost",
                "zero_memory", "zero_placement", "zero_shards")
 

@@ -51,6 +51,7 @@ def _split_dense(layer: keras.layers.Layer, path: str, axis: int,
   split = split_kernel.SplitKernelDense(
       f"{x},{k}->{out}", shape, axis, devices,
       bias_shape=None if bias is None else tuple(bias.shape),
+      bias_axis=split_kernel.bias_axis_of(layer, axis),
       activation=keras.activations.serialize(layer.activation),
       kernel_initializer="zeros", name=layer.name, dtype=layer.dtype_policy)
   split.set_weights(layer.get_weights())

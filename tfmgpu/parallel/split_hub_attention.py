@@ -102,16 +102,6 @@ def _heads_axis(dense: keras.layers.EinsumDense, output: bool) -> int:
   return next(i for i, letter in enumerate(k) if letter in other)
 
 
-def _bias_axis(dense: keras.layers.EinsumDense, kernel_axis: int
-               ) -> int | None:
-  bias = getattr(dense, "bias", None)
-  if bias is None:
-    return None
-  _, k, out = split_kernel.layer_specs(dense)
-  letters = sorted(dense.bias_axes, key=out.index)
-  return letters.index(k[kernel_axis])
-
-
 def _split(dense: keras.layers.EinsumDense, devices: Sequence[str],
            output: bool) -> split_kernel.SplitKernelDense:
   """A projection split by heads (its bias too, except the output's)."""
@@ -121,7 +111,7 @@ def _split(dense: keras.layers.EinsumDense, devices: Sequence[str],
   split = split_kernel.SplitKernelDense(
       f"{x},{k}->{out}", tuple(dense.kernel.shape), axis, devices,
       bias_shape=None if bias is None else tuple(bias.shape),
-      bias_axis=None if output else _bias_axis(dense, axis),
+      bias_axis=None if output else split_kernel.bias_axis_of(dense, axis),
       activation=keras.activations.serialize(dense.activation),
       kernel_initializer="zeros", name=dense.name, dtype=dense.dtype_policy)
   split.set_weights(dense.get_weights())

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 
+from tfmgpu.parallel import split_mlp
 from tfmgpu.parallel.on_device import on_device
 from tfmgpu.parallel.shards import ShardedLayer
 from tfmgpu.parallel.shards import sliced_initializer
@@ -38,6 +39,18 @@ def _position(spec: str, letter: str) -> int:
     if letter in tail:
       return tail.index(letter) - len(tail)
   return spec.index(letter)
+
+
+def bias_axis_of(layer: keras.layers.Layer, kernel_axis: int) -> int | None:
+  """The axis of a Dense / EinsumDense bias that kernel axis `kernel_axis`
+  reaches (`None`: no bias, or the axis is contracted or not biased)."""
+  if getattr(layer, "bias", None) is None:
+    return None
+  _, k, out = layer_specs(layer)
+  letters = ("o" if not isinstance(layer, keras.layers.EinsumDense)
+             else sorted(layer.bias_axes, key=out.index))
+  letter = k[kernel_axis]
+  return letters.index(letter) if letter in letters else None
 
 
 @keras.saving.register_keras_serializable(package="tfmgpu")
@@ -112,26 +125,54 @@ class SplitKernelDense(ShardedLayer):
       y = keras.ops.add(y, keras.ops.cast(self.biases[t], y.dtype))
     return y
 
+  @property
+  def local_tail(self) -> bool:
+    """Split along an output axis with no bias held whole: each shard adds
+    its bias slice and applies the activation, and the join only
+    concatenates (so its parts are the output's slices)."""
+    return self.gathers and self.bias is None
+
   def _shard(self, t: int, x):
     if not self.gathers:
       size = self.kernels[t].shape[self.axis]
       x = keras.ops.take(x, np.arange(t * size, (t + 1) * size),
                          axis=self._join_axis)
-    return self.shard_product(t, x)
+    y = self.shard_product(t, x)
+    if self.local_tail and self.activation is not None:
+      y = self.activation(y)
+    return y
 
   def _join(self, *parts):
+    if self.local_tail:
+      return keras.ops.concatenate(parts, axis=self._join_axis)
     y = (keras.ops.concatenate(parts, axis=self._join_axis) if self.gathers
          else keras.ops.sum(keras.ops.stack(parts), axis=0))
     if self.bias is not None:
       y = keras.ops.add(y, keras.ops.cast(self.bias, y.dtype))
     return self.activation(y) if self.activation is not None else y
 
+  def _row_parts(self, plan: split_mlp.Plan) -> list[Any]:
+    """Each shard's product of its rows with its slice of the input,
+    computed there from column outputs' parts (`split_mlp.Plan`)."""
+    return [on_device(d, lambda *leaves, t=t: self.shard_product(
+        t, plan.run(t, leaves)), *plan.leaves_of(t),
+                      name=f"{self.name}_shard{t}")
+            for t, d in enumerate(self.devices)]
+
   def call(self, inputs):
-    parts = [on_device(d, lambda x, t=t: self._shard(t, x), inputs,
-                       name=f"{self.name}_shard{t}")
-             for t, d in enumerate(self.devices)]
-    return on_device(self.devices[0], self._join, *parts,
-                     name=f"{self.name}_join")
+    plan = None if self.gathers else split_mlp.trace(
+        inputs, len(self.devices), self._join_axis)
+    if plan is not None:
+      parts = self._row_parts(plan)
+    else:
+      parts = [on_device(d, lambda x, t=t: self._shard(t, x), inputs,
+                         name=f"{self.name}_shard{t}")
+               for t, d in enumerate(self.devices)]
+    joined = on_device(self.devices[0], self._join, *parts,
+                       name=f"{self.name}_join")
+    if self.local_tail:
+      split_mlp.mark(joined, parts, self._join_axis)
+    return joined
 
   def compute_output_spec(self, inputs):
     return keras.KerasTensor(
