@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfmgpu
+from tfmgpu import generation
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import hybrid
 from tfmgpu.parallel import inspection
@@ -82,3 +83,43 @@ def test_a_block_sends_one_sum_per_attention_and_per_mlp(family, steps):
   sent = inspection.cross_device_bytes(step)
   per_block = 9 * activation + mask
   assert sum(sent.values()) <= backbone.num_layers * per_block + 64, sent
+
+
+def _one_kv_head_gemma(family="gemma", seed=0):
+  del family
+  import keras_hub  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(seed)
+  return keras_hub.models.GemmaCausalLM(keras_hub.models.GemmaBackbone(
+      vocabulary_size=matrix.VOCAB, num_layers=2, num_query_heads=2,
+      num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+      head_dim=8), preprocessor=None)
+
+
+def test_shards_share_a_key_value_head_when_t_is_a_multiple(monkeypatch,
+                                                            cpu_devices):
+  """Gemma with 1 key/value head under tensor 2: the head is one weight on
+  shard 0, read by shard 1 too (its gradient the sum of both reads); it
+  trains as one-device `fit`, and generates keras_hub's greedy tokens with
+  each shard caching the head on its own device."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(matrix, "build", _one_kv_head_gemma)
+  predicted, diff = matrix.run_case("gemma", "tensor2", cpu_devices)
+  assert predicted <= 1e-5 and diff <= 1e-5
+  lm = _one_kv_head_gemma(seed=1)
+  placed = hybrid.build_layout(lm, hybrid.Layout(tensor=2),
+                               devices=cpu_devices[:2])
+  key = [v for v in placed.weights if v.path.endswith("key/kernel_0")]
+  assert [tuple(v.shape) for v in key] == [(1, 16, 8)] * 2  # One a block.
+  ids = np.random.RandomState(0).randint(1, matrix.VOCAB, (2, 4))
+  prompts = {"token_ids": ids.astype("int32"),
+             "padding_mask": np.ones_like(ids, bool)}
+  generator = generation.Generator(placed)
+  cache = generator.adapter.empty_cache(2, 8)
+  cpus = [devices_lib.canonical_device(d) for d in cpu_devices[:2]]
+  assert [[devices_lib.canonical_device(p.device) for p in parts]
+          for parts in cache] == [cpus] * 2
+  out = generator.generate(prompts, max_new_tokens=3)["token_ids"]
+  lm.compile(sampler="greedy")
+  wide = {k: np.pad(v, [(0, 0), (0, 3)]) for k, v in prompts.items()}
+  np.testing.assert_array_equal(
+      out[:, :7], lm.generate(wide, stop_token_ids=None)["token_ids"])

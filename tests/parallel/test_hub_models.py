@@ -99,13 +99,13 @@ def test_the_backbones_layout_map_names_the_weights_it_splits(cpu_devices):
 def test_a_split_the_sizes_do_not_allow_names_the_weight(cpu_devices):
   keras.utils.set_random_seed(0)
   backbone = keras_hub.models.GemmaBackbone(
-      vocabulary_size=64, num_layers=1, num_query_heads=2,
+      vocabulary_size=64, num_layers=1, num_query_heads=3,
       num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
   model = keras_hub.models.GemmaCausalLM(backbone=backbone,
                                          preprocessor=None)
   with pytest.raises(ValueError, match=r"attention 'decoder_block_0/attention'"
-                     r".*2 query heads, 1 key/value heads.*not divisible by "
-                     r"T=2"):
+                     r".*3 query heads, 1 key/value heads.*do not split "
+                     r"over T=2"):
     hybrid.build_layout(model, hybrid.Layout(tensor=2),
                         devices=cpu_devices[:2])
 

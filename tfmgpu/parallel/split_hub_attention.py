@@ -53,12 +53,15 @@ class Heads:
       without grouped-query attention).
     projections: the attributes of the query, key, value and output
       `EinsumDense`s.
+    groups: the attribute holding query heads per key/value head, if the
+      class keeps one.
     adjust: `(view, T)`: anything else a shard's view changes (Gemma's
       `hidden_dim`, which its unnormalised query scale divides by heads).
   """
   query_heads: str
   kv_heads: str
   projections: tuple[str, str, str, str]
+  groups: str | None = None
   adjust: Callable[[Any, int], None] = lambda view, T: None
 
 
@@ -69,7 +72,8 @@ def _gemma_hidden(view: Any, T: int) -> None:
 
 _UNDERSCORED = ("_query_dense", "_key_dense", "_value_dense", "_output_dense")
 _MHA = Heads("_num_heads", "_num_heads", _UNDERSCORED)
-_GQA = Heads("num_query_heads", "num_key_value_heads", _UNDERSCORED)
+_GQA = Heads("num_query_heads", "num_key_value_heads", _UNDERSCORED,
+             "num_key_value_groups")
 # Class name (its module's `call` read in keras 3.15 / keras_hub 0.32) ->
 # how it names its heads. A subclass with a `call` of its own is not split.
 FAMILIES: dict[str, Heads] = {
@@ -78,11 +82,11 @@ FAMILIES: dict[str, Heads] = {
     "LlamaAttention": _GQA,
     "QwenAttention": _GQA,
     "CachedMistralAttention": Heads("_num_query_heads", "_num_key_value_heads",
-                                    _UNDERSCORED),
+                                    _UNDERSCORED, "_num_key_value_groups"),
     "CachedGemmaAttention": Heads(
         "num_query_heads", "num_key_value_heads",
         ("query_dense", "key_dense", "value_dense", "output_dense"),
-        _gemma_hidden),
+        "num_key_value_groups", _gemma_hidden),
 }
 
 
@@ -119,7 +123,7 @@ def _split(dense: keras.layers.EinsumDense, devices: Sequence[str],
 
 
 class _Projection:
-  """Shard `t`'s part of a split projection, called as the layer was."""
+  """Piece `t` of a split projection, called as the layer was."""
 
   def __init__(self, split: split_kernel.SplitKernelDense, t: int,
                bias: bool):
@@ -130,19 +134,31 @@ class _Projection:
     return self.split.shard_product(self.t, x, bias=self.bias)
 
 
-def _view(layer: Any, heads: Heads, t: int, T: int,
+@dataclasses.dataclass(frozen=True)
+class _Counts:
+  """Heads per shard: `T` shards; `shared` shards read one key/value head
+  (1 when `T` divides the key/value heads)."""
+  query: int
+  kv: int
+  shared: int
+
+
+def _view(layer: Any, heads: Heads, t: int, counts: _Counts,
           splits: Sequence[split_kernel.SplitKernelDense]) -> Any:
-  """Shard `t`'s view of `layer`: its attributes, head counts divided by
-  `T`, projections the shard's (never tracked: not a sublayer)."""
+  """Shard `t`'s view of `layer`: its attributes, head counts the shard's,
+  projections the shard's pieces (never tracked: not a sublayer)."""
   view = object.__new__(type(layer))
   view.__dict__.update(layer.__dict__)
   view.__dict__.pop("call", None)
   view.__dict__.pop(_STATE, None)
-  for name in {heads.query_heads, heads.kv_heads}:
-    view.__dict__[name] = getattr(layer, name) // T
+  view.__dict__[heads.kv_heads] = counts.kv
+  view.__dict__[heads.query_heads] = counts.query
+  if heads.groups:
+    view.__dict__[heads.groups] = counts.query // counts.kv
+  pieces = (t, t // counts.shared, t // counts.shared, t)
   for i, (name, split) in enumerate(zip(heads.projections, splits)):
-    view.__dict__[name] = _Projection(split, t, bias=i < 3)
-  heads.adjust(view, T)
+    view.__dict__[name] = _Projection(split, pieces[i], bias=i < 3)
+  heads.adjust(view, len(splits[0].devices))
   return view
 
 
@@ -156,11 +172,11 @@ class FusedAttention:
 
   def __init__(self, layer: Any, heads: Heads,
                splits: Sequence[split_kernel.SplitKernelDense],
-               devices: Sequence[str]):
-    T = len(devices)
-    self.devices = tuple(devices)
-    self.kv_heads = getattr(layer, heads.kv_heads) // T
-    self.views = [_view(layer, heads, t, T, splits) for t in range(T)]
+               counts: _Counts):
+    self.devices = splits[0].devices
+    self.kv_heads, self.shared = counts.kv, counts.shared
+    self.views = [_view(layer, heads, t, counts, splits)
+                  for t in range(len(self.devices))]
     self.output_bias = splits[3].bias
     self._parts: list[Any] | None = None
     self._written: list[Any] = []
@@ -181,9 +197,8 @@ class FusedAttention:
       return self._parts
     if cache is None:
       return None
-    return [on_device(d, lambda c, t=t: c[..., t * self.kv_heads:(t + 1) *
-                                         self.kv_heads, :], cache,
-                      name=f"cache_part{t}")
+    return [on_device(d, lambda c, s=t // self.shared * self.kv_heads: c[
+        ..., s:s + self.kv_heads, :], cache, name=f"cache_part{t}")
             for t, d in enumerate(self.devices)]
 
   def call(self, *args, **kwargs):
@@ -198,12 +213,12 @@ class FusedAttention:
     if parts is None:
       return self._reduce([o for o in outs])
     y = self._reduce([o[0] for o in outs])
-    written = [o[1] for o in outs]
+    written = [o[1] for o in outs]  # Shards sharing a head: the first's.
     if self._parts is not None:
       self._written[:] = written
       return y, cache
     return y, on_device(self.devices[0], lambda *w: keras.ops.concatenate(
-        w, axis=_HEADS_AXIS), *written, name="cache_join")
+        w, axis=_HEADS_AXIS), *written[::self.shared], name="cache_join")
 
   def _reduce(self, outs: list[Any]) -> Any:
     def add(*parts):
@@ -246,9 +261,20 @@ def _refuse_heads(path: str, layer: Any, heads: Heads, T: int) -> ValueError:
   return ValueError(
       f"the tensor-parallel layout names the attention {path!r} "
       f"({type(layer).__name__}: {q} query heads, {kv} key/value heads) but "
-      f"tfmgpu splits attention by heads and its heads are not divisible by "
-      f"T={T}. Use a tensor size that divides both head counts, or drop "
-      "its kernels from the layout map (or rules).")
+      f"tfmgpu splits attention by heads and they do not split over "
+      f"T={T}: the query heads must be divisible by T, and the key/value "
+      f"heads divisible by T or dividing it (then shards share one). Use "
+      "such a tensor size, or drop its kernels from the layout map (or "
+      "rules).")
+
+
+def _counts(layer: Any, heads: Heads, T: int) -> _Counts | None:
+  """Heads per shard, or `None`: `T` does not split them."""
+  q, kv = getattr(layer, heads.query_heads), getattr(layer, heads.kv_heads)
+  if q % T or (kv % T and T % kv):
+    return None
+  shared = 1 if kv % T == 0 else T // kv
+  return _Counts(q // T, kv * shared // T, shared)
 
 
 def fuse(layer: Any, axes: Mapping[str, int], devices: Sequence[str],
@@ -256,14 +282,17 @@ def fuse(layer: Any, axes: Mapping[str, int], devices: Sequence[str],
          ) -> list[tuple[keras.layers.Layer, keras.layers.Layer]]:
   """Splits attention `layer` by heads over `devices`, in place, if `axes`
   names any of its projection kernels (`named`: weight id -> the path
-  `axes` uses).
+  `axes` uses). With fewer key/value heads than shards (`T` a multiple of
+  them), each key/value head is held once, on the first shard that reads
+  it, and read by the others (one weight; its gradient the sum of theirs),
+  each keeping its own cache of it.
 
   Returns:
     `[(projection, its split)]` (empty: not named, nothing done).
 
   Raises:
-    ValueError: `T` does not divide its query or key/value heads (named by
-      the attention's path).
+    ValueError: `T` does not split its heads (named by the attention's
+      path, with its head counts).
   """
   heads = family_of(layer)
   dense = [getattr(layer, name, None) for name in heads.projections]
@@ -272,15 +301,16 @@ def fuse(layer: Any, axes: Mapping[str, int], devices: Sequence[str],
   paths = [named.get(id(d.kernel)) for d in dense]
   if not any(p in axes for p in paths):
     return []
-  T = len(devices)
-  if (getattr(layer, heads.query_heads) % T
-      or getattr(layer, heads.kv_heads) % T):
+  counts = _counts(layer, heads, len(devices))
+  if counts is None:
     path = next(p for p in paths if p).rsplit("/", 2)[0]
-    raise _refuse_heads(path, layer, heads, T)
-  splits = [_split(d, devices, output=i == 3) for i, d in enumerate(dense)]
+    raise _refuse_heads(path, layer, heads, len(devices))
+  owners = list(devices)[::counts.shared]  # Of the key/value heads.
+  splits = [_split(d, owners if i in (1, 2) else devices, output=i == 3)
+            for i, d in enumerate(dense)]
   for d, split in zip(dense, splits):
     _compat.replace_sublayer(layer, d, split)
-  state = FusedAttention(layer, heads, splits, devices)
+  state = FusedAttention(layer, heads, splits, counts)
   object.__setattr__(layer, _STATE, state)
   object.__setattr__(layer, "call", state.call)
   return list(zip(dense, splits))
