@@ -1,11 +1,17 @@
 """A `Dense` or `EinsumDense` with its kernel split along one axis.
 
 The layer `split_blocks` puts in place of a kernel a layout map names,
-inside a model's blocks (a keras_hub block's attention projections and
-MLP): shard `t` holds `1/T` of the kernel on `devices[t]` and computes its
-part of the product there (forward and backward, `on_device`); the parts are
-joined on `devices[0]` (concatenated for an output axis, summed for a
-contracted one), then the bias (held once) and the activation.
+inside a model's blocks (a keras_hub block's MLP; its attention
+projections, driven per shard by `split_hub_attention`): shard `t` holds
+`1/T` of the kernel on `devices[t]` and computes its part of the product
+there (forward and backward, `on_device`). Split along an output axis
+(column-parallel), a shard also adds its slice of the bias and applies the
+activation, and the parts are concatenated on `devices[0]` for whoever
+reads the whole output; split along a contracted axis (row-parallel), the
+parts are summed on `devices[0]`, then the bias (held once) and the
+activation. A row kernel reading an elementwise function of column outputs
+(an MLP) computes each shard's slice of its input on that shard from the
+column parts (`split_mlp`): no join between them.
 """
 
 from __future__ import annotations
