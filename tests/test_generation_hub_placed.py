@@ -130,18 +130,39 @@ def test_each_block_writes_its_cache_on_its_device(layout, generators,
   nodes, kinds = _kinds(generator.graphs[-1].as_graph_def())
   cpus = [devices_lib.canonical_device(d)
           for d in tfmgpu.list_devices("CPU")]
+
+  def devices(block, kind, shard=""):
+    return {devices_lib.canonical_device(n.device) for n in nodes
+            if re.search(rf"(^|/)block{block}/.*{shard}", n.name)
+            and n.device and kinds(n) & kind}
+
+  writes = {"XlaDynamicUpdateSlice"}  # The cache write.
+  products = {"Einsum", "MatMul", "BatchMatMulV2"}
   for block in (0, 1):
-    mine = [n for n in nodes if re.search(rf"(^|/)block{block}/", n.name)
-            and n.device]
-    writes = {devices_lib.canonical_device(n.device) for n in mine
-              if "XlaDynamicUpdateSlice" in kinds(n)}  # The cache write.
-    matmuls = {devices_lib.canonical_device(n.device) for n in mine
-               if kinds(n) & {"Einsum", "MatMul", "BatchMatMulV2"}}
     if layout == "pipeline2":  # Block b on stage b, all of it.
-      assert writes == matmuls == {cpus[block]}, (block, writes, matmuls)
-    else:  # Keys and values joined on shard 0; the kernels' parts on both.
-      assert writes == {cpus[0]}, (block, writes)
-      assert matmuls == {cpus[0], cpus[1]}, (block, matmuls)
+      assert devices(block, writes) == devices(block, products) == {
+          cpus[block]}, block
+      continue
+    for t in (0, 1):  # Shard t's heads: cache, projections, scores.
+      shard = f"attention_shard{t}/"
+      assert devices(block, writes, shard) == {cpus[t]}, (block, t)
+      assert devices(block, products, shard) == {cpus[t]}, (block, t)
+  # The cache parts never cross devices (never split or joined).
+  assert not [n.name for n in nodes if re.search(r"cache_(part|join)",
+                                                  n.name)]
+
+
+def test_each_shard_keeps_the_cache_of_its_key_value_heads(generators):
+  """Llama's 2 key/value heads under tensor 2: each block's cache is one
+  part per shard, of its 1 head, made on the shard's device."""
+  cpus = [devices_lib.canonical_device(d)
+          for d in tfmgpu.list_devices("CPU")]
+  cache = generators("llama", "tensor2").adapter.empty_cache(3, 8)
+  assert len(cache) == 2  # Blocks.
+  for parts in cache:
+    assert [tuple(p.shape) for p in parts] == [(3, 2, 8, 1, 4)] * 2
+    assert [devices_lib.canonical_device(p.device) for p in parts] == \
+        cpus[:2]
 
 
 def test_the_registry_wrapper_generates_placed_as_unplaced(prompts):

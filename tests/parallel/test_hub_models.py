@@ -99,12 +99,13 @@ def test_the_backbones_layout_map_names_the_weights_it_splits(cpu_devices):
 def test_a_split_the_sizes_do_not_allow_names_the_weight(cpu_devices):
   keras.utils.set_random_seed(0)
   backbone = keras_hub.models.GemmaBackbone(
-      vocabulary_size=64, num_layers=1, num_query_heads=2,
+      vocabulary_size=64, num_layers=1, num_query_heads=3,
       num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
   model = keras_hub.models.GemmaCausalLM(backbone=backbone,
                                          preprocessor=None)
-  with pytest.raises(ValueError, match=r"'decoder_block_0/attention/value/"
-                     r"kernel'.*not divisible by T=2"):
+  with pytest.raises(ValueError, match=r"attention 'decoder_block_0/attention'"
+                     r".*3 query heads, 1 key/value heads.*do not split "
+                     r"over T=2"):
     hybrid.build_layout(model, hybrid.Layout(tensor=2),
                         devices=cpu_devices[:2])
 
@@ -187,15 +188,18 @@ def test_a_bert_preset_loads_its_classifier_head(tmp_path):
 
 
 def test_the_plan_counts_each_split_kernels_traffic_by_its_sides():
-  """An EinsumDense `btnh,nhd->btd` reads `n*h` features a token and
-  writes `d`: the bytes its shards join (forward its output, backward its
-  input's gradient)."""
+  """A block split Megatron's way sums twice forward (the attention's
+  output, the MLP's down kernel's) and three times backward (the
+  attention's input gradient; each of the MLP's two column kernels'), each
+  `d` features a token: what `test_fused_blocks` reads from the step."""
   from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
   model = matrix.build("llama")
   split = accounting.path_split(model, layout_maps.own_axes(model, 2))
-  out = next(l for l in split.layers if l.name == "transformer_layer_0"
-             and l.sizes == (model.backbone.num_query_heads,))
+  block = [l for l in split.layers if l.name == "transformer_layer_0"]
   hidden = model.backbone.hidden_dim
+  out = next(l for l in block
+             if l.sizes == (model.backbone.num_query_heads,))
   tokens = out.output_bytes // (hidden * 4)  # Per example.
-  assert tokens >= 1 and out.input_bytes == out.output_bytes == \
-      tokens * hidden * 4
+  assert tokens >= 1 and out.input_bytes == 0
+  assert sum(l.output_bytes for l in block) == 2 * tokens * hidden * 4
+  assert sum(l.input_bytes for l in block) == 3 * tokens * hidden * 4

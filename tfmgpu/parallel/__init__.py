@@ -41,9 +41,13 @@ only modules listed before it):
 * `tensor_rules`: which whole layers split and how (`{regex: kind}`);
 * `tensor`: `tensor_parallel` (a model rebuilt with split layers) and
   `TensorParallelModel`;
+* `split_mlp`: column outputs kept on their shards for the row kernel
+  reading them (a block's MLP: one sum);
 * `split_kernel`: `SplitKernelDense`, one kernel split along one axis;
 * `split_embedding`: `VocabParallelEmbedding`, an embedding and its
   reversed LM head split by vocabulary rows;
+* `split_hub_attention`: keras_hub's attention layers split by heads in
+  place (each shard's heads, rotary, scores and cache on its device);
 * `split_blocks`: the weights a layout names split in place inside blocks;
 * `layout_maps`: tensor parallelism from a Keras `LayoutMap` (or path
   rules): `{variable path: axis}` of the weights to split;
@@ -112,7 +116,8 @@ _SUBMODULES = ("accounting", "auto", "block_flops", "branches", "calibration",
                "partition", "pipeline", "pipeline_step", "placed",
                "placed_model", "plan", "replicated", "schedule", "serve_plan",
                "shards", "shared", "split_attention", "split_blocks",
-               "split_dense", "split_embedding", "split_kernel", "staged",
+               "split_dense", "split_embedding", "split_hub_attention",
+               "split_kernel", "split_mlp", "staged",
                "tensor", "tensor_rules", "timeline", "zero", "zero_cost",
                "zero_collectives", "zero_memory", "zero_placement",
                "zero_shards")

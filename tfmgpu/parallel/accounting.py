@@ -336,8 +336,11 @@ def tensor_split(model: Any, rules: Mapping[str, str] | None = None
 def path_split(model: Any, axes: Mapping[str, int]) -> TensorSplit:
   """The `TensorSplit` of kernels split by variable path
   (`tfmgpu.parallel.layout_maps`): one entry per split kernel, under the
-  name of the layer call (a block) that holds it; each joins its shards
-  forward (its output) and backward (its input's gradient).
+  name of the layer call (a block) that holds it, with the sums the split
+  block runs (`_sums`): an attention split by heads sums its output
+  forward and its input's gradient backward once; in a block's MLP the
+  row kernel sums its output and each column kernel its input's gradient;
+  any other kernel joins its output and its input's gradient.
 
   Args:
     model: a built Keras model (weight shapes suffice) or its `ModelGraph`.
@@ -361,19 +364,53 @@ def path_split(model: Any, axes: Mapping[str, int]) -> TensorSplit:
     total = sum(2 * tokens * math.prod(l.kernel.shape) for l in mine)
     scale = min(1.0, cost.node_flops(node, graph.shape) / total) if total \
         else 0.0
+    sums = _sums(node.operation, mine, axes)
     for sub in mine:
       kernel = sub.kernel
       shape = tuple(int(d) for d in kernel.shape)
       size = graph_lib.dtype_size(kernel.dtype)
       axis = axes[kernel.path]
       width_in, width_out = block_flops.kernel_widths(sub)
+      sends_in, sends_out = sums[id(sub)]
       layers.append(SplitLayer(
           name, "column" if axis else "row", (shape[axis],),
           math.prod(shape) * size,
           math.prod(shape) * size if kernel.trainable else 0,
           int(scale * 2 * tokens * math.prod(shape)), 0,
-          tokens * width_in * size, tokens * width_out * size))
+          tokens * width_in * size * sends_in,
+          tokens * width_out * size * sends_out))
   return TensorSplit(tuple(layers), {p: str(a) for p, a in axes.items()})
+
+
+def _sums(layer: Any, kernels: Sequence[Any], axes: Mapping[str, int]
+          ) -> dict[int, tuple[int, int]]:
+  """`{id(kernel layer): (sums its input's gradient, sums its output)}`
+  (0 or 1 each) inside `layer`, as `split_blocks` splits it: an attention
+  split by heads sums once (its query projection's input, its output
+  projection's output); an MLP's column kernels feeding its row kernel on
+  their shards send only their input's gradient, the row kernel only its
+  output."""
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import split_hub_attention  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import split_kernel  # pylint: disable=g-import-not-at-top
+  out = {id(k): (1, 1) for k in kernels}
+  for sub in _compat.flatten_layers(layer):
+    heads = split_hub_attention.family_of(sub)
+    dense = [getattr(sub, n, None) for n in heads.projections] if heads \
+        else []
+    if any(id(d) in out for d in dense):
+      out.update({id(d): (int(i == 0), int(i == 3))
+                  for i, d in enumerate(dense)})
+  rest = [k for k in kernels if out[id(k)] == (1, 1)]
+
+  def gathers(k):
+    _, spec, result = split_kernel.layer_specs(k)
+    return spec[axes[k.kernel.path]] in result
+
+  if any(gathers(k) for k in rest) and any(not gathers(k) for k in rest):
+    # An MLP: its columns feed its row on their shards.
+    out.update({id(k): (1, 0) if gathers(k) else (0, 1) for k in rest})
+  return out
 
 
 def _path_kernels(layer: Any, axes: Mapping[str, int]) -> list[Any]:

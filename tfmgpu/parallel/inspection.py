@@ -63,3 +63,51 @@ def op_placements(concrete_function) -> list[OpPlacement]:
 
   walk(graph_def.node, "", "", 0)
   return out
+
+
+
+def _live_ops(graph, outputs) -> list:
+  """The ops of `graph` that `outputs` or a stateful op depend on: what
+  TensorFlow runs (the rest is pruned)."""
+  todo = [t.op for t in outputs] + [op for op in graph.get_operations()
+                                    if op.op_def.is_stateful]
+  live = {}
+  while todo:
+    op = todo.pop()
+    if op.name not in live:
+      live[op.name] = op
+      todo.extend(t.op for t in op.inputs)
+      todo.extend(op.control_inputs)
+  return list(live.values())
+
+
+def cross_device_bytes(concrete_function) -> dict[tuple[str, str], int]:
+  """The bytes a traced function sends between devices, per `(from, to)`
+  device pair: each tensor an op reads from an op on another device, once
+  per receiving device, counting only the ops the function runs (its
+  outputs' and side effects' inputs, not dead ones TensorFlow prunes).
+  Tensors of unknown size or of resource/variant type count as 0; ops
+  inside nested function bodies (loops) are not looked into.
+
+  Args:
+    concrete_function: a `tf.types.experimental.ConcreteFunction`.
+
+  Returns:
+    `{(from device, to device): bytes}`, devices canonical.
+  """
+  graph = concrete_function.graph
+  sent: dict[tuple[str, str], int] = {}
+  seen = set()
+  for op in _live_ops(graph, concrete_function.outputs):
+    to = devices_lib.canonical_device(op.device) if op.device else ""
+    for t in op.inputs:
+      source = t.op.device
+      frm = devices_lib.canonical_device(source) if source else ""
+      if not frm or not to or frm == to or (t.ref(), to) in seen:
+        continue
+      seen.add((t.ref(), to))
+      size = t.shape.num_elements() if t.shape.is_fully_defined() else None
+      if size is None or t.dtype.name in ("resource", "variant"):
+        continue
+      sent[frm, to] = sent.get((frm, to), 0) + size * t.dtype.size
+  return sent

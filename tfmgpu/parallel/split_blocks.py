@@ -1,18 +1,34 @@
-"""The kernels a layout names, split inside a model's layers, in place.
+"""The weights a layout names, split inside a model's layers, in place.
 
-`split_layers(layer, axes, devices)` swaps every `Dense` and `EinsumDense`
-inside `layer` (any depth: a keras_hub block's attention projections and
-MLP) whose kernel `axes` names (`{variable path: axis}`, read from a
-`LayoutMap` by `layout_maps`) for a `split_kernel.SplitKernelDense`, and
-an `Embedding` / `ReversibleEmbedding` whose table it names (by vocabulary
-rows) for a `split_embedding.VocabParallelEmbedding` (a keras_hub tied LM
-head with it: one layer, one table).
-Attention itself, rotary embeddings and normalisation run unsplit on
-`devices[0]`. A split block still gives and takes its weights in unsplit
-form (`get_weights` / `set_weights` in the original order), so weights move
+`split_layers(layer, axes, devices)` splits, inside `layer` (any depth: a
+keras_hub block), what `axes` (`{variable path: axis}`, read from a
+`LayoutMap` by `layout_maps`) names, Megatron-style:
+
+* an attention layer of a class `split_hub_attention.FAMILIES` knows
+  (keras MultiHeadAttention, keras_hub's GPT-2/BERT, Llama, Qwen, Mistral
+  and Gemma attention) whose projection kernels it names is split by heads:
+  shard `t` runs keras_hub's own attention `call` for its query and
+  key/value heads (projections, rotary, mask, scores, softmax, context,
+  its rows of the output kernel; its part of the KV cache) on `devices[t]`,
+  and the parts are summed once on `devices[0]`;
+* every other `Dense` / `EinsumDense` kernel it names becomes a
+  `split_kernel.SplitKernelDense`: split along an output axis (an MLP's up
+  and gate kernels), each shard adds its bias slice and the activation;
+  split along a contracted axis (the down kernel), each shard replays the
+  block's elementwise gating on the column parts it holds
+  (`split_mlp`) and multiplies by its rows, so an MLP costs one sum;
+* an `Embedding` / `ReversibleEmbedding` table it names (by vocabulary
+  rows) becomes a `split_embedding.VocabParallelEmbedding` (a keras_hub
+  tied LM head with it: one layer, one table).
+
+Normalisation, residual adds and the block's other elementwise work run
+whole on the block's device (`devices[0]`). A split block still gives and
+takes its weights in unsplit form (`get_weights` / `set_weights` in the
+original order; `.keras` files hold its sublayers unsplit), so weights move
 between layouts by layer name as for every tfmgpu placement. A weight
 `axes` names that cannot be split (another layer type, an axis that `T`
-does not divide) is refused with its path.
+does not divide, attention heads `T` does not split) is refused with its
+path.
 
 `transform` does it while `tensor.tensor_parallel` rebuilds a model;
 `split_stages` in a staged or pipelined model's stages.
@@ -26,6 +42,7 @@ import keras
 
 from tfmgpu import _compat
 from tfmgpu.parallel import split_embedding
+from tfmgpu.parallel import split_hub_attention
 from tfmgpu.parallel import split_kernel
 from tfmgpu.parallel import tensor
 
@@ -50,6 +67,7 @@ def _split_dense(layer: keras.layers.Layer, path: str, axis: int,
   split = split_kernel.SplitKernelDense(
       f"{x},{k}->{out}", shape, axis, devices,
       bias_shape=None if bias is None else tuple(bias.shape),
+      bias_axis=split_kernel.bias_axis_of(layer, axis),
       activation=keras.activations.serialize(layer.activation),
       kernel_initializer="zeros", name=layer.name, dtype=layer.dtype_policy)
   split.set_weights(layer.get_weights())
@@ -101,8 +119,15 @@ def _splits(layer: keras.layers.Layer, axes: Mapping[str, int],
             ) -> list[tuple[keras.layers.Layer, keras.layers.Layer]]:
   """`[(sublayer, its split copy)]` of the sublayers whose weight `axes`
   names (any depth; `layer` itself included)."""
-  out = []
+  out, fused = [], set()
   for sub in _compat.flatten_layers(layer):
+    if id(sub) in fused:
+      continue
+    if split_hub_attention.family_of(sub) is not None:
+      pairs = split_hub_attention.fuse(sub, axes, devices, named)
+      fused.update(id(dense) for dense, _ in pairs)
+      out.extend(pairs)
+      continue
     how = _splitter(sub)
     weight = getattr(sub, how[0], None) if how else None
     path = named.get(id(weight)) if weight is not None else None
