@@ -15,9 +15,9 @@ stages, `T` tensor shards):
 
 A keras_hub `CausalLM` counts each of its backbone's blocks (key/value
 heads under grouped-query attention) on the stage holding the block; under
-tensor parallelism a block's cache stays whole on its stage's first shard
-(`generation.hub_blocks`: its split kernels' parts are joined before the
-attention).
+tensor parallelism each shard keeps its heads' part (one head each when
+there are fewer key/value heads than shards), as `generation.hub_blocks`
+makes it beside the shard's attention (`parallel.split_hub_attention`).
 
 `serving_table` puts the cache beside the weights each device holds (from
 `tfmgpu.parallel.accounting`): what a device needs to serve.
@@ -57,7 +57,9 @@ class CacheLayer:
 
   def bytes(self, rows: int, context: int, tensor: int = 1) -> int:
     """Bytes of one shard's cache for `rows` rows of `context` positions."""
-    heads = self.kv_heads // tensor if self.split else self.kv_heads
+    # Fewer key/value heads than shards: each shard caches the one head it
+    # reads (`split_hub_attention`).
+    heads = max(self.kv_heads // tensor, 1) if self.split else self.kv_heads
     return 2 * rows * context * heads * self.head_dim * self.value_bytes * (
         self.count)
 
@@ -86,7 +88,10 @@ def cache_layers(model: Any, rules: Mapping[str, str] | None = None
              or backbone.num_heads)
     kv = getattr(backbone, "num_key_value_heads", None) or heads
     dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // heads
-    return [CacheLayer(block.name, int(kv), int(dim), _value_bytes(lm))
+    # Split by heads under tensor parallelism, as `split_hub_attention`
+    # splits a block's attention (a layout that splits none is refused).
+    return [CacheLayer(block.name, int(kv), int(dim), _value_bytes(lm),
+                       split=True)
             for block in backbone.transformer_layers]
   return [CacheLayer(layer.name, int(layer.num_heads), int(layer.key_dim),
                      _value_bytes(layer), 1,

@@ -67,14 +67,16 @@ def other_variables(directory: str, order: Sequence[str]) -> str | None:
   """How the variables the checkpoints in `directory` were saved for
   differ from `order` in number (with the first path each side alone has),
   or `None` when they are as many (a model built again in one process may
-  name its layers anew: `dense_1`), or nothing was recorded."""
+  name its layers anew: `dense_1`), belong to other layers (another model:
+  `rundir` names that mismatch), or nothing was recorded."""
   path = os.path.join(directory, FILE_NAME)
   if not os.path.exists(path):
     return None
   with open(path, encoding="utf-8") as f:
     saved = f.read().splitlines()
-  if len(saved) == len(order):
-    return None
+  layers = lambda paths: {p.split("/")[0] for p in paths}
+  if len(saved) == len(order) or layers(saved) != layers(order):
+    return None  # The same variables, or another model's.
   then = [p for p in saved if p not in set(order)]
   now = [p for p in order if p not in set(saved)]
   return (f"{len(saved)} variables then, {len(order)} now"
