@@ -65,21 +65,12 @@ def _gpt_model(context: int):
 
 
 def _timed(paths: dict, rounds: int = 3) -> dict:
-  """`{name: (median seconds, output)}`: every path called twice to warm up
-  (the first compiles; keras_hub's generate is slower on its second), then
-  `rounds` rounds calling each path once in turn, so a busy moment of the
-  machine falls on every path alike."""
-  for fn in paths.values():
-    fn()
-    fn()
-  times = {name: [] for name in paths}
-  outs = {}
-  for _ in range(rounds):
-    for name, fn in paths.items():
-      start = time.perf_counter()
-      outs[name] = fn()
-      times[name].append(time.perf_counter() - start)
-  return {name: (float(np.median(times[name])), outs[name]) for name in paths}
+  """`{name: (median seconds, output)}`: every path warmed up twice, then
+  `rounds` rounds in turn (`tfmgpu.benchmarks.generation.interleaved`), so
+  a busy moment of the machine falls on every path alike."""
+  from tfmgpu.benchmarks import generation as bench  # pylint: disable=g-import-not-at-top
+  seconds, outs = bench.interleaved(paths, rounds)
+  return {name: (float(np.median(seconds[name])), outs[name]) for name in paths}
 
 
 def _new_tokens(ids: np.ndarray, prompt_len: int, new: int) -> np.ndarray:
