@@ -267,6 +267,40 @@ def set_weight_decay_exclusions(optimizer: Any, keys: set[Any]) -> None:
   optimizer._exclude_from_weight_decay_cache = {}  # pylint: disable=protected-access
 
 
+def attention_gated(layer: Any) -> bool:
+  """Whether a Keras `MultiHeadAttention` gates its heads
+  (`use_gate=True`: a projection of the query, by heads, not split)."""
+  return bool(getattr(layer, "_use_gate", False))
+
+
+def each_optimizer(optimizer: Any) -> Iterator[Any]:
+  """`optimizer`, then every optimizer it wraps (a `LossScaleOptimizer`'s
+  inner one, a `MultiOptimizer`'s), depth first, in a fixed order."""
+  pending = [optimizer]
+  while pending:
+    opt = pending.pop(0)
+    yield opt
+    inner = getattr(opt, "inner_optimizer", None)
+    pending[:0] = ([inner] if inner is not None else []) + list(
+        getattr(opt, "optimizers", None) or [])
+
+
+def copy_optimizer(optimizer: Any, cls: Any = None,
+                   **config: Any) -> Any:
+  """An unbuilt copy of a Keras optimizer (of class `cls`, default its
+  own), from its config with `config` over it, created in the current
+  scope. What the config leaves out is carried over to the copy and to
+  each optimizer it wraps: the weight-decay exclusions, by object and by
+  name (`exclude_from_weight_decay(var_list=..., var_names=...)`)."""
+  copy = (cls or type(optimizer)).from_config(
+      {**optimizer.get_config(), **config})
+  for source, target in zip(each_optimizer(optimizer), each_optimizer(copy)):
+    set_weight_decay_exclusions(target, weight_decay_exclusions(source))
+    target._exclude_from_weight_decay_pattern = getattr(  # pylint: disable=protected-access
+        source, "_exclude_from_weight_decay_pattern", None)
+  return copy
+
+
 def variable_key(optimizer: Any, variable: Any) -> Any:
   """How a Keras optimizer keys `variable` (weight-decay exclusions)."""
   return optimizer._var_key(variable)  # pylint: disable=protected-access

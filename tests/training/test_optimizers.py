@@ -139,3 +139,77 @@ def test_a_compiled_model_trains_with_its_compile_unless_told_otherwise():
     np.testing.assert_allclose(a, b, atol=1e-6)
   told = Trainer(build(), optimizer="adam", verbose=0)
   assert type(told.optimizer).__name__ != "SGD"
+
+
+def test_weight_decay_exclusions_by_name_survive_every_copy():
+  """`var_names` live outside the config too: the copies made in a
+  strategy's scope, of a compiled model's optimizer and by `fuse` dropped
+  them, and the refusal above points users to them."""
+  from tfmgpu.training import fused  # pylint: disable=g-import-not-at-top
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = models.build_model("mlp", input_shape=(4,), num_classes=2)
+  biases = [v for v in model.trainable_variables if len(v.shape) == 1]
+
+  def adamw():
+    optimizer = keras.optimizers.AdamW(weight_decay=0.5)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+  trainer = Trainer(model, strategy=strategy, optimizer=adamw(), verbose=0)
+  scaled = keras.optimizers.LossScaleOptimizer(adamw())
+  for copy in (trainer.optimizer, fused.fuse(adamw()),
+               tfmgpu._compat.copy_optimizer(scaled).inner_optimizer):  # pylint: disable=protected-access
+    assert not any(copy._use_weight_decay(v) for v in biases)  # pylint: disable=protected-access
+    assert copy._use_weight_decay(model.trainable_variables[0])  # pylint: disable=protected-access
+
+
+def test_a_learning_rate_given_applies_to_the_compiled_optimizer():
+  """keras_hub tasks compile themselves (Adam 2e-5): Trainer(task,
+  learning_rate=3e-4) trained at 2e-5, silently. The model's own optimizer
+  is left as it was (the Trainer's copy stops all-reducing)."""
+  rng = np.random.RandomState(0)
+  x = rng.normal(size=(16, 5)).astype("float32")
+  y = rng.normal(size=(16, 1)).astype("float32")
+
+  def build(rate):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(rate), loss="mse")
+    return model
+
+  reference = build(0.3)
+  reference.fit(x, y, batch_size=16, verbose=0)
+  model = build(0.01)
+  own = model.optimizer
+  trainer = Trainer(model, learning_rate=0.3, verbose=0)
+  trainer.fit(x, y, global_batch_size=16, epochs=1)
+  for a, b in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert trainer.optimizer is not own and model.optimizer is own
+  assert float(own.learning_rate) == pytest.approx(0.01)
+  assert own.iterations.numpy() == 0
+  with pytest.raises(ValueError, match=r"learning_rate=0.3 was given with "
+                     r"optimizer=SGD\(\.\.\.\), which has its own learning "
+                     r"rate \(0.01.*optimizer='adam'"):
+    Trainer(build(0.01), optimizer=keras.optimizers.SGD(0.01),
+            learning_rate=0.3, verbose=0)
+
+
+def test_wrapped_optimizers_are_checked_one_by_one():
+  """A MultiOptimizer of element-wise optimizers splits exactly (it was
+  refused); one wrapping Adafactor or per-variable clipnorm does not."""
+  from tfmgpu.training import optimizers  # pylint: disable=g-import-not-at-top
+
+  def multi(inner):
+    return keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+        default_optimizer=inner))
+
+  assert optimizers.whole_variable_use(multi(keras.optimizers.Adam())) is None
+  assert "Adafactor" in optimizers.whole_variable_use(
+      multi(keras.optimizers.Adafactor()))
+  assert "clipnorm=1.0" in optimizers.whole_variable_use(
+      keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(clipnorm=1.0)))
+  with pytest.raises(ValueError, match=r"clip_norm=2.0 with optimizer=SGD.*"
+                     r"global_clipnorm=2.0, or pass its name"):
+    optimizers._check_own_clipping(keras.optimizers.SGD(), 2.0)  # pylint: disable=protected-access

@@ -95,13 +95,8 @@ def take_over_aggregation(optimizer: keras.optimizers.Optimizer,
     `options` for the gradients `optimizer` is then given
     (`for_optimizer`: with its loss scale, if it has one).
   """
-  pending = [optimizer]
-  while pending:
-    opt = pending.pop()
+  for opt in _compat.each_optimizer(optimizer):
     _compat.replace_gradient_all_reduce(opt, _no_all_reduce)
-    inner = getattr(opt, "inner_optimizer", None)
-    pending += ([inner] if inner is not None else []) + list(
-        getattr(opt, "optimizers", None) or [])
   return for_optimizer(options, optimizer)
 
 

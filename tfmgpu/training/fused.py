@@ -149,4 +149,4 @@ def fuse(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
     raise ValueError(
         f"optimizer {optimizer.name!r} is already built; fuse it before it "
         "creates its slot variables (before the first step or `build`).")
-  return fused_class.from_config(optimizer.get_config())
+  return _compat.copy_optimizer(optimizer, fused_class)

@@ -8,8 +8,12 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import step as step_lib
+from tfmgpu.training.trainer_options import TrainerOptions
+
+_DEFAULTS = TrainerOptions()
 
 
 def check_built_in_scope(model: keras.Model,
@@ -57,15 +61,15 @@ _FROM_COMPILE = ("optimizer", "loss", "loss_weights", "metrics",
                  "weighted_metrics")
 
 
-def _compiled_value(model: keras.Model, name: str) -> Any:
-  """The model's compiled `name`: the optimizer (unbuilt: a built one is
-  copied from its config, its slots fresh), the loss, or what the compile
-  config holds (metrics only by name)."""
+def _compiled_value(model: keras.Model, name: str,
+                    settings: dict[str, Any]) -> Any:
+  """The model's compiled `name`: the optimizer (always a fresh copy, so
+  that the model's own is left as it was, with the `learning_rate` given
+  in `settings`), the loss, or what the compile config holds (metrics
+  only by name)."""
   if name == "optimizer":
-    optimizer = model.optimizer
-    if optimizer is not None and optimizer.built:
-      return type(optimizer).from_config(optimizer.get_config())
-    return optimizer
+    return (None if model.optimizer is None else _compiled_optimizer(
+        model, settings.get("learning_rate")))
   if name == "loss":
     return model.loss
   value = (model.get_compile_config() or {}).get(name)
@@ -79,21 +83,79 @@ def _compiled_value(model: keras.Model, name: str) -> Any:
   return value
 
 
+def _compiled_optimizer(model: keras.Model,
+                        learning_rate: float | None) -> Any:
+  """A copy of `model.optimizer` (its slots fresh; the Trainer patches
+  the one it trains), at `learning_rate` when one is given.
+
+  Raises:
+    ValueError: a `learning_rate` for an optimizer following a schedule.
+  """
+  copy = _compat.copy_optimizer(model.optimizer)
+  if learning_rate is None:
+    return copy
+  if _compat.learning_rate_variable(
+      getattr(copy, "inner_optimizer", None) or copy) is None:
+    raise ValueError(
+        f"learning_rate={learning_rate} was given, but model "
+        f"{model.name!r} was compiled with an optimizer whose learning rate "
+        "follows a schedule. Pass Trainer(optimizer=...) with the schedule "
+        "you want, or drop learning_rate= to keep the compiled one.")
+  logging.warning(
+      "Model %r was compiled with %s at learning rate %.6g: the Trainer "
+      "trains it at the learning_rate=%.6g given.", model.name,
+      type(copy).__name__, float(copy.learning_rate), learning_rate)
+  copy.learning_rate = learning_rate
+  return copy
+
+
+def _check_learning_rate(settings: dict[str, Any]) -> None:
+  """Refuses `learning_rate=` next to an optimizer object with another
+  learning rate: only a name takes it, and it went unused, silently."""
+  optimizer = settings.get("optimizer")
+  if "learning_rate" not in settings or optimizer is None or isinstance(
+      optimizer, str):
+    return
+  own = _compat.learning_rate_variable(
+      getattr(optimizer, "inner_optimizer", None) or optimizer)
+  given = settings["learning_rate"]
+  if own is not None and float(own.numpy()) == float(
+      tf.cast(given, own.dtype).numpy()):
+    return
+  rate = "a schedule" if own is None else f"{float(own.numpy()):.6g}"
+  raise ValueError(
+      f"learning_rate={given} was given with optimizer="
+      f"{type(optimizer).__name__}(...), which has its own learning rate "
+      f"({rate}): learning_rate= is used with an optimizer name only. Set "
+      "the rate on the optimizer, or pass optimizer='adam' (or another "
+      "name).")
+
+
 def compiled_settings(model: keras.Model, options: Any,
                       settings: dict[str, Any]) -> dict[str, Any]:
   """`settings` (the `Trainer`'s keyword arguments) completed with what
   the model's own `compile()` set, for each of optimizer, loss, loss
   weights and metrics not given, and logged: a compiled model trains as its
-  `fit` would (it trained with the Trainer's defaults, silently). Nothing
-  is taken when `options` are given."""
+  `fit` would (it trained with the Trainer's defaults, silently). A
+  `learning_rate` given applies to the compiled optimizer; with
+  `fused_optimizer` given, the Trainer builds its own optimizer by name
+  instead. Nothing is taken when `options` are given."""
+  _check_learning_rate(settings)
   if options is not None or not getattr(model, "compiled", False):
     return settings
-  taken = {name: _compiled_value(model, name) for name in _FROM_COMPILE
-           if name not in settings}
+  names = [n for n in _FROM_COMPILE if n not in settings]
+  if "fused_optimizer" in settings and "optimizer" in names:
+    names.remove("optimizer")
+    logging.warning(
+        "Model %r was compiled with an optimizer, but fused_optimizer= was "
+        "given: the Trainer trains with optimizer=%r at learning_rate=%s "
+        "instead (pass optimizer= to choose another).", model.name,
+        _DEFAULTS.optimizer, settings.get("learning_rate",
+                                          _DEFAULTS.learning_rate))
+  taken = {name: _compiled_value(model, name, settings) for name in names}
   taken = {k: v for k, v in taken.items() if v is not None}
   if taken:
     logging.info("Model %r was compiled: the Trainer takes its %s (pass "
                  "them to Trainer(...) to override).", model.name,
                  ", ".join(taken))
   return {**settings, **taken}
-

@@ -58,6 +58,8 @@ def make_optimizer(name: str, learning_rate: float, *,
 # slots only: a weight split into shards updates as the whole weight would.
 _ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop",
                 "Adagrad", "Adadelta", "Ftrl", "Lion")
+# Optimizers that hand each variable to optimizers they wrap.
+_WRAPPERS = ("LossScaleOptimizer", "MultiOptimizer")
 # Why the others are not: each reads a whole variable.
 _WHOLE_VARIABLE = {
     "Adafactor": "factors its second moments by the variable's rows and "
@@ -75,9 +77,15 @@ def whole_variable_use(optimizer: Any) -> str | None:
   Unknown optimizer classes are reported too, as tfmgpu cannot tell,
   unless they say `elementwise = True`.
   """
-  inner = getattr(optimizer, "inner_optimizer", None)
-  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and inner:
-    optimizer = inner
+  for opt in _compat.each_optimizer(optimizer):
+    why = _whole_variable_use_of(opt)
+    if why:
+      return why
+  return None
+
+
+def _whole_variable_use_of(optimizer: Any) -> str | None:
+  """`whole_variable_use` of one optimizer, not those it wraps."""
   name = type(optimizer).__name__
   if getattr(optimizer, "clipnorm", None):
     return (f"clipnorm={optimizer.clipnorm} clips each variable by its own "
@@ -85,9 +93,10 @@ def whole_variable_use(optimizer: Any) -> str | None:
   for cls_name, why in _WHOLE_VARIABLE.items():
     if isinstance(optimizer, getattr(keras.optimizers, cls_name, ())):
       return f"{name} {why}"
-  if not isinstance(optimizer, tuple(getattr(keras.optimizers, n)
-                                     for n in _ELEMENTWISE)) and not getattr(
-                                         optimizer, "elementwise", False):
+  known = tuple(getattr(keras.optimizers, n)
+                for n in _WRAPPERS + _ELEMENTWISE)
+  if not isinstance(optimizer, known) and not getattr(
+      optimizer, "elementwise", False):
     return (f"{name} is not one of the element-wise optimizers tfmgpu "
             f"knows ({', '.join(_ELEMENTWISE)}; set `optimizer.elementwise "
             "= True` on one whose update of each element reads only that "
@@ -102,11 +111,8 @@ def _uses_float16(model: "keras.Model") -> bool:
 
 def _strategies_of(optimizer: Any) -> list[Any]:
   """The strategies `optimizer` (and a wrapped inner one) were created in."""
-  found = []
-  while optimizer is not None:
-    found.append(_compat.optimizer_strategy(optimizer))
-    optimizer = getattr(optimizer, "inner_optimizer", None)
-  return found
+  return [_compat.optimizer_strategy(opt)
+          for opt in _compat.each_optimizer(optimizer)]
 
 
 def _bind_to(optimizer: Any, strategy: Any) -> Any:
@@ -131,16 +137,12 @@ def _bind_to(optimizer: Any, strategy: Any) -> Any:
         f"optimizer={name} was created outside this strategy's scope and "
         f"has already built its slot variables, so it cannot move. {fix}")
   try:
-    copy = type(optimizer).from_config(optimizer.get_config())
+    return _compat.copy_optimizer(optimizer)  # Keeps its exclusions.
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(
         f"optimizer={name} was created outside this strategy's scope and "
         f"could not be re-created from its config ({type(e).__name__}: "
         f"{e}). {fix}") from e
-  # Not in the config: kept so that `check_exclusions` sees them.
-  _compat.set_weight_decay_exclusions(
-      copy, _compat.weight_decay_exclusions(optimizer))
-  return copy
 
 
 def check_exclusions(optimizer: Any, variables: Any, trained: str) -> None:
@@ -152,11 +154,10 @@ def check_exclusions(optimizer: Any, variables: Any, trained: str) -> None:
   Raises:
     ValueError: naming how many excluded variables are not trained.
   """
-  inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-  keys = _compat.weight_decay_exclusions(inner)
-  if not keys:
-    return
-  missing = keys - {_compat.variable_key(inner, v) for v in variables}
+  missing = set()
+  for opt in _compat.each_optimizer(optimizer):
+    keys = _compat.weight_decay_exclusions(opt)
+    missing |= keys - {_compat.variable_key(opt, v) for v in variables}
   if missing:
     raise ValueError(
         f"optimizer: exclude_from_weight_decay(var_list=...) names "
@@ -166,6 +167,19 @@ def check_exclusions(optimizer: Any, variables: Any, trained: str) -> None:
         "them unnoticed. Exclude them by name instead, which follows the "
         "copies: optimizer.exclude_from_weight_decay(var_names=['gamma', "
         "'beta', 'bias', ...]).")
+
+
+def _check_own_clipping(optimizer: Any, clip_norm: float | None) -> None:
+  """Refuses a `clip_norm` for the optimizer to apply (where the strategy
+  sums gradients: parameter servers) that an optimizer object would not:
+  only a name takes it."""
+  if clip_norm and getattr(optimizer, "global_clipnorm", None) != clip_norm:
+    raise ValueError(
+        f"clip_norm={clip_norm} with optimizer={type(optimizer).__name__}"
+        "(...): where the strategy sums the gradients (parameter servers) "
+        "the optimizer clips them, and an optimizer object is used as "
+        f"given (its global_clipnorm is {optimizer.global_clipnorm}). Create"
+        f" it with global_clipnorm={clip_norm}, or pass its name.")
 
 
 def _check_accumulation(optimizer: Any, strategy: Any) -> None:
@@ -213,6 +227,7 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
                                  clip_norm=clip_norm, fused=fused)
     else:
       _check_accumulation(optimizer, strategy)
+      _check_own_clipping(optimizer, clip_norm)
       optimizer = _bind_to(optimizer, strategy)
     if _uses_float16(model) and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer):

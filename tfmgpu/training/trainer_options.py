@@ -21,7 +21,10 @@ class TrainerOptions:
   Attributes:
     optimizer: a name (see `OPTIMIZER_CHOICES`) or a Keras optimizer.
       Defaults to `"adam"`. Float16 models get a `LossScaleOptimizer`.
-    learning_rate: used with an optimizer name. Defaults to `1e-3`.
+    learning_rate: used with an optimizer name, and by a compiled model's
+      own optimizer (which the Trainer takes when `optimizer` is not
+      given). Refused next to an optimizer object with another rate.
+      Defaults to `1e-3`.
     clip_norm: clip the all-reduced gradient to this global norm (Keras
       would clip each replica's partial gradient). Defaults to `None`.
     gradient_compression: `"none"`, `"float16"` or `"bfloat16"`: the dtype
@@ -44,7 +47,8 @@ class TrainerOptions:
     jit_compile: XLA-compile each replica's forward/backward.
     fused_optimizer: when `optimizer` is a name, update each variable with
       one fused kernel (`tfmgpu.training.fused`); an optimizer object is
-      used as given.
+      used as given. Given to a compiled model's Trainer, it trains with
+      the `optimizer` name instead of the compiled optimizer.
     input_mode: `"device"` copies the training arrays to every replica's
       device once and gathers each batch there (`tfmgpu.training.resident`);
       `"tf_data"` reads them through a `tf.data` pipeline; `"auto"` (the
