@@ -51,7 +51,8 @@ def make_gradients_fn(model: keras.Model,
   for a `LossScaleOptimizer`; a placed model computes each part's backward
   on that part's device (`compute_loss_and_gradients`), with the targets
   and sample weights travelling together (`(y, sw)`, split with the batch).
-  `global_batch_size=None` takes `batch`, else the replicas' rows summed.
+  `global_batch_size=None` takes `batch` (the caller sums the replicas'
+  rows, outside an XLA-compiled function, with `_global_batch_of`).
 
   Raises:
     ValueError: `jit_compile` for a model whose variables live on several
@@ -61,19 +62,14 @@ def make_gradients_fn(model: keras.Model,
 
   def scaled_loss(target, y_pred, batch=None):
     y_true, sample_weight = target
-    if global_batch_size is None and batch is None:
-      batch = _global_batch_of(y_pred)
     return tf.nn.compute_average_loss(
         objective.per_example_loss(y_true, y_pred, sample_weight),
         global_batch_size=(batch if global_batch_size is None
                            else global_batch_size))
 
   def placed_grads(x, y, sw=None, batch=None):  # Parts on their devices.
-    # Micro-batches share the whole batch's denominator (a dataset's batch
-    # is known only here, before the model splits it).
-    if global_batch_size is None and batch is None:
-      batch = _global_batch_of(x)
-
+    # Micro-batches share the whole batch's denominator (`batch`: a
+    # dataset's batch is known only in the step, before the model splits it).
     def loss_fn(target, y_pred):
       value = scaled_loss(target, y_pred, batch)
       return optimizer.scale_loss(value) if scaling else value
@@ -139,7 +135,8 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     model: the Keras model (built in the strategy's scope).
     optimizer: a built Keras optimizer (a `LossScaleOptimizer` for float16).
     global_batch_size: examples per step over all replicas (`None`: the
-      replica's batch times the replica count).
+      replicas' rows summed, with one scalar all-reduce, unless the caller
+      passes `global_batch`).
     loss: an `objectives.Objective`, or a loss for one (`as_objective`).
     jit_compile: XLA-compile the forward/backward (not the update, whose
       variables may live on several devices).
@@ -164,6 +161,9 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                    if hasattr(model, "reduce_gradients") else None)
 
   def step(x, y, sample_weight=None, global_batch=None):
+    if global_batch_size is None and global_batch is None:
+      # Here, not in `grads_fn`: an all-reduce cannot run inside XLA.
+      global_batch = _global_batch_of(x)
     loss_value, y_pred, grads = grads_fn(x, y, sample_weight, global_batch)
     if reduce_within is not None:  # A placed model combines its own.
       grads = reduce_within(grads, allreduce)
