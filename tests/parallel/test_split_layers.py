@@ -68,3 +68,48 @@ def test_a_vocabulary_t_does_not_divide_is_refused(cpu_devices, bad, match):
   with pytest.raises(ValueError, match=match):
     split_embedding.VocabParallelEmbedding(
         devices=cpu_devices[:2], output_dim=4, **bad)
+
+
+def test_a_softmax_is_applied_to_the_joined_output(cpu_devices):
+  """Each shard applied the activation to its slice: a softmax over an
+  output split in two normalised each half on its own."""
+  layer = split_kernel.SplitKernelDense("abc,cd->abd", (8, 6), 1,
+                                        cpu_devices[:2], activation="softmax")
+  kernel = layer.get_weights()[0]
+  got = keras.ops.convert_to_numpy(layer(X))
+  want = keras.ops.convert_to_numpy(keras.ops.softmax(
+      np.einsum("abc,cd->abd", X, kernel)))
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  assert split_kernel.acts_elementwise(keras.activations.get("gelu"))
+  assert not split_kernel.acts_elementwise(lambda x: x / keras.ops.sum(x))
+
+
+def test_the_bias_axis_skips_the_unbiased_axes_between():
+  """Keras' bias spans the output from its first biased axis: `be` of
+  `abde` gives a bias of shape (b, 1, e), so e is its axis 2 (not 1)."""
+  layer = keras.layers.EinsumDense("abc,cde->abde", output_shape=(4, 2, 3),
+                                   bias_axes="be")
+  layer.build((2, 4, 8))
+  assert tuple(layer.bias.shape) == (4, 1, 3)
+  assert split_kernel.bias_axis_of(layer, 2) == 2  # e
+  assert split_kernel.bias_axis_of(layer, 1) is None  # d: not biased
+  assert split_kernel.bias_axis_of(layer, 0) is None  # c: contracted
+
+
+def test_attention_parts_that_do_not_split_by_heads_are_refused(cpu_devices):
+  """A gate (by heads, from the whole query) and the scores (each shard's
+  heads only) would come out wrong: refused by name."""
+  from tfmgpu.parallel import split_hub_attention  # pylint: disable=g-import-not-at-top
+  for gated in (True, False):
+    layer = keras.layers.MultiHeadAttention(2, 4, use_gate=gated, name="mha")
+    layer(X, X)
+    named = {id(v): f"mha/{v.path}" for v in layer.weights}
+    query = f"mha/{layer.query_dense.kernel.path}"
+    if gated:
+      with pytest.raises(ValueError, match=r"attention 'mha.*use_gate=True"):
+        split_hub_attention.fuse(layer, {query: 1}, cpu_devices[:2], named)
+      continue
+    assert split_hub_attention.fuse(layer, {query: 1}, cpu_devices[:2], named)
+    with pytest.raises(ValueError, match=r"return_attention_scores=True on an "
+                       r"attention split by heads over 2 devices"):
+      layer(X, X, return_attention_scores=True)

@@ -202,7 +202,18 @@ class FusedAttention:
             for t, d in enumerate(self.devices)]
 
   def call(self, *args, **kwargs):
-    """The layer's `call`: keras_hub's, once per shard, then one sum."""
+    """The layer's `call`: keras_hub's, once per shard, then one sum.
+
+    Raises:
+      ValueError: `return_attention_scores=True` (each shard has its
+        heads' scores only).
+    """
+    if kwargs.get("return_attention_scores"):
+      raise ValueError(
+          "return_attention_scores=True on an attention split by heads over "
+          f"{len(self.devices)} devices: each shard holds its own heads' "
+          "scores only. Call it without return_attention_scores, or keep "
+          "this attention unsplit (drop its kernels from the layout map).")
     cache = kwargs.pop("cache", None)
     parts = self._cache_parts(cache)
     outs = []
@@ -301,6 +312,13 @@ def fuse(layer: Any, axes: Mapping[str, int], devices: Sequence[str],
   paths = [named.get(id(d.kernel)) for d in dense]
   if not any(p in axes for p in paths):
     return []
+  if _compat.attention_gated(layer):
+    raise ValueError(
+        f"the tensor-parallel layout names the attention "
+        f"{next(p for p in paths if p).rsplit('/', 2)[0]!r} "
+        f"({type(layer).__name__}), built with use_gate=True: tfmgpu does "
+        "not split its gate by heads. Build it without use_gate, or drop its "
+        "kernels from the layout map (or rules).")
   counts = _counts(layer, heads, len(devices))
   if counts is None:
     path = next(p for p in paths if p).rsplit("/", 2)[0]

@@ -6,8 +6,9 @@ projections, driven per shard by `split_hub_attention`): shard `t` holds
 `1/T` of the kernel on `devices[t]` and computes its part of the product
 there (forward and backward, `on_device`). Split along an output axis
 (column-parallel), a shard also adds its slice of the bias and applies the
-activation, and the parts are concatenated on `devices[0]` for whoever
-reads the whole output; split along a contracted axis (row-parallel), the
+activation (an element-wise one; a softmax is applied after the join), and
+the parts are concatenated on `devices[0]` for whoever reads the whole
+output; split along a contracted axis (row-parallel), the
 parts are summed on `devices[0]`, then the bias (held once) and the
 activation. A row kernel reading an elementwise function of column outputs
 (an MLP) computes each shard's slice of its input on that shard from the
@@ -16,16 +17,52 @@ column parts (`split_mlp`): no join between them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfmgpu.parallel import split_mlp
 from tfmgpu.parallel.on_device import on_device
 from tfmgpu.parallel.shards import ShardedLayer
 from tfmgpu.parallel.shards import sliced_initializer
 from tfmgpu.parallel.shards import split_size
+
+# Keras activations that act on each element alone (a shard may apply them
+# to its slice); any other (softmax, log_softmax, glu, a user's function)
+# is applied to the joined output.
+ELEMENTWISE = frozenset((
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "gelu",
+    "silu", "swish", "hard_silu", "hard_swish", "mish", "sigmoid",
+    "hard_sigmoid", "tanh", "hard_tanh", "soft_shrink", "hard_shrink",
+    "tanh_shrink", "squareplus", "sparse_plus", "softplus", "softsign",
+    "exponential", "log_sigmoid", "threshold"))
+
+
+@functools.lru_cache(maxsize=None)
+def acts_elementwise(activation: Any) -> bool:
+  """Whether `activation` acts on each element alone: a Keras one named in
+  `ELEMENTWISE`, or a function (keras_hub's `lambda x: gelu(x,
+  approximate=True)`) whose slices of a random input's output are its
+  outputs of the slices."""
+  if getattr(activation, "__name__", None) in ELEMENTWISE:
+    return True
+  x = np.random.default_rng(0).normal(size=(3, 8)).astype("float32")
+  try:
+    with tf.init_scope():  # Eager, also when asked while tracing.
+      return _same_by_slices(activation, x)
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def _same_by_slices(activation: Any, x: np.ndarray) -> bool:
+  whole = keras.ops.convert_to_numpy(activation(x))
+  parts = [keras.ops.convert_to_numpy(activation(x[:, :3])),
+           keras.ops.convert_to_numpy(activation(x[:, 3:]))]
+  return whole.shape == x.shape and np.allclose(
+      whole, np.concatenate(parts, axis=1), rtol=1e-6, atol=1e-6)
 
 
 def layer_specs(layer: keras.layers.Layer) -> tuple[str, str, str]:
@@ -53,10 +90,13 @@ def bias_axis_of(layer: keras.layers.Layer, kernel_axis: int) -> int | None:
   if getattr(layer, "bias", None) is None:
     return None
   _, k, out = layer_specs(layer)
-  letters = ("o" if not isinstance(layer, keras.layers.EinsumDense)
-             else sorted(layer.bias_axes, key=out.index))
   letter = k[kernel_axis]
-  return letters.index(letter) if letter in letters else None
+  if not isinstance(layer, keras.layers.EinsumDense):
+    return 0 if letter == "o" else None
+  # Keras' bias spans the output from its first biased axis to the end,
+  # with size 1 on the axes between that are not biased.
+  spans = out[min(out.index(c) for c in layer.bias_axes):]
+  return spans.index(letter) if letter in layer.bias_axes else None
 
 
 @keras.saving.register_keras_serializable(package="tfmgpu")
@@ -133,10 +173,13 @@ class SplitKernelDense(ShardedLayer):
 
   @property
   def local_tail(self) -> bool:
-    """Split along an output axis with no bias held whole: each shard adds
-    its bias slice and applies the activation, and the join only
-    concatenates (so its parts are the output's slices)."""
-    return self.gathers and self.bias is None
+    """Split along an output axis with no bias held whole and an
+    element-wise activation (or none): each shard adds its bias slice and
+    applies the activation, and the join only concatenates (so its parts
+    are the output's slices). A softmax reads the whole output: the join
+    applies it."""
+    return self.gathers and self.bias is None and (
+        self.activation is None or acts_elementwise(self.activation))
 
   def _shard(self, t: int, x):
     if not self.gathers:
