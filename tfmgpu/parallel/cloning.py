@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 from typing import Any, Sequence
 
 import keras
@@ -146,21 +147,28 @@ def _plain(value: Any) -> bool:
   return isinstance(value, _PLAIN)
 
 
+def _attribute(layer: keras.layers.Layer, name: str) -> Any:
+  """`layer.name`, or `None` when it has none or its property fails."""
+  try:
+    return getattr(layer, name, None)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 def lost_arguments(layer: keras.layers.Layer,
                    clone: keras.layers.Layer) -> list[str]:
   """The constructor arguments `layer` keeps as attributes of their own
   name (plain values: numbers, strings, flags and tuples of them) that
   `clone` holds otherwise, as `name=original (copy: value)`."""
-  import inspect  # pylint: disable=g-import-not-at-top
   lost = []
   for name in list(inspect.signature(type(layer).__init__).parameters)[1:]:
     if name in ("name", "dtype", "trainable"):
       continue
-    a, b = getattr(layer, name, None), getattr(clone, name, None)
+    a, b = _attribute(layer, name), _attribute(clone, name)
     if not (_plain(a) and _plain(b)):
       continue
-    if isinstance(a, list) or isinstance(b, list):
-      a, b = tuple(a or ()), tuple(b or ())
+    if all(v is None or isinstance(v, (list, tuple)) for v in (a, b)):
+      a, b = tuple(a or ()), tuple(b or ())  # [] == () == None.
     if a != b:
       lost.append(f"{name}={a!r} (copy: {b!r})")
   return lost
@@ -181,7 +189,6 @@ def from_attributes(layer: keras.layers.Layer,
   """A copy of `layer` built from the attributes named as its constructor's
   arguments (for a layer whose `get_config` fails but which keeps each
   argument under its own name); raises `error` when one is missing."""
-  import inspect  # pylint: disable=g-import-not-at-top
   kwargs = {"name": layer.name, "dtype": layer.dtype_policy,
             "trainable": layer.trainable}
   for p in list(inspect.signature(type(layer).__init__).parameters.values()
