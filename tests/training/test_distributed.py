@@ -48,7 +48,8 @@ def _counting_step(x, y):
   del y
   rows = tf.cast(tf.shape(x)[0], tf.float32)
   return {"loss": tf.reduce_sum(x), "metric/ones": tf.stack([1.0, rows]),
-          "count": rows, "non_finite": tf.constant(0.0)}
+          "count": rows, "non_finite": tf.constant(0.0),
+          "loss_rows": tf.reduce_sum(x) * rows}
 
 
 def _right(labels, logits):

@@ -212,3 +212,23 @@ def test_one_input_plan_checks_the_sizes_of_both_executions():
     feeds.plan_input(dataset, strategy, input_mode="auto", epochs=1,
                      global_batch_size=None, steps_per_epoch=2, streams=True)
 
+
+
+def test_the_epoch_loss_weighs_a_short_last_batch_by_its_rows(initial):
+  """As Keras reports it: the mean of the batches' losses weighed by their
+  rows (it was the plain mean of the steps': 1.97 against Keras' 2.57)."""
+  x, y, w = _data()
+  reference = _model()
+  reference.set_weights(initial)
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=(
+      keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+  want = reference.fit(x, y, sample_weight=w, batch_size=BATCH, epochs=2,
+                       shuffle=False, verbose=0).history["loss"]
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = _model()
+  model.set_weights(initial)
+  dataset = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(BATCH)
+  got = Trainer(model, strategy=strategy, optimizer="sgd", learning_rate=0.1,
+                verbose=0).fit(dataset, epochs=2).history["loss"]
+  np.testing.assert_allclose(got, want, rtol=1e-5)

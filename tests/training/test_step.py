@@ -46,7 +46,7 @@ def test_train_step_loss_is_a_share_of_the_global_batch(global_batch_size):
   out = step(X, Y)
 
   losses, grad = _cross_entropy(X, Y)
-  assert set(out) == {"loss", "count", "non_finite", *ACCURACY}
+  assert set(out) == {"loss", "loss_rows", "count", "non_finite", *ACCURACY}
   np.testing.assert_allclose(out["loss"], losses.sum() / global_batch_size,
                              rtol=1e-6)
   # The accuracy's state change: 1 right of 3.

@@ -69,6 +69,7 @@ class StepSums:
     steps: steps run.
     loss: the sum of the steps' mean losses.
     count: examples.
+    loss_rows: the sum of the steps' mean losses, each times its rows.
     non_finite: > 0 when the loss or a weight became NaN/inf.
     metrics: each metric state's summed change (`Objective.results` turns
       an epoch's sum into the metric values).
@@ -78,12 +79,14 @@ class StepSums:
   count: float
   non_finite: float = 0.0
   metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+  loss_rows: float = 0.0
 
   def __add__(self, other: "StepSums") -> "StepSums":
     keys = set(self.metrics) | set(other.metrics)
     return StepSums(
         steps=self.steps + other.steps, loss=self.loss + other.loss,
         count=self.count + other.count,
+        loss_rows=self.loss_rows + other.loss_rows,
         non_finite=self.non_finite + other.non_finite,
         metrics={k: self.metrics.get(k, 0.0) + other.metrics.get(k, 0.0)
                  for k in keys})
@@ -377,8 +380,11 @@ class Controller:
   # ------------------------------------------------------------------
 
   def _logs(self, total: StepSums) -> dict[str, float]:
-    """The running loss (mean of the steps') and metrics of an epoch."""
-    logs = {"loss": total.loss / max(total.steps, 1)}
+    """The running loss and metrics of an epoch: the steps' losses
+    weighed by their rows, as Keras reports them (a short last batch
+    counts for its rows)."""
+    logs = {"loss": total.loss_rows / total.count if total.count
+            else total.loss / max(total.steps, 1)}
     logs.update(self.o.metric_results(total.metrics))
     return logs
 

@@ -20,7 +20,7 @@ from tfmgpu.training import resident
 StepFn = Callable[..., dict[str, tf.Tensor]]
 Shapes = Mapping[str, tuple[int, ...]]
 
-TRAIN_KEYS = ("loss", "count", "non_finite")
+TRAIN_KEYS = ("loss", "loss_rows", "count", "non_finite")
 EVAL_KEYS = ("loss_sum", "count")
 
 

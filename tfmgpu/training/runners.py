@@ -28,6 +28,7 @@ def to_sums(out: dict[str, Any], steps: int) -> StepSums:
   """A train function's result (tensors) as host values."""
   return StepSums(steps=steps, loss=float(out["loss"]),
                   count=float(out["count"]),
+                  loss_rows=float(out["loss_rows"]),
                   non_finite=float(out["non_finite"]),
                   metrics={k: np.asarray(v) for k, v in out.items()
                            if k.startswith("metric/")})

@@ -146,8 +146,9 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 
   Returns:
     `step(x, y, sample_weight=None, global_batch=None) -> {"loss": mean
-    loss share, "count": n, "non_finite": 1 if the loss is NaN/inf, **metric
-    state changes}`, to be called once per replica inside `strategy.run`;
+    loss share, "loss_rows": it times the step's rows (Keras weighs an
+    epoch's losses by rows), "count": n, "non_finite": 1 if the loss is
+    NaN/inf, **metric state changes}`, to be called once per replica inside `strategy.run`;
     `global_batch` (the rows of the whole step's batch, a tensor) sets the
     loss's denominator when `global_batch_size` is `None`, so a short last
     batch split unevenly is averaged as one device would.
@@ -170,7 +171,9 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     elif allreduce is not None:
       grads = allreduce_lib.all_reduce_gradients(grads, allreduce)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    rows = global_batch_size if global_batch is None else global_batch
     out = {"loss": loss_value, "count": batch_count(y_pred),
+           "loss_rows": loss_value * tf.cast(rows, loss_value.dtype),
            "non_finite": tf.cast(~tf.math.is_finite(loss_value), tf.float32)}
     out.update(objective.metric_updates(y, y_pred, sample_weight))
     return out
