@@ -285,6 +285,28 @@ def each_optimizer(optimizer: Any) -> Iterator[Any]:
         getattr(opt, "optimizers", None) or [])
 
 
+def optimizer_map(optimizer: Any) -> Any:
+  """A Keras `MultiOptimizer`'s map (an `OptimizerMap`, or the function it
+  was given), or `None` for any other optimizer."""
+  return getattr(optimizer, "_optimizer_map", None)
+
+
+def optimizer_pairs(source: Any, copy: Any) -> Iterator[tuple[Any, Any]]:
+  """`(source, copy)` and each pair of optimizers they wrap, matched by
+  role (a `LossScaleOptimizer`'s inner one; a `MultiOptimizer`'s default
+  and each key of its `OptimizerMap`), not by position: one optimizer under
+  two keys is two optimizers in a copy from config."""
+  yield source, copy
+  inner = getattr(source, "inner_optimizer", None)
+  if inner is not None:
+    yield from optimizer_pairs(inner, copy.inner_optimizer)
+  a, b = optimizer_map(source), optimizer_map(copy)
+  if hasattr(a, "default_optimizer") and hasattr(b, "default_optimizer"):
+    yield from optimizer_pairs(a.default_optimizer, b.default_optimizer)
+    for key in a:
+      yield from optimizer_pairs(a[key], b[key])
+
+
 def copy_optimizer(optimizer: Any, cls: Any = None,
                    **config: Any) -> Any:
   """An unbuilt copy of a Keras optimizer (of class `cls`, default its
@@ -294,7 +316,7 @@ def copy_optimizer(optimizer: Any, cls: Any = None,
   name (`exclude_from_weight_decay(var_list=..., var_names=...)`)."""
   copy = (cls or type(optimizer)).from_config(
       {**optimizer.get_config(), **config})
-  for source, target in zip(each_optimizer(optimizer), each_optimizer(copy)):
+  for source, target in optimizer_pairs(optimizer, copy):
     set_weight_decay_exclusions(target, weight_decay_exclusions(source))
     target._exclude_from_weight_decay_pattern = getattr(  # pylint: disable=protected-access
         source, "_exclude_from_weight_decay_pattern", None)

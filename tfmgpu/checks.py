@@ -9,6 +9,7 @@ nothing heavy.
 from __future__ import annotations
 
 import difflib
+import inspect
 from typing import Any, Iterable
 
 
@@ -50,3 +51,39 @@ def check_divisible(name: str, value: int, divisor: int, what: str) -> None:
     lower = max(divisor, value // divisor * divisor)
     raise ValueError(f"{name}={value} is not divisible by {what}. Use a "
                      f"multiple of {divisor}, e.g. {lower} or {lower + divisor}.")
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(value: Any) -> bool:
+  if isinstance(value, (tuple, list)):
+    return all(_plain(v) for v in value)
+  return isinstance(value, _PLAIN)
+
+
+def _attribute(obj: Any, name: str) -> Any:
+  """`obj.name`, or `None` when it has none or its property fails."""
+  try:
+    return getattr(obj, name, None)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def lost_arguments(original: Any, clone: Any) -> list[str]:
+  """The constructor arguments `original` (a Keras layer, optimizer, ...)
+  keeps as attributes of their own name (plain values: numbers, strings,
+  flags and tuples of them) that `clone` holds otherwise, as
+  `name=original (copy: value)`: what a copy from config lost."""
+  lost = []
+  for name in list(inspect.signature(type(original).__init__).parameters)[1:]:
+    if name in ("name", "dtype", "trainable"):
+      continue
+    a, b = _attribute(original, name), _attribute(clone, name)
+    if not (_plain(a) and _plain(b)):
+      continue
+    if all(v is None or isinstance(v, (list, tuple)) for v in (a, b)):
+      a, b = tuple(a or ()), tuple(b or ())  # [] == () == None.
+    if a != b:
+      lost.append(f"{name}={a!r} (copy: {b!r})")
+  return lost

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.models import demo
 from tfmgpu.parallel import inspection
@@ -474,7 +475,6 @@ def test_save_writes_the_unsplit_model(tmp_path):
 def test_lost_arguments_compares_what_it_can_and_skips_what_fails():
   """An int against a list raised TypeError; a property that raises broke
   the copy of a layer that had nothing lost."""
-  from tfmgpu.parallel import cloning  # pylint: disable=g-import-not-at-top
 
   class Odd(keras.layers.Layer):
 
@@ -487,8 +487,8 @@ def test_lost_arguments_compares_what_it_can_and_skips_what_fails():
     def broken(self):
       raise RuntimeError("not built")
 
-  assert cloning.lost_arguments(Odd(sizes=[1, 2]), Odd(sizes=(1, 2))) == []
-  assert cloning.lost_arguments(Odd(sizes=4), Odd(sizes=[4])) == [
+  assert checks.lost_arguments(Odd(sizes=[1, 2]), Odd(sizes=(1, 2))) == []
+  assert checks.lost_arguments(Odd(sizes=4), Odd(sizes=[4])) == [
       "sizes=4 (copy: [4])"]
-  assert cloning.lost_arguments(Odd(width=3), Odd(width=5)) == [
+  assert checks.lost_arguments(Odd(width=3), Odd(width=5)) == [
       "width=3 (copy: 5)"]

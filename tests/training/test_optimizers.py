@@ -211,5 +211,90 @@ def test_wrapped_optimizers_are_checked_one_by_one():
   assert "clipnorm=1.0" in optimizers.whole_variable_use(
       keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(clipnorm=1.0)))
   with pytest.raises(ValueError, match=r"clip_norm=2.0 with optimizer=SGD.*"
-                     r"global_clipnorm=2.0, or pass its name"):
+                     r"global_clipnorm=2.0, or pass an optimizer name"):
     optimizers._check_own_clipping(keras.optimizers.SGD(), 2.0)  # pylint: disable=protected-access
+
+
+def _compiled(optimizer, seed=0):
+  keras.utils.set_random_seed(seed)
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+  model.compile(optimizer=optimizer, loss="mse")
+  return model
+
+
+def test_fused_optimizer_given_keeps_the_compiled_optimizer():
+  """Any fused_optimizer= (False too) dropped a compiled model's optimizer
+  for Adam 1e-3: 0.161 off its own fit with SGD 0.1."""
+  rng = np.random.RandomState(0)
+  x = rng.normal(size=(16, 5)).astype("float32")
+  y = rng.normal(size=(16, 1)).astype("float32")
+  reference = _compiled(keras.optimizers.SGD(0.1))
+  reference.fit(x, y, batch_size=16, verbose=0)
+  for fused, kind in ((False, "SGD"), (True, "FusedSGD")):
+    model = _compiled(keras.optimizers.SGD(0.1))
+    trainer = Trainer(model, fused_optimizer=fused, verbose=0)
+    trainer.fit(x, y, global_batch_size=16, epochs=1)
+    assert type(trainer.optimizer).__name__ == kind
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+      np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_compiled_optimizer_that_does_not_copy_exactly_is_not_changed():
+  """The compiled optimizer's copy from config lost a subclass's argument
+  (scale 3 trained as 1) and crashed on a callable learning rate."""
+
+  class Scaled(keras.optimizers.SGD):
+
+    def __init__(self, learning_rate=0.01, scale=1.0, **kwargs):
+      super().__init__(learning_rate=learning_rate, **kwargs)
+      self.scale = scale
+
+  trainer = Trainer(_compiled(Scaled(0.1, scale=3.0)), verbose=0)
+  assert trainer.optimizer.scale == 3.0
+  rate = Trainer(_compiled(keras.optimizers.SGD(learning_rate=lambda: 0.05)),
+                 verbose=0).optimizer.learning_rate
+  assert float(rate) == pytest.approx(0.05)
+  with pytest.raises(ValueError, match=r"compiled with Scaled\(\.\.\.\), "
+                     r"which the Trainer must copy \(to set learning_rate=\)"
+                     r", but its copy from config differs in Scaled "
+                     r"scale=3.0 \(copy: 1.0\)"):
+    Trainer(_compiled(Scaled(0.1, scale=3.0)), learning_rate=0.2, verbose=0)
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = _compiled("sgd")
+  model.compile(optimizer=Scaled(0.1, scale=3.0), loss="mse")  # Outside.
+  with pytest.raises(ValueError, match=r"outside this strategy's scope and "
+                     r"could not be re-created: its copy from config differs"):
+    Trainer(model, strategy=strategy, verbose=0)
+
+
+def test_multi_optimizer_copies_and_rates():
+  """One optimizer under two keys is two in a copy from config: its
+  exclusions moved to the wrong optimizer (paired by position). A
+  learning_rate with a MultiOptimizer raised a raw AttributeError."""
+  decayed = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+  other = keras.optimizers.AdamW(0.02, weight_decay=0.2)
+  other.exclude_from_weight_decay(var_names=["bias"])
+  multi = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+      other, {"a/.*": decayed, "b/.*": decayed}))
+  copy = tfmgpu._compat.copy_optimizer(multi)  # pylint: disable=protected-access
+  routes = tfmgpu._compat.optimizer_map(copy)  # pylint: disable=protected-access
+  patterns = [getattr(o, "_exclude_from_weight_decay_pattern", None)
+              for o in (routes["a/x"], routes["b/x"], routes["c"])]
+  assert patterns[:2] == [None, None] and patterns[2].pattern == "bias"
+  for kwargs in ({"optimizer": multi}, {}):
+    with pytest.raises(ValueError, match=r"learning_rate=0.3 was given, but "
+                       r".*a MultiOptimizer, whose optimizers each have "
+                       r"their own learning rate"):
+      Trainer(_compiled(multi), learning_rate=0.3, verbose=0, **kwargs)
+
+
+def test_clip_norm_checks_the_optimizer_that_clips():
+  """A LossScaleOptimizer's own global_clipnorm is its inner one's."""
+  from tfmgpu.training import optimizers  # pylint: disable=g-import-not-at-top
+  scaled = keras.optimizers.LossScaleOptimizer
+  optimizers._check_own_clipping(  # pylint: disable=protected-access
+      scaled(keras.optimizers.SGD(global_clipnorm=2.0)), 2.0)
+  with pytest.raises(ValueError, match=r"its global_clipnorm: None\). "
+                     r"Create it with global_clipnorm=2.0"):
+    optimizers._check_own_clipping(scaled(keras.optimizers.SGD()), 2.0)  # pylint: disable=protected-access

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import shared as shared_lib
@@ -130,52 +131,16 @@ def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
         f"from its config ({e}); give it a get_config() that returns its "
         "constructor arguments.") from e
-  if lost_arguments(layer, clone):
+  if checks.lost_arguments(layer, clone):
     clone = from_attributes(layer, ValueError(
-        "its config drops " + ", ".join(lost_arguments(layer, clone))))
+        "its config drops " + ", ".join(checks.lost_arguments(layer, clone))))
   _check_kept(layer, clone)
   clone.name = layer.name  # See `ModelSpec.rebuild`.
   return clone
 
 
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain(value: Any) -> bool:
-  if isinstance(value, (tuple, list)):
-    return all(_plain(v) for v in value)
-  return isinstance(value, _PLAIN)
-
-
-def _attribute(layer: keras.layers.Layer, name: str) -> Any:
-  """`layer.name`, or `None` when it has none or its property fails."""
-  try:
-    return getattr(layer, name, None)
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
-def lost_arguments(layer: keras.layers.Layer,
-                   clone: keras.layers.Layer) -> list[str]:
-  """The constructor arguments `layer` keeps as attributes of their own
-  name (plain values: numbers, strings, flags and tuples of them) that
-  `clone` holds otherwise, as `name=original (copy: value)`."""
-  lost = []
-  for name in list(inspect.signature(type(layer).__init__).parameters)[1:]:
-    if name in ("name", "dtype", "trainable"):
-      continue
-    a, b = _attribute(layer, name), _attribute(clone, name)
-    if not (_plain(a) and _plain(b)):
-      continue
-    if all(v is None or isinstance(v, (list, tuple)) for v in (a, b)):
-      a, b = tuple(a or ()), tuple(b or ())  # [] == () == None.
-    if a != b:
-      lost.append(f"{name}={a!r} (copy: {b!r})")
-  return lost
-
-
 def _check_kept(layer: keras.layers.Layer, clone: keras.layers.Layer) -> None:
-  lost = lost_arguments(layer, clone)
+  lost = checks.lost_arguments(layer, clone)
   if lost:
     raise ValueError(
         f"layer {layer.name!r} ({type(layer).__name__}) does not rebuild "

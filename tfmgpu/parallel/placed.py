@@ -197,7 +197,7 @@ class PerDeviceGradientModel(keras.Model):
     Returns:
       The same optimizer.
     """
-    self._check_optimizer_splits(optimizer)
+    optimizers_lib.check_splits(optimizer, self)
     optimizers_lib.check_exclusions(
         optimizer, self.trainable_variables,
         f"{type(self).__name__} {self.name!r}")
@@ -205,26 +205,6 @@ class PerDeviceGradientModel(keras.Model):
     if not optimizer.built:
       optimizer.build(self.trainable_variables)
     return optimizer
-
-  def _check_optimizer_splits(self, optimizer: keras.optimizers.Optimizer
-                              ) -> None:
-    """Refuses an optimizer that reads whole variables when this model
-    splits weights into shards (tensor, vocabulary or head parallelism).
-
-    Raises:
-      ValueError: see `optimizers.whole_variable_use`.
-    """
-    split = sorted({l.name for l in _compat.flatten_layers(self)
-                    if hasattr(l, "_unsplit_layout")})
-    reason = optimizers_lib.whole_variable_use(optimizer) if split else None
-    if reason:
-      raise ValueError(
-          f"optimizer: {reason}, but {type(self).__name__} {self.name!r} "
-          f"splits the weights of {', '.join(split[:4])}"
-          f"{' ...' if len(split) > 4 else ''} into shards, which it would "
-          "update one by one, unlike the whole weights. Use an element-wise "
-          "optimizer (Adam, AdamW, SGD, RMSprop, Lion, ...; global_clipnorm "
-          "instead of clipnorm), or a layout with tensor=1.")
 
   def _fit_loss_options(self) -> dict[str, Any]:
     """Extra keyword arguments `train_step` passes to the hook (none here)."""

@@ -10,10 +10,9 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.training import fused as fused_lib
+from tfmgpu.training import optimizers as optimizers_lib
 from tfmgpu.training import step as step_lib
-from tfmgpu.training.trainer_options import TrainerOptions
-
-_DEFAULTS = TrainerOptions()
 
 
 def check_built_in_scope(model: keras.Model,
@@ -63,13 +62,11 @@ _FROM_COMPILE = ("optimizer", "loss", "loss_weights", "metrics",
 
 def _compiled_value(model: keras.Model, name: str,
                     settings: dict[str, Any]) -> Any:
-  """The model's compiled `name`: the optimizer (always a fresh copy, so
-  that the model's own is left as it was, with the `learning_rate` given
-  in `settings`), the loss, or what the compile config holds (metrics
-  only by name)."""
+  """The model's compiled `name`: the optimizer (`_compiled_optimizer`),
+  the loss, or what the compile config holds (metrics only by name)."""
   if name == "optimizer":
-    return (None if model.optimizer is None else _compiled_optimizer(
-        model, settings.get("learning_rate")))
+    return (None if model.optimizer is None else
+            _compiled_optimizer(model, settings))
   if name == "loss":
     return model.loss
   value = (model.get_compile_config() or {}).get(name)
@@ -83,30 +80,73 @@ def _compiled_value(model: keras.Model, name: str,
   return value
 
 
-def _compiled_optimizer(model: keras.Model,
-                        learning_rate: float | None) -> Any:
-  """A copy of `model.optimizer` (its slots fresh; the Trainer patches
-  the one it trains), at `learning_rate` when one is given.
+def _compiled_optimizer(model: keras.Model, settings: dict[str, Any]
+                        ) -> Any:
+  """A copy of `model.optimizer` (its slots fresh; the Trainer adapts the
+  one it trains to its strategy, and the model's own stays as it was) at
+  the `learning_rate` given, fused with `fused_optimizer=True`. An unbuilt
+  one that does not copy exactly is trained itself, with a warning.
 
   Raises:
-    ValueError: a `learning_rate` for an optimizer following a schedule.
+    ValueError: a `learning_rate` it cannot take, or one that must be
+      copied (built, or a learning rate to set) and does not copy exactly.
   """
-  copy = _compat.copy_optimizer(model.optimizer)
-  if learning_rate is None:
-    return copy
-  if _compat.learning_rate_variable(
-      getattr(copy, "inner_optimizer", None) or copy) is None:
-    raise ValueError(
-        f"learning_rate={learning_rate} was given, but model "
-        f"{model.name!r} was compiled with an optimizer whose learning rate "
-        "follows a schedule. Pass Trainer(optimizer=...) with the schedule "
-        "you want, or drop learning_rate= to keep the compiled one.")
-  logging.warning(
-      "Model %r was compiled with %s at learning rate %.6g: the Trainer "
-      "trains it at the learning_rate=%.6g given.", model.name,
-      type(copy).__name__, float(copy.learning_rate), learning_rate)
-  copy.learning_rate = learning_rate
+  optimizer, rate = model.optimizer, settings.get("learning_rate")
+  try:
+    copy = optimizers_lib.copy_of(optimizer)
+  except ValueError as e:
+    if optimizer.built or rate is not None:
+      why = "its slots exist" if optimizer.built else "to set learning_rate="
+      raise ValueError(
+          f"Model {model.name!r} was compiled with "
+          f"{type(optimizer).__name__}(...), which the Trainer must copy "
+          f"({why}), but {e}. Pass Trainer(optimizer=...) by name, e.g. "
+          "optimizer='adam'.") from e
+    logging.warning(
+        "Model %r was compiled with %s(...), which the Trainer cannot copy "
+        "(%s): it trains that optimizer itself, adapted to its strategy. "
+        "Compile the model again before a Keras fit.", model.name,
+        type(optimizer).__name__, e)
+    return optimizer
+  if rate is not None:
+    _set_learning_rate(copy, rate, f"model {model.name!r} was compiled with")
+  if settings.get("fused_optimizer"):
+    copy = fused_lib.fuse(copy)
   return copy
+
+
+def _rate_owner(optimizer: Any, given: Any, where: str) -> Any:
+  """The optimizer whose learning rate `learning_rate=given` would be (a
+  `LossScaleOptimizer`'s inner one).
+
+  Raises:
+    ValueError: a `MultiOptimizer`, whose optimizers each have their own.
+  """
+  if _compat.optimizer_map(optimizer) is not None:
+    raise ValueError(
+        f"learning_rate={given} was given, but {where} a MultiOptimizer, "
+        "whose optimizers each have their own learning rate. Set the rates "
+        "on them and drop learning_rate=.")
+  return getattr(optimizer, "inner_optimizer", None) or optimizer
+
+
+def _set_learning_rate(optimizer: Any, rate: float, where: str) -> None:
+  """Sets `optimizer`'s learning rate to `rate`, with a warning naming both.
+
+  Raises:
+    ValueError: it follows a schedule, or is a `MultiOptimizer`.
+  """
+  owner = _rate_owner(optimizer, rate, where)
+  if _compat.learning_rate_variable(owner) is None:
+    raise ValueError(
+        f"learning_rate={rate} was given, but {where} an optimizer whose "
+        "learning rate follows a schedule. Pass Trainer(optimizer=...) "
+        "with the schedule you want, or drop learning_rate= to keep it.")
+  logging.warning(
+      "The Trainer was given learning_rate=%.6g, and %s %s at learning rate "
+      "%.6g: it trains at %.6g.", rate, where, type(owner).__name__,
+      float(owner.learning_rate), rate)
+  owner.learning_rate = rate
 
 
 def _check_learning_rate(settings: dict[str, Any]) -> None:
@@ -116,9 +156,9 @@ def _check_learning_rate(settings: dict[str, Any]) -> None:
   if "learning_rate" not in settings or optimizer is None or isinstance(
       optimizer, str):
     return
-  own = _compat.learning_rate_variable(
-      getattr(optimizer, "inner_optimizer", None) or optimizer)
   given = settings["learning_rate"]
+  own = _compat.learning_rate_variable(
+      _rate_owner(optimizer, given, "optimizer= is"))
   if own is not None and float(own.numpy()) == float(
       tf.cast(given, own.dtype).numpy()):
     return
@@ -137,21 +177,13 @@ def compiled_settings(model: keras.Model, options: Any,
   the model's own `compile()` set, for each of optimizer, loss, loss
   weights and metrics not given, and logged: a compiled model trains as its
   `fit` would (it trained with the Trainer's defaults, silently). A
-  `learning_rate` given applies to the compiled optimizer; with
-  `fused_optimizer` given, the Trainer builds its own optimizer by name
-  instead. Nothing is taken when `options` are given."""
+  `learning_rate` given applies to the compiled optimizer, and
+  `fused_optimizer=True` fuses it. Nothing is taken when `options` are
+  given."""
   _check_learning_rate(settings)
   if options is not None or not getattr(model, "compiled", False):
     return settings
   names = [n for n in _FROM_COMPILE if n not in settings]
-  if "fused_optimizer" in settings and "optimizer" in names:
-    names.remove("optimizer")
-    logging.warning(
-        "Model %r was compiled with an optimizer, but fused_optimizer= was "
-        "given: the Trainer trains with optimizer=%r at learning_rate=%s "
-        "instead (pass optimizer= to choose another).", model.name,
-        _DEFAULTS.optimizer, settings.get("learning_rate",
-                                          _DEFAULTS.learning_rate))
   taken = {name: _compiled_value(model, name, settings) for name in names}
   taken = {k: v for k, v in taken.items() if v is not None}
   if taken:

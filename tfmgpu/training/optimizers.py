@@ -8,12 +8,14 @@ Importing this module does not import TensorFlow or Keras (the CLIs list
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Callable
 
 from tfmgpu._lazy import LazyModule
 
 keras = LazyModule("keras")
 _compat = LazyModule("tfmgpu._compat")
+checks = LazyModule("tfmgpu.checks")
 
 _OPTIMIZERS: dict[str, Callable[..., Any]] = {
     "adam": lambda **kw: keras.optimizers.Adam(**kw),
@@ -84,6 +86,61 @@ def whole_variable_use(optimizer: Any) -> str | None:
   return None
 
 
+def check_splits(optimizer: Any, model: Any) -> None:
+  """Refuses an optimizer that would update the shards of `model`'s split
+  weights (tensor, vocabulary or head parallelism) otherwise than their
+  whole weights: one that reads whole variables (`whole_variable_use`),
+  or a `MultiOptimizer` that routes shards by path (`split_routing`).
+
+  Raises:
+    ValueError: naming the split layers and what to use instead.
+  """
+  layers = [l for l in _compat.flatten_layers(model)
+            if hasattr(l, "_unsplit_layout")]
+  if not layers:
+    return
+  reason = whole_variable_use(optimizer)
+  fix = ("Use an element-wise optimizer (Adam, AdamW, SGD, RMSprop, Lion, "
+         "...; global_clipnorm instead of clipnorm)")
+  if not reason:
+    reason = split_routing(optimizer, layers)
+    fix = "Leave the split layers to the map's default optimizer"
+  if reason:
+    split = sorted({l.name for l in layers})
+    raise ValueError(
+        f"optimizer: {reason}, but {type(model).__name__} {model.name!r} "
+        f"splits the weights of {', '.join(split[:4])}"
+        f"{' ...' if len(split) > 4 else ''} into shards, which it would "
+        f"update one by one, unlike the whole weights. {fix}, or use a "
+        "layout with tensor=1.")
+
+
+def split_routing(optimizer: Any, split_layers: Any) -> str | None:
+  """Why a `MultiOptimizer` in `optimizer` might send the shards of a split
+  weight to another optimizer than the whole weight (its map routes by
+  variable path, and shards have their own paths: `kernel_0`, ...), or
+  `None` when each split layer's variables all reach its default one
+  and no key of its map names a split layer."""
+  for opt in _compat.each_optimizer(optimizer):
+    routes = _compat.optimizer_map(opt)
+    if routes is None:
+      continue
+    if not isinstance(routes, keras.optimizers.OptimizerMap):
+      return ("a MultiOptimizer with a function for optimizer_map, so "
+              "tfmgpu cannot tell which optimizer each shard reaches (give "
+              "it a keras.optimizers.OptimizerMap)")
+    for layer in split_layers:
+      named = [k for k in routes if layer.name in k]
+      paths = [p for v in layer.trainable_variables
+               for p in (v.path, re.sub(r"_\d+$", "", v.path))]
+      routed = [p for p in paths if routes[p] is not routes.default_optimizer]
+      if named or routed:
+        return (f"a MultiOptimizer whose OptimizerMap routes split layer "
+                f"{layer.name!r} by path ({(named or routed)[0]!r}), and its"
+                " shards' paths differ from its whole weights'")
+  return None
+
+
 def _whole_variable_use_of(optimizer: Any) -> str | None:
   """`whole_variable_use` of one optimizer, not those it wraps."""
   name = type(optimizer).__name__
@@ -137,12 +194,36 @@ def _bind_to(optimizer: Any, strategy: Any) -> Any:
         f"optimizer={name} was created outside this strategy's scope and "
         f"has already built its slot variables, so it cannot move. {fix}")
   try:
-    return _compat.copy_optimizer(optimizer)  # Keeps its exclusions.
-  except Exception as e:  # pylint: disable=broad-except
+    return copy_of(optimizer)
+  except ValueError as e:
     raise ValueError(
         f"optimizer={name} was created outside this strategy's scope and "
-        f"could not be re-created from its config ({type(e).__name__}: "
-        f"{e}). {fix}") from e
+        f"could not be re-created: {e}. {fix}") from e
+
+
+def copy_of(optimizer: Any, cls: Any = None, **config: Any) -> Any:
+  """An unbuilt copy of `optimizer` from its config (of class `cls`, with
+  `config` over it; `_compat.copy_optimizer`), checked to keep every
+  constructor argument each optimizer in it keeps as an attribute.
+
+  Raises:
+    ValueError: the config does not make a copy, or the copy lost an
+      argument (a subclass whose `get_config` leaves one out); the message
+      says which.
+  """
+  try:
+    copy = _compat.copy_optimizer(optimizer, cls, **config)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f"its config does not make a copy ({type(e).__name__}:"
+                     f" {e})") from e
+  lost = [f"{type(a).__name__} {what}"
+          for a, b in _compat.optimizer_pairs(optimizer, copy)
+          for what in checks.lost_arguments(a, b)]
+  if lost:
+    raise ValueError(f"its copy from config differs in {', '.join(lost)} "
+                     "(give its class a get_config() that returns every "
+                     "constructor argument)")
+  return copy
 
 
 def check_exclusions(optimizer: Any, variables: Any, trained: str) -> None:
@@ -169,17 +250,27 @@ def check_exclusions(optimizer: Any, variables: Any, trained: str) -> None:
         "'beta', 'bias', ...]).")
 
 
+def leaves(optimizer: Any) -> list[Any]:
+  """The optimizers that update variables in `optimizer`: itself, or those
+  it wraps (a `LossScaleOptimizer`'s inner one, a `MultiOptimizer`'s)."""
+  wrappers = tuple(getattr(keras.optimizers, n) for n in _WRAPPERS)
+  return [o for o in _compat.each_optimizer(optimizer)
+          if not isinstance(o, wrappers)]
+
+
 def _check_own_clipping(optimizer: Any, clip_norm: float | None) -> None:
   """Refuses a `clip_norm` for the optimizer to apply (where the strategy
   sums gradients: parameter servers) that an optimizer object would not:
   only a name takes it."""
-  if clip_norm and getattr(optimizer, "global_clipnorm", None) != clip_norm:
+  own = [getattr(o, "global_clipnorm", None) for o in leaves(optimizer)]
+  if clip_norm and (not own or any(c != clip_norm for c in own)):
     raise ValueError(
         f"clip_norm={clip_norm} with optimizer={type(optimizer).__name__}"
         "(...): where the strategy sums the gradients (parameter servers) "
         "the optimizer clips them, and an optimizer object is used as "
-        f"given (its global_clipnorm is {optimizer.global_clipnorm}). Create"
-        f" it with global_clipnorm={clip_norm}, or pass its name.")
+        f"given (its global_clipnorm: {', '.join(map(str, own)) or 'none'})"
+        f". Create it with global_clipnorm={clip_norm}, or pass an "
+        "optimizer name (optimizer='adam', ...) with clip_norm.")
 
 
 def _check_accumulation(optimizer: Any, strategy: Any) -> None:
@@ -234,6 +325,7 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     check_exclusions(optimizer, model.trainable_variables,
                      f"model {model.name!r}")
+    check_splits(optimizer, model)
     build = getattr(model, "build_optimizer", None)
     if build is not None:
       build(optimizer)  # Staged models place each stage's slots themselves.
