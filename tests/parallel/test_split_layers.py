@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tfmgpu.models import gpt
+from tfmgpu.parallel import activations
 from tfmgpu.parallel import split_embedding
 from tfmgpu.parallel import split_kernel
 from tfmgpu.parallel import tensor
@@ -80,8 +81,45 @@ def test_a_softmax_is_applied_to_the_joined_output(cpu_devices):
   want = keras.ops.convert_to_numpy(keras.ops.softmax(
       np.einsum("abc,cd->abd", X, kernel)))
   np.testing.assert_allclose(got, want, atol=1e-6)
-  assert split_kernel.acts_elementwise(keras.activations.get("gelu"))
-  assert not split_kernel.acts_elementwise(lambda x: x / keras.ops.sum(x))
+  assert activations.acts_elementwise(keras.activations.get("gelu"))
+  assert not activations.acts_elementwise(lambda x: x / keras.ops.sum(x))
+
+
+def test_a_column_split_dense_applies_a_softmax_after_its_gather(
+    cpu_devices):
+  """ColumnParallelDense applied its activation per shard: a softmax's
+  rows summed to 2.0 over two shards (0.673 off)."""
+  layer = tensor.ColumnParallelDense(6, cpu_devices[:2], activation="softmax")
+  got = keras.ops.convert_to_numpy(layer(X))
+  kernel, bias = layer.get_weights()
+  want = keras.ops.convert_to_numpy(keras.ops.softmax(X @ kernel + bias))
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  with pytest.raises(ValueError, match=r"activation='softmax' reads the "
+                     r"whole output.*gather_output=True"):
+    tensor.ColumnParallelDense(6, cpu_devices[:2], activation="softmax",
+                               gather_output=False)(X)
+
+
+def test_the_element_wise_probe_slices_along_the_split_axis():
+  """The probe sliced a 2-D input's last axis only: a softmax over axis -2
+  split along that axis passed (0.912 off); an unhashable activation
+  crashed the cache; a PReLU activation was built by the probe."""
+  import functools  # pylint: disable=g-import-not-at-top
+  over_rows = functools.partial(keras.ops.softmax, axis=-2)
+  assert not activations.acts_elementwise(over_rows, 3, 1)
+  assert activations.acts_elementwise(over_rows, 3, 2)
+
+  class Scaled:  # Unhashable (defines __eq__ without __hash__).
+
+    def __eq__(self, other):
+      return isinstance(other, Scaled)
+
+    def __call__(self, x):
+      return 2.0 * x
+
+  assert activations.acts_elementwise(Scaled(), 3, 2)
+  prelu = keras.layers.PReLU()
+  assert not activations.acts_elementwise(prelu) and not prelu.built
 
 
 def test_the_bias_axis_skips_the_unbiased_axes_between():
@@ -113,3 +151,35 @@ def test_attention_parts_that_do_not_split_by_heads_are_refused(cpu_devices):
     with pytest.raises(ValueError, match=r"return_attention_scores=True on an "
                        r"attention split by heads over 2 devices"):
       layer(X, X, return_attention_scores=True)
+
+
+def test_optimizers_that_would_update_shards_otherwise_are_refused(
+    cpu_devices):
+  """A plain tensor_parallel model trained with Adafactor under a Trainer
+  was not checked at all; a MultiOptimizer keyed by the whole kernel's path
+  missed its shards (0.0182 off), and one with a function for its map was
+  accepted before it had built any optimizer."""
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  inputs = keras.Input((8,))
+  hidden = keras.layers.Dense(8, name="ff_mlp_up")(inputs)
+  model = tensor.tensor_parallel(keras.Model(inputs, keras.layers.Dense(
+      8, name="ff_mlp_down")(hidden)), cpu_devices[:2])
+  sgd = keras.optimizers.SGD
+
+  def routed(routes):
+    return keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(sgd(0.1), routes))
+
+  refusals = {
+      "Adafactor factors": keras.optimizers.Adafactor(),
+      "routes split layer 'ff_mlp_up' by path": routed({
+          "ff_mlp_up/kernel": sgd(0.0)}),
+      "a function for optimizer_map": keras.optimizers.MultiOptimizer(
+          lambda v: sgd(0.1)),
+  }
+  for why, optimizer in refusals.items():
+    with pytest.raises(ValueError, match=f"optimizer: .*{why}.*splits the "
+                       "weights of ff_mlp_down, ff_mlp_up into shards"):
+      Trainer(model, optimizer=optimizer, loss="mse", verbose=0)
+  Trainer(model, optimizer=routed({"other/.*": sgd(0.0)}), loss="mse",
+          verbose=0)

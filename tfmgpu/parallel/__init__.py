@@ -36,6 +36,8 @@ only modules listed before it):
 * `on_device`: a computation with its forward and backward on one device;
 * `shards`: `ShardedLayer`, the base of the split layers: shards on their
   devices, weights (and `.keras` files) in the unsplit layer's form;
+* `activations`: which activations act on each element alone (a shard
+  applies them to its slice);
 * `split_dense`: `ColumnParallelDense`, `RowParallelDense`;
 * `split_attention`: `HeadParallelAttention` (heads split over devices);
 * `tensor_rules`: which whole layers split and how (`{regex: kind}`);
@@ -109,8 +111,8 @@ _EXPORTS = {
     "tensor_parallel": "tfmgpu.parallel.tensor",
     "theoretical_bubble": "tfmgpu.parallel.schedule",
 }
-_SUBMODULES = ("accounting", "auto", "block_flops", "branches", "calibration",
-               "choices",
+_SUBMODULES = ("accounting", "activations", "auto", "block_flops",
+               "branches", "calibration", "choices",
                "cloning", "cost", "graph", "hybrid", "inspection", "kv_cache",
                "layout", "layout_maps", "links", "microbatch", "on_device",
                "partition", "pipeline", "pipeline_step", "placed",

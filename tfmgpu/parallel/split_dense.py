@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu.parallel import activations
 from tfmgpu.parallel.on_device import on_device
 from tfmgpu.parallel.shards import ShardedLayer
 from tfmgpu.parallel.shards import sliced_initializer
@@ -65,6 +66,7 @@ class ColumnParallelDense(ShardedLayer):
 
   def build(self, input_shape):
     T, d = len(self.devices), int(input_shape[-1])
+    self._local_activation(len(input_shape))  # Refuses what cannot split.
     kernels = sliced_initializer(self.kernel_initializer, (d, self.units),
                                   1, T, self.variable_dtype)
     biases = sliced_initializer(self.bias_initializer, (self.units,), 0, T,
@@ -77,11 +79,36 @@ class ColumnParallelDense(ShardedLayer):
         self.biases.append(self._add_shard_weight(
             t, f"bias_{t}", (self.shard_units,), biases[t]))
 
+  def _local_activation(self, rank: int) -> bool:
+    """Whether each shard applies the activation to its columns (an
+    element-wise one); any other (softmax) is applied after the gather.
+
+    Raises:
+      ValueError: a non-element-wise activation with `gather_output=False`
+        (no shard sees the whole output).
+    """
+    if self.activation is None:
+      return False
+    local = activations.acts_elementwise(self.activation, rank, -1)
+    if not local and not self.gather_output:
+      raise ValueError(
+          f"ColumnParallelDense {self.name!r}: activation="
+          f"{getattr(self.activation, '__name__', self.activation)!r} "
+          "reads the whole output, which gather_output=False leaves split. "
+          "Use gather_output=True or an element-wise activation.")
+    return local
+
   def _shard(self, t: int, x):
     y = keras.ops.matmul(x, keras.ops.cast(self.kernels[t], x.dtype))
     if self.use_bias:
       y = keras.ops.add(y, keras.ops.cast(self.biases[t], y.dtype))
-    return self.activation(y) if self.activation is not None else y
+    return self.activation(y) if self._local_activation(len(y.shape)) else y
+
+  def _gather(self, *parts):
+    y = keras.ops.concatenate(parts, axis=-1)
+    if self.activation is None or self._local_activation(len(y.shape)):
+      return y
+    return self.activation(y)
 
   def call(self, inputs):
     parts = [on_device(d, lambda x, t=t: self._shard(t, x), inputs,
@@ -89,8 +116,7 @@ class ColumnParallelDense(ShardedLayer):
              for t, d in enumerate(self.devices)]
     if not self.gather_output:
       return parts
-    return on_device(self.devices[0],
-                     lambda *p: keras.ops.concatenate(p, axis=-1), *parts,
+    return on_device(self.devices[0], self._gather, *parts,
                      name=f"{self.name}_gather")
 
   def compute_output_spec(self, inputs):

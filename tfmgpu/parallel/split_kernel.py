@@ -17,53 +17,17 @@ column parts (`split_mlp`): no join between them.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from tfmgpu.parallel import activations
 from tfmgpu.parallel import split_mlp
 from tfmgpu.parallel.on_device import on_device
 from tfmgpu.parallel.shards import ShardedLayer
 from tfmgpu.parallel.shards import sliced_initializer
 from tfmgpu.parallel.shards import split_size
-
-# Keras activations that act on each element alone (a shard may apply them
-# to its slice); any other (softmax, log_softmax, glu, a user's function)
-# is applied to the joined output.
-ELEMENTWISE = frozenset((
-    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "gelu",
-    "silu", "swish", "hard_silu", "hard_swish", "mish", "sigmoid",
-    "hard_sigmoid", "tanh", "hard_tanh", "soft_shrink", "hard_shrink",
-    "tanh_shrink", "squareplus", "sparse_plus", "softplus", "softsign",
-    "exponential", "log_sigmoid", "threshold"))
-
-
-@functools.lru_cache(maxsize=None)
-def acts_elementwise(activation: Any) -> bool:
-  """Whether `activation` acts on each element alone: a Keras one named in
-  `ELEMENTWISE`, or a function (keras_hub's `lambda x: gelu(x,
-  approximate=True)`) whose slices of a random input's output are its
-  outputs of the slices."""
-  if getattr(activation, "__name__", None) in ELEMENTWISE:
-    return True
-  x = np.random.default_rng(0).normal(size=(3, 8)).astype("float32")
-  try:
-    with tf.init_scope():  # Eager, also when asked while tracing.
-      return _same_by_slices(activation, x)
-  except Exception:  # pylint: disable=broad-except
-    return False
-
-
-def _same_by_slices(activation: Any, x: np.ndarray) -> bool:
-  whole = keras.ops.convert_to_numpy(activation(x))
-  parts = [keras.ops.convert_to_numpy(activation(x[:, :3])),
-           keras.ops.convert_to_numpy(activation(x[:, 3:]))]
-  return whole.shape == x.shape and np.allclose(
-      whole, np.concatenate(parts, axis=1), rtol=1e-6, atol=1e-6)
-
 
 def layer_specs(layer: keras.layers.Layer) -> tuple[str, str, str]:
   """`(input, kernel, output)` einsum specs of a Dense or EinsumDense."""
@@ -178,8 +142,12 @@ class SplitKernelDense(ShardedLayer):
     applies the activation, and the join only concatenates (so its parts
     are the output's slices). A softmax reads the whole output: the join
     applies it."""
+    out = self.equation.split("->")[1]
+    rank = len(out.replace("...", "")) + ("..." in out)
     return self.gathers and self.bias is None and (
-        self.activation is None or acts_elementwise(self.activation))
+        self.activation is None
+        or activations.acts_elementwise(self.activation, rank,
+                                          self._join_axis))
 
   def _shard(self, t: int, x):
     if not self.gathers:
