@@ -81,6 +81,14 @@ class StepSums:
   metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
   loss_rows: float = 0.0
 
+  @property
+  def mean_loss(self) -> float:
+    """The steps' losses weighed by their rows, as Keras reports an
+    epoch's (a short last batch counts for its rows)."""
+    if self.count:
+      return self.loss_rows / self.count
+    return self.loss / max(self.steps, 1)
+
   def __add__(self, other: "StepSums") -> "StepSums":
     keys = set(self.metrics) | set(other.metrics)
     return StepSums(
@@ -383,8 +391,7 @@ class Controller:
     """The running loss and metrics of an epoch: the steps' losses
     weighed by their rows, as Keras reports them (a short last batch
     counts for its rows)."""
-    logs = {"loss": total.loss_rows / total.count if total.count
-            else total.loss / max(total.steps, 1)}
+    logs = {"loss": total.mean_loss}
     logs.update(self.o.metric_results(total.metrics))
     return logs
 
@@ -400,7 +407,7 @@ class Controller:
     if not self.o.writes_summaries:  # Python per call: skip without a writer.
       return
     with self.o.summary_writer.as_default(step=self.global_step):
-      tf.summary.scalar("train/loss", sums.loss / sums.steps)
+      tf.summary.scalar("train/loss", sums.mean_loss)
       tf.summary.scalar("train/examples_per_sec", rate)
 
   def _preempt(self, epoch: int, epoch_step: int, steps_per_epoch: int,
