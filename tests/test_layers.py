@@ -33,6 +33,7 @@ LAYERS = {
     "tfmgpu/checks": 0,
     "tfmgpu/devices": 0,
     "tfmgpu/files": 0,
+    "tfmgpu/in_graph": 0,
     "tfmgpu/ports": 0,
     "tfmgpu/rundir": 0,
     "tfmgpu/settings": 0,

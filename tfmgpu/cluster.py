@@ -7,6 +7,9 @@ what this task does:
 
 * `multi_worker_mirrored`: every task ("chief"/"worker") trains in lockstep;
   the chief (else worker 0) writes checkpoints, summaries and model.keras.
+* `multi_worker_mirrored --zero_stage=N`: the chief (else worker 0)
+  drives every task's devices (in-graph); the others serve it
+  (`serves_in_graph`, `tfmgpu.in_graph.serve`).
 * `parameter_server`: the "ps" and "worker" tasks run a
   `tf.distribute.Server` until they are stopped (`run_server_if_needed`);
   the "chief" task is the coordinator that runs the training.
@@ -77,9 +80,12 @@ class ClusterTarget:
     distribution: the run's resolved strategy or placement.
     cluster_resolver: where a joining strategy's cluster comes from:
       `"tf_config"` or `"slurm"`.
+    in_graph: the chief drives every task's devices; the other tasks only
+      serve (`tfmgpu.in_graph`: `multi_worker_mirrored --zero_stage=N`).
   """
   distribution: strategies_lib.Distribution
   cluster_resolver: str = "tf_config"
+  in_graph: bool = False
 
 
 def writes_outputs(role: TaskRole, target: ClusterTarget,
@@ -268,6 +274,13 @@ def run_server(role: TaskRole, *,
   logging.info("Task %s serves at %s for the coordinator; it runs until "
                "stopped.", role.name, role.address)
   server.join()
+
+
+def serves_in_graph(role: TaskRole, target: ClusterTarget) -> bool:
+  """Whether this task only serves the chief's in-graph run: a task of a
+  TF_CONFIG cluster that does not write the outputs."""
+  return bool(target.in_graph and role.task_type
+              and not writes_outputs(role, target))
 
 
 def run_server_if_needed(role: TaskRole) -> None:

@@ -258,9 +258,10 @@ class RunSettings:
       raise ValueError(
           f"zero_stage={self.zero_stage!r} is not supported by strategy="
           f"{self.strategy!r}: tfmgpu shards weights, gradients and optimizer "
-          "slots (ZeRO) over the replicas of one host only. Use "
-          f"--strategy=mirrored --zero_stage={self.zero_stage} (with "
-          "--virtual_devices=N on a CPU), or drop --zero_stage.")
+          "slots (ZeRO) over data-parallel replicas. Use "
+          f"--strategy=mirrored --zero_stage={self.zero_stage} on one host "
+          "(with --virtual_devices=N on a CPU), --strategy="
+          "multi_worker_mirrored across hosts, or drop --zero_stage.")
 
   def _check_objective(self) -> None:
     """`loss` and `metrics`: names are Keras' to check (when the Trainer is
@@ -374,7 +375,9 @@ class RunSettings:
   @property
   def cluster_target(self) -> cluster.ClusterTarget:
     """What this run asks of its cluster (`cluster.preflight`)."""
-    return cluster.ClusterTarget(self.distribution, self.cluster_resolver)
+    return cluster.ClusterTarget(
+        self.distribution, self.cluster_resolver,
+        in_graph=self.distribution.in_graph(self.options))
 
   def values_of(self, cls: type) -> dict[str, Any]:
     """This config's values of the fields of the dataclass `cls` that are

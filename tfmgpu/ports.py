@@ -65,3 +65,31 @@ def wait_until_listening(tasks: Mapping[str, str], timeout_s: float, *,
           f"({timeout_s - (deadline - now):.0f} s of {timeout_s:g} s).")
       next_log = now + 30.0
     time.sleep(min(poll_s, max(deadline - now, 0.0)))
+
+
+def require_listening(tasks: Mapping[str, str], timeout_s: float, *,
+                      who: str,
+                      waiter: str = "this task",
+                      log: Callable[[str], None] | None = None) -> None:
+  """Every task listens within `timeout_s`, or an error: TensorFlow's
+  connect waits forever for a task that died before it.
+
+  Args:
+    tasks: task name (`"worker:1"`) -> its `host:port`.
+    timeout_s: how long to wait at most.
+    who: the run that waits, for the message (e.g. "parameter_server").
+    waiter: the task that waits, for the message ("the coordinator").
+    log: as for `wait_until_listening`.
+
+  Raises:
+    RuntimeError: tasks that did not listen in time (named, with why).
+  """
+  missing = wait_until_listening(tasks, timeout_s, log=log)
+  if missing:
+    named = ", ".join(f"{name} ({tasks[name]}: {why})"
+                      for name, why in missing.items())
+    raise RuntimeError(
+        f"{who}: {named} did not come up within connect_timeout_s="
+        f"{timeout_s:g} s, so {waiter} stops instead of waiting forever for "
+        "it. Check that task's log (it may have died), then run the job "
+        "again; --connect_timeout_s sets the wait.")

@@ -33,6 +33,7 @@ from absl import flags
 from tfmgpu import cluster
 from tfmgpu import config as config_lib
 from tfmgpu import files
+from tfmgpu import in_graph
 from tfmgpu import flags as flags_lib
 from tfmgpu import models as models_lib
 from tfmgpu import rundir
@@ -138,6 +139,8 @@ def main(argv: list[str]) -> int:
   if role.runs_server:
     flags_lib.load_tensorflow()
   cluster.run_server_if_needed(role)  # Parameter-server ps/worker: serves.
+  if cluster.serves_in_graph(role, config.cluster_target):
+    return _serve_in_graph(config, role)  # The chief drives this task.
   if names_user_code(config):  # The user's module may import TF: quietly.
     flags_lib.load_tensorflow()
   try:  # The user's `module:function` code, imported before any run dir.
@@ -155,6 +158,18 @@ def main(argv: list[str]) -> int:
       return 1
     return 0
   return _train_in_run_dir(config, role)
+
+
+def _serve_in_graph(config: config_lib.TrainConfig,
+                    role: cluster.TaskRole) -> int:
+  """Serves the chief's in-graph run (multi-worker ZeRO): this task's
+  devices configured as the run says, then TF's server until the chief
+  ends; the chief's exit code."""
+  flags_lib.load_tensorflow()
+  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  devices_lib.configure_virtual_devices(config.virtual_devices)
+  return in_graph.serve(role.cluster, role.name,
+                        timeout_s=config.options.connect_timeout_s)
 
 
 def _train_in_run_dir(config: config_lib.TrainConfig,
@@ -206,7 +221,19 @@ def open_run_dir(config: config_lib.TrainConfig, role: cluster.TaskRole
 
 
 def _train(config: config_lib.TrainConfig) -> int:
-  """Runs the training; the exit code (42 after a preemption save)."""
+  """Runs the training; the exit code (42 after a preemption save). Tasks
+  that serve this one in-graph learn the code and the last line."""
+  code, line = 1, ("error: the chief stopped on an unexpected error; see "
+                   "its log.")
+  try:
+    code, line = _train_once(config)
+  finally:
+    in_graph.release(code, line)
+  return code
+
+
+def _train_once(config: config_lib.TrainConfig) -> tuple[int, str]:
+  """`_train`'s run: the exit code and the line printed last."""
   from tfmgpu import runs  # pylint: disable=g-import-not-at-top  (loads TF)
   from tfmgpu.training import checkpoints  # pylint: disable=g-import-not-at-top
   from tfmgpu.training import preemption  # pylint: disable=g-import-not-at-top
@@ -216,18 +243,20 @@ def _train(config: config_lib.TrainConfig) -> int:
   try:
     summary = runs.run_training(config)
   except checkpoints.PreemptedError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return checkpoints.EXIT_PREEMPTED
+    return _failed(checkpoints.EXIT_PREEMPTED, str(e))
   except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+    return _failed(1, str(e))
   except OSError as e:  # A full disk while saving, ...: say so, name it.
-    print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
-    return 1
+    return _failed(1, files.describe_os_error(e))
   finally:
     preemption.hold_sigterm_after_preemption(False)
   print("\n" + str(summary), flush=True)
-  return 0
+  return 0, "The chief's run finished (its summary is in the chief's log)."
+
+
+def _failed(code: int, message: str) -> tuple[int, str]:
+  print(f"error: {message}", file=sys.stderr)
+  return code, f"error: {message}"
 
 
 def run() -> None:

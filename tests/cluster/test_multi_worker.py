@@ -3,10 +3,14 @@
 Parity: 2 workers x 1 replica must train the model that one process with 2
 replicas trains on the same global batches (`training.inputs.array_dataset_fn` shards each
 epoch's order so that one step's per-replica batches make up the same global
-batch), and only the chief keeps outputs.
+batch), and only the chief keeps outputs. With `--zero_stage=3` (in-graph:
+the chief drives worker 1's CPU, where worker 1's shards live) the run
+equals the unsharded ones and survives a preemption of the serving worker.
 """
 
 import os
+import re
+import signal
 
 import keras
 import numpy as np
@@ -18,8 +22,26 @@ from tfmgpu import runs
 pytestmark = pytest.mark.slow
 
 
+ZERO3 = ("--strategy=multi_worker_mirrored", "--zero_stage=3",
+         "--virtual_devices=2")
+TASK_CPUS = ("2 on /job:worker/replica:0/task:0/device:CPU:0, "
+             "/job:worker/replica:0/task:1/device:CPU:0")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  """The run of MWMS_ARGS in one process, mirrored over 2 replicas."""
+  return runs.run_training(
+      helpers.reference_config(tmp_path_factory.mktemp("one") / "ref"))
+
+
+def max_diff(a: keras.Model, b: keras.Model) -> float:
+  return max(float(np.abs(x - y).max())
+             for x, y in zip(a.get_weights(), b.get_weights()))
+
+
 def test_two_workers_train_what_one_process_trains(uninterrupted_mwms,
-                                                   tmp_path):
+                                                   one_process):
   run = uninterrupted_mwms
   assert run["result"].exit_code == 0, run["text"][-5000:]
   text = run["text"]
@@ -48,8 +70,7 @@ def test_two_workers_train_what_one_process_trains(uninterrupted_mwms,
   # amplifies that over 90 steps to 3e-4 (Keras's Adam and the fused one
   # alike), on dithered digits (`helpers.DITHERED_DIGITS`; on the plain
   # digits' tied max-pools Keras's Adam drifts 6e-2).
-  reference = runs.run_training(
-      helpers.reference_config(tmp_path / "ref"))
+  reference = one_process
   chief = keras.models.load_model(model_dir / "model.keras")
   for a, b in zip(chief.get_weights(), reference.model.get_weights()):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)
@@ -58,3 +79,46 @@ def test_two_workers_train_what_one_process_trains(uninterrupted_mwms,
                                           reference.test_accuracy, abs=2e-3)
   print(f"2-worker run {run['seconds']:.1f} s; test accuracy "
         f"{reference.test_accuracy:.4f} (one process)")
+
+
+def test_zero3_over_two_workers_equals_unsharded_and_resumes_exactly(
+    uninterrupted_mwms, one_process, tmp_path):
+  tmpdir = str(tmp_path / "worker_tmp")
+  done = tmp_path / "zero"
+  result, first = helpers.run_cluster(
+      [*ZERO3, f"--model_dir={done}", *helpers.MWMS_ARGS], num_workers=2,
+      tmpdir=tmpdir)
+  assert result.exit_code == 0, first[-5000:]
+  assert helpers.summary_value(first, "worker:0", "replicas") == TASK_CPUS
+  assert "The chief's run finished" in helpers.task_lines(first, "worker:1")
+  zero = keras.models.load_model(done / "model.keras")
+  # One process's mirrored x2 adds the same two per-replica gradients:
+  # equal (measured 0.0). The 2-worker unsharded run sums in another order,
+  # which Adam amplifies over 90 steps as for one process (test above).
+  assert max_diff(zero, one_process.model) <= 1e-6
+  unsharded = keras.models.load_model(uninterrupted_mwms["model_dir"] /
+                                      "model.keras")
+  assert max_diff(zero, unsharded) <= 1e-3
+
+  # SIGTERM to the serving worker: the chief saves (worker 1's shards are
+  # still alive), both exit 42, and the same command resumes exactly.
+  model_dir = tmp_path / "run"
+  args = [*ZERO3, f"--model_dir={model_dir}", *helpers.MWMS_ARGS]
+  run = helpers.ClusterRun(helpers.train_command(*args), num_workers=2,
+                           tmpdir=tmpdir)
+  run.wait_for(r"\[worker:0\] .*Training data")
+  run.signal_task("worker:1", signal.SIGTERM)
+  assert run.join().exit_code == 42, run.text[-5000:]
+  said = (r"error: Preempted: SIGTERM reached task worker:1\. Saved (\S+) "
+          r"at global step (\d+)")
+  saved = re.search(rf"\[worker:0\] {said}", run.text)
+  assert saved, run.text[-5000:]
+  assert re.search(rf"\[worker:1\] {said}", run.text), run.text[-5000:]
+  path, step = saved.group(1), int(saved.group(2))
+  assert 0 < step < 90, step
+  resumed, text = helpers.run_cluster(args, num_workers=2, tmpdir=tmpdir)
+  assert resumed.exit_code == 0, text[-5000:]
+  assert re.search(rf"\[worker:0\] .*Resumed from {re.escape(path)}: .*"
+                   rf"global step {step}\.", text), text[-5000:]
+  assert (helpers.summary_value(text, "worker:0", "weights sha256")
+          == helpers.summary_value(first, "worker:0", "weights sha256"))

@@ -350,9 +350,13 @@ def test_plan_only_prints_the_live_bytes_of_each_device(capsys):
 
 def test_zero_stage_is_refused_where_it_does_not_work():
   with pytest.raises(ValueError, match=r"zero_stage=3 is not supported by "
-                     r"strategy='multi_worker_mirrored'.*--strategy=mirrored "
-                     r"--zero_stage=3"):
-    tfmgpu.TrainConfig(strategy="multi_worker_mirrored", zero_stage=3)
+                     r"strategy='central_storage'.*--strategy=mirrored "
+                     r"--zero_stage=3.*multi_worker_mirrored across hosts"):
+    tfmgpu.TrainConfig(strategy="central_storage", zero_stage=3)
+  with pytest.raises(ValueError, match=r"zero_stage=2 with cluster_resolver="
+                     r"'slurm'.*TF_CONFIG"):
+    tfmgpu.TrainConfig(strategy="multi_worker_mirrored", zero_stage=2,
+                       cluster_resolver="slurm")
   with pytest.raises(ValueError, match=r"zero_stage=4 is unknown"):
     tfmgpu.TrainConfig(strategy="mirrored", zero_stage=4)
   with pytest.raises(ValueError, match=r"zero_stage=0 keeps a whole copy"):

@@ -64,9 +64,9 @@ only modules listed before it):
   optimizer slots sharded over the replica devices (ZeRO stages 1-3);
 * `zero_placement`: `Trainer(zero_stage=N)`: a model sharded over its
   strategy's devices (or every local one);
-* `zero_collectives`: ZeRO across workers' pieces: the owners' values
-  all-gathered, a stage-1 update with slots on their owner only (not yet
-  routed from the Trainer or the CLI);
+* `zero_collectives`: between-graph ZeRO pieces: the owners' values
+  all-gathered, a stage-1 update with slots on their owner only (the CLI
+  runs multi-worker ZeRO in-graph instead: `tfmgpu.in_graph`);
 * `links`: named link bandwidths, device speeds, GPU hosts, the default
   memory budget (no tfmgpu imports);
 * `accounting`: a layout's per-device memory, bytes sent per kind of

@@ -51,8 +51,9 @@ Its devices may be in other processes: after
 `tf.config.experimental_connect_to_cluster`, devices such as
 `/job:worker/replica:0/task:1/device:CPU:0` keep their weights and slots
 in that task's process, driven by this client (in-graph;
-tests/cluster/test_zero_in_graph.py). `multi_worker_mirrored`, where each
-worker runs its own program, is not routed here (`zero_collectives`).
+tests/cluster/test_zero_in_graph.py). `multi_worker_mirrored
+--zero_stage=N` runs so: its chief drives the other tasks, which only
+serve (`tfmgpu.in_graph`).
 """
 
 from __future__ import annotations

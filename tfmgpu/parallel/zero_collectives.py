@@ -1,8 +1,11 @@
 """ZeRO's all-gather across workers: each replica's owned values to all.
 
-The first piece of multi-worker ZeRO (issue 28), not yet wired into a
-strategy: `--strategy=multi_worker_mirrored --zero_stage=N` is still
-refused. What TF 2.21 offers across workers, probed on CPU with two
+Between-graph ZeRO (every worker running its own program, as under
+`MultiWorkerMirroredStrategy`), for code that trains so itself.
+`--strategy=multi_worker_mirrored --zero_stage=N` does not use it: it runs
+in-graph (`tfmgpu.in_graph`), where each weight and slot, stage 3's
+weights too, lives in its owner's process only, which mirrored variables
+cannot do. What TF 2.21 offers across workers, probed on CPU with two
 `MultiWorkerMirroredStrategy` workers (one replica each):
 
 - `ReplicaContext.all_gather` and `.all_reduce` work (RING collectives);
@@ -27,10 +30,7 @@ and the owners' new values are all-gathered into every worker's copy.
 `gather_slots` copies every owner's slots into an unsharded optimizer on
 every worker (for a portable save: the chief writes one checkpoint, with
 the slots in the unsharded layout); `scatter_slots` takes them back after
-a restore. What is not built yet: the Trainer
-and CLI route (so no save or resume goes through `gather_slots` yet), and
-stage 3 (weights that exist on their owner only; MWMS variables are
-mirrored on every worker).
+a restore.
 """
 
 from __future__ import annotations

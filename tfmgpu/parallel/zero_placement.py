@@ -65,11 +65,15 @@ def shard_for_trainer(model: keras.Model, strategy: Any, stage: int
   if replicas_lib.in_multi_worker_mode(
       strategy or tf.distribute.get_strategy()):
     raise ValueError(
-        f"zero_stage={stage} shards over the devices of one host; strategy "
-        f"{type(strategy).__name__} spans several workers, and the Trainer "
-        "does not route ZeRO across workers yet (its pieces are in "
-        "tfmgpu.parallel.zero_collectives). Use a MirroredStrategy (or "
-        "none: every local device), or zero_stage=0.")
+        f"zero_stage={stage}: strategy {type(strategy).__name__} spans "
+        "several workers, each running its own program, and keeps a whole "
+        "copy on each. Across workers ZeRO runs in-graph, one client "
+        "driving every task's devices: python -m tfmgpu.train "
+        f"--strategy=multi_worker_mirrored --zero_stage={stage} (under "
+        "python -m tfmgpu.launch or TF_CONFIG), or in Python "
+        "tf.config.experimental_connect_to_cluster(...) then "
+        "tfmgpu.parallel.ShardedModel(model, <every task's devices>, "
+        "stage=...). On one host: a MirroredStrategy (or none).")
   given = strategy is not None
   strategy = strategy or tf.distribute.get_strategy()
   if given and not isinstance(strategy, type(tf.distribute.get_strategy())):

@@ -12,8 +12,9 @@ Importing this module does not import TensorFlow.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from tfmgpu import in_graph
 from tfmgpu._lazy import LazyModule
 from tfmgpu.parallel import placed_model
 from tfmgpu.placements import base
@@ -27,19 +28,25 @@ zero = LazyModule("tfmgpu.parallel.zero")
 
 
 def place_sharded(distribution: registry.Distribution, options: Any,
-                  build: Callable[[], Any]) -> registry.Placement:
+                  build: Callable[[], Any], *,
+                  devices: Sequence[str] | None = None
+                  ) -> registry.Placement:
   """Builds the model on the host and shards it over the replica devices.
 
   Args:
-    distribution: `mirrored`.
-    options: its `MirroredOptions` (`zero_stage` >= 1; the devices).
+    distribution: `mirrored` or `multi_worker_mirrored`.
+    options: its options (`zero_stage` >= 1; `mirrored`'s choose the
+      devices).
     build: builds the unsplit model.
+    devices: the replica devices (`multi_worker_mirrored`: every task's,
+      `tfmgpu.in_graph.replica_devices`); default: `mirrored`'s.
 
   Returns:
     A `Placement` of a `ShardedModel` under TF's default strategy.
   """
-  devices = select_replica_devices(options.devices, options.num_gpus,
-                                   options.num_replicas)
+  if devices is None:
+    devices = select_replica_devices(options.devices, options.num_gpus,
+                                     options.num_replicas)
   with tf.device("/cpu:0"):  # Host memory; each variable then moves.
     model = build()
   sharded = zero.ShardedModel(model, devices, stage=options.zero_stage)
@@ -49,13 +56,16 @@ def place_sharded(distribution: registry.Distribution, options: Any,
 
 
 def plan_sharded(model: Any, options: Any, optimizer: str) -> str:
-  """`--plan_only` of `mirrored --zero_stage=N`: per-device weights,
+  """`--plan_only` of `--zero_stage=N`: per-device weights,
   gradients, optimizer slots and bytes sent of plain mirrored and of stage
   N (`tfmgpu.parallel.zero_memory`), on the replica devices the run would
   use (or as many as it names, on a machine that has fewer)."""
   from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import zero_memory  # pylint: disable=g-import-not-at-top
-  devices = list(options.devices or ())
+  if not hasattr(options, "devices"):  # multi_worker_mirrored: TF_CONFIG's.
+    devices = in_graph.planned_devices()
+  else:
+    devices = list(options.devices or ())
   if not devices:
     count = (options.num_replicas or options.num_gpus
              or len(devices_lib.accelerator_devices()))

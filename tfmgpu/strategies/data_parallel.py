@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 
 from tfmgpu import checks
+from tfmgpu import in_graph
 from tfmgpu import ports
 from tfmgpu._lazy import LazyModule
 from tfmgpu.strategies import registry
@@ -61,6 +62,48 @@ class DataParallel(registry.Distribution):
 
 
 # ------------------------------------------------------------ sharding
+
+class _Shardable(DataParallel):
+  """What `zero_stage` changes in a data-parallel distribution whose model
+  then places its own shards (`mirrored`, `multi_worker_mirrored`)."""
+
+  def plan_text(self, model: Any, options: Any, *, global_batch_size: int,
+                optimizer: str, input_shape: Any = None) -> str | None:
+    """With `zero_stage`: per-device weights, gradients, slots and bytes
+    sent, plain mirrored beside the stage; else the stage options' plan."""
+    del global_batch_size, input_shape  # Per-device state, not activations.
+    if not options.zero_stage:
+      return None
+    return _sharded_placement("plan_text")(model, options, optimizer)
+
+  def save_model(self, model: Any, path: str) -> str:
+    """Saves the whole model (a sharded one gathered first)."""
+    return super().save_model(_sharded_placement("unsplit")(model), path)
+
+  def portable(self, options: Any) -> bool:
+    """With `zero_stage` the model places itself: its checkpoints carry the
+    weights by layer name (a resume may move them into a pipeline)."""
+    return bool(options.zero_stage)
+
+  def replicas(self, placement: registry.Placement) -> int:
+    """With `zero_stage`, one replica per device (the model places them
+    itself, under the default strategy)."""
+    if placement.options.zero_stage:
+      return len(placement.devices)
+    return super().replicas(placement)
+
+  def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
+    """Rows: the replicas, and with `zero_stage` what is sharded."""
+    stage = placement.options.zero_stage
+    if not stage:
+      return super().describe(placement)
+    sharded = {1: "optimizer slots", 2: "optimizer slots and gradients",
+               3: "weights, gradients and optimizer slots"}[stage]
+    return [("replicas", f"{len(placement.devices)} on "
+             f"{', '.join(placement.devices)}"),
+            ("zero", f"stage {stage}: {sharded} sharded over the replicas "
+             "(each variable owned by one device, balanced by bytes)")]
+
 
 _SHARDED_PLACEMENT: dict[str, Callable[..., Any]] = {}
 
@@ -116,7 +159,7 @@ class OneDevice(DataParallel):
 
 
 @registry.register
-class Mirrored(DataParallel):
+class Mirrored(_Shardable):
   """`MirroredStrategy` over the devices of one host."""
   name = "mirrored"
   description = ("Synchronous data parallelism over the devices of one host "
@@ -154,44 +197,6 @@ class Mirrored(DataParallel):
       return _sharded_placement("place")(self, options, build)
     return super().place(options, build, strategy=strategy, seed=seed)
 
-  def plan_text(self, model: Any, options: Any, *, global_batch_size: int,
-                optimizer: str, input_shape: Any = None) -> str | None:
-    """With `zero_stage`: per-device weights, gradients, slots and bytes
-    sent, plain mirrored beside the stage; else the stage options' plan."""
-    del global_batch_size, input_shape  # Per-device state, not activations.
-    if not options.zero_stage:
-      return None
-    return _sharded_placement("plan_text")(model, options, optimizer)
-
-  def save_model(self, model: Any, path: str) -> str:
-    """Saves the whole model (a sharded one gathered first)."""
-    return super().save_model(_sharded_placement("unsplit")(model), path)
-
-  def portable(self, options: Any) -> bool:
-    """With `zero_stage` the model places itself: its checkpoints carry the
-    weights by layer name (a resume may move them into a pipeline)."""
-    return bool(options.zero_stage)
-
-  def replicas(self, placement: registry.Placement) -> int:
-    """With `zero_stage`, one replica per device (the model places them
-    itself, under the default strategy)."""
-    if placement.options.zero_stage:
-      return len(placement.devices)
-    return super().replicas(placement)
-
-  def describe(self, placement: registry.Placement) -> list[tuple[str, str]]:
-    """Rows: the replicas, and with `zero_stage` what is sharded."""
-    stage = placement.options.zero_stage
-    if not stage:
-      return super().describe(placement)
-    sharded = {1: "optimizer slots", 2: "optimizer slots and gradients",
-               3: "weights, gradients and optimizer slots"}[stage]
-    return [("replicas", f"{len(placement.devices)} on "
-             f"{', '.join(placement.devices)}"),
-            ("zero", f"stage {stage}: {sharded} sharded over the replicas "
-             "(each variable owned by one device, balanced by bytes)")]
-
-
 def _check_batch_over_virtual_devices(name: str, options: Any,
                                       run: registry.RunFacts) -> None:
   """The global batch must divide by the replicas the options choose (known
@@ -209,7 +214,7 @@ def _check_batch_over_virtual_devices(name: str, options: Any,
 
 
 @registry.register
-class MultiWorkerMirrored(DataParallel):
+class MultiWorkerMirrored(_Shardable):
   """`MultiWorkerMirroredStrategy` on TF's collective runtime.
 
   Create it before any other TensorFlow work in the process (it configures
@@ -218,6 +223,10 @@ class MultiWorkerMirrored(DataParallel):
   (keras-team/keras#20585). On CPU-only hosts TF uses one replica per worker
   (CPU:0), whatever `--virtual_devices` says; GPUs give one replica per
   (logical) GPU.
+
+  With `zero_stage` the run is in-graph (`tfmgpu.in_graph`): the chief
+  connects to every task and trains a `ShardedModel` over all their
+  replica devices under TF's default strategy; the other tasks serve.
   """
   name = "multi_worker_mirrored"
   description = ("Synchronous data parallelism across hosts on TF's "
@@ -227,8 +236,24 @@ class MultiWorkerMirrored(DataParallel):
   joins_cluster = True
   cluster_jobs = ("chief", "worker")
 
+  def check_config(self, options: Any, run: registry.RunFacts) -> None:
+    del run  # The replicas are counted once the cluster is known.
+    if options.zero_stage and options.cluster_resolver == "slurm":
+      raise ValueError(
+          f"zero_stage={options.zero_stage} with cluster_resolver='slurm': "
+          "multi-worker ZeRO runs in-graph (the chief drives the other "
+          "tasks), which needs each task's role from TF_CONFIG. Set TF_CONFIG "
+          "in every task (python -m tfmgpu.launch does), or drop "
+          "--zero_stage.")
+
+  def in_graph(self, options: Any) -> bool:
+    """With `zero_stage`: the chief drives the other tasks' devices."""
+    return bool(options.zero_stage)
+
   def make_strategy(self, options: MultiWorkerOptions
                     ) -> "tf.distribute.Strategy":
+    if options.zero_stage:
+      return _connect_in_graph(options)
     if (options.communication == "nccl"
         and not tf.config.list_physical_devices("GPU")):
       raise ValueError("communication='nccl' needs GPUs and this host has "
@@ -258,26 +283,25 @@ class MultiWorkerMirrored(DataParallel):
                    "(keras-team/keras#20585).")
     return strategy
 
+  def place(self, options: Any, build: Callable[[], Any], *,
+            strategy: Any = None, seed: int = 0) -> registry.Placement:
+    if options.zero_stage:  # Every task's replica devices, in-graph.
+      return _sharded_placement("place")(self, options, build,
+                                         devices=in_graph.replica_devices())
+    return super().place(options, build, strategy=strategy, seed=seed)
 
-def _wait_for_servers(spec: dict[str, Any], timeout_s: float) -> None:
-  """Every ps and worker task listens within `timeout_s`, or an error:
-  TensorFlow's connect waits forever for a task that died before it.
 
-  Raises:
-    RuntimeError: tasks that did not listen in time (named, with why).
-  """
-  tasks = {f"{job}:{i}": address for job in ("ps", "worker")
-           for i, address in enumerate(spec.get(job, ()))}
-  missing = ports.wait_until_listening(tasks, timeout_s, log=logging.info)
-  if missing:
-    named = ", ".join(f"{name} ({tasks[name]}: {why})"
-                      for name, why in missing.items())
-    raise RuntimeError(
-        f"parameter_server: {named} "
-        f"did not come up within connect_timeout_s={timeout_s:g} s, so the "
-        "coordinator stops instead of waiting forever for it. Check that "
-        "task's log (it may have died), then run the job again; "
-        "--connect_timeout_s sets the wait.")
+def _connect_in_graph(options: MultiWorkerOptions) -> "tf.distribute.Strategy":
+  """The chief of a multi-worker ZeRO run connects to every task; TF's
+  default strategy (the sharded model places its own work). Without a
+  cluster, one task alone."""
+  resolver = resolvers.make_resolver(options.cluster_resolver)
+  cluster = {job: list(tasks) for job, tasks
+             in resolver.cluster_spec().as_dict().items()}
+  if cluster:
+    in_graph.connect(cluster, f"{resolver.task_type}:{resolver.task_id}",
+                     timeout_s=options.connect_timeout_s)
+  return tf.distribute.get_strategy()
 
 
 @registry.register
@@ -311,7 +335,12 @@ class ParameterServer(DataParallel):
           f"cluster ({spec or 'empty: TF_CONFIG is unset'}) lacks "
           f"{', '.join(missing)}. Start one with "
           "scripts/launch_local_cluster.py --num_ps=1, or set TF_CONFIG.")
-    _wait_for_servers(spec, options.connect_timeout_s)
+    ports.require_listening({f"{job}:{i}": address
+                             for job in ("ps", "worker")
+                             for i, address in enumerate(spec[job])},
+                            options.connect_timeout_s,
+                            who="parameter_server",
+                            waiter="the coordinator", log=logging.info)
     shards = options.variable_shards
     partitioner = (tf.distribute.experimental.partitioners
                    .FixedShardsPartitioner(shards) if shards else None)

@@ -78,8 +78,9 @@ class MirroredOptions(DeviceOptions):
       "MirroredStrategy's overhead; 'mirrored' keeps it.",
       choices=SINGLE_REPLICA_CHOICES, run_default="default")
   zero_stage: int = setting(
-      0, "'mirrored': shard state over the replicas (ZeRO): 1 optimizer "
-      "slots, 2 also gradients, 3 also weights; 0 whole copies.",
+      0, "'mirrored', 'multi_worker_mirrored': shard state over the "
+      "replicas (ZeRO): 1 optimizer slots, 2 also gradients, 3 also "
+      "weights; 0 whole copies.",
       lower_bound=0, upper_bound=3)
 
   def __post_init__(self):
@@ -115,6 +116,13 @@ class MultiWorkerOptions:
   Attributes:
     communication: collective implementation: `auto`, `ring`, `nccl`.
     cluster_resolver: `tf_config`, `slurm`, or a `ClusterResolver`.
+    zero_stage: shard the state over every worker's replica devices (ZeRO,
+      run in-graph: the chief drives the other tasks' devices,
+      `tfmgpu.in_graph`); `0` keeps a whole copy on every worker.
+    connect_timeout_s: how long a task that drives others (the in-graph
+      chief, a parameter-server coordinator) waits for them to listen
+      before it gives up (TensorFlow's own connect would wait forever for
+      a task that died). Defaults to `300`.
   """
   communication: str = setting(
       "auto", "Collective implementation for 'multi_worker_mirrored'.",
@@ -122,10 +130,20 @@ class MultiWorkerOptions:
   cluster_resolver: Any = setting(
       "tf_config", "Where the cluster comes from for multi-worker "
       "strategies.", choices=tuple(CLUSTER_RESOLVERS))
+  zero_stage: int = settings.with_default(MirroredOptions, "zero_stage", 0)
+  connect_timeout_s: float = setting(
+      300.0, "Seconds the task that drives the others (the "
+      "parameter-server coordinator, the multi-worker ZeRO chief) waits for "
+      "every other task to listen before it stops with an error naming the "
+      "missing ones (default 300).", lower_bound=0.001, run_default=None)
 
   def __post_init__(self):
     checks.check_choice("communication", self.communication,
                         COMMUNICATION_CHOICES)
+    checks.check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
+    if not self.connect_timeout_s > 0:
+      raise ValueError(f"connect_timeout_s={self.connect_timeout_s!r} must "
+                       "be > 0 seconds.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +163,8 @@ class ParameterServerOptions:
   variable_shards: int | None = setting(
       None, "'parameter_server': split each variable over this many "
       "parameter servers.", lower_bound=1)
-  connect_timeout_s: float = setting(
-      300.0, "'parameter_server': seconds the coordinator waits for every "
-      "ps and worker task to listen before it stops with an error naming "
-      "the missing ones (default 300).", lower_bound=0.001, run_default=None)
+  connect_timeout_s: float = settings.with_default(
+      MultiWorkerOptions, "connect_timeout_s", 300.0)
 
   def __post_init__(self):
     checks.check_positive("variable_shards", self.variable_shards,

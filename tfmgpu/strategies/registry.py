@@ -177,6 +177,12 @@ class Distribution:
     """
     del options, run
 
+  def in_graph(self, options: Any) -> bool:
+    """Whether one task (the chief) drives every task's devices and the
+    others only serve them (`tfmgpu.in_graph`)."""
+    del options
+    return False
+
   @property
   def intra_op_threads(self) -> int | None:
     """For `devices.configure_devices`: `None` shares the cores between

@@ -416,7 +416,7 @@ class Controller:
     if self.runner.coordinator_only:
       who = "the coordinator"
     else:
-      who = "this process" if self.watcher.received else "another worker"
+      who = self.watcher.who
     raise preempted_error(
         self.o.checkpointer, checkpoint, who=who, global_step=self.global_step,
         epoch=epoch, epoch_step=epoch_step, steps_per_epoch=steps_per_epoch,

@@ -60,9 +60,24 @@ class _LayerWeights(_compat.Trackable):
   def _restore_from_tensors(self, restored_tensors):
     values = [restored_tensors[f"weight_{i}"]
               for i in range(len(restored_tensors))]
-    self._layer.set_weights([v.numpy() for v in values])
     self.restored = True
-    return tf.no_op()
+    if tf.executing_eagerly():
+      self._layer.set_weights([v.numpy() for v in values])
+      return tf.no_op()
+    # TF restores in a tf.function when the variables are on several hosts
+    # (an in-graph run's `ShardedModel`): a layer whose weights are its
+    # variables (Keras' own `get_weights`) takes the values by assignment,
+    # on the variables' devices.
+    weights = self._layer.weights
+    if (type(self._layer).get_weights is keras.layers.Layer.get_weights
+        and len(weights) == len(values)):
+      return tf.group([_compat.variable_storage(w).assign(
+          tf.reshape(v, w.shape)) for w, v in zip(weights, values)])
+    raise ValueError(
+        f"layer {self._layer.name!r} ({type(self._layer).__name__}) splits "
+        "its weights itself and cannot take them inside the tf.function TF "
+        "restores variables on several hosts with; only models whose "
+        "layers keep whole variables (ZeRO's ShardedModel) run across hosts.")
 
 
 class PortableView(_compat.AutoTrackable):

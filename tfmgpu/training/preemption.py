@@ -27,6 +27,7 @@ import threading
 from absl import logging
 import tensorflow as tf
 
+from tfmgpu import in_graph
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import checkpoints as ckpt_lib
 
@@ -88,6 +89,7 @@ class PreemptionWatcher:
     self._installed = False
     self._stopping = False  # stop_requested() said yes: a save follows.
     self._agree = None
+    self.sender: str | None = None  # A served task's SIGTERM (in-graph).
     if _is_collective_multi_worker(strategy):
       @tf.function
       def agree(flag):
@@ -128,10 +130,21 @@ class PreemptionWatcher:
     return self._received.is_set()
 
   def stop_requested(self) -> bool:
-    """Whether any worker received SIGTERM (collective under multi-worker)."""
+    """Whether any worker received SIGTERM (collective under multi-worker;
+    in-graph, a task this one drives: `tfmgpu.in_graph`)."""
     stop = self.any_worker(self.received)
+    if not stop and in_graph.driving():
+      self.sender = self.sender or in_graph.preempted_task()
+      stop = self.sender is not None
     self._stopping = self._stopping or stop
     return stop
+
+  @property
+  def who(self) -> str:
+    """Who received SIGTERM, for messages."""
+    if self.received:
+      return "this process"
+    return f"task {self.sender}" if self.sender else "another worker"
 
   def any_worker(self, flag: bool) -> bool:
     """Whether `flag` holds on any worker: one all-reduce under multi-worker
