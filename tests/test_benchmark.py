@@ -474,3 +474,25 @@ def test_pipeline_overlap_times_interleaved_1f1b_beside_its_simulation():
   assert many.timeline.virtual_stages == 2 and len(many.busy) == 2
   assert one.timeline.virtual_stages == 1 and len(one.busy) == 2
   assert 0.0 <= many.timeline.bubble_fraction < 1.0
+
+
+def test_the_zero_section_reads_the_bytes_each_device_holds():
+  """Quick mode on the 4 logical devices: mirrored, stage 1 and stage 3
+  timed side by side; the fullest device's weights and slots read from
+  the variables fall to about (1 + 2/4) / 3 (stage 1: Adam's two slots
+  sharded) and 1/4 (stage 3) of mirrored's."""
+  from tfmgpu.benchmarks import sections  # pylint: disable=g-import-not-at-top
+  from tfmgpu.benchmarks.options import SuiteOptions  # pylint: disable=g-import-not-at-top
+  lines = []
+  report = report_lib.Report(out=lines.append, cpu="Test CPU")
+  sections.SECTIONS["zero"](report, SuiteOptions(quick=True, rounds=2), None)
+  assert [(r.section, r.replicas, r.path) for r in report.rows] == [
+      ("zero", 4, "mirrored x4"), ("zero", 4, "zero 1 x4"),
+      ("zero", 4, "zero 3 x4")]
+  for row in report.rows:
+    assert np.isfinite(row.ms_per_step) and len(row.rounds_ms) == 2
+  fractions = {r.path: float(re.search(r"\((\S+) of mirrored\)",
+                                       r.note).group(1))
+               for r in report.rows}
+  assert fractions["zero 1 x4"] == pytest.approx(0.5, abs=0.05)
+  assert fractions["zero 3 x4"] == pytest.approx(0.25, abs=0.05)

@@ -85,7 +85,8 @@ def layout_runner(layout: Layout, arrays: data_lib.Arrays, *, size: str,
   Returns:
     `run(skip)`: trains one `fit` of `steps` and returns its `Timing`, the
     median step of its calls after the first `skip` (1 for the fit that
-    traces the step; later fits of the same length reuse it).
+    traces the step; later fits of the same length reuse it). Its
+    `trainer` attribute is the `Trainer` it fits with.
   """
   distribution = strategies_lib.lookup(layout.strategy)
   placement = distribution.place(
@@ -106,6 +107,7 @@ def layout_runner(layout: Layout, arrays: data_lib.Arrays, *, size: str,
         layout.label, training_lib.median_step_ms(
             timer.times, steps_per_execution, skip), global_batch_size)
 
+  run.trainer = trainer
   return run
 
 

@@ -33,6 +33,7 @@ from tfmgpu.benchmarks import projection as projection_lib
 from tfmgpu.benchmarks import report as report_lib
 from tfmgpu.benchmarks.options import SuiteOptions
 from tfmgpu.benchmarks import training as training_lib
+from tfmgpu.benchmarks import zero as zero_lib
 from tfmgpu.training import autotune
 
 
@@ -728,4 +729,5 @@ SECTIONS: dict[str, Section] = {
     "checkpoints": _checkpoint_cost,
     "projection": _projection,
     "generate": generation_lib.section,
+    "zero": zero_lib.section,
 }
