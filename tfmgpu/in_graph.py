@@ -115,22 +115,24 @@ def serve(cluster: dict[str, list[str]], task: str, *,
     logging.info("Task %s serves the chief's in-graph run (%s drives its "
                  "devices; its weights and slots live here).", task, chief)
     code, message = _wait_for_chief(home, _address(cluster, chief), chief,
-                                    timeout_s)
+                                    timeout_s, sigterm)
   finally:
     os.chdir(previous_dir)
     signal.signal(signal.SIGTERM, previous)
     shutil.rmtree(home, ignore_errors=True)
   if code == 1 and sigterm.is_set():
     code = 42
-  if message:
-    print(message, file=sys.stderr if code else sys.stdout, flush=True)
+  if message:  # The chief's words ("this process" is the chief).
+    print(f"from the chief ({chief}): {message}",
+          file=sys.stderr if code else sys.stdout, flush=True)
   return code
 
 
-def _wait_for_chief(home: str, address: str, chief: str,
-                    timeout_s: float) -> tuple[int, str]:
+def _wait_for_chief(home: str, address: str, chief: str, timeout_s: float,
+                    sigterm: threading.Event) -> tuple[int, str]:
   """The chief's exit file, or (1, why) once its port stops listening (or
-  never listened within `timeout_s`)."""
+  never listened within `timeout_s`); after SIGTERM, looked for at every
+  poll (the chief may be stopping too)."""
   seen = False
   deadline = time.monotonic() + timeout_s
   next_look = 0.0
@@ -143,7 +145,7 @@ def _wait_for_chief(home: str, address: str, chief: str,
         code, _, message = text[:-len(_END)].partition("\n")
         return int(code), message
     now = time.monotonic()
-    if now >= next_look:
+    if now >= next_look or sigterm.is_set():
       next_look = now + _CHIEF_POLL_S
       listening = not ports.wait_until_listening({chief: address}, 0)
       if seen and not listening:

@@ -113,7 +113,8 @@ def test_zero3_over_two_workers_equals_unsharded_and_resumes_exactly(
           r"at global step (\d+)")
   saved = re.search(rf"\[worker:0\] {said}", run.text)
   assert saved, run.text[-5000:]
-  assert re.search(rf"\[worker:1\] {said}", run.text), run.text[-5000:]
+  assert re.search(rf"\[worker:1\] from the chief \(worker:0\): {said}",
+                   run.text), run.text[-5000:]
   path, step = saved.group(1), int(saved.group(2))
   assert 0 < step < 90, step
   resumed, text = helpers.run_cluster(args, num_workers=2, tmpdir=tmpdir)

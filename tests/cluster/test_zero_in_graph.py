@@ -3,8 +3,9 @@
 One client (task 0) drives a `ShardedModel` whose devices are one CPU in
 each of two TF server processes: each weight and optimizer slot lives in
 its owner's process, and training equals the unsplit run (SGD 1e-5, Adam
-1e-4). This is TF's in-graph replication, not `multi_worker_mirrored`
-(between-graph: every worker runs its own program); no CLI route runs it.
+1e-4). This is TF's in-graph replication, as `multi_worker_mirrored
+--zero_stage=N` runs it from the CLI (`tfmgpu.in_graph`; its launcher test
+is in test_multi_worker.py).
 """
 
 import os
