@@ -24,8 +24,7 @@ file system is needed:
   with exit code 42 (`preempted_task`).
 - `tfmgpu-exit`: the chief's exit code and last message (`release`). The
   task prints the message and exits with that code. A chief that dies
-  without writing it is noticed by its port closing: the task then exits 1
-  (42 if it had received SIGTERM).
+  without writing it is noticed by its port closing: the task then exits 1.
 
 Importing this module does not import TensorFlow.
 """
@@ -87,8 +86,8 @@ def serve(cluster: dict[str, list[str]], task: str, *,
     timeout_s: how long to wait for the chief to listen at all.
 
   Returns:
-    The chief's exit code (42 after a preemption save), or 1 (42 if this
-    task received SIGTERM) when the chief stopped without saying.
+    The chief's exit code (42 after a preemption save), or 1 when the
+    chief stopped without saying (or never came up).
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   home = tempfile.mkdtemp(prefix="tfmgpu-task-")
@@ -120,11 +119,7 @@ def serve(cluster: dict[str, list[str]], task: str, *,
     os.chdir(previous_dir)
     signal.signal(signal.SIGTERM, previous)
     shutil.rmtree(home, ignore_errors=True)
-  if code == 1 and sigterm.is_set():
-    code = 42
-  if message:  # The chief's words ("this process" is the chief).
-    print(f"from the chief ({chief}): {message}",
-          file=sys.stderr if code else sys.stdout, flush=True)
+  print(message, file=sys.stderr if code else sys.stdout, flush=True)
   return code
 
 
@@ -141,9 +136,9 @@ def _wait_for_chief(home: str, address: str, chief: str, timeout_s: float,
     if os.path.exists(path):
       with open(path, encoding="utf-8") as f:
         text = f.read()
-      if text.endswith(_END):
+      if text.endswith(_END):  # The chief's words: "this process" is it.
         code, _, message = text[:-len(_END)].partition("\n")
-        return int(code), message
+        return int(code), f"from the chief ({chief}): {message}"
     now = time.monotonic()
     if now >= next_look or sigterm.is_set():
       next_look = now + _CHIEF_POLL_S
