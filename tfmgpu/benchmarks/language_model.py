@@ -69,7 +69,8 @@ def _build(arrays: data_lib.Arrays, size: str, seed: int,
 def layout_runner(layout: Layout, arrays: data_lib.Arrays, *, size: str,
                   global_batch_size: int, steps: int,
                   steps_per_execution: int, seed: int = 0,
-                  overrides: dict[str, Any] | None = None
+                  overrides: dict[str, Any] | None = None,
+                  trainer_options: dict[str, Any] | None = None
                   ) -> Callable[[int], training_lib.Timing]:
   """Places `gpt` as `layout` says and makes its `Trainer`.
 
@@ -81,6 +82,8 @@ def layout_runner(layout: Layout, arrays: data_lib.Arrays, *, size: str,
     steps: steps per `fit` (rounded to whole calls, at least 3).
     steps_per_execution: steps per call.
     seed: the model's and the data order's seed.
+    trainer_options: other `Trainer` arguments (e.g. the autotune's
+      `jit_compile`).
 
   Returns:
     `run(skip)`: trains one `fit` of `steps` and returns its `Timing`, the
@@ -95,7 +98,7 @@ def layout_runner(layout: Layout, arrays: data_lib.Arrays, *, size: str,
   timer = training_lib.BatchTimer()
   trainer = Trainer(placement.model, strategy=placement.strategy,
                     steps_per_execution=steps_per_execution, verbose=0,
-                    callbacks=[timer])
+                    callbacks=[timer], **(trainer_options or {}))
   per_epoch = max(steps // steps_per_execution, 3) * steps_per_execution
 
   def run(skip: int) -> training_lib.Timing:
@@ -131,6 +134,23 @@ def time_keras_fit(arrays: data_lib.Arrays, *, size: str,
                           global_batch_size=global_batch_size, steps=steps,
                           steps_per_execution=steps_per_execution,
                           seed=seed)(1)
+
+
+def tune(layout: Layout, arrays: data_lib.Arrays, *, size: str,
+         global_batch_size: int, steps_per_execution: int, rounds: int,
+         cached_only: bool, seed: int = 0) -> Any:
+  """The autotune's choice (`tfmgpu.training.autotune.tune_training`) for
+  a data-parallel `layout` of `gpt` (`one_device`, `mirrored`): input
+  mode, XLA per replica and gradient compression, measured; the steps per
+  call kept at `steps_per_execution`, what the other paths use."""
+  from tfmgpu.training import autotune  # pylint: disable=g-import-not-at-top
+  strategy = strategies_lib.get_strategy(layout.strategy, **layout.options)
+  return autotune.tune_training(
+      lambda: _build(arrays, size, seed), strategy, arrays.x_train,
+      arrays.y_train, global_batch_size=global_batch_size,
+      current=autotune.Settings(steps_per_execution=steps_per_execution),
+      rounds=rounds, cached_only=cached_only,
+      max_steps_per_execution=steps_per_execution)
 
 
 def keras_fit_runner(arrays: data_lib.Arrays, *, size: str,

@@ -459,8 +459,7 @@ def _language_model(report: report_lib.Report, opts: SuiteOptions,
   layouts = {l.label: l for l in lm_lib.layouts(max(opts.replicas),
                                                 quick=opts.quick)}
   runs = {"keras_fit": lm_lib.keras_fit_runner(text, **common)}
-  runs.update({label: lm_lib.layout_runner(layout, text, **common)
-               for label, layout in layouts.items()})
+  runs.update(_lm_runs(report, opts, text, layouts, common))
   before = ceiling_lib.matmul_gflops()
   best = _built_rounds(opts, runs)
   # The ceiling is what the cores can do: on shared cores each measurement
@@ -492,6 +491,28 @@ def _language_model(report: report_lib.Report, opts: SuiteOptions,
       report.figure(f"gpt {size} one_device model FLOPs utilisation", mfu,
                     target=report_lib.Target(0.5))
   _pipeline_gain(report, opts, text, size, batch)
+
+
+def _lm_runs(report: report_lib.Report, opts: SuiteOptions, text,
+             layouts: dict[str, lm_lib.Layout], common: dict[str, Any]
+             ) -> dict[str, Callable[[int], training_lib.Timing]]:
+  """tfmgpu's path of each layout; the data-parallel ones with the
+  autotune's choice for gpt (XLA per replica, input mode, compression:
+  measured, or read from its cache; `--quick` only reads it)."""
+  runs = {}
+  for label, layout in layouts.items():
+    options = {}
+    if opts.autotune and layout.strategy in ("one_device", "mirrored"):
+      choice = lm_lib.tune(layout, text, size=common["size"],
+                           global_batch_size=common["global_batch_size"],
+                           steps_per_execution=common["steps_per_execution"],
+                           rounds=opts.rounds, cached_only=opts.quick)
+      options = _tfmgpu_options(choice.settings)
+      report.say(f"  autotune {label}: {choice.source}, "
+                 f"{autotune.changes_label(choice.picked)}")
+    runs[label] = lm_lib.layout_runner(layout, text, **common,
+                                       trainer_options=options)
+  return runs
 
 
 def _pipeline_runs(quick: bool) -> list[tuple[str, int, int]]:

@@ -504,6 +504,7 @@ def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
                   global_batch_size: int, current: Settings = Settings(),
                   enabled: bool = True, rounds: int = 2,
                   cache: str | None = None, cached_only: bool = False,
+                  max_steps_per_execution: int | None = None,
                   **trainer_options: Any) -> Choice:
   """`tune` with `TrainerTimer`: the fastest settings to train `build()`'s
   model under `strategy` with this batch.
@@ -516,6 +517,9 @@ def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
       is built per candidate.
     strategy, x, y, global_batch_size: what training will use.
     current, enabled, rounds, cache, cached_only: see `tune`.
+    max_steps_per_execution: try no more steps per call than this (e.g.
+      `current.steps_per_execution`: keep a comparison's steps per call);
+      at most the data's full batches.
     trainer_options: other `Trainer` arguments (e.g. `optimizer`).
   """
   from tfmgpu.training import resident  # pylint: disable=g-import-not-at-top
@@ -543,6 +547,7 @@ def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
                 current=current, rounds=rounds, cache=cache,
                 cached_only=cached_only,
                 space=search_space(current, replicas=replicas,
-                                   max_steps_per_execution=full))
+                                   max_steps_per_execution=min(
+                                       full, max_steps_per_execution or full)))
   finally:
     timer.close()
