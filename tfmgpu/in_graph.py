@@ -69,9 +69,11 @@ def _address(cluster: dict[str, list[str]], task: str) -> str:
   return cluster[job][int(index)]
 
 
-def _cpu(task: str) -> str:
-  job, _, index = task.partition(":")
-  return f"/job:{job}/replica:0/task:{index}/device:CPU:0"
+def _device(task: str, kind: str = "CPU", index: int | str = 0) -> str:
+  """`task`'s device, e.g. `/job:worker/replica:0/task:1/device:CPU:0`
+  (`index=""`: the prefix of all its devices of `kind`)."""
+  job, _, task_index = task.partition(":")
+  return f"/job:{job}/replica:0/task:{task_index}/device:{kind}:{index}"
 
 
 # ---------------------------------------------------------- serving tasks
@@ -212,8 +214,7 @@ def replica_devices() -> list[str]:
   kind = "GPU" if any("/device:GPU:" in n for n in names) else "CPU"
   out = []
   for task in [_DRIVEN.client] + _DRIVEN.tasks:
-    prefix = _cpu(task).replace("/device:CPU:0", f"/device:{kind}:")
-    mine = [n for n in names if n.startswith(prefix)]
+    mine = [n for n in names if n.startswith(_device(task, kind, ""))]
     out.extend(mine if kind == "GPU" else mine[:1])
   return out
 
@@ -225,7 +226,7 @@ def planned_devices() -> list[str]:
   cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
   gpus = len(tf.config.list_logical_devices("GPU"))
   kind, count = ("GPU", gpus) if gpus else ("CPU", 1)
-  return [_cpu(task).replace("/device:CPU:0", f"/device:{kind}:{i}")
+  return [_device(task, kind, i)
           for task in tasks_of(cluster) or ["worker:0"] for i in range(count)]
 
 
@@ -240,7 +241,7 @@ def preempted_task(*, now: float | None = None) -> str | None:
     return None
   _DRIVEN.checked_at = now
   for task in _DRIVEN.tasks:
-    with tf.device(_cpu(task)):  # Eager: a traced constant would fold.
+    with tf.device(_device(task)):  # Eager: a traced constant would fold.
       if int(tf.size(tf.io.matching_files(SIGTERM_FILE))):
         return task
   return None
@@ -254,7 +255,7 @@ def release(code: int, message: str = "") -> None:
     return
   for task in _DRIVEN.tasks:
     try:
-      with tf.device(_cpu(task)):
+      with tf.device(_device(task)):
         tf.io.write_file(EXIT_FILE, f"{int(code)}\n{message}{_END}")
     except (tf.errors.OpError, RuntimeError) as e:
       logging.warning("Could not tell task %s that the run ended (%s).",

@@ -426,11 +426,7 @@ def _latency(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
 def _timed_rounds(opts: SuiteOptions, paths: dict[str, Callable[[], Any]]
                   ) -> dict[str, training_lib.Timing]:
   """Each path's best of `opts.rounds` interleaved rounds (all kept)."""
-  timings: dict[str, list] = {name: [] for name in paths}
-  for _ in range(opts.rounds):
-    for name, run in paths.items():
-      timings[name].append(run())
-  return {name: training_lib.best_round(t) for name, t in timings.items()}
+  return training_lib.interleaved(paths, opts.rounds)
 
 
 def _built_rounds(opts: SuiteOptions,

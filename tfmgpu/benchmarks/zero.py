@@ -17,9 +17,8 @@ sends and reads cost, not a speed-up.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
-from tfmgpu import _compat
 from tfmgpu import devices as devices_lib
 from tfmgpu.benchmarks import language_model as lm_lib
 from tfmgpu.benchmarks import report as report_lib
@@ -36,13 +35,8 @@ def held_bytes(model: Any, optimizer: Any) -> dict[str, int]:
   own = getattr(model, "live_bytes", None)
   if own is not None:  # A ShardedModel: owners and stage-1 copies.
     return {d: b["weights"] + b["slots"] for d, b in own(optimizer).items()}
-  skip = {id(optimizer.iterations),
-          id(_compat.learning_rate_variable(optimizer))}
-  slots = [v for v in optimizer.variables if id(v) not in skip]
-  out = zero_shards.bytes_by_device(list(model.weights))
-  for device, size in zero_shards.bytes_by_device(slots).items():
-    out[device] = out.get(device, 0) + size
-  return out
+  return zero_shards.bytes_by_device(
+      list(model.weights) + zero_shards.optimizer_slots(optimizer))
 
 
 def layouts(replicas: int) -> list[lm_lib.Layout]:
@@ -76,17 +70,8 @@ def section(report: report_lib.Report, opts: Any, arrays: Any) -> None:
     held[layout.label] = max(held_bytes(run.trainer.model,
                                         run.trainer.optimizer).values())
     runs[layout.label] = functools.partial(run, 1)
-  best = _rounds(opts.rounds, runs)
+  best = training_lib.interleaved(runs, opts.rounds)
   _rows(report, size, replicas, best, held)
-
-
-def _rounds(rounds: int, runs: dict[str, Callable[[], training_lib.Timing]]
-            ) -> dict[str, training_lib.Timing]:
-  timings: dict[str, list] = {name: [] for name in runs}
-  for _ in range(rounds):
-    for name, run in runs.items():
-      timings[name].append(run())
-  return {name: training_lib.best_round(t) for name, t in timings.items()}
 
 
 def _rows(report: report_lib.Report, size: str, replicas: int,

@@ -72,6 +72,7 @@ from tfmgpu.parallel.zero_shards import bytes_by_device
 from tfmgpu.parallel.zero_shards import check_stage
 from tfmgpu.parallel.zero_shards import Copies
 from tfmgpu.parallel.zero_shards import device_name
+from tfmgpu.parallel.zero_shards import optimizer_slots
 from tfmgpu.parallel.zero_shards import read_on_owner
 from tfmgpu.parallel.zero_shards import unique
 from tfmgpu.parallel.zero_shards import variable_bytes
@@ -329,11 +330,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
     if self._copies is not None:
       weights += [c for row in self._copies.table for c in row
                   if c is not None]
-    slots = []
-    if optimizer is not None:
-      inner = getattr(optimizer, "inner_optimizer", optimizer)
-      skip = {id(inner.iterations), id(_compat.learning_rate_variable(inner))}
-      slots = [v for v in inner.variables if id(v) not in skip]
+    slots = [] if optimizer is None else optimizer_slots(optimizer)
     held = {"weights": bytes_by_device(weights),
             "slots": bytes_by_device(slots)}
     return {device_name(d): {k: held[k].get(device_name(d), 0) for k in held}

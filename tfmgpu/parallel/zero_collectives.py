@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from tfmgpu import _compat
+from tfmgpu.parallel import zero_shards
 from tfmgpu.training import allreduce as allreduce_lib
 
 
@@ -160,10 +160,9 @@ def slots_by_variable(optimizer: keras.optimizers.Optimizer,
   """`optimizer`'s slots (its step counter and learning rate left out),
   one list per variable it was built for: Keras 3 creates them variable
   by variable (Adam: momentum, velocity)."""
-  inner = getattr(optimizer, "inner_optimizer", optimizer)
-  skip = {id(inner.iterations), id(_compat.learning_rate_variable(inner))}
-  slots = [v for v in inner.variables if id(v) not in skip]
+  slots = zero_shards.optimizer_slots(optimizer)
   if count == 0 or len(slots) % count:
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
     raise ValueError(f"optimizer {inner.name!r} has {len(slots)} slots for "
                      f"{count} variables; expected a whole number of slots "
                      "per variable.")

@@ -45,6 +45,14 @@ def assign_owners(sizes: Sequence[int], num_devices: int) -> list[int]:
   return zero_memory.owners_of(sizes, num_devices)
 
 
+def optimizer_slots(optimizer: keras.optimizers.Optimizer) -> list[Any]:
+  """The optimizer's slots (a wrapper's inner optimizer's): its variables
+  without the step counter and the learning rate."""
+  inner = getattr(optimizer, "inner_optimizer", optimizer)
+  skip = {id(inner.iterations), id(_compat.learning_rate_variable(inner))}
+  return [v for v in inner.variables if id(v) not in skip]
+
+
 def device_name(device: str) -> str:
   """`/device:CPU:1` for any spelling of a device."""
   spec = tf.DeviceSpec.from_string(device)
