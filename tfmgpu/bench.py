@@ -63,7 +63,9 @@ _SECTIONS = flags.DEFINE_list(
     "for an 8-GPU host; on 2 cores ~1 minute with --quick, ~8 in full "
     "with --virtual_devices=8); generate (tfmgpu.generate tokens/s vs "
     "keras_hub's generate and a loop without a cache, one device, batch 1 "
-    "and 32; needs keras-hub).")
+    "and 32; needs keras-hub); zero (gpt step time and the fullest "
+    "device's bytes of ZeRO stages 1 and 3 beside mirrored on up to 4 "
+    "devices).")
 _INTRA_OP_THREADS = flags.DEFINE_integer(
     "intra_op_threads", None, "Threads per op. Default: cores // devices when "
     "the CPU is split; 0: TensorFlow's own setting (all cores per op).",
