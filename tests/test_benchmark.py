@@ -284,6 +284,36 @@ def test_language_model_layouts_fit_the_devices_and_name_their_options():
   assert all(l.devices <= 4 for l in four.values()) and "mirrored x4" in four
 
 
+def test_a_child_process_returns_its_result_or_says_how_it_failed():
+  from tfmgpu.benchmarks import child  # pylint: disable=g-import-not-at-top
+  from tfmgpu.models import gpt  # pylint: disable=g-import-not-at-top
+  kwargs = {"size": "tiny", "vocab": 256, "context": 64}
+  assert child.call_in_child("tfmgpu.models.gpt:parameter_count", kwargs,
+                             timeout_s=300, what="the count",
+                             alone="count") == gpt.parameter_count(**kwargs)
+  with pytest.raises(RuntimeError) as e:
+    child.call_in_child("tfmgpu.models.gpt:resolve_size", {"size": "huge"},
+                        timeout_s=300, what="the size check",
+                        alone="python -m size")
+  assert "the size check process failed (exit 1)" in str(e.value)
+  assert "python -m size" in str(e.value)
+  assert "size='huge' is not a gpt size" in str(e.value)
+
+
+def test_the_one_device_language_model_measures_fit_and_tfmgpu_alike():
+  """`measure_one_device` (what the bench's child process runs) times
+  both paths and returns what the parent rebuilds its timings from."""
+  from tfmgpu.benchmarks import language_model  # pylint: disable=g-import-not-at-top
+  result = language_model.measure_one_device(
+      size="tiny", seq_len=16, global_batch_size=8, steps=2,
+      steps_per_execution=2, rounds=1, autotune=False, cached_only=True)
+  assert result["autotune"] is None and result["matmul_gflops"] > 0
+  assert set(result["timings"]) == {"keras_fit", "one_device"}
+  for timing in result["timings"].values():
+    assert timing["ms_per_step"] > 0 and len(timing["rounds_ms"]) == 1
+    assert timing["global_batch_size"] == 8
+
+
 def test_hybrid_layouts_name_their_placements_and_fit_their_groups():
   from tfmgpu.benchmarks import hybrid  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel.hybrid import Layout  # pylint: disable=g-import-not-at-top

@@ -136,6 +136,11 @@ class RunSettings:
       10, "Steps per tf.function call.", lower_bound=1)
   jit_compile: bool = setting(
       False, "XLA-compile each replica's forward/backward.")
+  batch_splits: int = setting(
+      1, "Cut each replica's batch into this many row slices trained side "
+      "by side, gradients summed (equal up to float rounding; keeps a CPU's "
+      "cores busier; refused for BatchNormalization or regularized "
+      "models).", lower_bound=1)
   fused_optimizer: bool = setting(
       True, "Update each variable with one fused kernel (adam, adamw, sgd, "
       "momentum); false: Keras's per-op update.")
@@ -148,7 +153,8 @@ class RunSettings:
       choices=INPUT_MODE_CHOICES)
   autotune: bool = setting(
       False, "Before training, time short runs of input_mode, "
-      "steps_per_execution, jit_compile and gradient_compression and train "
+      "steps_per_execution, jit_compile, gradient_compression and "
+      "batch_splits and train "
       "with the fastest (`tfmgpu.training.autotune`; cached per machine, "
       "model and replica count; one-host data-parallel runs only).",
       flag=False)  # Its flag is `tfmgpu.flags.autotune`'s (bench: on).

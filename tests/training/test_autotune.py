@@ -207,6 +207,9 @@ def test_the_search_space():
       dataclasses.replace(CURRENT, input_mode="tf_data"), replicas=2)
   assert space["input_mode"] == ("tf_data", "device")
   assert space["gradient_compression"] == ("none", "float16")
+  assert "batch_splits" not in space
+  space = autotune.search_space(CURRENT, replicas=1, splittable=True)
+  assert space["batch_splits"] == (1, 2)
 
 
 def test_model_signature_follows_the_shape():

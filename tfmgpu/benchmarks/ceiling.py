@@ -5,14 +5,11 @@ trains each model on one device, through tfmgpu's loop and the bare loop,
 and converts examples/s into FLOP/s with `training_flops_per_example`.
 Single-device training gets every core, so a process that has split its CPU
 into logical devices measures the ceiling in a fresh child process
-(`measure_ceiling_in_child`).
+(`measure_ceiling_in_child`, through `benchmarks.child`).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from typing import Any, Sequence
 
@@ -22,6 +19,7 @@ import tensorflow as tf
 from tfmgpu import data as data_lib
 from tfmgpu import devices as devices_lib
 from tfmgpu import models as models_lib
+from tfmgpu.benchmarks import child
 from tfmgpu.benchmarks import training
 from tfmgpu.parallel import cost as cost_lib
 from tfmgpu.parallel import graph as graph_lib
@@ -98,33 +96,14 @@ def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
   return result
 
 
-# A single device gets every core; this process may have split the CPU.
-_CEILING_CHILD = """
-import json, os, sys
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-from tfmgpu.benchmarks import ceiling
-print("CEILING_JSON " + json.dumps(ceiling.measure_ceiling(
-    **json.loads(sys.argv[1]))))
-"""
-
-
 def measure_ceiling_in_child(timeout_s: int = 900, **kwargs) -> dict[str, Any]:
   """`measure_ceiling(**kwargs)` in a fresh process that keeps every core.
 
   Raises:
     RuntimeError: the child process failed or took over `timeout_s` seconds.
   """
-  try:
-    out = subprocess.run([sys.executable, "-c", _CEILING_CHILD,
-                          json.dumps(kwargs)], capture_output=True, text=True,
-                         timeout=timeout_s, check=False)
-  except subprocess.TimeoutExpired as e:
-    raise RuntimeError(
-        f"the ceiling measurement process took over {timeout_s} s; run "
-        "`python -m tfmgpu.bench --sections=ceiling --replicas=1 "
-        "--virtual_devices=1` alone to see why.") from e
-  for line in out.stdout.splitlines():
-    if line.startswith("CEILING_JSON "):
-      return json.loads(line.split(" ", 1)[1])
-  raise RuntimeError("the ceiling measurement process failed "
-                     f"(exit {out.returncode}): {out.stderr[-2000:]}")
+  return child.call_in_child(
+      "tfmgpu.benchmarks.ceiling:measure_ceiling", kwargs,
+      timeout_s=timeout_s, what="the ceiling measurement",
+      alone="python -m tfmgpu.bench --sections=ceiling --replicas=1 "
+      "--virtual_devices=1")

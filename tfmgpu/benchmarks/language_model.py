@@ -12,6 +12,7 @@ simulator's prediction from the stages' measured times
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import keras
@@ -21,6 +22,7 @@ from tfmgpu import data as data_lib
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.benchmarks import ceiling
+from tfmgpu.benchmarks import child
 from tfmgpu.benchmarks import pipeline_overlap
 from tfmgpu.benchmarks import training as training_lib
 from tfmgpu.parallel import partition
@@ -151,6 +153,66 @@ def tune(layout: Layout, arrays: data_lib.Arrays, *, size: str,
       current=autotune.Settings(steps_per_execution=steps_per_execution),
       rounds=rounds, cached_only=cached_only,
       max_steps_per_execution=steps_per_execution)
+
+
+def measure_one_device(*, size: str, seq_len: int, global_batch_size: int,
+                       steps: int, steps_per_execution: int, rounds: int,
+                       autotune: bool, cached_only: bool, seed: int = 0
+                       ) -> dict[str, Any]:
+  """Keras `fit` and tfmgpu's `one_device` path of `gpt`, in this process.
+
+  Both are built once and timed in `rounds` interleaved rounds (best kept).
+  `autotune`: tfmgpu's path trains with the autotune's choice (`tune`;
+  `cached_only`: read from its cache, else the defaults).
+
+  Returns:
+    JSON-ready `{"matmul_gflops", "threads_per_op", "autotune": what it
+    chose or None, "timings": {"keras_fit" | "one_device": Timing fields}}`.
+  """
+  from tfmgpu.training import autotune as autotune_lib  # pylint: disable=g-import-not-at-top
+  text = text_arrays(seq_len)
+  common = dict(size=size, global_batch_size=global_batch_size, steps=steps,
+                steps_per_execution=steps_per_execution, seed=seed)
+  layout, options, chose = Layout("one_device", "one_device"), {}, None
+  if autotune:
+    choice = tune(layout, text, size=size,
+                  global_batch_size=global_batch_size,
+                  steps_per_execution=steps_per_execution, rounds=rounds,
+                  cached_only=cached_only, seed=seed)
+    options = training_lib.tuned_options(choice.settings)
+    chose = f"{choice.source}, {autotune_lib.changes_label(choice.picked)}"
+  runs = {"keras_fit": keras_fit_runner(text, **common),
+          "one_device": layout_runner(layout, text, **common,
+                                      trainer_options=options)}
+  best = training_lib.interleaved(
+      {name: functools.partial(run, 1) for name, run in runs.items()},
+      rounds)
+  return {"matmul_gflops": ceiling.matmul_gflops(),
+          "threads_per_op": tf.config.threading.get_intra_op_parallelism_threads(),
+          "autotune": chose,
+          "timings": {name: dataclasses.asdict(t) for name, t in best.items()}}
+
+
+def measure_one_device_in_child(timeout_s: int = 1800, **kwargs: Any
+                                ) -> tuple[dict[str, training_lib.Timing],
+                                           dict[str, Any]]:
+  """`measure_one_device(**kwargs)` in a fresh process that keeps
+  TensorFlow's threads (every core per op), as a one-device run has them.
+
+  Returns:
+    `(timings by path, the rest of its result)`.
+
+  Raises:
+    RuntimeError: the child failed or took over `timeout_s` seconds.
+  """
+  result = child.call_in_child(
+      "tfmgpu.benchmarks.language_model:measure_one_device", kwargs,
+      timeout_s=timeout_s, what="the one-device language model measurement",
+      alone="python -m tfmgpu.bench --sections=language_model --replicas=1 "
+      "--virtual_devices=1")
+  timings = {name: training_lib.Timing(**{**t, "rounds_ms": tuple(
+      t["rounds_ms"])}) for name, t in result.pop("timings").items()}
+  return timings, result
 
 
 def keras_fit_runner(arrays: data_lib.Arrays, *, size: str,

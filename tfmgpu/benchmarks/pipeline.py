@@ -88,6 +88,7 @@ class StageProbe:
     h, y = tf.constant(x[:rows]), tf.constant(y[:rows])
     last = len(model.stages) - 1
     self.functions = []
+    self.core_use: list[float] = []
     for k, (stage, device) in enumerate(zip(model.stages,
                                             model.stage_devices)):
       sources = [v.value for v in stage.trainable_variables]
@@ -114,14 +115,22 @@ class StageProbe:
     self.sample()  # Traces.
 
   def sample(self) -> tuple[list[float], list[float]]:
-    """One timing of each stage: `(forward, forward_and_backward)` seconds."""
+    """One timing of each stage: `(forward, forward_and_backward)` seconds.
+
+    Also appends to `core_use` the cores this process kept busy meanwhile
+    (its CPU seconds over the wall seconds): a stage alone may run its
+    independent ops on several cores at once.
+    """
     forward, both = [], []
+    cpu, wall = time.process_time(), time.perf_counter()
     for fwd, fwd_bwd, inp in self.functions:
       for fn, out in ((fwd, forward), (fwd_bwd, both)):
         start = time.perf_counter()
         _ = [t.numpy() for t in tf.nest.flatten(fn(inp), expand_composites=True)
              if t is not None]
         out.append(time.perf_counter() - start)
+    self.core_use.append((time.process_time() - cpu)
+                         / max(time.perf_counter() - wall, 1e-9))
     return forward, both
 
 

@@ -52,7 +52,11 @@ class Overlap:
       devices (compare `timeline.bubble_fraction`, the simulated one).
     calibrated: the simulated step with the devices sharing the measured
       concurrency (`timeline.simulate(concurrency=)`) plus `update`;
-      `None` when none was given.
+      `None` when none was given. The concurrency is counted in stages:
+      divided by `stage_cores`, as a stage that keeps 1.4 cores busy
+      alone gets only 2 / 2.8 of its speed beside another on 2 cores.
+    stage_cores: the cores a stage keeps busy while timed alone (median
+      of the probe's samples; at least 1).
   """
   step: float
   fastest: float
@@ -66,6 +70,7 @@ class Overlap:
   infer_predicted: float
   measured_bubble: float
   calibrated: float | None = None
+  stage_cores: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +164,7 @@ def _summarise(s: dict[str, Any], m: int, num_stages: int,
   `send`: seconds each cross-device send costs its sender; `concurrency`:
   the devices' measured concurrency, for the calibrated step."""
   fwd, bwd = probes.stage_times(s["samples"])
+  cores = max(1.0, statistics.median(s["probe"].core_use))
   update = statistics.median(s["updates"])
   simulate = lambda c: timeline_lib.simulate(
       fwd, bwd, m, schedule=schedule, virtual_stages=virtual_stages,
@@ -178,7 +184,8 @@ def _summarise(s: dict[str, Any], m: int, num_stages: int,
       measured_bubble=1.0 - sum(busy) / (num_stages
                                          * max(step - update, 1e-9)),
       calibrated=(None if concurrency is None
-                  else simulate(concurrency).step_time + update))
+                  else simulate(concurrency / cores).step_time + update),
+      stage_cores=cores)
 
 
 def compare_micro_batches(model: keras.Model, plan: plan_lib.StagePlan, x, y,

@@ -112,13 +112,6 @@ def _report_choice(report: report_lib.Report, model: str, replicas: int,
         "picked" if label == picked else ""))
 
 
-def _tfmgpu_options(settings: autotune.Settings) -> dict[str, Any]:
-  """The tfmgpu path's own options (steps per call are every path's)."""
-  options = settings.as_dict()
-  del options["steps_per_execution"]
-  return options
-
-
 # The paths of the training table in --quick (the ones its targets compare).
 QUICK_TRAINING_PATHS = ("tfmgpu", "keras_fit")
 
@@ -143,7 +136,7 @@ def _training(report: report_lib.Report, opts: SuiteOptions,
           steps_per_execution=spe, rounds=opts.training_rounds,
           paths=list(QUICK_TRAINING_PATHS if opts.quick
                      else training_lib.PATHS),
-          tfmgpu_options=_tfmgpu_options(settings))
+          tfmgpu_options=training_lib.tuned_options(settings))
       if replicas == 1 and not opts.quick:
         best.update(_floors(opts, model, arrays, steps=steps,
                             steps_per_execution=spe))
@@ -452,41 +445,77 @@ def _language_model(report: report_lib.Report, opts: SuiteOptions,
                 "tokens/s per layout vs Keras fit unsplit")
   common = dict(size=size, global_batch_size=batch,
                 steps=4 if opts.quick else 12, steps_per_execution=2)
+  alone, child = _lm_one_device(report, opts, seq_len, common)
   layouts = {l.label: l for l in lm_lib.layouts(max(opts.replicas),
-                                                quick=opts.quick)}
+                                                quick=opts.quick)
+             if l.strategy != "one_device"}
   runs = {"keras_fit": lm_lib.keras_fit_runner(text, **common)}
   runs.update(_lm_runs(report, opts, text, layouts, common))
   before = ceiling_lib.matmul_gflops()
-  best = _built_rounds(opts, runs)
+  best = _built_rounds(opts, runs) if layouts else {}
   # The ceiling is what the cores can do: on shared cores each measurement
   # is low by the load of its moment, so the highest one is kept.
-  ceiling = max(before, ceiling_lib.matmul_gflops(),
+  ceiling = max(before, ceiling_lib.matmul_gflops(), child["matmul_gflops"],
                 report.measured.get("matmul_gflops", 0.0))
   flops = lm_lib.flops_per_token(text, size)
   report.say(f"  (each path built once, best of {opts.rounds} interleaved "
              f"rounds; MFU: tokens/s x {flops / 1e6:.2f} MFLOP per token / "
              f"the {ceiling:,.1f} GFLOP/s matmul ceiling, the highest of "
              "this run's measurements)")
+  report.say("  one device, in its own process with every core per op (as "
+             "a one-device run has them), against Keras fit there:")
+  _lm_rows(report, alone, layouts, f"gpt_{size}", seq_len, flops / ceiling,
+           where="own process")
+  if best:
+    report.say(f"  this process ({max(opts.replicas)} logical CPUs, one "
+               "thread per op), against Keras fit on one of them:")
+    _lm_rows(report, best, layouts, f"gpt_{size}", seq_len, flops / ceiling)
+  _pipeline_gain(report, opts, text, size, batch)
+
+
+def _lm_one_device(report: report_lib.Report, opts: SuiteOptions,
+                   seq_len: int, common: dict[str, Any]
+                   ) -> tuple[dict[str, training_lib.Timing], dict[str, Any]]:
+  """Keras fit and tfmgpu's one-device path in a child process (with the
+  autotune's choice there: measured, or read from its cache in --quick)."""
+  report.say("  one device: measuring in a child process" + (
+      " (its autotune, when not cached: a few minutes)" if opts.autotune
+      and not opts.quick else "") + " ...")
+  alone, child = lm_lib.measure_one_device_in_child(
+      seq_len=seq_len, rounds=opts.rounds, autotune=opts.autotune,
+      cached_only=opts.quick, **common)
+  if child["autotune"]:
+    report.say(f"  autotune one_device (own process): {child['autotune']}")
+  return alone, child
+
+
+def _lm_rows(report: report_lib.Report, best: dict[str, training_lib.Timing],
+             layouts: dict[str, lm_lib.Layout], model: str, seq_len: int,
+             mfu_per_token: float, where: str = "") -> None:
+  """Each path's tokens/s, its ratio to `best["keras_fit"]` and its model
+  FLOPs utilisation (`tokens/s x mfu_per_token / 1e9`), with the targets;
+  `where` (e.g. "own process") tells its rows in results.csv apart."""
   fit = best["keras_fit"]
   for label, t in best.items():
     devices = layouts[label].devices if label in layouts else 1
     tokens = lm_lib.tokens_per_sec(t, seq_len)
-    mfu = tokens * flops / (ceiling * 1e9)
-    report.add(report_lib.Row("language_model", f"gpt_{size}", devices, label,
+    mfu = tokens * mfu_per_token / 1e9
+    report.add(report_lib.Row("language_model", model, devices,
+                              f"{label} ({where})" if where else label,
                               t.ms_per_step, tokens,
                               f"tokens/s; MFU {mfu:.3f}", t.rounds_ms))
-    report.say(f"  {label:<24} {tokens:>10,.0f} tokens/s  {t.ms_per_step:8.1f}"
-               f" ms/step  x{fit.ms_per_step / t.ms_per_step:.2f} of keras "
-               f"fit  MFU {mfu:.3f}")
+    report.say(f"    {label:<22} {tokens:>10,.0f} tokens/s  "
+               f"{t.ms_per_step:8.1f} ms/step  x{fit.ms_per_step / t.ms_per_step:.2f}"
+               f" of keras fit  MFU {mfu:.3f}")
+    name = model.replace("_", " ", 1)
     if label in _LM_TARGET_LAYOUTS:
-      report.figure(f"gpt {size} {label} tokens/s / keras fit",
+      report.figure(f"{name} {label} tokens/s / keras fit",
                     fit.ms_per_step / t.ms_per_step,
                     spread=report_lib.round_ratios(fit.rounds_ms, t.rounds_ms),
                     target=report_lib.Target(1.2))
     if label == "one_device":
-      report.figure(f"gpt {size} one_device model FLOPs utilisation", mfu,
+      report.figure(f"{name} one_device model FLOPs utilisation", mfu,
                     target=report_lib.Target(0.5))
-  _pipeline_gain(report, opts, text, size, batch)
 
 
 def _lm_runs(report: report_lib.Report, opts: SuiteOptions, text,
@@ -498,12 +527,12 @@ def _lm_runs(report: report_lib.Report, opts: SuiteOptions, text,
   runs = {}
   for label, layout in layouts.items():
     options = {}
-    if opts.autotune and layout.strategy in ("one_device", "mirrored"):
+    if opts.autotune and layout.strategy == "mirrored":
       choice = lm_lib.tune(layout, text, size=common["size"],
                            global_batch_size=common["global_batch_size"],
                            steps_per_execution=common["steps_per_execution"],
                            rounds=opts.rounds, cached_only=opts.quick)
-      options = _tfmgpu_options(choice.settings)
+      options = training_lib.tuned_options(choice.settings)
       report.say(f"  autotune {label}: {choice.source}, "
                  f"{autotune.changes_label(choice.picked)}")
     runs[label] = lm_lib.layout_runner(layout, text, **common,
@@ -526,7 +555,9 @@ def _pipeline_gain(report: report_lib.Report, opts: SuiteOptions, text,
     return
   report.say("  pipeline x2 (one thread per op): step speed-up over M=1 and "
              "bubble, measured vs simulated from the stages' measured times "
-             "(devices alone; calibrated: sharing the measured concurrency)")
+             "(devices alone; calibrated: the devices' measured concurrency "
+             "shared by stages that each keep the cores they were measured "
+             "to use alone)")
   bound = overlap_lib.measure_concurrency(["/cpu:0", "/cpu:1"])
   report.say(f"    the 2 devices compute at once x{bound:.2f} (2.00: each "
              "its own core; the bound on any pipeline gain here)")
@@ -550,7 +581,8 @@ def _pipeline_gain(report: report_lib.Report, opts: SuiteOptions, text,
                f" calibrated x{calibrated:.2f})  step {many.step * 1e3:.1f} "
                f"ms (calibrated {many.calibrated * 1e3:.1f})  bubble "
                f"{many.measured_bubble:.3f} (simulated "
-               f"{many.timeline.bubble_fraction:.3f})")
+               f"{many.timeline.bubble_fraction:.3f})  a stage alone keeps "
+               f"x{many.stage_cores:.2f} cores busy")
     if schedule == "gpipe":
       report.figure(f"gpt pipeline x2 M={m} / M=1 speed-up", measured,
                     target=report_lib.Target(

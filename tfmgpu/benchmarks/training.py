@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import keras
 import numpy as np
@@ -297,6 +297,14 @@ def compare(strategy, model_name: str, arrays: data_lib.Arrays, *,
       kwargs.update(tfmgpu_options or {})
     built[path] = PATHS[path](strategy, model_name, arrays, **kwargs)
   return interleaved(built, rounds)
+
+
+def tuned_options(settings: Any) -> dict[str, Any]:
+  """tfmgpu's own `Trainer` options from the autotune's `Settings` (the
+  steps per call left out: every path of a comparison shares them)."""
+  options = settings.as_dict()
+  del options["steps_per_execution"]
+  return options
 
 
 def interleaved(built: dict[str, Round], rounds: int) -> dict[str, Timing]:

@@ -4,7 +4,8 @@ from absl import flags
 
 AUTOTUNE = flags.DEFINE_bool(
     "autotune", None, "Time short runs of input_mode, steps_per_execution, "
-    "jit_compile and gradient_compression (one option changed at a time, "
+    "jit_compile, gradient_compression and batch_splits (one option "
+    "changed at a time, "
     "then the winners together) and use the fastest; a change must be 5% "
     "faster. Cached per CPU model, cores, TensorFlow version, model and "
     "replica count in the tfmgpu cache directory (TFMGPU_CACHE_DIR). "

@@ -48,7 +48,7 @@ from tfmgpu import files
 
 # The options `tune` may change, in the order it reports them.
 TUNED = ("input_mode", "steps_per_execution", "jit_compile",
-         "gradient_compression")
+         "gradient_compression", "batch_splits")
 CACHE_FILE = "autotune.json"
 # 2: a pick must win every paired round (format 1 compared best rounds, and
 # kept a few lucky picks); entries of another format are measured again.
@@ -65,6 +65,7 @@ class Settings:
   steps_per_execution: int = 10
   jit_compile: bool = False
   gradient_compression: str = "none"
+  batch_splits: int = 1
 
   def changes(self, other: "Settings") -> dict[str, Any]:
     """The fields where `other` differs from `self`, with `other`'s values."""
@@ -117,14 +118,17 @@ class Choice:
 
 
 def search_space(current: Settings, *, replicas: int,
-                 max_steps_per_execution: int | None = None
-                 ) -> dict[str, tuple]:
+                 max_steps_per_execution: int | None = None,
+                 splittable: bool = False) -> dict[str, tuple]:
   """The values `tune` tries for each option (the current one included).
 
   Args:
     current: the settings tuning starts from.
     replicas: compression is only tried with more than one replica.
     max_steps_per_execution: no more steps per call than this (one epoch).
+    splittable: the model trains exactly in batch splits
+      (`batch_splits.problem` is `None`) and each replica has 2 rows or
+      more: 2 splits are tried.
   """
   spe = current.steps_per_execution
   spe_values = sorted({v for v in (spe, 2 * spe, 4 * spe)
@@ -140,6 +144,8 @@ def search_space(current: Settings, *, replicas: int,
   }
   if replicas > 1:
     space["gradient_compression"] = ("none", "float16")
+  if splittable:
+    space["batch_splits"] = tuple(sorted({current.batch_splits, 2}))
   return space
 
 
@@ -522,6 +528,7 @@ def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
       at most the data's full batches.
     trainer_options: other `Trainer` arguments (e.g. `optimizer`).
   """
+  from tfmgpu.training import batch_splits  # pylint: disable=g-import-not-at-top
   from tfmgpu.training import resident  # pylint: disable=g-import-not-at-top
   if not enabled:
     return tune(lambda s: 0.0, key={}, current=current, enabled=False)
@@ -535,8 +542,11 @@ def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
     raise ValueError(f"global_batch_size={global_batch_size} is larger than "
                      f"the {len(x)} training rows; use a smaller batch.")
   with strategy.scope():
-    signature = model_signature(build())
+    model = build()
+  signature = model_signature(model)
   replicas = strategy.num_replicas_in_sync
+  splittable = (batch_splits.problem(model) is None
+                and global_batch_size >= 2 * replicas)
   timer = TrainerTimer(build, strategy, x, y,
                        global_batch_size=global_batch_size, **trainer_options)
   try:
@@ -548,6 +558,7 @@ def tune_training(build: Callable[[], Any], strategy: Any, x: Any, y: Any, *,
                 cached_only=cached_only,
                 space=search_space(current, replicas=replicas,
                                    max_steps_per_execution=min(
-                                       full, max_steps_per_execution or full)))
+                                       full, max_steps_per_execution or full),
+                                   splittable=splittable))
   finally:
     timer.close()

@@ -88,8 +88,7 @@ class Trainer:
     self.objective = objectives.Objective(model, o.loss, o.metrics,
                                           o.loss_weights, o.weighted_metrics)
     resident.check_input_mode(o.input_mode, self.strategy)
-    model_checks.check_built_in_scope(model, self.strategy)
-    model_checks.warn_about_custom_steps(model)
+    model_checks.check_model(model, self.strategy, o)
     checks.check_choice("execution", execution, EXECUTIONS)
     # tfmgpu sums replica gradients itself (then clips), except where the
     # execution leaves them to the strategy (parameter servers).
@@ -214,7 +213,7 @@ class Trainer:
       step = step_lib.make_train_step(
           self.model, self.optimizer, global_batch_size=global_batch_size,
           loss=self.objective, jit_compile=self.options.jit_compile,
-          allreduce=self.allreduce)
+          batch_splits=self.options.batch_splits, allreduce=self.allreduce)
       self._train_fns[key] = self.execution.train_function(step, feed)
     return self._train_fns[key]
 

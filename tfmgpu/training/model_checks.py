@@ -10,9 +10,20 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.training import batch_splits as batch_splits_lib
 from tfmgpu.training import fused as fused_lib
 from tfmgpu.training import optimizers as optimizers_lib
 from tfmgpu.training import step as step_lib
+
+
+def check_model(model: keras.Model, strategy: tf.distribute.Strategy,
+                options: Any) -> None:
+  """The checks of a `Trainer`'s model before its first step: built in
+  the strategy's scope, custom steps it will not call (a warning), and
+  `options.batch_splits` it can train with."""
+  check_built_in_scope(model, strategy)
+  warn_about_custom_steps(model)
+  batch_splits_lib.check(model, options.batch_splits)
 
 
 def check_built_in_scope(model: keras.Model,

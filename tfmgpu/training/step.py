@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import allreduce as allreduce_lib
+from tfmgpu.training import batch_splits as batch_splits_lib
 from tfmgpu.training import objectives
 
 def as_objective(model: keras.Model, loss: Any = None
@@ -44,7 +45,7 @@ def make_gradients_fn(model: keras.Model,
                       optimizer: keras.optimizers.Optimizer, *,
                       global_batch_size: int | None,
                       objective: objectives.Objective,
-                      jit_compile: bool = False):
+                      jit_compile: bool = False, batch_splits: int = 1):
   """`grads(x, y, sw, batch) -> (loss share, predictions, gradients)`.
 
   The loss is averaged over the global batch (plus regularization), scaled
@@ -53,11 +54,13 @@ def make_gradients_fn(model: keras.Model,
   and sample weights travelling together (`(y, sw)`, split with the batch).
   `global_batch_size=None` takes `batch` (the caller sums the replicas'
   rows, outside an XLA-compiled function, with `_global_batch_of`).
+  `batch_splits > 1`: row slices side by side (`training.batch_splits`).
 
   Raises:
     ValueError: `jit_compile` for a model whose variables live on several
-      devices.
+      devices; `batch_splits` that the model cannot take.
   """
+  batch_splits_lib.check(model, batch_splits)
   scaling = _uses_loss_scaling(optimizer)
 
   def scaled_loss(target, y_pred, batch=None):
@@ -95,7 +98,9 @@ def make_gradients_fn(model: keras.Model,
           "cannot compile one step whose variables live on several devices. "
           "Use jit_compile=False.")
     return placed_grads
-  return tf.function(tape_grads, jit_compile=True) if jit_compile else tape_grads
+  grads = (batch_splits_lib.over_slices(tape_grads, model, batch_splits)
+           if batch_splits > 1 else tape_grads)
+  return tf.function(grads, jit_compile=True) if jit_compile else grads
 
 
 def _regularization(model: keras.Model) -> tf.Tensor | float:
@@ -126,7 +131,7 @@ def batch_count(y_pred: Any) -> tf.Tensor:
 
 def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                     *, global_batch_size: int | None, loss: Any = None,
-                    jit_compile: bool = False,
+                    jit_compile: bool = False, batch_splits: int = 1,
                     allreduce: allreduce_lib.AllReduceOptions | None = None
                     ) -> Callable[..., dict[str, tf.Tensor]]:
   """Builds the per-replica training step.
@@ -140,6 +145,8 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     loss: an `objectives.Objective`, or a loss for one (`as_objective`).
     jit_compile: XLA-compile the forward/backward (not the update, whose
       variables may live on several devices).
+    batch_splits: row slices of each replica's batch computed side by side
+      (`tfmgpu.training.batch_splits`); 1 (the default): the whole batch.
     allreduce: if given, the step sums replica gradients itself (then clips
       and optionally compresses, see `allreduce.AllReduceOptions`); the
       caller must have called `allreduce.take_over_aggregation(optimizer)`.
@@ -156,7 +163,8 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
   objective = as_objective(model, loss)
   grads_fn = make_gradients_fn(model, optimizer,
                                global_batch_size=global_batch_size,
-                               objective=objective, jit_compile=jit_compile)
+                               objective=objective, jit_compile=jit_compile,
+                               batch_splits=batch_splits)
 
   reduce_within = (model.reduce_gradients
                    if hasattr(model, "reduce_gradients") else None)

@@ -45,6 +45,11 @@ class TrainerOptions:
       unweighted metric is reported as `weighted_<name>`.
     steps_per_execution: steps run per `tf.function` call. Defaults to `1`.
     jit_compile: XLA-compile each replica's forward/backward.
+    batch_splits: cut each replica's batch into this many row slices whose
+      forwards and backwards run side by side, their gradients summed
+      (`tfmgpu.training.batch_splits`): the cores of a CPU stay busier.
+      Equal to the unsplit step up to float rounding; refused for models
+      with BatchNormalization or losses of their own. Defaults to `1`.
     fused_optimizer: when `optimizer` is a name, update each variable with
       one fused kernel (`tfmgpu.training.fused`); an optimizer object is
       used as given. Given to a compiled model's Trainer, it trains with
@@ -87,6 +92,7 @@ class TrainerOptions:
   weighted_metrics: Any = None
   steps_per_execution: int = 1
   jit_compile: bool = False
+  batch_splits: int = 1
   fused_optimizer: bool = True
   input_mode: str = "auto"
   model_dir: str | None = None
