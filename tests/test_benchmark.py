@@ -495,11 +495,13 @@ def test_pipeline_overlap_times_interleaved_1f1b_beside_its_simulation():
       steps=1, warmup=0, virtual_stages=2, concurrency=1.0)
   assert run.num_stages == 2 and run.virtual_stages == 2
   many, one = run.results[4], run.results[1]
-  # Calibrated: the same stage times with the devices taking turns.
+  # Calibrated: the same stage times with the devices taking turns, the
+  # concurrency counted in stages of the cores one keeps busy alone.
   from tfmgpu.parallel import timeline as timeline_lib  # pylint: disable=g-import-not-at-top
+  assert many.stage_cores >= 1.0
   turns = timeline_lib.simulate(many.fwd, many.bwd, 4, schedule="1f1b",
                                 virtual_stages=2, send_time=run.send_s,
-                                concurrency=1.0)
+                                concurrency=1.0 / many.stage_cores)
   assert many.calibrated == pytest.approx(turns.step_time + many.update)
   assert many.timeline.virtual_stages == 2 and len(many.busy) == 2
   assert one.timeline.virtual_stages == 1 and len(one.busy) == 2

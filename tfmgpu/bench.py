@@ -43,7 +43,8 @@ _QUICK = flags.DEFINE_bool(
         bench_options.QUICK_SECTIONS) + ", unless --sections says "
     "otherwise), fewer steps, rounds and paths, the autotune only read "
     "from its cache: about 2-3.5 minutes on a quiet 2-core machine (the full "
-    "suite: about 15). Every run ends with a verdict line per target.")
+    "suite: about 15, 45-50 when its autotune measures). Every run ends "
+    "with a verdict line per target.")
 _MODELS = flags.DEFINE_list("models", ["convnet", "mlp"], "Models to train.")
 _REPLICAS = flags.DEFINE_list("replicas", ["1", "2", "4"],
                               "Replica counts for 'mirrored'.")

@@ -534,7 +534,8 @@ def _lm_runs(report: report_lib.Report, opts: SuiteOptions, text,
                            rounds=opts.rounds, cached_only=opts.quick)
       options = training_lib.tuned_options(choice.settings)
       report.say(f"  autotune {label}: {choice.source}, "
-                 f"{autotune.changes_label(choice.picked)}")
+                 f"{autotune.changes_label(choice.picked)}\n    "
+                 f"{choice.reason}")
     runs[label] = lm_lib.layout_runner(layout, text, **common,
                                        trainer_options=options)
   return runs

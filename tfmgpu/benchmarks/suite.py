@@ -83,6 +83,10 @@ def _cpu_seconds() -> float:
 # `docs/benchmarks.md`), by `SuiteOptions.quick`. --quick: 211 CPU seconds
 # measured on a loaded machine (2026-12-04), much of it one thread at a time
 # (building and tracing), so 2 quiet cores need 2-3.5 minutes.
-EXPECTED_MINUTES = {True: "2-3.5 minutes", False: "15 minutes"}
+# A full run whose autotune measures (its first run on a machine, or after
+# a code change: 47 minutes on the Xeon, 2026-12-05) takes longer.
+EXPECTED_MINUTES = {True: "2-3.5 minutes",
+                    False: "15 minutes with the autotune read from its "
+                    "cache, 45-50 when it measures (first run, new code)"}
 # The quick run's target (issue 30), seconds on 2 quiet cores.
 QUICK_SECONDS = 150
