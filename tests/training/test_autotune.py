@@ -53,8 +53,9 @@ def test_the_choice_is_cached_and_reused(tmp_path):
   assert first.settings == dataclasses.replace(CURRENT, jit_compile=True)
   measured = len(timer.calls)
   # current, tf_data, spe 20 and 40, jit, float16: 6 candidates x 2 rounds,
-  # then current and jit again in 3 paired rounds.
-  assert measured == 12 + 6
+  # then current and jit again in 3 paired rounds, then jit and jit with
+  # each of the other 4 changes on top in 3 more.
+  assert measured == 12 + 6 + 15
   second = autotune.tune(timer, key=KEY, cache=cache)
   assert len(timer.calls) == measured  # Nothing measured again.
   assert second.source == "cache"
@@ -99,7 +100,7 @@ def test_winners_are_measured_together(tmp_path):
   assert choice.picked == {"steps_per_execution": 40,
                            "gradient_compression": "float16"}
   together = "steps_per_execution=40 + gradient_compression=float16"
-  assert timer.calls[-1] == choice.settings  # Measured together.
+  assert choice.settings in timer.calls  # Measured together.
   assert choice.times_ms[together] == pytest.approx(2.0 / 1.15 / 1.2)
   assert (f"Picked {together}: faster by 5% or more in the first rounds and "
           "in every paired round") in choice.reason
@@ -108,6 +109,28 @@ def test_winners_are_measured_together(tmp_path):
           "steps_per_execution=40 + gradient_compression=float16 1.38x") in (
               choice.reason)
   assert "autotune (measured): picked " + together in choice.describe()
+
+
+def test_an_option_that_pays_only_on_top_of_a_pick_is_added(tmp_path):
+  """Batch splits alone gain nothing here but 1.15x under XLA: the second
+  pass finds them; an option no faster on top is not added."""
+  timer = FakeTimer({"jit_compile=True": 1.2})
+
+  def measure(settings):
+    ms = timer(settings)
+    return ms / 1.15 if settings.jit_compile and settings.batch_splits == 2 \
+        else ms
+
+  space = autotune.search_space(CURRENT, replicas=1, splittable=True)
+  choice = autotune.tune(measure, key=KEY, space=space,
+                         cache=str(tmp_path / "a.json"))
+  assert choice.picked == {"jit_compile": True, "batch_splits": 2}
+  assert "batch_splits=2 1.00x" in choice.reason  # Alone.
+  assert ("Then each other option on top of it, in paired rounds beside it "
+          "(the worst round): ") in choice.reason
+  assert "jit_compile=True + batch_splits=2 1.15x" in choice.reason
+  assert "input_mode=tf_data + jit_compile=True 1.00x" in choice.reason
+  assert choice.reason.endswith("picked jit_compile=True + batch_splits=2.")
 
 
 def test_a_win_that_does_not_hold_is_not_picked(tmp_path):

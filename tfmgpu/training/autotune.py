@@ -3,15 +3,17 @@
 What is fastest differs by machine: XLA per replica helps on one CPU and
 costs on another, and so does 16-bit gradient compression. `tune` times
 short runs of the few options that matter (`TUNED`: where batches come
-from, steps per `tf.function` call, XLA per replica, gradient compression),
-each changed alone from the current settings, interleaved over a few
-rounds (each candidate's best round kept). The winners, alone and
-together, are then measured again in paired rounds, each beside the
+from, steps per `tf.function` call, XLA per replica, gradient compression,
+batch splits), each changed alone from the current settings, interleaved
+over a few rounds (each candidate's best round kept). The winners, alone
+and together, are then measured again in paired rounds, each beside the
 current settings: a change is kept only when it is faster than the current
 settings by more than `margin` in the first rounds *and in every paired
 round*, so a lucky round never replaces a default (the machine's own drift
-moves one round by 20% here). Nothing is chosen by the CPU's name: the
-name only keys the cache.
+moves one round by 20% here). When something was picked, each option it
+left alone is then tried on top of the pick, in paired rounds beside it
+(batch splits pay on gpt only under XLA). Nothing is chosen by the CPU's
+name: the name only keys the cache.
 
 The choice is cached in `cache_path()` (`autotune.json` in the tfmgpu cache
 directory, `tfmgpu.data.cache_dir`), keyed by the CPU model, core count,
@@ -342,8 +344,43 @@ def _search(measure: Callable[[Settings], float], current: Settings,
   best = max(speedups, key=speedups.get, default="current")
   chosen = (finalists[best] if best != "current"
             and speedups[best] >= 1 + margin else current)
-  return chosen, times, _reason(current, times, failed, margin, speedups,
-                                chosen)
+  reason = _reason(current, times, failed, margin, speedups, chosen)
+  if chosen == current:
+    return chosen, times, reason
+  refined, said = _on_top(measure, current, chosen, space,
+                          rounds=rounds + 1, margin=margin, failed=failed)
+  return refined, times, reason + said
+
+
+def _on_top(measure: Callable[[Settings], float], current: Settings,
+            chosen: Settings, space: Mapping[str, tuple], *, rounds: int,
+            margin: float, failed: dict[str, str]) -> tuple[Settings, str]:
+  """A second pass: each option `chosen` left as it was, changed on top of
+  `chosen` (options that pay only together, e.g. batch splits under XLA),
+  timed in `rounds` paired rounds beside it; the fastest kept if it wins
+  every round by `margin`.
+
+  Returns:
+    `(the settings, a sentence for the reason)`.
+  """
+  on_top = {"current": chosen}
+  for name in TUNED:
+    if name in current.changes(chosen):
+      continue
+    for value in space.get(name, ()):
+      if value != getattr(chosen, name):
+        settings = dataclasses.replace(chosen, **{name: value})
+        on_top[changes_label(current.changes(settings))] = settings
+  if len(on_top) == 1:
+    return chosen, ""
+  speedups = _paired_speedups(measure, on_top, rounds, failed)
+  text = (" Then each other option on top of it, in paired rounds beside it "
+          "(the worst round): " + ", ".join(
+              f"{label} {x:.2f}x" for label, x in speedups.items()))
+  best = max(speedups, key=speedups.get, default=None)
+  if best is None or speedups[best] < 1 + margin:
+    return chosen, text + "; none added."
+  return on_top[best], text + f"; picked {best}."
 
 
 def _reason(current: Settings, times: dict[str, float],
