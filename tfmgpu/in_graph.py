@@ -64,15 +64,21 @@ def tasks_of(cluster: dict[str, list[str]]) -> list[str]:
   return [f"{job}:{i}" for job in JOBS for i in range(len(cluster.get(job, ())))]
 
 
-def _address(cluster: dict[str, list[str]], task: str) -> str:
+def _job_and_index(task: str) -> tuple[str, int]:
+  """`("worker", 1)` for `"worker:1"`."""
   job, _, index = task.partition(":")
-  return cluster[job][int(index)]
+  return job, int(index)
+
+
+def _address(cluster: dict[str, list[str]], task: str) -> str:
+  job, index = _job_and_index(task)
+  return cluster[job][index]
 
 
 def _device(task: str, kind: str = "CPU", index: int | str = 0) -> str:
   """`task`'s device, e.g. `/job:worker/replica:0/task:1/device:CPU:0`
   (`index=""`: the prefix of all its devices of `kind`)."""
-  job, _, task_index = task.partition(":")
+  job, task_index = _job_and_index(task)
   return f"/job:{job}/replica:0/task:{task_index}/device:{kind}:{index}"
 
 
@@ -109,10 +115,10 @@ def serve(cluster: dict[str, list[str]], task: str, *,
   previous_dir = os.getcwd()
   previous = signal.signal(signal.SIGTERM, on_sigterm)
   os.chdir(home)  # The chief's relative paths resolve here.
-  job, _, index = task.partition(":")
+  job, index = _job_and_index(task)
   try:
     tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job,
-                         task_index=int(index), protocol="grpc", start=True)
+                         task_index=index, protocol="grpc", start=True)
     logging.info("Task %s serves the chief's in-graph run (%s drives its "
                  "devices; its weights and slots live here).", task, chief)
     code, message = _wait_for_chief(home, _address(cluster, chief), chief,
@@ -189,9 +195,9 @@ def connect(cluster: dict[str, list[str]], task: str, *,
       {t: _address(cluster, t) for t in others}, timeout_s,
       who="multi_worker_mirrored with zero_stage",
       waiter="the chief", log=logging.info)
-  job, _, index = task.partition(":")
+  job, index = _job_and_index(task)
   tf.config.experimental_connect_to_cluster(
-      tf.train.ClusterSpec(cluster), job_name=job, task_index=int(index))
+      tf.train.ClusterSpec(cluster), job_name=job, task_index=index)
   _DRIVEN = _Driven(task, others)
   logging.info("In-graph: this task (%s) drives the devices of %s.", task,
                ", ".join(others) or "no other task")

@@ -170,7 +170,6 @@ def measure_one_device(*, size: str, seq_len: int, global_batch_size: int,
     chose and why (its measured speed-ups) or None, "timings":
     {"keras_fit" | "one_device": Timing fields}}`.
   """
-  from tfmgpu.training import autotune as autotune_lib  # pylint: disable=g-import-not-at-top
   text = text_arrays(seq_len)
   common = dict(size=size, global_batch_size=global_batch_size, steps=steps,
                 steps_per_execution=steps_per_execution, seed=seed)
@@ -181,8 +180,7 @@ def measure_one_device(*, size: str, seq_len: int, global_batch_size: int,
                   steps_per_execution=steps_per_execution, rounds=rounds,
                   cached_only=cached_only, seed=seed)
     options = training_lib.tuned_options(choice.settings)
-    chose = (f"{choice.source}, {autotune_lib.changes_label(choice.picked)}"
-             f"\n    {choice.reason}")
+    chose = choice.describe()
   runs = {"keras_fit": keras_fit_runner(text, **common),
           "one_device": layout_runner(layout, text, **common,
                                       trainer_options=options)}

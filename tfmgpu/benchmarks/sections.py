@@ -464,12 +464,12 @@ def _language_model(report: report_lib.Report, opts: SuiteOptions,
              "this run's measurements)")
   report.say("  one device, in its own process with every core per op (as "
              "a one-device run has them), against Keras fit there:")
-  _lm_rows(report, alone, layouts, f"gpt_{size}", seq_len, flops / ceiling,
+  _lm_rows(report, alone, layouts, size, seq_len, flops / ceiling,
            where="own process")
   if best:
     report.say(f"  this process ({max(opts.replicas)} logical CPUs, one "
                "thread per op), against Keras fit on one of them:")
-    _lm_rows(report, best, layouts, f"gpt_{size}", seq_len, flops / ceiling)
+    _lm_rows(report, best, layouts, size, seq_len, flops / ceiling)
   _pipeline_gain(report, opts, text, size, batch)
 
 
@@ -485,36 +485,36 @@ def _lm_one_device(report: report_lib.Report, opts: SuiteOptions,
       seq_len=seq_len, rounds=opts.rounds, autotune=opts.autotune,
       cached_only=opts.quick, **common)
   if child["autotune"]:
-    report.say(f"  autotune one_device (own process): {child['autotune']}")
+    report.say(f"  one_device (own process): {child['autotune']}")
   return alone, child
 
 
 def _lm_rows(report: report_lib.Report, best: dict[str, training_lib.Timing],
-             layouts: dict[str, lm_lib.Layout], model: str, seq_len: int,
+             layouts: dict[str, lm_lib.Layout], size: str, seq_len: int,
              mfu_per_token: float, where: str = "") -> None:
-  """Each path's tokens/s, its ratio to `best["keras_fit"]` and its model
-  FLOPs utilisation (`tokens/s x mfu_per_token / 1e9`), with the targets;
-  `where` (e.g. "own process") tells its rows in results.csv apart."""
+  """Each path's tokens/s of gpt `size`, its ratio to `best["keras_fit"]`
+  and its model FLOPs utilisation (`tokens/s x mfu_per_token / 1e9`), with
+  the targets; `where` (e.g. "own process") tells its rows in results.csv
+  apart."""
   fit = best["keras_fit"]
   for label, t in best.items():
     devices = layouts[label].devices if label in layouts else 1
     tokens = lm_lib.tokens_per_sec(t, seq_len)
     mfu = tokens * mfu_per_token / 1e9
-    report.add(report_lib.Row("language_model", model, devices,
+    report.add(report_lib.Row("language_model", f"gpt_{size}", devices,
                               f"{label} ({where})" if where else label,
                               t.ms_per_step, tokens,
                               f"tokens/s; MFU {mfu:.3f}", t.rounds_ms))
     report.say(f"    {label:<22} {tokens:>10,.0f} tokens/s  "
                f"{t.ms_per_step:8.1f} ms/step  x{fit.ms_per_step / t.ms_per_step:.2f}"
                f" of keras fit  MFU {mfu:.3f}")
-    name = model.replace("_", " ", 1)
     if label in _LM_TARGET_LAYOUTS:
-      report.figure(f"{name} {label} tokens/s / keras fit",
+      report.figure(f"gpt {size} {label} tokens/s / keras fit",
                     fit.ms_per_step / t.ms_per_step,
                     spread=report_lib.round_ratios(fit.rounds_ms, t.rounds_ms),
                     target=report_lib.Target(1.2))
     if label == "one_device":
-      report.figure(f"{name} one_device model FLOPs utilisation", mfu,
+      report.figure(f"gpt {size} one_device model FLOPs utilisation", mfu,
                     target=report_lib.Target(0.5))
 
 
@@ -533,9 +533,7 @@ def _lm_runs(report: report_lib.Report, opts: SuiteOptions, text,
                            steps_per_execution=common["steps_per_execution"],
                            rounds=opts.rounds, cached_only=opts.quick)
       options = training_lib.tuned_options(choice.settings)
-      report.say(f"  autotune {label}: {choice.source}, "
-                 f"{autotune.changes_label(choice.picked)}\n    "
-                 f"{choice.reason}")
+      report.say(f"  {label}: {choice.describe()}")
     runs[label] = lm_lib.layout_runner(layout, text, **common,
                                        trainer_options=options)
   return runs

@@ -109,6 +109,12 @@ class OneDeviceOptions:
 COMMUNICATION_CHOICES = ("auto", "ring", "nccl")
 
 
+def _check_connect_timeout(seconds: float) -> None:
+  """`connect_timeout_s` of the options whose task waits for the others."""
+  if not seconds > 0:
+    raise ValueError(f"connect_timeout_s={seconds!r} must be > 0 seconds.")
+
+
 @dataclasses.dataclass(frozen=True)
 class MultiWorkerOptions:
   """Options of `multi_worker_mirrored`.
@@ -141,9 +147,7 @@ class MultiWorkerOptions:
     checks.check_choice("communication", self.communication,
                         COMMUNICATION_CHOICES)
     checks.check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
-    if not self.connect_timeout_s > 0:
-      raise ValueError(f"connect_timeout_s={self.connect_timeout_s!r} must "
-                       "be > 0 seconds.")
+    _check_connect_timeout(self.connect_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +173,7 @@ class ParameterServerOptions:
   def __post_init__(self):
     checks.check_positive("variable_shards", self.variable_shards,
                           allow_none=True)
-    if not self.connect_timeout_s > 0:
-      raise ValueError(f"connect_timeout_s={self.connect_timeout_s!r} must "
-                       "be > 0 seconds.")
+    _check_connect_timeout(self.connect_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)

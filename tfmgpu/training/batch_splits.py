@@ -25,6 +25,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu import checks
 from tfmgpu.parallel import placed_model
 
 GradsFn = Callable[..., tuple[Any, Any, list[Any]]]
@@ -50,10 +51,7 @@ def problem(model: keras.Model) -> str | None:
 def check(model: keras.Model, batch_splits: int) -> None:
   """Raises `ValueError` when `batch_splits` is not a positive int, or is
   above 1 for a model that `problem` refuses."""
-  if (not isinstance(batch_splits, int) or isinstance(batch_splits, bool)
-      or batch_splits < 1):
-    raise ValueError(f"batch_splits={batch_splits!r} must be a positive int "
-                     "(1: each replica's batch in one piece).")
+  checks.check_positive("batch_splits", batch_splits)
   why = problem(model) if batch_splits > 1 else None
   if why:
     raise ValueError(f"batch_splits={batch_splits} cannot train model "
