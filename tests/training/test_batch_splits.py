@@ -108,3 +108,21 @@ def test_a_loss_added_in_call_is_refused_when_the_step_is_traced():
   with pytest.raises(ValueError, match="add_loss"):
     trainer.fit(x, np.zeros((8, 3), np.float32), epochs=1,
                 global_batch_size=4)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_under_xla_each_slice_is_its_own_compiled_call(splits):
+  """One compiled call per slice, so that TF runs them side by side (one
+  compiled step holding every slice would run them one after another)."""
+  from tfmgpu.training import step  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+  grads = step.make_gradients_fn(
+      model, keras.optimizers.SGD(), global_batch_size=6,
+      objective=step.as_objective(model, "mse"), jit_compile=True,
+      batch_splits=splits)
+  graph = tf.function(lambda x, y: grads(x, y)[2]).get_concrete_function(
+      tf.TensorSpec([6, 4]), tf.TensorSpec([6, 3])).graph
+  compiled = [op for op in graph.get_operations()
+              if op.type.endswith("PartitionedCall")
+              and op.get_attr("_XlaMustCompile")]
+  assert len(compiled) == splits

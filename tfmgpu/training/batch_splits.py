@@ -9,7 +9,10 @@ unsplit batch (up to float rounding: a different order of additions).
 Why: on a CPU, TensorFlow runs independent ops at once on its inter-op
 threads, but one branch of a small model's ops leaves cores idle between
 its many short ops; two branches keep them busy. The autotune decides by
-measurement (`tfmgpu.training.autotune`), as for XLA.
+measurement (`tfmgpu.training.autotune`), as for XLA. Under XLA
+(`jit_compile=True`) each slice is its own compiled call, so the slices
+still run side by side (gpt mini on 2 cores: 140 ms per step against 161
+for one compiled step of the whole batch).
 
 The equality holds only for models whose rows train independently, so
 models with batch statistics (BatchNormalization) or with losses of their

@@ -98,9 +98,12 @@ def make_gradients_fn(model: keras.Model,
           "cannot compile one step whose variables live on several devices. "
           "Use jit_compile=False.")
     return placed_grads
-  grads = (batch_splits_lib.over_slices(tape_grads, model, batch_splits)
-           if batch_splits > 1 else tape_grads)
-  return tf.function(grads, jit_compile=True) if jit_compile else grads
+  # Under XLA each slice is its own compiled call: independent calls run
+  # side by side on the inter-op threads, one compiled step would not.
+  grads = (tf.function(tape_grads, jit_compile=True) if jit_compile
+           else tape_grads)
+  return (batch_splits_lib.over_slices(grads, model, batch_splits)
+          if batch_splits > 1 else grads)
 
 
 def _regularization(model: keras.Model) -> tf.Tensor | float:
