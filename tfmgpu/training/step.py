@@ -50,16 +50,15 @@ def make_gradients_fn(model: keras.Model,
 
   The loss is averaged over the global batch (plus regularization), scaled
   for a `LossScaleOptimizer`; a placed model computes each part's backward
-  on that part's device (`compute_loss_and_gradients`), with the targets
-  and sample weights travelling together (`(y, sw)`, split with the batch).
-  `global_batch_size=None` takes `batch` (the caller sums the replicas'
-  rows, outside an XLA-compiled function, with `_global_batch_of`).
-  `batch_splits > 1`: row slices side by side (`training.batch_splits`).
+  on its device (`compute_loss_and_gradients`), targets and sample weights
+  travelling together. `global_batch_size=None` takes `batch` (the caller
+  sums the replicas' rows outside XLA, `_global_batch_of`). `batch_splits
+  > 1`: row slices side by side (`training.batch_splits`), under XLA each
+  its own compiled call (TF runs such calls side by side).
 
   Raises:
-    ValueError: `jit_compile` for a model whose variables live on several
-      devices; `batch_splits` that the model cannot take.
-  """
+    ValueError: `jit_compile` for variables on several devices, or
+      `batch_splits` the model cannot take."""
   batch_splits_lib.check(model, batch_splits)
   scaling = _uses_loss_scaling(optimizer)
 
@@ -98,8 +97,6 @@ def make_gradients_fn(model: keras.Model,
           "cannot compile one step whose variables live on several devices. "
           "Use jit_compile=False.")
     return placed_grads
-  # Under XLA each slice is its own compiled call: independent calls run
-  # side by side on the inter-op threads, one compiled step would not.
   grads = (tf.function(tape_grads, jit_compile=True) if jit_compile
            else tape_grads)
   return (batch_splits_lib.over_slices(grads, model, batch_splits)
