@@ -103,11 +103,11 @@ def test_winners_are_measured_together(tmp_path):
   assert choice.settings in timer.calls  # Measured together.
   assert choice.times_ms[together] == pytest.approx(2.0 / 1.15 / 1.2)
   assert (f"Picked {together}: faster by 5% or more in the first rounds and "
-          "in every paired round") in choice.reason
+          "in the median paired round, slower in none") in choice.reason
   assert ("Measured again in paired rounds beside the current settings (the "
-          "worst round): gradient_compression=float16 1.20x, "
-          "steps_per_execution=40 + gradient_compression=float16 1.38x") in (
-              choice.reason)
+          "median round): gradient_compression=float16 1.20x (worst 1.20x), "
+          "steps_per_execution=40 + gradient_compression=float16 1.38x "
+          "(worst 1.38x)") in choice.reason
   assert "autotune (measured): picked " + together in choice.describe()
 
 
@@ -127,7 +127,7 @@ def test_an_option_that_pays_only_on_top_of_a_pick_is_added(tmp_path):
   assert choice.picked == {"jit_compile": True, "batch_splits": 2}
   assert "batch_splits=2 1.00x" in choice.reason  # Alone.
   assert ("Then each other option on top of it, in paired rounds beside it "
-          "(the worst round): ") in choice.reason
+          "(the median round): ") in choice.reason
   assert "jit_compile=True + batch_splits=2 1.15x" in choice.reason
   assert "input_mode=tf_data + jit_compile=True 1.00x" in choice.reason
   assert choice.reason.endswith("picked jit_compile=True + batch_splits=2.")
@@ -149,11 +149,12 @@ def test_a_win_that_does_not_hold_is_not_picked(tmp_path):
   assert choice.settings == CURRENT and not choice.picked
   assert choice.times_ms["jit_compile=True"] == pytest.approx(2.0 / 1.5)
   assert ("Measured again in paired rounds beside the current settings (the "
-          "worst round): jit_compile=True 1.00x: none faster by 5% or more "
-          "in every round; kept them.") in choice.reason
+          "median round): jit_compile=True 1.00x (worst 1.00x): none faster "
+          "by 5% or more in the median round and slower in none; kept "
+          "them.") in choice.reason
 
 
-def test_a_pick_must_win_every_paired_round(tmp_path):
+def test_a_pick_must_lose_no_paired_round(tmp_path):
   """Noise of the kind that once picked float16 compression for convnet x2
   (0.8x when measured side by side): it wins the first rounds and two of
   three paired rounds, and loses the third; it is not picked."""
@@ -170,7 +171,31 @@ def test_a_pick_must_win_every_paired_round(tmp_path):
   choice = autotune.tune(measure, key=KEY, cache=str(tmp_path / "a.json"))
   assert len(calls) == 12 + 6
   assert choice.settings == CURRENT and not choice.picked
-  assert "gradient_compression=float16 0.91x: none faster" in choice.reason
+  assert ("gradient_compression=float16 1.30x (worst 0.91x): none faster"
+          in choice.reason)
+
+
+def test_one_paired_round_below_the_margin_does_not_hide_a_gain(tmp_path):
+  """The machine's drift: batch splits under XLA gain 1.15x, but one paired
+  round shows 1.03x; the median holds the margin and no round is slower,
+  so they are added."""
+  timer = FakeTimer({"jit_compile=True": 1.2})
+  calls = []
+
+  def measure(settings):
+    calls.append(settings)
+    ms = timer(settings)
+    if settings.jit_compile and settings.batch_splits == 2:
+      unlucky = sum(s == settings for s in calls) == 2
+      return ms / (1.03 if unlucky else 1.15)
+    return ms
+
+  space = autotune.search_space(CURRENT, replicas=1, splittable=True)
+  choice = autotune.tune(measure, key=KEY, space=space,
+                         cache=str(tmp_path / "a.json"))
+  assert choice.picked == {"jit_compile": True, "batch_splits": 2}
+  assert "jit_compile=True + batch_splits=2 1.15x (worst 1.03x)" in (
+      choice.reason)
 
 
 def test_the_cpu_name_only_keys_the_cache(tmp_path, monkeypatch):

@@ -740,7 +740,10 @@ def _tf_data(report: report_lib.Report, opts: SuiteOptions, arrays) -> None:
           global_batch_size=max(opts.global_batch_size, 64),
           steps=opts.steps // 2 if opts.quick else opts.steps,
           steps_per_execution=opts.steps_per_execution,
-          rounds=opts.rounds, tf_iterator=not opts.quick)
+          # Paths built once, as in the training table: a round costs only
+          # its steps, so a full run keeps as many rounds.
+          rounds=opts.rounds if opts.quick else opts.training_rounds,
+          tf_iterator=not opts.quick)
       for path in ("tfmgpu", "keras_fit", "orbit", "tfmgpu_tf_iterator"):
         rate = getattr(row, path)
         if rate:

@@ -8,9 +8,10 @@ batch splits), each changed alone from the current settings, interleaved
 over a few rounds (each candidate's best round kept). The winners, alone
 and together, are then measured again in paired rounds, each beside the
 current settings: a change is kept only when it is faster than the current
-settings by more than `margin` in the first rounds *and in every paired
-round*, so a lucky round never replaces a default (the machine's own drift
-moves one round by 20% here). When something was picked, each option it
+settings by `margin` in the first rounds *and in the paired rounds' median,
+and slower in none of them* (`Paired`), so a lucky round never replaces a
+default (the machine's own drift moves one round by 20% here), while one
+unlucky round does not hide a real gain. When something was picked, each option it
 left alone is then tried on top of the pick, in paired rounds beside it
 (batch splits pay on gpt only under XLA). Nothing is chosen by the CPU's
 name: the name only keys the cache.
@@ -280,18 +281,41 @@ def _time_all(measure: Callable[[Settings], float],
           _time_rounds(measure, candidates, rounds, failed).items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class Paired:
+  """A finalist's speed-ups over the current settings in paired rounds."""
+  median: float
+  worst: float
+
+  def holds(self, margin: float) -> bool:
+    """Faster by `margin` in the median round and slower in none."""
+    return self.median >= 1 + margin and self.worst >= 1.0
+
+  def __str__(self) -> str:
+    return f"{self.median:.2f}x (worst {self.worst:.2f}x)"
+
+
 def _paired_speedups(measure: Callable[[Settings], float],
                      finalists: dict[str, Settings], rounds: int,
-                     failed: dict[str, str]) -> dict[str, float]:
-  """Each finalist's speed-up over `"current"` in its *worst* round of
-  `rounds` (each round times the current settings and every finalist
-  back to back): above 1 only if it won every round."""
+                     failed: dict[str, str]) -> dict[str, Paired]:
+  """Each finalist's speed-ups over `"current"` in `rounds` paired rounds
+  (each round times the current settings and every finalist back to
+  back): their median and the worst."""
   times = _time_rounds(measure, finalists, rounds, failed)
   base = times.get("current")
   if not base:
     return {}
-  return {label: min(b / t for b, t in zip(base, ms))
-          for label, ms in times.items() if label != "current"}
+  ratios = {label: [b / t for b, t in zip(base, ms)]
+            for label, ms in times.items() if label != "current"}
+  return {label: Paired(statistics.median(r), min(r))
+          for label, r in ratios.items()}
+
+
+def _best(speedups: dict[str, Paired], margin: float) -> str | None:
+  """The finalist with the highest median of those that hold, if any."""
+  holding = [label for label, p in speedups.items() if p.holds(margin)]
+  return max(holding, key=lambda label: speedups[label].median,
+             default=None)
 
 
 def _winners(current: Settings, singles: dict[str, Settings],
@@ -340,10 +364,9 @@ def _search(measure: Callable[[Settings], float], current: Settings,
   speedups = _paired_speedups(measure, finalists, rounds + 1, failed)
   if len(wins) > 1 and changes_label(wins) in speedups:
     times[changes_label(wins)] = (  # On the first rounds' scale.
-        times["current"] / speedups[changes_label(wins)])
-  best = max(speedups, key=speedups.get, default="current")
-  chosen = (finalists[best] if best != "current"
-            and speedups[best] >= 1 + margin else current)
+        times["current"] / speedups[changes_label(wins)].median)
+  best = _best(speedups, margin)
+  chosen = finalists[best] if best else current
   reason = _reason(current, times, failed, margin, speedups, chosen)
   if chosen == current:
     return chosen, times, reason
@@ -357,8 +380,8 @@ def _on_top(measure: Callable[[Settings], float], current: Settings,
             margin: float, failed: dict[str, str]) -> tuple[Settings, str]:
   """A second pass: each option `chosen` left as it was, changed on top of
   `chosen` (options that pay only together, e.g. batch splits under XLA),
-  timed in `rounds` paired rounds beside it; the fastest kept if it wins
-  every round by `margin`.
+  timed in `rounds` paired rounds beside it; the fastest kept if it holds
+  (`Paired.holds`: `margin` in the median round, slower in none).
 
   Returns:
     `(the settings, a sentence for the reason)`.
@@ -375,17 +398,17 @@ def _on_top(measure: Callable[[Settings], float], current: Settings,
     return chosen, ""
   speedups = _paired_speedups(measure, on_top, rounds, failed)
   text = (" Then each other option on top of it, in paired rounds beside it "
-          "(the worst round): " + ", ".join(
-              f"{label} {x:.2f}x" for label, x in speedups.items()))
-  best = max(speedups, key=speedups.get, default=None)
-  if best is None or speedups[best] < 1 + margin:
+          "(the median round): " + ", ".join(
+              f"{label} {x}" for label, x in speedups.items()))
+  best = _best(speedups, margin)
+  if best is None:
     return chosen, text + "; none added."
   return on_top[best], text + f"; picked {best}."
 
 
 def _reason(current: Settings, times: dict[str, float],
             failed: dict[str, str], margin: float,
-            speedups: dict[str, float], chosen: Settings | None = None
+            speedups: dict[str, Paired], chosen: Settings | None = None
             ) -> str:
   """Each candidate's speed-up over `current`, the check, and the pick."""
   base = times["current"]
@@ -399,14 +422,15 @@ def _reason(current: Settings, times: dict[str, float],
   if not speedups:
     return text + f". None was faster by {margin:.0%} or more."
   text += (". Measured again in paired rounds beside the current settings "
-           "(the worst round): " + ", ".join(
-               f"{label} {x:.2f}x" for label, x in speedups.items()))
+           "(the median round): " + ", ".join(
+               f"{label} {x}" for label, x in speedups.items()))
   picked = current.changes(chosen or current)
   if not picked:
-    return text + (f": none faster by {margin:.0%} or more in every round; "
-                   "kept them.")
+    return text + (f": none faster by {margin:.0%} or more in the median "
+                   "round and slower in none; kept them.")
   return (text + f". Picked {changes_label(picked)}: faster by {margin:.0%} "
-          "or more in the first rounds and in every paired round.")
+          "or more in the first rounds and in the median paired round, "
+          "slower in none.")
 
 
 def tune(measure: Callable[[Settings], float], *, key: Mapping[str, Any],
@@ -474,19 +498,21 @@ def tune(measure: Callable[[Settings], float], *, key: Mapping[str, Any],
 # ---------------------------------------------------------------- timing
 
 class TrainerTimer:
-  """`measure(settings)`: ms per step of a short `Trainer.fit` (median call).
+  """`measure(settings)`: ms per step of a `Trainer.fit` (median call).
 
   Each settings' `Trainer` (a model from `build`, its optimizer and compiled
   step) is made on its first call and reused by later rounds, so only the
-  first pays for tracing and XLA compilation; every call times `calls` step
-  calls after one warm-up call.
+  first pays for tracing and XLA compilation. Each measurement trains whole
+  epochs of the data's full batches, at least `calls` + 1 step calls, and
+  returns the median call after the first (a long window: the machine's
+  drift within it moves the median little).
 
   Args:
     build: makes a fresh model (called in `strategy.scope()`).
     strategy: the strategy to train under.
-    x, y: training arrays (a short run reads the first batches).
+    x, y: training arrays.
     global_batch_size: examples per step.
-    calls: timed `tf.function` calls per measurement.
+    calls: the fewest timed `tf.function` calls per measurement.
     clock: the clock (`time.perf_counter`).
     trainer_options: other `Trainer` arguments, fixed for every candidate.
   """
