@@ -89,6 +89,42 @@ def test_runtime_initialized_after_an_op():
   assert _compat.runtime_initialized() is True
 
 
+def test_rekey_collectives_finds_the_strategys_all_reduces(cpu_devices):
+  keys = _compat.collective_keys(1 << 20)
+  default = tf.distribute.MirroredStrategy(cpu_devices[:2])
+  assert _compat.rekey_collectives(default, keys) == 1
+  # TF keeps a collective all-reduce for XLA beside the one it was given.
+  to_one = tf.distribute.MirroredStrategy(
+      cpu_devices[:2], cross_device_ops=tf.distribute.ReductionToOneDevice())
+  assert _compat.rekey_collectives(to_one, keys) == 1
+  launchers = default.extended._collective_ops._launchers  # pylint: disable=protected-access
+  assert {l._group_key for l in launchers} == {1 << 20}  # pylint: disable=protected-access
+  assert all(l._collective_keys is keys for l in launchers)  # pylint: disable=protected-access
+
+
+def test_functions_traced_before_a_rekey_never_reuse_an_instance_key(
+    cpu_devices):
+  strategy = tf.distribute.MirroredStrategy(cpu_devices[:2])
+
+  def all_reduces(gather):
+    def replica():
+      context = tf.distribute.get_replica_context()
+      total = context.all_reduce("sum", tf.ones([5 if gather else 7]))
+      if gather:  # A second collective of another shape.
+        return total, context.all_gather(tf.ones([5]), axis=0)
+      return total
+    return tf.function(lambda: strategy.run(replica))
+
+  before, after = all_reduces(gather=True), all_reduces(gather=False)
+  before()
+  before()
+  _compat.rekey_collectives(strategy, _compat.collective_keys(1 << 21))
+  # Unraised counters would give `before` (still group 1) the keys its
+  # earlier calls used for other shapes.
+  for fn in (after, before, after, before):
+    fn()
+
+
 def test_in_multi_worker_mode(cpu_devices):
   assert _compat.in_multi_worker_mode(tf.distribute.get_strategy()) is False
   mirrored = tf.distribute.MirroredStrategy(cpu_devices[:2])

@@ -95,6 +95,52 @@ def parameter_server_workers(strategy: tf.distribute.Strategy) -> int:
   return getattr(strategy, "_num_workers", 1)
 
 
+def collective_keys(group_key_start: int) -> Any:
+  """A new TF `CollectiveKeys`: the group and instance key counters a
+  collective all-reduce draws from (thread safe)."""
+  from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g-import-not-at-top
+  return cross_device_utils.CollectiveKeys(group_key_start=group_key_start)
+
+
+def rekey_collectives(strategy: tf.distribute.Strategy, keys: Any) -> int:
+  """Points every collective all-reduce a `MirroredStrategy` holds (its
+  cross-device ops, and the one TF keeps for XLA) at `keys`, under the group
+  key `keys` gives that all-reduce's devices.
+
+  Instance keys are drawn when a function is called, so functions traced
+  before draw them from `keys` too, under the group key they were traced
+  with; `keys`' counters for the devices are first raised past the old
+  ones, so those functions never draw an instance key already used there.
+
+  Returns:
+    How many all-reduce objects now use `keys` (0: the strategy has none,
+    e.g. `ReductionToOneDevice` and no XLA one, or TF moved them).
+  """
+  from tensorflow.python.distribute import cross_device_ops  # pylint: disable=g-import-not-at-top
+  extended = strategy.extended
+  found = {id(o): o for o in (getattr(extended, "_cross_device_ops", None),
+                              getattr(extended, "_collective_ops", None))}
+  changed = 0
+  for ops in found.values():
+    launchers = getattr(ops, "_launchers", None)
+    if not isinstance(ops, cross_device_ops.CollectiveAllReduce) or not (
+        launchers and all(hasattr(l, "_group_key") for l in launchers)):
+      continue
+    group = keys.get_group_key([l._device for l in launchers])  # pylint: disable=protected-access
+    old = ops._collective_keys  # pylint: disable=protected-access
+    used = old._instance_key_table.get(launchers[0]._group_key, {})  # pylint: disable=protected-access
+    with keys._lock:  # pylint: disable=protected-access
+      counters = keys._instance_key_table[group]  # pylint: disable=protected-access
+      for device, next_key in used.items():
+        counters[device] = max(counters.get(device, next_key), next_key)
+    for launcher in launchers:
+      launcher._group_key = group  # pylint: disable=protected-access
+      launcher._collective_keys = keys  # pylint: disable=protected-access
+    ops._collective_keys = keys  # pylint: disable=protected-access
+    changed += 1
+  return changed
+
+
 Trackable = tf.__internal__.tracking.Trackable
 AutoTrackable = tf.__internal__.tracking.AutoTrackable
 

@@ -34,6 +34,7 @@ from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.parallel import placed_model
+from tfmgpu.strategies import collective_keys
 from tfmgpu.parallel import shared
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
@@ -176,6 +177,7 @@ class Predictor:
     self.model = model
     self.runner, self.strategy = _prepare_model(
         model, _resolve_strategy(model, strategy), precision)
+    collective_keys.share(self.strategy)
     replicas = self.strategy.num_replicas_in_sync
     self.batch_size = -(-batch_size // replicas) * replicas
     self.steps_per_execution = steps_per_execution

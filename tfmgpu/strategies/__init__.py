@@ -7,6 +7,8 @@
   `tf.distribute.Strategy`; `options`: their options dataclasses.
 * `replicas`: which devices replicate and how gradients are all-reduced.
 * `resolvers`: cluster resolvers by name and the TF_CONFIG check.
+* `collective_keys`: one set of collective keys for every one-host
+  `MirroredStrategy` of a process (TF's own clash from the second one on).
 
 Placements (model, pipeline, branch and tensor parallelism, `auto`)
 register from `tfmgpu.placements`. Importing this package does not import TensorFlow.

@@ -34,6 +34,7 @@ from tfmgpu.strategies.replicas import select_replica_devices
 # The CLIs list the names in `--help` before TensorFlow loads: TensorFlow is
 # imported on first use.
 tf = LazyModule("tensorflow")
+collective_keys = LazyModule("tfmgpu.strategies.collective_keys")
 devices_lib = LazyModule("tfmgpu.devices")
 
 
@@ -183,7 +184,9 @@ class Mirrored(_Shardable):
       return tf.distribute.get_strategy()
     ops = make_cross_device_ops(options.cross_device_ops, replicas,
                                 options.num_packs)
-    return tf.distribute.MirroredStrategy(replicas, cross_device_ops=ops)
+    strategy = tf.distribute.MirroredStrategy(replicas, cross_device_ops=ops)
+    collective_keys.share(strategy)  # Several in one process stay apart.
+    return strategy
 
   def place(self, options: Any, build: Callable[[], Any], *,
             strategy: Any = None, seed: int = 0) -> registry.Placement:

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfmgpu import checks
 from tfmgpu import rundir
+from tfmgpu.strategies import collective_keys
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import coordinator
@@ -85,6 +86,7 @@ class Trainer:
     model, strategy = shard_for_trainer(model, strategy, o.zero_stage)
     self.model = model
     self.strategy = strategy or tf.distribute.get_strategy()
+    collective_keys.share(self.strategy)  # Before anything is traced.
     self.objective = objectives.Objective(model, o.loss, o.metrics,
                                           o.loss_weights, o.weighted_metrics)
     resident.check_input_mode(o.input_mode, self.strategy)
