@@ -22,6 +22,7 @@ alike.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import tensorflow as tf
 
@@ -35,7 +36,7 @@ _lock = threading.Lock()
 _keys = None
 
 
-def process_keys():
+def process_keys() -> Any:
   """The process's shared `CollectiveKeys` (created on first use)."""
   global _keys
   with _lock:
