@@ -121,6 +121,23 @@ def test_mirrored_x2_equals_unplaced_greedy_and_seeded(gpt):
       np.testing.assert_array_equal(spread[key], alone[key])
 
 
+def test_a_model_built_in_the_mirrored_scope_generates_under_xla(gpt):
+  """Mirrored variables, as training under the strategy leaves them: each
+  replica's compiled loop reads its own copies (TF compiles a `tf.function`
+  given to `strategy.run` as one XLA call on the first device, which fails
+  on the second replica's copies)."""
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    mirrored = models.build_model("gpt", input_shape=(CONTEXT,),
+                                  num_classes=VOCAB, seed=3)
+  generator = generation.Generator(mirrored, strategy=strategy)
+  assert generator._runner.jit_compile  # pylint: disable=protected-access
+  spread = generator.generate(_prompts(), max_new_tokens=4)
+  alone = tfmgpu.generate(gpt, _prompts(), max_new_tokens=4)
+  np.testing.assert_array_equal(spread["token_ids"], alone["token_ids"])
+  assert generator.traces == 2  # One compiled loop per replica.
+
+
 def test_a_gpt_with_a_padding_mask_input_and_one_device():
   model = models.build_model(
       "gpt", input_shape={"tokens": (CONTEXT,), "padding_mask": (CONTEXT,)},
@@ -250,9 +267,10 @@ def byte_gpt_path(tmp_path_factory):
 
 @pytest.mark.parametrize("placement", [
     {"strategy": "default"},
+    {"strategy": "mirrored"},  # The model is loaded again in its scope.
     {"strategy": "model_parallel", "num_stages": 2, "tensor_parallel": 2}])
 def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
-    byte_gpt_path, parsed_flags, capsys, placement):
+    byte_gpt_path, parsed_flags, capsys, caplog, placement):
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from tfmgpu import generate  # pylint: disable=g-import-not-at-top
   path, model = byte_gpt_path
@@ -268,6 +286,7 @@ def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
     expected += list(tokens["token_ids"][0, len(context):])
   assert out.out.rstrip("\n") == bytes(expected).decode("utf-8", "replace")
   assert "20 tokens in" in out.err
+  assert "one compiled call on the first device" not in caplog.text
 
 
 @pytest.mark.slow

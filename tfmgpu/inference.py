@@ -33,6 +33,7 @@ from tfmgpu import checks
 from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.parallel import cloning
 from tfmgpu.parallel import placed_model
 from tfmgpu.strategies import collective_keys
 from tfmgpu.parallel import shared
@@ -41,12 +42,6 @@ from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import resident
 
 PRECISIONS = ("float32", "bfloat16", "float16")
-
-
-def _built_in(model: keras.Model, strategy: tf.distribute.Strategy) -> bool:
-  v = model.weights[0] if model.weights else None
-  return v is None or strategy.extended.variable_created_in_scope(
-      getattr(v, "value", v))
 
 
 def _clone(model: keras.Model, dtype: str | None = None,
@@ -128,7 +123,8 @@ def _prepare_model(model, strategy, precision: str):
       raise ValueError(f"precision={precision!r} is not supported for placed "
                        f"model {model.name!r}; use precision='float32'.")
     return model, tf.distribute.get_strategy()
-  needs_clone = precision != "float32" or not _built_in(model, strategy)
+  needs_clone = (precision != "float32"
+                 or not cloning.built_in_scope(model, strategy))
   if not needs_clone:
     return model, strategy
   dtype = None if precision == "float32" else precision

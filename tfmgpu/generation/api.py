@@ -13,6 +13,7 @@ import secrets
 import weakref
 from typing import Any, Iterator, Sequence
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -23,6 +24,7 @@ from tfmgpu.generation import hub_cache
 from tfmgpu.generation import placed as placed_lib
 from tfmgpu.generation import prompts as prompts_lib
 from tfmgpu.generation import samplers
+from tfmgpu.parallel import cloning
 from tfmgpu.parallel import placed_model
 
 
@@ -69,7 +71,10 @@ class Generator:
       strategy, no XLA).
     strategy: `None` (one device), a registered name (e.g. `"mirrored"`)
       or a `tf.distribute.Strategy`: the request rows are split over its
-      replicas.
+      replicas, each decoding its rows on its own device when the model
+      was built (or loaded) in the strategy's scope; under XLA, a model
+      from outside it decodes every replica's rows as one compiled call
+      on the first device (a warning says so).
     jit_compile: compile each replica's decode loop with XLA. Defaults to
       `True` (always `False` for a placed model: XLA compiles for one
       device).
@@ -101,7 +106,16 @@ class Generator:
     if strategy is not None and strategy.num_replicas_in_sync == 1:
       device = _device_of(strategy)  # E.g. one_device's.
       strategy = None  # One replica: run the loop directly, there.
-    self._runner = decode.Runner(strategy, jit_compile, device=device)
+    spread = strategy is None or cloning.built_in_scope(model, strategy)
+    if not spread and jit_compile:
+      logging.warning(
+          "generate: model %r's weights were made outside the strategy's "
+          "scope, so under XLA every replica's rows decode as one compiled "
+          "call on the first device. Build or load the model under `with "
+          "strategy.scope():` to decode each replica's rows on its own "
+          "device.", getattr(model, "name", ""))
+    self._runner = decode.Runner(strategy, jit_compile, device=device,
+                                 replica_calls=spread)
 
   @property
   def traces(self) -> int:

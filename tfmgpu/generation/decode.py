@@ -148,6 +148,11 @@ class Runner:
       whose replicas each take a contiguous share of the rows.
     jit_compile: compile the per-replica decode loop with XLA.
     device: where to run without a strategy (`None`: TF's choice).
+    replica_calls: each replica calls the compiled loop on its own device,
+      reading its own copies of the weights (a model built in the
+      strategy's scope). `False`: the loop is given to `strategy.run`
+      whole, which under XLA compiles every replica's rows as one call on
+      the first device, where weights made outside the scope live.
 
   Attributes:
     traces: how many times a per-replica decode loop was traced.
@@ -155,10 +160,12 @@ class Runner:
   """
 
   def __init__(self, strategy: tf.distribute.Strategy | None,
-               jit_compile: bool, device: str | None = None):
+               jit_compile: bool, device: str | None = None,
+               replica_calls: bool = True):
     self.strategy = strategy
     self.device = device
     self.jit_compile = jit_compile
+    self.replica_calls = replica_calls
     self.traces = 0
     self.graphs: list[tf.Graph] = []
     self._loops: dict[Any, Callable[..., Any]] = {}
@@ -180,9 +187,13 @@ class Runner:
         return advance(state, index, stop, seed)
 
       inner = tf.function(counted, jit_compile=self.jit_compile)
+      # Given a plain function, `strategy.run` calls `inner` in each
+      # replica; given `inner` itself, TF compiles every replica's loop as
+      # one XLA call on the first device (see `replica_calls`).
+      each = (lambda *a: inner(*a)) if self.replica_calls else inner
       self._loops[key] = (self._on_device(inner) if self.strategy is None
                           else tf.function(lambda *args: self.strategy.run(
-                              inner, args=args)))
+                              each, args=args)))
     return self._loops[key]
 
   def _on_device(self, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -15,6 +15,8 @@ between the split and the unsplit model by layer name:
   models looked into.
 * `UnsplitWeights`: the mixin that gives a placed model `load_from`,
   `copy_weights_to` and `to_unsplit` (`placed_model.UnsplitForm`).
+* `built_in_scope`: whether a model's weights were made in a strategy's
+  scope (mirrored there), or need a copy made in it.
 """
 
 from __future__ import annotations
@@ -270,3 +272,12 @@ class UnsplitWeights:
       model = spec.rebuild()
     self.copy_weights_to(model)
     return model
+
+
+def built_in_scope(model: keras.Model,
+                   strategy: tf.distribute.Strategy) -> bool:
+  """Whether `model`'s weights were made in `strategy`'s scope (so each
+  replica holds its own copy); `True` for a model without weights."""
+  v = model.weights[0] if model.weights else None
+  return v is None or strategy.extended.variable_created_in_scope(
+      getattr(v, "value", v))
