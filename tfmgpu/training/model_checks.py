@@ -84,9 +84,10 @@ def _compiled_value(model: keras.Model, name: str,
   if name.endswith("metrics") and value is not None and not all(
       isinstance(m, str) for m in tf.nest.flatten(value)):
     logging.warning(
-        "Model %r was compiled with %s objects, which the Trainer cannot "
-        "take from it: pass Trainer(%s=...) to report them.", model.name,
-        name, name)
+        "Model %r was compiled (by you, or by its class as it was built, "
+        "as keras_hub's tasks are) with %s objects, which the Trainer "
+        "cannot take from it: pass Trainer(%s=...) to report them.",
+        model.name, name, name)
     return None
   return value
 
