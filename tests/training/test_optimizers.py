@@ -141,6 +141,37 @@ def test_a_compiled_model_trains_with_its_compile_unless_told_otherwise():
   assert type(told.optimizer).__name__ != "SGD"
 
 
+def test_compiled_metric_objects_are_reported_as_fit_reports_them():
+  """Metric objects (and per-output dicts of them) are rebuilt from the
+  compile config, as a keras_hub task's `weighted_metrics`: they were
+  dropped with a warning."""
+  rng = np.random.RandomState(0)
+  x = rng.normal(size=(32, 5)).astype("float32")
+  y = rng.randint(0, 3, 32).astype("int32")
+  w = rng.uniform(size=32).astype("float32")
+
+  def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()])
+    return model
+
+  reference = build()
+  want = reference.fit(x, y, sample_weight=w, batch_size=16, epochs=2,
+                       shuffle=False, verbose=0).history
+  model = build()
+  got = Trainer(model, verbose=0).fit(x, y, sample_weight=w, epochs=2,
+                                      global_batch_size=16,
+                                      shuffle=False).history
+  for name in ("sparse_top_k_categorical_accuracy",
+               "sparse_categorical_accuracy"):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
+
+
 def test_weight_decay_exclusions_by_name_survive_every_copy():
   """`var_names` live outside the config too: the copies made in a
   strategy's scope, of a compiled model's optimizer and by `fuse` dropped

@@ -74,22 +74,39 @@ _FROM_COMPILE = ("optimizer", "loss", "loss_weights", "metrics",
 def _compiled_value(model: keras.Model, name: str,
                     settings: dict[str, Any]) -> Any:
   """The model's compiled `name`: the optimizer (`_compiled_optimizer`),
-  the loss, or what the compile config holds (metrics only by name)."""
+  the loss, or what the compile config holds (metrics as new objects)."""
   if name == "optimizer":
     return (None if model.optimizer is None else
             _compiled_optimizer(model, settings))
   if name == "loss":
     return model.loss
   value = (model.get_compile_config() or {}).get(name)
-  if name.endswith("metrics") and value is not None and not all(
-      isinstance(m, str) for m in tf.nest.flatten(value)):
-    logging.warning(
-        "Model %r was compiled (by you, or by its class as it was built, "
-        "as keras_hub's tasks are) with %s objects, which the Trainer "
-        "cannot take from it: pass Trainer(%s=...) to report them.",
-        model.name, name, name)
-    return None
+  if name.endswith("metrics") and value is not None:
+    try:
+      return _fresh_metrics(value)
+    except (TypeError, ValueError) as e:
+      logging.warning(
+          "Model %r was compiled (by you, or by its class as it was built, "
+          "as keras_hub's tasks are) with %s the Trainer cannot rebuild "
+          "(%s): pass Trainer(%s=...) to report them.", model.name, name, e,
+          name)
+      return None
   return value
+
+
+def _fresh_metrics(value: Any) -> Any:
+  """The compile config's metrics (names, serialized metrics, per output
+  in dicts or lists) with each serialized metric rebuilt as a new object:
+  the Trainer keeps its own state."""
+  if isinstance(value, dict) and "class_name" in value:
+    return keras.metrics.deserialize(value)
+  if isinstance(value, dict):
+    return {k: _fresh_metrics(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_fresh_metrics(v) for v in value]
+  if isinstance(value, str) or value is None:
+    return value
+  raise TypeError(f"{type(value).__name__} is not a serialized metric")
 
 
 def _compiled_optimizer(model: keras.Model, settings: dict[str, Any]
