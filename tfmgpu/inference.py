@@ -35,8 +35,8 @@ from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import placed_model
-from tfmgpu.strategies import collective_keys
 from tfmgpu.parallel import shared
+from tfmgpu.strategies import collective_keys
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import resident
