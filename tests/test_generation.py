@@ -5,10 +5,13 @@ the unplaced tokens; the decode step traces once. Placed models:
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmgpu
+from tfmgpu import devices as devices_lib
 from tfmgpu import generation
 from tfmgpu import models
+from tfmgpu.parallel import cloning
 
 VOCAB = 50
 CONTEXT = 24
@@ -136,6 +139,41 @@ def test_a_model_built_in_the_mirrored_scope_generates_under_xla(gpt):
   alone = tfmgpu.generate(gpt, _prompts(), max_new_tokens=4)
   np.testing.assert_array_equal(spread["token_ids"], alone["token_ids"])
   assert generator.traces == 2  # One compiled loop per replica.
+  assert generator.model is mirrored  # No copy.
+  assert [_weight_devices(g) for g in generator.graphs] == [
+      {devices_lib.canonical_device(d)} for d in
+      strategy.extended.worker_devices]
+
+
+def test_a_model_from_outside_the_scope_decodes_on_each_replica_from_a_copy(
+    gpt, caplog):
+  """Weights made outside the strategy's scope are copied into it once:
+  each replica's compiled loop reads its own replica's weights (before,
+  under XLA, every replica's rows decoded as one call on the first
+  device), and the user's model is left as it was."""
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  before = [w.copy() for w in gpt.get_weights()]
+  generator = generation.Generator(gpt, strategy=strategy)
+  assert generator.model is not gpt
+  assert cloning.built_in_scope(generator.model, strategy)
+  assert not cloning.built_in_scope(gpt, strategy)
+  assert "a copy made in it" in caplog.text
+  spread = generator.generate(_prompts(), max_new_tokens=4)
+  alone = tfmgpu.generate(gpt, _prompts(), max_new_tokens=4)
+  np.testing.assert_array_equal(spread["token_ids"], alone["token_ids"])
+  assert generator.traces == 2  # One compiled loop per replica.
+  read = [_weight_devices(g) for g in generator.graphs]
+  replicas = [devices_lib.canonical_device(d)
+              for d in strategy.extended.worker_devices]
+  assert read == [{replicas[0]}, {replicas[1]}]
+  for old, new in zip(before, gpt.get_weights()):
+    np.testing.assert_array_equal(old, new)
+
+
+def _weight_devices(graph) -> set[str]:
+  """The devices of the variables a traced function reads."""
+  return {devices_lib.canonical_device(outer.device)
+          for outer, _ in graph.captures if outer.dtype == tf.resource}
 
 
 def test_a_gpt_with_a_padding_mask_input_and_one_device():
@@ -267,7 +305,7 @@ def byte_gpt_path(tmp_path_factory):
 
 @pytest.mark.parametrize("placement", [
     {"strategy": "default"},
-    {"strategy": "mirrored"},  # The model is loaded again in its scope.
+    {"strategy": "mirrored"},  # The model is copied into its scope.
     {"strategy": "model_parallel", "num_stages": 2, "tensor_parallel": 2}])
 def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
     byte_gpt_path, parsed_flags, capsys, caplog, placement):
@@ -286,7 +324,8 @@ def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
     expected += list(tokens["token_ids"][0, len(context):])
   assert out.out.rstrip("\n") == bytes(expected).decode("utf-8", "replace")
   assert "20 tokens in" in out.err
-  assert "one compiled call on the first device" not in caplog.text
+  copied = "a copy made in it" in caplog.text
+  assert copied == (placement["strategy"] == "mirrored")
 
 
 @pytest.mark.slow

@@ -99,7 +99,6 @@ def _prepare():
   from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu import generation  # pylint: disable=g-import-not-at-top
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
-  from tfmgpu.parallel import cloning  # pylint: disable=g-import-not-at-top
   from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
   values = strategy_flags.values()
   distribution = strategies_lib.lookup(values.pop("strategy"))
@@ -110,10 +109,6 @@ def _prepare():
   options = distribution.options_from(
       types.SimpleNamespace(**values, **stages.values()))
   model, strategy = distribution.serve([model], options)
-  if (strategy is not None and strategy.num_replicas_in_sync > 1
-      and not cloning.built_in_scope(model, strategy)):
-    with strategy.scope():  # Each replica decodes with its own copy.
-      model = inference.load_model(serving.MODEL_PATH.value[0])
   generator = generation.Generator(model, strategy=strategy)
   return generator, generator.adapter.vocab == BYTE_VOCAB
 

@@ -15,7 +15,6 @@ computes in reduced precision with float32 outputs.
 from __future__ import annotations
 
 import contextlib
-import copy as copy_lib
 import json
 import os
 import re
@@ -35,53 +34,12 @@ from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import placed_model
-from tfmgpu.parallel import shared
 from tfmgpu.strategies import collective_keys
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import resident
 
 PRECISIONS = ("float32", "bfloat16", "float16")
-
-
-def _clone(model: keras.Model, dtype: str | None = None,
-           strategy: tf.distribute.Strategy | None = None) -> keras.Model:
-  """A copy of `model` (optionally in another dtype) with the same weights.
-
-  The weights are read first, outside `strategy`'s scope: a model built
-  under another strategy object can only be read outside it (TF raises
-  "Mixing different tf.distribute.Strategy objects"). The copy is then
-  built in `strategy`'s scope (the current one when `None`). Weights the
-  model shares between layers (a tied embedding) stay one weight in the
-  copy: Keras' cloning makes each layer its own.
-  """
-  weights = model.get_weights()
-  scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-  with scope:
-    if dtype is None:
-      clone = keras.models.clone_model(model)
-    else:
-      config = model.get_config()
-      clone = model.__class__.from_config(_with_dtype(config, dtype))
-    if not clone.built:
-      clone.build(model.input_shape)
-    shared.tie({l.name: l for l in clone.layers},
-               shared.find_shared(model.layers), "serving copy")
-    clone.set_weights(weights)
-  return clone
-
-
-def _with_dtype(config: Any, dtype: str) -> Any:
-  """Rewrites every layer's `dtype` in a (nested) model config."""
-  if isinstance(config, dict):
-    out = {k: _with_dtype(v, dtype) for k, v in config.items()}
-    if "dtype" in out and isinstance(config.get("dtype"), (str, dict)) and (
-        "name" in config or "units" in config or "filters" in config):
-      out["dtype"] = dtype
-    return out
-  if isinstance(config, list):
-    return [_with_dtype(c, dtype) for c in config]
-  return config
 
 
 def check_input_shape(model: Any, x: np.ndarray) -> None:
@@ -128,7 +86,7 @@ def _prepare_model(model, strategy, precision: str):
   if not needs_clone:
     return model, strategy
   dtype = None if precision == "float32" else precision
-  return _clone(model, dtype, strategy), strategy
+  return cloning.copy_model(model, strategy, dtype=dtype), strategy
 
 
 class Predictor:
@@ -556,9 +514,8 @@ def export_saved_model(model: Any, path: str) -> str:
   """
   from tfmgpu.generation import export as generation_export  # pylint: disable=g-import-not-at-top
   model = placed_model.unsplit_of(model)
-  plain = (_same_class_copy(model)
-           if generation_export.keeps_its_class(model)
-           else _clone(model, strategy=tf.distribute.get_strategy()))
+  plain = cloning.copy_model(
+      model, same_class=generation_export.keeps_its_class(model))
   archive = keras.export.ExportArchive()
   archive.track_and_add_endpoint("serve", plain,
                                  _compat.export_input_signature(plain))
@@ -567,17 +524,6 @@ def export_saved_model(model: Any, path: str) -> str:
     archive.add_endpoint(generation_export.SIGNATURE, generate)
   archive.write_out(path, verbose=False)
   return path
-
-
-def _same_class_copy(model: keras.Model) -> keras.Model:
-  """A copy of `model` built by its own class's `from_config` (a keras_hub
-  task keeps its methods, such as `call_with_cache`; Keras' cloning makes
-  a plain functional model), holding the same weights."""
-  weights = model.get_weights()
-  with tf.distribute.get_strategy().scope():
-    copy = type(model).from_config(copy_lib.deepcopy(model.get_config()))
-    copy.set_weights(weights)
-  return copy
 
 
 # ------------------------------------------------------- serving a run

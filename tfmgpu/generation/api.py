@@ -49,6 +49,18 @@ def adapter_for(model: Any) -> decode.CacheAdapter:
       "those (build one with tfmgpu.build_model('gpt', ...)).")
 
 
+def _copy_in_scope(model: Any, strategy: tf.distribute.Strategy) -> Any:
+  """A copy of `model` made in `strategy`'s scope, so each replica decodes
+  with its own copy of the weights on its own device."""
+  logging.info(
+      "generate: model %r's weights were made outside the strategy's scope; "
+      "each of its %d replicas decodes with a copy made in it (build or "
+      "load the model under `with strategy.scope():` to skip the copy).",
+      getattr(model, "name", ""), strategy.num_replicas_in_sync)
+  return cloning.copy_model(model, strategy,
+                            same_class=hub_cache.is_causal_lm(model))
+
+
 def _device_of(strategy: tf.distribute.Strategy) -> str | None:
   """The device of a one-replica strategy; `None` for TF's default
   strategy, which has none (TF places ops)."""
@@ -71,10 +83,9 @@ class Generator:
       strategy, no XLA).
     strategy: `None` (one device), a registered name (e.g. `"mirrored"`)
       or a `tf.distribute.Strategy`: the request rows are split over its
-      replicas, each decoding its rows on its own device when the model
-      was built (or loaded) in the strategy's scope; under XLA, a model
-      from outside it decodes every replica's rows as one compiled call
-      on the first device (a warning says so).
+      replicas, each decoding its rows on its own device with its own
+      copy of the weights. A model built (or loaded) outside the
+      strategy's scope is copied into it once (`model` stays as it was).
     jit_compile: compile each replica's decode loop with XLA. Defaults to
       `True` (always `False` for a placed model: XLA compiles for one
       device).
@@ -84,6 +95,8 @@ class Generator:
       model (see `adapter_for`).
 
   Attributes:
+    model: the model it decodes with (the copy, when it made one).
+    adapter: that model's cache adapter (`adapter_for`).
     traces: how many times a decode loop was traced (one per request shape
       and sampler, not per token; streamed or not).
     graphs: the graph of each of those traces.
@@ -91,8 +104,7 @@ class Generator:
 
   def __init__(self, model: Any, *, strategy: Any = None,
                jit_compile: bool = True):
-    self.model = model
-    self.adapter = adapter_for(model)
+    adapter = adapter_for(model)  # Checks the model first.
     if placed_model.is_placed(model):
       if strategy is not None:
         raise ValueError(
@@ -106,16 +118,12 @@ class Generator:
     if strategy is not None and strategy.num_replicas_in_sync == 1:
       device = _device_of(strategy)  # E.g. one_device's.
       strategy = None  # One replica: run the loop directly, there.
-    spread = strategy is None or cloning.built_in_scope(model, strategy)
-    if not spread and jit_compile:
-      logging.warning(
-          "generate: model %r's weights were made outside the strategy's "
-          "scope, so under XLA every replica's rows decode as one compiled "
-          "call on the first device. Build or load the model under `with "
-          "strategy.scope():` to decode each replica's rows on its own "
-          "device.", getattr(model, "name", ""))
-    self._runner = decode.Runner(strategy, jit_compile, device=device,
-                                 replica_calls=spread)
+    if strategy is not None and not cloning.built_in_scope(model, strategy):
+      model = _copy_in_scope(model, strategy)
+      adapter = adapter_for(model)
+    self.model = model
+    self.adapter = adapter
+    self._runner = decode.Runner(strategy, jit_compile, device=device)
 
   @property
   def traces(self) -> int:

@@ -148,11 +148,10 @@ class Runner:
       whose replicas each take a contiguous share of the rows.
     jit_compile: compile the per-replica decode loop with XLA.
     device: where to run without a strategy (`None`: TF's choice).
-    replica_calls: each replica calls the compiled loop on its own device,
-      reading its own copies of the weights (a model built in the
-      strategy's scope). `False`: the loop is given to `strategy.run`
-      whole, which under XLA compiles every replica's rows as one call on
-      the first device, where weights made outside the scope live.
+
+  Under a strategy, each replica calls the compiled loop on its own device,
+  reading its own copies of the weights: the model's must be made in the
+  strategy's scope (`Generator` copies one made outside it).
 
   Attributes:
     traces: how many times a per-replica decode loop was traced.
@@ -160,12 +159,10 @@ class Runner:
   """
 
   def __init__(self, strategy: tf.distribute.Strategy | None,
-               jit_compile: bool, device: str | None = None,
-               replica_calls: bool = True):
+               jit_compile: bool, device: str | None = None):
     self.strategy = strategy
     self.device = device
     self.jit_compile = jit_compile
-    self.replica_calls = replica_calls
     self.traces = 0
     self.graphs: list[tf.Graph] = []
     self._loops: dict[Any, Callable[..., Any]] = {}
@@ -189,8 +186,9 @@ class Runner:
       inner = tf.function(counted, jit_compile=self.jit_compile)
       # Given a plain function, `strategy.run` calls `inner` in each
       # replica; given `inner` itself, TF compiles every replica's loop as
-      # one XLA call on the first device (see `replica_calls`).
-      each = (lambda *a: inner(*a)) if self.replica_calls else inner
+      # one XLA call on the first device, which cannot read the other
+      # replicas' copies of the weights.
+      each = lambda *a: inner(*a)
       self._loops[key] = (self._on_device(inner) if self.strategy is None
                           else tf.function(lambda *args: self.strategy.run(
                               each, args=args)))

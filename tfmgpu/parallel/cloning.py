@@ -16,7 +16,8 @@ between the split and the unsplit model by layer name:
 * `UnsplitWeights`: the mixin that gives a placed model `load_from`,
   `copy_weights_to` and `to_unsplit` (`placed_model.UnsplitForm`).
 * `built_in_scope`: whether a model's weights were made in a strategy's
-  scope (mirrored there), or need a copy made in it.
+  scope (mirrored there), or need a copy made in it; `copy_model` makes
+  that copy (or one in another dtype), as `predict` and `generate` do.
 """
 
 from __future__ import annotations
@@ -281,3 +282,50 @@ def built_in_scope(model: keras.Model,
   v = model.weights[0] if model.weights else None
   return v is None or strategy.extended.variable_created_in_scope(
       getattr(v, "value", v))
+
+
+def copy_model(model: keras.Model,
+               strategy: tf.distribute.Strategy | None = None, *,
+               dtype: str | None = None,
+               same_class: bool = False) -> keras.Model:
+  """A copy of `model` holding the same weights, built in `strategy`'s
+  scope (the current scope when `None`), optionally in another dtype.
+
+  The weights are read first, outside `strategy`'s scope: a model built
+  under another strategy object can only be read outside it (TF raises
+  "Mixing different tf.distribute.Strategy objects"). Keras' cloning makes
+  a plain functional copy; with `same_class` (or a `dtype`) the copy is
+  built by the model's own class's `from_config`, so a keras_hub task
+  keeps its methods (such as `call_with_cache`). Weights the model shares
+  between layers (a tied embedding) stay one weight in the copy: Keras'
+  cloning makes each layer its own.
+  """
+  weights = model.get_weights()
+  scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+  with scope:
+    if dtype is None and not same_class:
+      clone = keras.models.clone_model(model)
+    else:
+      # A copy: `Functional.from_config` consumes parts of the dict it gets.
+      config = copy.deepcopy(model.get_config())
+      clone = type(model).from_config(
+          config if dtype is None else _with_dtype(config, dtype))
+    if not clone.built:
+      clone.build(model.input_shape)
+    shared_lib.tie({l.name: l for l in clone.layers},
+                   shared_lib.find_shared(model.layers), "copy")
+    clone.set_weights(weights)
+  return clone
+
+
+def _with_dtype(config: Any, dtype: str) -> Any:
+  """Rewrites every layer's `dtype` in a (nested) model config."""
+  if isinstance(config, dict):
+    out = {k: _with_dtype(v, dtype) for k, v in config.items()}
+    if "dtype" in out and isinstance(config.get("dtype"), (str, dict)) and (
+        "name" in config or "units" in config or "filters" in config):
+      out["dtype"] = dtype
+    return out
+  if isinstance(config, list):
+    return [_with_dtype(c, dtype) for c in config]
+  return config
