@@ -102,7 +102,7 @@ def _fresh(code: str) -> str:
 
 
 @pytest.mark.parametrize("cores,logical,expected", [
-    (2, 4, 1), (2, 2, 1), (16, 4, 4), (16, 1, 0)])
+    (2, 4, 1), (16, 4, 4), (16, 1, 0)])  # At least 1; cores / devices; unsplit.
 def test_split_cpu_shares_the_cores_between_devices(cores, logical, expected):
   out = _fresh(f"""
       import tensorflow as tf

@@ -328,23 +328,6 @@ def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
   assert copied == (placement["strategy"] == "mirrored")
 
 
-@pytest.mark.slow
-def test_cli_in_a_process_of_its_own(byte_gpt_path, tmp_path):
-  import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
-  out = subprocess.run(
-      [sys.executable, "-m", "tfmgpu.generate",
-       f"--model_path={byte_gpt_path[0]}", "--prompt=import ",
-       "--max_new_tokens=5", "--strategy=default"],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.startswith("import ")
-  assert "5 tokens in" in out.stderr
-
-
 def test_cli_needs_a_prompt(byte_gpt_path, parsed_flags):
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top

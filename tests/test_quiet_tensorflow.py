@@ -92,11 +92,14 @@ def _train(tmp_path, *args):
 
 @pytest.mark.slow
 def test_train_prints_no_tensorflow_errors_or_warnings(tmp_path):
+  """Nor does it leave a user of one CPU without the way to simulate more
+  devices."""
   text = _train(tmp_path)
   assert not CPP_ERROR_OR_WARNING.findall(text), text[-3000:]
   assert "Sharding callback duration" not in text
   assert "absl::InitializeLog" not in text
   assert "test loss / accuracy" in text
+  assert "--virtual_devices=N" in text
 
 
 @pytest.mark.slow

@@ -145,17 +145,6 @@ def test_readme_command_reaches_the_accuracy(tmp_path):
   print(f"README command: {seconds:.0f} s")
 
 
-@pytest.mark.slow
-def test_one_cpu_logs_how_to_simulate_more(tmp_path):
-  out = subprocess.run(
-      [sys.executable, "-m", "tfmgpu.train", "--strategy=mirrored",
-       "--epochs=1", "--steps_per_epoch=3", f"--model_dir={tmp_path}",
-       "--verbose=0"], capture_output=True, text=True, timeout=300, env=ENV,
-      check=False)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "--virtual_devices=N" in out.stderr
-
-
 # How pip's console-script wrapper runs `tfmgpu-train` (entry point
 # `tfmgpu.train:run`): the main module is the wrapper, not tfmgpu.train.
 _CONSOLE_SCRIPT = ("import sys; sys.argv[0] = '/usr/local/bin/tfmgpu-train'; "

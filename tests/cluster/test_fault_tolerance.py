@@ -1,23 +1,19 @@
-"""Preemption and worker death on a 2-worker multi_worker_mirrored cluster.
+"""Worker death on a 2-worker multi_worker_mirrored cluster, and a parameter
+server job that loses a worker.
 
-SIGTERM to one worker: every worker saves at the same step and the job exits
-42; the same command resumes from that step and ends with the weights of the
-uninterrupted run (the shared `uninterrupted_mwms` run, same arguments). A
-worker killed without notice: the launcher stops the rest, names the dead
-worker, and the last checkpoint still loads.
+A worker killed without notice: the launcher stops the rest, names the dead
+worker, and the last checkpoint still loads. (SIGTERM to a worker, saved
+and resumed to the uninterrupted run's weights: `test_multi_worker.py`,
+beside the other tests of that shared run.)
 """
 
 import os
-import re
-import shutil
 import signal
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfmgpu
-from tfmgpu import runs
 from tfmgpu import models
 from tfmgpu.training import checkpoints
 from tests.cluster import helpers
@@ -25,54 +21,6 @@ from tests.cluster import helpers
 pytestmark = pytest.mark.slow
 
 MWMS = ("--strategy=multi_worker_mirrored", "--virtual_devices=2")
-
-
-def test_sigterm_to_a_worker_saves_exits_42_and_resumes(uninterrupted_mwms,
-                                                        tmp_path):
-  model_dir = tmp_path / "run"
-  args = [*MWMS, f"--model_dir={model_dir}", *helpers.MWMS_ARGS]
-  tmpdir = str(tmp_path / "worker_tmp")  # Keeps /tmp clean.
-  run = helpers.ClusterRun(helpers.train_command(*args), num_workers=2,
-                           tmpdir=tmpdir)
-  run.wait_for(r"\[worker:1\] .*epoch 1/3")
-  run.signal_task("worker:1", signal.SIGTERM)
-  result = run.join()
-
-  assert result.exit_code == checkpoints.EXIT_PREEMPTED, run.text[-5000:]
-  saved = re.search(r"\[worker:1\] error: Preempted: SIGTERM reached this "
-                    r"process\. Saved (\S+) at global step (\d+)", run.text)
-  assert saved, run.text[-5000:]
-  assert re.search(r"\[worker:0\] error: Preempted: SIGTERM reached another "
-                   r"worker\. Saved \S+ at global step " + saved.group(2),
-                   run.text)
-  step = int(saved.group(2))
-  assert step > 30  # After epoch 1's checkpoint: a step-level save.
-  path = saved.group(1)
-  assert path.startswith(str(model_dir / "checkpoints" / "ckpt-"))
-  assert tf.train.load_variable(path, "step/.ATTRIBUTES/VARIABLE_VALUE") == step
-  preempted_copy = tmp_path / "preempted_copy"
-  shutil.copytree(model_dir, preempted_copy)
-
-  # The same command resumes at the saved step, not from zero ...
-  resumed, text = helpers.run_cluster(args, num_workers=2, tmpdir=tmpdir)
-  assert resumed.exit_code == 0, text[-5000:]
-  for task in ("worker:0", "worker:1"):
-    assert re.search(rf"\[{task}\] .*Resumed from {re.escape(path)}: epoch "
-                     rf"\d, step \d+ of it, global step {step}\.", text), text
-  # ... and ends with the uninterrupted run's weights, bit for bit.
-  digest = helpers.summary_value(text, "worker:0", "weights sha256")
-  assert uninterrupted_mwms["result"].exit_code == 0
-  assert digest == helpers.summary_value(uninterrupted_mwms["text"],
-                                         "worker:0", "weights sha256")
-  assert helpers.summary_value(text, "worker:1", "weights sha256") == digest
-
-  # A different topology resumes the same checkpoint: one process, 4 replicas.
-  other = runs.run_training(helpers.reference_config(
-      preempted_copy, num_replicas=4))
-  assert other.result.initial_step == step
-  chief = tf.keras.models.load_model(model_dir / "model.keras")
-  for a, b in zip(other.model.get_weights(), chief.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_sigkill_of_a_worker_stops_the_job_and_keeps_the_last_checkpoint(

@@ -6,22 +6,32 @@ epoch's order so that one step's per-replica batches make up the same global
 batch), and only the chief keeps outputs. With `--zero_stage=3` (in-graph:
 the chief drives worker 1's CPU, where worker 1's shards live) the run
 equals the unsharded ones and survives a preemption of the serving worker.
+
+Preemption: SIGTERM to one worker, every worker saves at the same step and
+the job exits 42; the same command resumes from that step and ends with the
+weights of the uninterrupted run (the shared `uninterrupted_mwms` run, same
+arguments: the tests that read it share a module, so one pytest-xdist
+worker makes it).
 """
 
 import os
 import re
+import shutil
 import signal
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.cluster import helpers
 from tfmgpu import runs
+from tfmgpu.training import checkpoints
 
 pytestmark = pytest.mark.slow
 
 
+MWMS = ("--strategy=multi_worker_mirrored", "--virtual_devices=2")
 ZERO3 = ("--strategy=multi_worker_mirrored", "--zero_stage=3",
          "--virtual_devices=2")
 TASK_CPUS = ("2 on /job:worker/replica:0/task:0/device:CPU:0, "
@@ -125,11 +135,14 @@ def test_zero3_over_two_workers_equals_unsharded_and_resumes_exactly(
           == helpers.summary_value(first, "worker:0", "weights sha256"))
 
 
-@pytest.mark.parametrize("optimizer, tol", [("sgd", 1e-5), ("adam", 1e-4)])
+@pytest.mark.parametrize("optimizer, tol", [("sgd", 1e-5)])
 def test_zero3_over_two_workers_equals_the_unsharded_2_worker_run(
     optimizer, tol, tmp_path):
   """10 steps, where the two reduction orders have not yet been amplified
-  apart (the 90-step runs above differ by 2.8e-4, as one process does)."""
+  apart (the 90-step runs above differ by 2.8e-4, as one process does).
+  SGD: a gradient off by a scale shows at once (Adam hides it). Adam's
+  sharded slots: the 90-step run above (to one process, 1e-6) and
+  `test_zero_in_graph.py` (to unsplit, 1e-4)."""
   short = ["--dataset=" + helpers.DITHERED_DIGITS, "--epochs=1",
            "--steps_per_epoch=10", "--global_batch_size=64", "--seed=0",
            "--verbose=0", f"--optimizer={optimizer}", "--learning_rate=0.01",
@@ -145,3 +158,51 @@ def test_zero3_over_two_workers_equals_the_unsharded_2_worker_run(
   diff = max_diff(*models)
   print(f"{optimizer}: zero 3 vs unsharded, 2 workers, 10 steps: {diff:.3g}")
   assert diff <= tol
+
+
+def test_sigterm_to_a_worker_saves_exits_42_and_resumes(uninterrupted_mwms,
+                                                        tmp_path):
+  model_dir = tmp_path / "run"
+  args = [*MWMS, f"--model_dir={model_dir}", *helpers.MWMS_ARGS]
+  tmpdir = str(tmp_path / "worker_tmp")  # Keeps /tmp clean.
+  run = helpers.ClusterRun(helpers.train_command(*args), num_workers=2,
+                           tmpdir=tmpdir)
+  run.wait_for(r"\[worker:1\] .*epoch 1/3")
+  run.signal_task("worker:1", signal.SIGTERM)
+  result = run.join()
+
+  assert result.exit_code == checkpoints.EXIT_PREEMPTED, run.text[-5000:]
+  saved = re.search(r"\[worker:1\] error: Preempted: SIGTERM reached this "
+                    r"process\. Saved (\S+) at global step (\d+)", run.text)
+  assert saved, run.text[-5000:]
+  assert re.search(r"\[worker:0\] error: Preempted: SIGTERM reached another "
+                   r"worker\. Saved \S+ at global step " + saved.group(2),
+                   run.text)
+  step = int(saved.group(2))
+  assert step > 30  # After epoch 1's checkpoint: a step-level save.
+  path = saved.group(1)
+  assert path.startswith(str(model_dir / "checkpoints" / "ckpt-"))
+  assert tf.train.load_variable(path, "step/.ATTRIBUTES/VARIABLE_VALUE") == step
+  preempted_copy = tmp_path / "preempted_copy"
+  shutil.copytree(model_dir, preempted_copy)
+
+  # The same command resumes at the saved step, not from zero ...
+  resumed, text = helpers.run_cluster(args, num_workers=2, tmpdir=tmpdir)
+  assert resumed.exit_code == 0, text[-5000:]
+  for task in ("worker:0", "worker:1"):
+    assert re.search(rf"\[{task}\] .*Resumed from {re.escape(path)}: epoch "
+                     rf"\d, step \d+ of it, global step {step}\.", text), text
+  # ... and ends with the uninterrupted run's weights, bit for bit.
+  digest = helpers.summary_value(text, "worker:0", "weights sha256")
+  assert uninterrupted_mwms["result"].exit_code == 0
+  assert digest == helpers.summary_value(uninterrupted_mwms["text"],
+                                         "worker:0", "weights sha256")
+  assert helpers.summary_value(text, "worker:1", "weights sha256") == digest
+
+  # A different topology resumes the same checkpoint: one process, 4 replicas.
+  other = runs.run_training(helpers.reference_config(
+      preempted_copy, num_replicas=4))
+  assert other.result.initial_step == step
+  chief = keras.models.load_model(model_dir / "model.keras")
+  for a, b in zip(other.model.get_weights(), chief.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -166,20 +166,6 @@ def test_data_x_interleaved_pipeline_trains_as_unsplit(data, cpu_devices):
   _assert_replica_ops_on_their_devices(model, step)
 
 
-def test_data_x_pipeline_clips_the_summed_gradient(data, cpu_devices):
-  make = lambda: keras.optimizers.SGD(0.1)
-  model = hybrid.build_layout(
-      gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2),  # pylint: disable=protected-access
-      devices=cpu_devices)
-  got = _train(model, *data, make,
-               allreduce.AllReduceOptions(clip_norm=0.05))[0]
-  want = _unsplit_train(*data, make, clip_norm=0.05)
-  unclipped = _unsplit_train(*data, make)
-  np.testing.assert_allclose(got, want[0], rtol=1e-5)
-  assert not np.allclose(want[0], unclipped[0], rtol=1e-4)  # It did clip.
-  _assert_same((got, model.to_unsplit().get_weights()), want, 1e-5)
-
-
 def test_data_x_pipeline_compresses_what_travels(data, cpu_devices):
   model = hybrid.build_layout(
       gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2),  # pylint: disable=protected-access
@@ -238,6 +224,8 @@ def test_trainer_data_x_pipeline_saves_a_checkpoint_any_layout_reads(
   trained = model.to_unsplit()
   for u, v in zip(trained.get_weights(), want[1]):
     np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+  unclipped = _unsplit_train(x, y, lambda: keras.optimizers.SGD(0.1))
+  assert not np.allclose(want[0], unclipped[0], rtol=1e-4)  # It did clip.
   path = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   assert portable.has_view(path)
   expected = trained.predict(x, verbose=0)
@@ -348,7 +336,7 @@ def test_2x2x2_on_eight_devices():
       text=True, timeout=900, check=False)
   tail = run.stdout[-3000:] + run.stderr[-2000:]
   assert run.returncode == 0, tail
-  assert re.search(r"\b4 passed\b", run.stdout), tail
+  assert re.search(r"\b3 passed\b", run.stdout), tail
   assert "skipped" not in run.stdout, tail
 
 
