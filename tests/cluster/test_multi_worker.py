@@ -91,27 +91,12 @@ def test_two_workers_train_what_one_process_trains(uninterrupted_mwms,
         f"{reference.test_accuracy:.4f} (one process)")
 
 
-def test_zero3_over_two_workers_equals_unsharded_and_resumes_exactly(
+def test_zero3_over_two_workers_resumes_to_the_unsharded_weights(
     uninterrupted_mwms, one_process, tmp_path):
+  """SIGTERM to the serving worker: the chief saves (worker 1's shards are
+  still alive), both exit 42, and the same command resumes and ends with
+  the weights one process trains."""
   tmpdir = str(tmp_path / "worker_tmp")
-  done = tmp_path / "zero"
-  result, first = helpers.run_cluster(
-      [*ZERO3, f"--model_dir={done}", *helpers.MWMS_ARGS], num_workers=2,
-      tmpdir=tmpdir)
-  assert result.exit_code == 0, first[-5000:]
-  assert helpers.summary_value(first, "worker:0", "replicas") == TASK_CPUS
-  assert "The chief's run finished" in helpers.task_lines(first, "worker:1")
-  zero = keras.models.load_model(done / "model.keras")
-  # One process's mirrored x2 adds the same two per-replica gradients:
-  # equal (measured 0.0). The 2-worker unsharded run sums in another order,
-  # which Adam amplifies over 90 steps as for one process (test above).
-  assert max_diff(zero, one_process.model) <= 1e-6
-  unsharded = keras.models.load_model(uninterrupted_mwms["model_dir"] /
-                                      "model.keras")
-  assert max_diff(zero, unsharded) <= 1e-3
-
-  # SIGTERM to the serving worker: the chief saves (worker 1's shards are
-  # still alive), both exit 42, and the same command resumes exactly.
   model_dir = tmp_path / "run"
   args = [*ZERO3, f"--model_dir={model_dir}", *helpers.MWMS_ARGS]
   run = helpers.ClusterRun(helpers.train_command(*args), num_workers=2,
@@ -131,8 +116,17 @@ def test_zero3_over_two_workers_equals_unsharded_and_resumes_exactly(
   assert resumed.exit_code == 0, text[-5000:]
   assert re.search(rf"\[worker:0\] .*Resumed from {re.escape(path)}: .*"
                    rf"global step {step}\.", text), text[-5000:]
-  assert (helpers.summary_value(text, "worker:0", "weights sha256")
-          == helpers.summary_value(first, "worker:0", "weights sha256"))
+  assert helpers.summary_value(text, "worker:0", "replicas") == TASK_CPUS
+  assert "The chief's run finished" in helpers.task_lines(text, "worker:1")
+  zero = keras.models.load_model(model_dir / "model.keras")
+  # One process's mirrored x2 adds the same two per-replica gradients:
+  # equal (measured 0.0, uninterrupted and resumed). The 2-worker unsharded
+  # run sums in another order, which Adam amplifies over 90 steps as for
+  # one process (test above).
+  assert max_diff(zero, one_process.model) <= 1e-6
+  unsharded = keras.models.load_model(uninterrupted_mwms["model_dir"] /
+                                      "model.keras")
+  assert max_diff(zero, unsharded) <= 1e-3
 
 
 @pytest.mark.parametrize("optimizer, tol", [("sgd", 1e-5)])
