@@ -87,3 +87,39 @@ def lost_arguments(original: Any, clone: Any) -> list[str]:
     if a != b:
       lost.append(f"{name}={a!r} (copy: {b!r})")
   return lost
+
+
+# The steps of `keras.Model` a subclass overrides to change what `fit`,
+# `evaluate` or `predict` computes.
+KERAS_STEPS = ("train_step", "test_step", "predict_step", "compute_loss")
+
+
+def overridden_steps(model: Any,
+                     names: Iterable[str] = KERAS_STEPS) -> list[str]:
+  """Which of `names` (Keras model steps) `model`'s class overrides."""
+  import keras  # pylint: disable=g-import-not-at-top
+  return [name for name in names
+          if getattr(type(model), name, None) is not getattr(keras.Model,
+                                                             name, None)]
+
+
+def refuse_custom_steps(model: Any) -> None:
+  """Raises when a model to be split or sharded overrides a Keras step.
+
+  A split model (stages, tensor shards, their copies, ZeRO's shards) runs
+  its own steps, per device; a step the user's class overrides would not
+  run, so the split would silently train (or predict) something else.
+
+  Raises:
+    ValueError: naming the model, its class and the steps.
+  """
+  custom = overridden_steps(model)
+  if custom:
+    raise ValueError(
+        f"model {getattr(model, 'name', '')!r} ({type(model).__name__}) "
+        f"overrides {', '.join(custom)}: a split or sharded model runs its "
+        "own steps on each device and would not call it, so it would train or predict "
+        "something else. Put extra loss terms in call() with "
+        "self.add_loss(...) (split models keep them), or keep the model "
+        "whole and use data parallelism: model.fit under "
+        "tfmgpu.get_strategy('mirrored').scope().")

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import keras
 
+from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import partition
 from tfmgpu.parallel import pipeline
@@ -189,9 +190,12 @@ def build_layout(model: keras.Model, layout: Layout, *,
     or `TensorParallelModel`).
 
   Raises:
-    ValueError: too few devices, a plan for another number of stages, or
-      plain data parallelism (1 stage, 1 shard: use `MirroredStrategy`).
+    ValueError: too few devices, a plan for another number of stages,
+      plain data parallelism (1 stage, 1 shard: use `MirroredStrategy`), or
+      a model whose class overrides a Keras step (`train_step`, ...: a
+      split model would not call it).
   """
+  checks.refuse_custom_steps(model)  # Before planning: fail fast.
   if devices is None and plan is not None and layout.num_devices == \
       layout.stages:  # Stages alone: where the plan puts them.
     devices = plan.devices

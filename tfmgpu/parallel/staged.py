@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
@@ -183,6 +184,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
       ValueError: the plan does not match the model, or names a device that
         does not exist.
     """
+    checks.refuse_custom_steps(model if unsplit is None else unsplit)
     super().__init__(name=name or f"{model.name}_staged", **kwargs)
     if not isinstance(plan, plan_lib.StagePlan):
       raise TypeError(f"plan={plan!r} is not a StagePlan; make one with "

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
@@ -280,6 +281,7 @@ class TensorParallelModel(cloning.UnsplitWeights,
     Raises:
       ValueError: see `tensor_parallel`.
     """
+    checks.refuse_custom_steps(model)
     super().__init__(name=name or f"{model.name}_tensor_parallel", **kwargs)
     if isinstance(devices, str) or not devices:
       raise ValueError(f"devices={devices!r} must be a non-empty list of "

@@ -64,6 +64,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu import checks
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import replicated
@@ -119,6 +120,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
     if not model.weights:
       raise ValueError(f"model {model.name!r} has no weights: build it (give "
                        "it a keras.Input or call it once) before sharding.")
+    checks.refuse_custom_steps(model)
     super().__init__(name=name or f"{model.name}_zero{stage}", **kwargs)
     self.unsplit = model
     self.stage = stage

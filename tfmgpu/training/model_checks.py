@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu import checks
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import batch_splits as batch_splits_lib
 from tfmgpu.training import fused as fused_lib
@@ -54,9 +55,8 @@ def warn_about_custom_steps(model: keras.Model) -> None:
   calls (`train_step`, `test_step`, `compute_loss`)."""
   if step_lib.brings_own_backward(model):
     return  # A placed model: the Trainer runs its per-device backward.
-  custom = [name for name in ("train_step", "test_step", "compute_loss")
-            if getattr(type(model), name, None) is not getattr(keras.Model,
-                                                               name)]
+  custom = checks.overridden_steps(
+      model, ("train_step", "test_step", "compute_loss"))
   if custom:
     logging.warning(
         "Model %r overrides %s: tfmgpu's Trainer runs its own step (forward, "
