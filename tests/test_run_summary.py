@@ -115,3 +115,26 @@ def test_a_data_parallel_run_prints_no_predicted_step(digits_arrays,
   summary = runs.run_training(_run(tmp_path), arrays=digits_arrays)
   assert summary.predicted_step_seconds is None
   assert "step time" not in str(summary)
+
+
+def test_a_keras_hub_model_in_stages_of_shards_lists_and_prices_every_device(
+    cpu_devices, tmp_path, monkeypatch):
+  """A keras_hub llama cut in 2 stages of 2 shards (its layout map splits
+  kernels inside its blocks): the run's devices are all 4, and the summary
+  predicts its step. The split shards were missed (2 devices listed) and
+  the prediction raised IndexError after training, failing the run."""
+  pytest.importorskip("keras_hub")
+  from tfmgpu.parallel import calibration  # pylint: disable=g-import-not-at-top
+  fixed = calibration.Calibration(
+      devices=tuple(cpu_devices), flops_per_s=1e9, task_overhead_s=1e-4,
+      send_overhead_s=1e-5, link_bytes_per_s=1e9, concurrency=1.0,
+      source="cached")
+  seen = []
+  monkeypatch.setattr(calibration, "calibrate",
+                      lambda devices: seen.append(list(devices)) or fixed)
+  summary = runs.run_training(TrainConfig(
+      strategy="pipeline", model="llama", model_size="tiny", num_stages=2,
+      tensor_parallel=2, epochs=1, steps_per_epoch=2, verbose=0,
+      model_dir=str(tmp_path / "run")))
+  assert seen == [cpu_devices]
+  assert summary.predicted_step_seconds > 0

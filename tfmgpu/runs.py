@@ -403,8 +403,10 @@ def predicted_step(placement: strategies_lib.Placement, config: TrainConfig
         global_batch_size=config.global_batch_size,
         optimizer=config.optimizer)
     step = account.step(found.hardware(len(placement.devices)))
-  except (ValueError, TypeError, RuntimeError, tf.errors.OpError) as e:
-    logging.warning("No predicted step in the summary: %s", e)
+  except Exception as e:  # pylint: disable=broad-except
+    # Any error: the prediction is a figure beside a finished run.
+    logging.warning("No predicted step in the summary (%s: %s).",
+                    type(e).__name__, e)
     return None, ""
   return step.total_s, f"cost model calibrated: {found.words()}"
 

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import cloning
@@ -327,11 +328,12 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
   @property
   def devices(self) -> list[str]:
     """Every device the stages use: each stage's, then its split layers'
-    shards (`tfmgpu.parallel.tensor`), in stage order, each once."""
+    shards (`tfmgpu.parallel.tensor`; inside blocks too, as a keras_hub
+    model's layout map splits them), in stage order, each once."""
     found = []
     for stage, device in zip(self.stages, self.stage_devices):
       found.append(device)
-      for layer in stage.layers:
+      for layer in _compat.flatten_layers(stage)[1:]:
         found.extend(devices_lib.canonical_device(d)
                      for d in getattr(layer, "devices", ()))
     return list(dict.fromkeys(found))
