@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any, Callable
 import warnings
 
 import keras

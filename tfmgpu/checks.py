@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def did_you_mean(value: Any, choices: Iterable[Any]) -> str:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from absl import logging
 
@@ -37,7 +38,6 @@ from tfmgpu.ports import PortInUseError
 # Inter-op threads of a ps/worker server: with 2, a worker can deadlock
 # (a scheduled function waits on ops that need another inter-op thread).
 SERVER_INTER_OP_THREADS = 4
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable, Mapping
+from collections.abc import Mapping
+from typing import Callable
 
 
 class PortInUseError(ValueError):

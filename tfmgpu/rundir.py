@@ -44,7 +44,8 @@ import re
 import shlex
 import socket
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from absl import logging
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
 
 _KEY = "tfmgpu"  # The metadata key of a declared setting.
 # `run_default` when a run uses the dataclass field's own default.

@@ -34,7 +34,8 @@ import inspect
 import os
 import re
 import sys
-from typing import Any, Callable, Iterable
+from collections.abc import Iterable
+from typing import Any, Callable
 
 from tfmgpu import checks
 

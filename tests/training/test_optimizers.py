@@ -172,6 +172,40 @@ def test_compiled_metric_objects_are_reported_as_fit_reports_them():
     np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
 
 
+def test_a_model_compiled_with_per_output_losses_trains_as_its_fit():
+  """A dict of losses and loss weights, as Keras keeps them after compile
+  (in TF's tracking proxies, which `typing.Mapping` does not recognise):
+  the Trainer refused them ("not a loss name"), under every strategy."""
+  rng = np.random.RandomState(0)
+  x = rng.normal(size=(32, 5)).astype("float32")
+  y = {"a": rng.randint(0, 3, 32).astype("int32"),
+       "b": rng.normal(size=(32, 1)).astype("float32")}
+
+  def build():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = keras.Model(inputs, {"a": keras.layers.Dense(3, name="a")(hidden),
+                                 "b": keras.layers.Dense(1, name="b")(hidden)})
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"a": keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), "b": "mse"},
+        loss_weights={"a": 1.0, "b": 0.5})
+    return model
+
+  reference = build()
+  want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                       verbose=0).history
+  model = build()
+  got = Trainer(model, verbose=0).fit(x, y, global_batch_size=16, epochs=2,
+                                      shuffle=False).history
+  for name in ("loss", "a_loss", "b_loss"):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5)
+  for a, b in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_weight_decay_exclusions_by_name_survive_every_copy():
   """`var_names` live outside the config too: the copies made in a
   strategy's scope, of a compiled model's optimizer and by `fuse` dropped

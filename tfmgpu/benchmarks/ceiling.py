@@ -11,7 +11,8 @@ into logical devices measures the ceiling in a fresh child process
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

@@ -19,7 +19,8 @@ import csv
 import dataclasses
 import os
 import platform
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 @dataclasses.dataclass

@@ -30,7 +30,8 @@ import dataclasses
 import sys
 import types
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from absl import flags
 

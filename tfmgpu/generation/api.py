@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import secrets
 import weakref
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from absl import logging
 import numpy as np

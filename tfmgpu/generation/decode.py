@@ -17,7 +17,8 @@ over the replicas and each replica runs the loop on its own rows and cache
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import tensorflow as tf

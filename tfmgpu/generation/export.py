@@ -14,7 +14,8 @@ Serving) generates without tfmgpu:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import tensorflow as tf
 

@@ -18,7 +18,8 @@ so TF's executor runs group 2 on stage 1 while group 1 is on stage 2.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 

@@ -10,7 +10,7 @@ has the same shape, so their decode step is traced once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from tfmgpu import ports
 from tfmgpu.ports import PortInUseError

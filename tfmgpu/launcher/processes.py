@@ -12,7 +12,8 @@ import os
 import signal
 import subprocess
 import threading
-from typing import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Callable
 
 
 def describe_exit(code: int | None) -> str:

@@ -41,7 +41,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Iterator, Mapping, Sequence, TextIO
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TextIO
 
 from tfmgpu.launcher import cluster_spec
 from tfmgpu.launcher import processes

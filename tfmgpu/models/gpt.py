@@ -26,7 +26,8 @@ Importing this module does not import TensorFlow or Keras.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tfmgpu._lazy import LazyModule
 from tfmgpu.models.registry import logits_layer

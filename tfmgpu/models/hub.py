@@ -31,7 +31,8 @@ module imports neither it, TensorFlow nor Keras.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tfmgpu._lazy import LazyModule
 from tfmgpu.models.registry import register_model

@@ -39,7 +39,8 @@ not modelled.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tfmgpu.parallel import accounting
 from tfmgpu.parallel import plan as plan_lib

@@ -35,7 +35,8 @@ not looked into (their shapes are unknown here): such a layer keeps
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 

@@ -11,7 +11,8 @@ callable. Each branch can load its own weights file.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Callable, Union
 
 import keras
 import tensorflow as tf

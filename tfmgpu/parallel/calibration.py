@@ -28,7 +28,8 @@ import dataclasses
 import json
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from absl import logging
 

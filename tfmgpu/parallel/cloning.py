@@ -26,7 +26,8 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

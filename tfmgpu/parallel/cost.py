@@ -48,7 +48,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from absl import logging
 import keras

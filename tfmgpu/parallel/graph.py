@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf

@@ -24,7 +24,8 @@ too (`tfmgpu.training.checkpoints.restore_weights`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 

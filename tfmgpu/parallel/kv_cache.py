@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tfmgpu.parallel import choices
 from tfmgpu.parallel import plan as plan_lib

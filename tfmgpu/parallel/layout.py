@@ -12,7 +12,7 @@ class). Devices are ordered replica-major with the tensor shards innermost:
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from tfmgpu.parallel import schedule as schedule_lib
 

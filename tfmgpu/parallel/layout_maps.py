@@ -21,7 +21,8 @@ blocks; a weight named that cannot be split is refused there with its path.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import keras
 
@@ -79,7 +80,6 @@ def path_rules(model: keras.Model, rules: Mapping[str, int]) -> dict[str, int]:
         found[weight.path] = int(axis)
         break
   return found
-
 
 
 def _splittable(model: keras.Model, axes: Mapping[str, int]

@@ -12,7 +12,8 @@ divides by a count the parts of a batch do not share.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

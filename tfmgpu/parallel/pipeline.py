@@ -67,7 +67,8 @@ padding's outputs are dropped (inference only: training raises).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from absl import logging
 import keras

@@ -28,7 +28,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from absl import logging
 import keras

@@ -15,7 +15,8 @@ product (`backward_on_device`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf

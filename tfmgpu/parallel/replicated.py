@@ -30,7 +30,8 @@ copy (`copy_weights_to`, `to_unsplit`) or into every copy (`load_from`).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 from tfmgpu.parallel import choices
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from tfmgpu.parallel import accounting
 from tfmgpu.parallel import kv_cache

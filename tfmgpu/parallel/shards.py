@@ -12,7 +12,8 @@ layout. Its config keeps its devices, so a clone (`from_config`, as
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import keras
 import numpy as np

@@ -9,7 +9,8 @@ the inputs' gradients backward, per attention block.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

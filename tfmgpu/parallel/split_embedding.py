@@ -14,7 +14,8 @@ serves both ends, each shard's rows read by its lookup and its logits.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 

@@ -17,7 +17,8 @@ column parts (`split_mlp`): no join between them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 

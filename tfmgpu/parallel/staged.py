@@ -28,7 +28,8 @@ From the outside it is a Keras model: `compile`/`fit`/`evaluate`/`predict`,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

@@ -15,7 +15,8 @@ The split layers and rule helpers are importable from here too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf

@@ -9,7 +9,8 @@ names but that cannot be split that way is refused with its sizes.
 from __future__ import annotations
 
 import re
-from typing import Callable, Mapping
+from collections.abc import Mapping
+from typing import Callable
 
 import keras
 

@@ -18,7 +18,7 @@ Pure Python: importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from tfmgpu.parallel import schedule as schedule_lib
 

@@ -58,7 +58,8 @@ serve (`tfmgpu.in_graph`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

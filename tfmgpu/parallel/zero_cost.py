@@ -15,7 +15,8 @@ Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tfmgpu.parallel import zero_memory
 

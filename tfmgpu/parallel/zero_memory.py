@@ -30,7 +30,8 @@ Keras model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tfmgpu.parallel import plan as plan_lib
 from tfmgpu.strategies.options import ZERO_STAGES

@@ -9,7 +9,8 @@ all-gather), and the bytes each device holds (`bytes_by_device`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf

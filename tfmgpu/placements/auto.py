@@ -15,7 +15,8 @@ estimate exceeds `device_memory_gb` is never chosen.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from absl import logging
 

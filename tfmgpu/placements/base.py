@@ -21,7 +21,8 @@ placement builds, serves or plans.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from absl import logging
 

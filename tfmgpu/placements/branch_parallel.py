@@ -9,7 +9,8 @@ averaged: an ensemble.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from tfmgpu import checks
 from tfmgpu._lazy import LazyModule

@@ -11,7 +11,8 @@ sharded (`tfmgpu.parallel.hybrid`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tfmgpu import checks
 from tfmgpu.parallel.choices import PARTITION_CHOICES

@@ -8,7 +8,8 @@ micro-batches and applied once, so training equals unsplit training.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tfmgpu import checks
 from tfmgpu.parallel.choices import SCHEDULE_CHOICES

@@ -12,7 +12,8 @@ Importing this module does not import TensorFlow.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from tfmgpu import in_graph
 from tfmgpu._lazy import LazyModule

@@ -10,7 +10,8 @@ Importing this module does not import TensorFlow.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from absl import logging
 

@@ -27,7 +27,8 @@ import dataclasses
 import enum
 import importlib
 import os
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, ClassVar
 
 from tfmgpu import checks
 from tfmgpu import files

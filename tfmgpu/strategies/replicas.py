@@ -5,7 +5,8 @@ Importing this module does not import TensorFlow.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
@@ -89,8 +90,6 @@ def make_cross_device_ops(name: str, replica_devices: Sequence[str],
     raise ValueError(f"num_packs={num_packs} must be >= 1.")
   return _CROSS_DEVICE_OPS[choose_cross_device_ops(name, replica_devices)](
       num_packs)
-
-
 
 
 def short_device(name: str) -> str:

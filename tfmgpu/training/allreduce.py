@@ -12,7 +12,8 @@ off. Owning the all-reduce also lets it compress gradients to 16 bits
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf

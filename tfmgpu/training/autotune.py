@@ -41,7 +41,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 from absl import logging
 

@@ -49,7 +49,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 from absl import logging
 import keras

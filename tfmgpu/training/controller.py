@@ -17,7 +17,8 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Protocol
 
 from absl import logging
 import keras

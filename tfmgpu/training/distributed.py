@@ -10,7 +10,8 @@ batch, counts add up).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
 
 import tensorflow as tf
 

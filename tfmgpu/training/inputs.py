@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import keras
 import numpy as np

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from absl import logging
@@ -79,7 +80,7 @@ def _compiled_value(model: keras.Model, name: str,
     return (None if model.optimizer is None else
             _compiled_optimizer(model, settings))
   if name == "loss":
-    return model.loss
+    return _plain(model.loss)
   value = (model.get_compile_config() or {}).get(name)
   if name.endswith("metrics") and value is not None:
     try:
@@ -91,6 +92,17 @@ def _compiled_value(model: keras.Model, name: str,
           "(%s): pass Trainer(%s=...) to report them.", model.name, name, e,
           name)
       return None
+  return value
+
+
+def _plain(value: Any) -> Any:
+  """A compiled per-output loss as a plain dict or list (Keras keeps it in
+  TF's tracking proxies, which `typing.Mapping` / `typing.Sequence` do not
+  recognise: tfmgpu checks with `collections.abc`'s)."""
+  if isinstance(value, Mapping):
+    return {k: value[k] for k in value}
+  if isinstance(value, (list, tuple)):
+    return list(value)
   return value
 
 

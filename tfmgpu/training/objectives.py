@@ -31,7 +31,8 @@ from_logits=True)` for logits).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
 
 import keras
 import numpy as np

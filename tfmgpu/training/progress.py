@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Mapping
+from collections.abc import Mapping
+from typing import IO
 
 _INTERVAL_S = 0.1  # Rewrites of a terminal line at most this often.
 

@@ -14,7 +14,8 @@ lists the same paths in another order is refused.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tfmgpu import files
 

@@ -11,7 +11,8 @@ Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
