@@ -214,6 +214,15 @@ def test_model_not_built_in_scope_is_a_clear_error():
   with pytest.raises(ValueError, match=r"was not built in the scope of the "
                      r"strategy.*strategy.scope\(\)"):
     Trainer(model, strategy=tfmgpu.get_strategy("mirrored", num_replicas=2))
+  # A name makes a new strategy: the model cannot have been built in it.
+  with pytest.raises(ValueError, match=r"strategy='mirrored' makes a new "
+                     r"strategy, and model '.*' was built outside its scope.*"
+                     r"tfmgpu.get_strategy\('mirrored'\)"):
+    Trainer(model, strategy="mirrored")
+  with pytest.raises(ValueError, match=r"not built in the scope of the "
+                     r"strategy \(OneDeviceStrategy"):
+    Trainer(model, strategy=tfmgpu.get_strategy("one_device"))
+  assert Trainer(model, strategy="default").strategy is tf.distribute.get_strategy()
 
 
 def test_bad_arguments(digits):
@@ -225,6 +234,9 @@ def test_bad_arguments(digits):
     trainer.fit(*digits, global_batch_size=32, steps_per_epoch=99)
   with pytest.raises(ValueError, match=r"optimizer='adamax' is unknown"):
     make_trainer(tfmgpu.get_strategy("default"), optimizer="adamax")
+  with pytest.raises(ValueError, match=r"learning_rate='0.1' is a string; "
+                     r"pass a number, e.g. learning_rate=0.001"):
+    make_trainer(tfmgpu.get_strategy("default"), learning_rate="0.1")
 
 
 @pytest.mark.parametrize("as_function", [False, True])

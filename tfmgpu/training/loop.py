@@ -68,7 +68,8 @@ class Trainer:
     model: a Keras model built in `strategy.scope()`; a staged or pipelined
       model brings its own per-device backward. With `zero_stage=1|2|3`
       it is sharded over the strategy's devices (`zero_placement`).
-    strategy: the `tf.distribute.Strategy`; defaults to the current one.
+    strategy: the `tf.distribute.Strategy`, or a registered name (as
+      `tfmgpu.get_strategy` takes); defaults to the current one.
     options: a `TrainerOptions` (optimizer, loss, metrics, input mode,
       model_dir, callbacks, ...). Defaults to `TrainerOptions()`.
     execution: how steps run: `"sync"` (`strategy.run`) or `"coordinator"`
@@ -81,6 +82,7 @@ class Trainer:
                strategy: tf.distribute.Strategy | None = None,
                options: TrainerOptions | None = None,
                execution: str = "sync", **settings: Any):
+    strategy = model_checks.strategy_named(model, strategy)
     settings = model_checks.compiled_settings(model, options, settings)
     self.options = o = TrainerOptions.of(options, settings)
     model, strategy = shard_for_trainer(model, strategy, o.zero_stage)

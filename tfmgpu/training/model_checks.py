@@ -28,10 +28,39 @@ def check_model(model: keras.Model, strategy: tf.distribute.Strategy,
   batch_splits_lib.check(model, options.batch_splits)
 
 
+def strategy_named(model: keras.Model, strategy: Any) -> Any:
+  """`strategy`, or for a registered name (`"mirrored"`) a new strategy
+  from `tfmgpu.get_strategy`.
+
+  Raises:
+    ValueError: a name, with a model whose weights were made outside the
+      new strategy's scope (they would not be mirrored; the Trainer does
+      not train a copy: the model given is the one trained).
+  """
+  if not isinstance(strategy, str):
+    return strategy
+  made = strategies_lib.get_strategy(strategy)
+  try:
+    check_built_in_scope(model, made)
+  except ValueError as e:
+    if not model.trainable_variables:
+      raise
+    raise ValueError(
+        f"strategy={strategy!r} makes a new strategy, and model "
+        f"{model.name!r} was built outside its scope: its variables would "
+        "not be mirrored. Make the strategy first and build the model in it: "
+        f"`strategy = tfmgpu.get_strategy({strategy!r})`, then `with "
+        "strategy.scope(): model = ...`, then `Trainer(model, "
+        "strategy=strategy)`.") from e
+  return made
+
+
 def check_built_in_scope(model: keras.Model,
                          strategy: tf.distribute.Strategy) -> None:
   """Raises a clear `ValueError` for a model without variables, or built
-  outside the scope of a strategy with several replicas."""
+  outside the scope of a strategy with several replicas or one device of
+  its own (TF's colocation error said only "`colocate_vars_with` must only
+  be passed a variable created in this tf.distribute.Strategy.scope()")."""
   if not model.trainable_variables:
     raise ValueError(
         f"model {model.name!r} has no trainable variables: build it before "
@@ -40,8 +69,9 @@ def check_built_in_scope(model: keras.Model,
         "`model.build(shape)` does not create the variables of a subclassed "
         "model without a build() method).")
   if (strategy.num_replicas_in_sync == 1
-      and not strategies_lib.in_multi_worker_mode(strategy)):
-    return
+      and not strategies_lib.in_multi_worker_mode(strategy)
+      and not isinstance(strategy, tf.distribute.OneDeviceStrategy)):
+    return  # TF's default strategy (and a one-worker, one-replica one).
   v = model.trainable_variables[0]
   if not strategy.extended.variable_created_in_scope(getattr(v, "value", v)):
     raise ValueError(

@@ -104,6 +104,13 @@ class TrainerOptions:
   zero_stage: int = 0
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, str) and field.type.split(" |")[0] in ("int",
+                                                                  "float"):
+        raise ValueError(
+            f"{field.name}={value!r} is a string; pass a number, e.g. "
+            f"{field.name}={field.default!r}.")
     if self.steps_per_execution < 1:
       raise ValueError(
           f"steps_per_execution={self.steps_per_execution} must be >= 1.")
