@@ -273,6 +273,32 @@ def test_a_regression_run_reports_the_users_loss_and_metrics(module_file,
   assert summary.train_metrics["mae"] < 2.0  # It learnt (targets' sd ~2.3).
 
 
+def test_a_compiled_model_from_a_build_function_is_said_to_be_unused(
+    digits_arrays, tmp_path, caplog):
+  """A run trains with its settings: a compile() in the user's build was
+  ignored without a word (a dict of per-output losses then failed deep in
+  TF on the default loss)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfmgpu import runs  # pylint: disable=g-import-not-at-top
+
+  def build(input_shape, num_classes):
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
+                              keras.layers.Dense(num_classes)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+  runs.run_training(TrainConfig(epochs=1, steps_per_epoch=2, verbose=0,
+                                model_dir=str(tmp_path / "run")),
+                    model_fn=build, arrays=digits_arrays)
+  warned = [r.getMessage() for r in caplog.records
+            if "not with that compile()" in r.getMessage()]
+  assert len(warned) == 1, caplog.text
+  assert re.search(r"optimizer=adam, learning_rate=[\d.]+, loss=sparse "
+                   r"cross-entropy from logits \(the default\), "
+                   r"metrics=accuracy \(the default\).*tfmgpu.Trainer\(model\) "
+                   r"takes", warned[0]), warned[0]
+
+
 TF_DATA_MODULE = '''
 import numpy as np
 import tensorflow as tf

@@ -216,14 +216,36 @@ def make_trainer(config: TrainConfig, placement: strategies_lib.Placement, *,
 def _model_builder(config: TrainConfig, arrays: data_lib.Arrays,
                    model_fn: models_lib.ModelFn | None
                    ) -> Callable[[], keras.Model]:
+  warned = []
+
   def build() -> keras.Model:
-    return models_lib.build_model(
+    model = models_lib.build_model(
         model_fn or config.model, input_shape=arrays.input_shape,
         num_classes=arrays.num_classes,
         mixed_precision=(None if config.mixed_precision == "float32"
                          else config.mixed_precision),
         seed=config.seed, **config.model_options())
+    if getattr(model, "compiled", False) and not warned:
+      warned.append(True)  # Once: autotune builds the model again.
+      _warn_compile_unused(model, config)
+    return model
   return build
+
+
+def _warn_compile_unused(model: keras.Model, config: TrainConfig) -> None:
+  """Says that a run trains with its settings, not the model's compile()."""
+  loss, metrics = config.loss_and_metrics()
+  logging.warning(
+      "Model %r was compiled (by your build function, or by its class as "
+      "keras_hub's tasks compile themselves); a run trains with its own "
+      "settings, not with that compile(): optimizer=%s, learning_rate=%g, "
+      "loss=%s, metrics=%s. Give them as flags (--optimizer, --loss, "
+      "--metrics), or train from Python: tfmgpu.Trainer(model) takes a "
+      "compiled model's optimizer, loss (per output too), loss weights and "
+      "metrics.", model.name, config.optimizer, config.learning_rate,
+      "sparse cross-entropy from logits (the default)" if loss is None
+      else loss, metrics or ("accuracy (the default)" if loss is None
+                             else "none"))
 
 
 def _autotuned(config: TrainConfig, placement: strategies_lib.Placement,
