@@ -181,3 +181,11 @@ def test_a_misspelt_choice_says_which_was_meant(flag, given, meant):
     with flagsaver.flagsaver():
       flags.FLAGS[flag].parse(given)
       flags.FLAGS.validate_all_flags()
+
+
+def test_a_choice_in_another_case_is_the_registered_name():
+  """The README: names are case-insensitive (the Python API's were; the
+  flag refused `--strategy=Pipeline`)."""
+  with flagsaver.flagsaver():
+    flags.FLAGS["strategy"].parse("Pipeline")
+    assert flags.FLAGS.strategy == "pipeline"

@@ -44,7 +44,8 @@ from tfmgpu.tf_logs import quiet_tensorflow  # noqa: F401  # pylint: disable=unu
 
 
 class _SuggestingEnumParser(flags.EnumParser):
-  """absl's enum parser, whose error adds `Did you mean 'mirrored'?`."""
+  """absl's enum parser, whose error adds `Did you mean 'mirrored'?` (a
+  choice in another case is taken, as the registered name)."""
 
   def parse(self, argument: str) -> str:
     try:
@@ -63,7 +64,8 @@ class _SpacedEnumFlag(flags.EnumFlag):
   def __init__(self, name: str, default: str, help_text: str,
                choices: Sequence[str]):
     super().__init__(name, default, help_text, list(choices))
-    self.parser = _SuggestingEnumParser(list(choices))
+    # Case-insensitive, as the registries' names are (`--strategy=Mirrored`).
+    self.parser = _SuggestingEnumParser(list(choices), case_sensitive=False)
     self.help = f"<{' | '.join(self.parser.enum_values)}>: {help_text}"
 
 
