@@ -277,7 +277,8 @@ def test_a_compiled_model_from_a_build_function_is_said_to_be_unused(
     digits_arrays, tmp_path, caplog):
   """A run trains with its settings: a compile() in the user's build was
   ignored without a word (a dict of per-output losses then failed deep in
-  TF on the default loss)."""
+  TF on the default loss). Arrays given as a loader returns them (a tuple:
+  it raised AttributeError)."""
   import keras  # pylint: disable=g-import-not-at-top
   from tfmgpu import runs  # pylint: disable=g-import-not-at-top
 
@@ -287,9 +288,12 @@ def test_a_compiled_model_from_a_build_function_is_said_to_be_unused(
     model.compile(optimizer="sgd", loss="mse")
     return model
 
-  runs.run_training(TrainConfig(epochs=1, steps_per_epoch=2, verbose=0,
-                                model_dir=str(tmp_path / "run")),
-                    model_fn=build, arrays=digits_arrays)
+  d = digits_arrays  # As a --dataset loader returns them: a tuple.
+  summary = runs.run_training(
+      TrainConfig(epochs=1, steps_per_epoch=2, verbose=0,
+                  model_dir=str(tmp_path / "run")),
+      model_fn=build, arrays=((d.x_train, d.y_train), (d.x_test, d.y_test)))
+  assert summary.model.output_shape == (None, d.num_classes)
   warned = [r.getMessage() for r in caplog.records
             if "not with that compile()" in r.getMessage()]
   assert len(warned) == 1, caplog.text

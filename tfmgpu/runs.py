@@ -273,8 +273,8 @@ def _autotuned(config: TrainConfig, placement: strategies_lib.Placement,
 
 def run_training(config: TrainConfig, *,
                  model_fn: models_lib.ModelFn | None = None,
-                 arrays: "data_lib.Arrays | data_lib.StreamedDataset | None"
-                 = None,
+                 arrays: "data_lib.Arrays | data_lib.StreamedDataset | tuple "
+                 "| None" = None,
                  callbacks=()) -> RunSummary:
   """Runs one training job end to end.
 
@@ -282,7 +282,9 @@ def run_training(config: TrainConfig, *,
     config: the run.
     model_fn: build this instead of `config.model`.
     arrays: train on these instead of loading `config.dataset`: `Arrays`,
-      or a `data.StreamedDataset` (e.g. `tfrecord.open_source(...)`).
+      `((x_train, y_train), (x_test, y_test))` (as a `--dataset` loader
+      returns them), or a `data.StreamedDataset` (e.g.
+      `tfrecord.open_source(...)`).
     callbacks: Keras callbacks for the loop.
 
   Returns:
@@ -298,6 +300,8 @@ def run_training(config: TrainConfig, *,
   strategy = start_devices(config, distribution, options)
   if arrays is None:
     arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
+  elif isinstance(arrays, (tuple, list)):  # As a --dataset loader returns.
+    arrays = data_lib.user_arrays("arrays", arrays)
   logging.info("Data: %r", arrays)
   if isinstance(arrays, data_lib.Arrays):
     data_lib.check_labels(arrays)  # Before a first step fails on one.
