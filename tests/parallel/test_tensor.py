@@ -279,7 +279,8 @@ def test_rule_on_a_layer_norm_names_the_layer(cpu_devices):
 
 def test_rules_matching_nothing_raise(cpu_devices):
   with pytest.raises(ValueError, match=r"match no layer of model 'gpt' .*"
-                     "nothing would be split"):
+                     r"nothing would be split.*on the command line "
+                     r"`--tensor_rules=\w+=column`, in Python `rules="):
     tensor.tensor_parallel(_gpt(), cpu_devices[:2],
                            rules={"mlp_up": "column"})  # Not a full match.
 

@@ -140,5 +140,9 @@ def split_kinds(graph: graph_lib.ModelGraph, rules: Mapping[str, str],
     raise ValueError(
         f"the tensor-parallel rules {dict(rules)} match no layer of model "
         f"{graph.model.name!r} (layers: {graph.names}); nothing would be "
-        "split. Give rules whose regexes fully match layer names.")
+        "split. Give rules whose regexes fully match layer names (kinds: "
+        "column, row, heads): on the command line "
+        f"`--tensor_rules={graph.names[-1]}=column`, in Python "
+        f"`rules={{{graph.names[-1]!r}: 'column'}}` (the last layer, split "
+        "by columns).")
   return kinds
