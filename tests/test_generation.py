@@ -170,6 +170,24 @@ def test_a_model_from_outside_the_scope_decodes_on_each_replica_from_a_copy(
     np.testing.assert_array_equal(old, new)
 
 
+def test_generate_with_a_copy_follows_the_models_later_weights():
+  """`tfmgpu.generate` keeps its generator (and the copy it made in the
+  strategy's scope) per model: a model trained on since the last request
+  generates with its new weights (the copy's were kept)."""
+  model = models.build_model("gpt", input_shape=(CONTEXT,),
+                             num_classes=VOCAB, seed=5)
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  first = tfmgpu.generate(model, _prompts(), max_new_tokens=4,
+                          strategy=strategy)
+  model.set_weights(models.build_model(  # As training on would.
+      "gpt", input_shape=(CONTEXT,), num_classes=VOCAB, seed=6).get_weights())
+  again = tfmgpu.generate(model, _prompts(), max_new_tokens=4,
+                          strategy=strategy)
+  alone = tfmgpu.generate(model, _prompts(), max_new_tokens=4)
+  np.testing.assert_array_equal(again["token_ids"], alone["token_ids"])
+  assert (first["token_ids"] != again["token_ids"]).any()
+
+
 def _weight_devices(graph) -> set[str]:
   """The devices of the variables a traced function reads."""
   return {devices_lib.canonical_device(outer.device)

@@ -119,8 +119,11 @@ def refuse_custom_steps(model: Any) -> None:
     raise ValueError(
         f"model {getattr(model, 'name', '')!r} ({type(model).__name__}) "
         f"overrides {', '.join(custom)}: a split or sharded model runs its "
-        "own steps on each device and would not call it, so it would train or predict "
-        "something else. Put extra loss terms in call() with "
-        "self.add_loss(...) (split models keep them), or keep the model "
-        "whole and use data parallelism: model.fit under "
-        "tfmgpu.get_strategy('mirrored').scope().")
+        "own steps on each device and would not call it, so it would train "
+        "or predict something else. Put extra loss terms in a layer (a "
+        "custom layer's call() with self.add_loss(...), or a "
+        "kernel_regularizer: split models keep layers' losses), or keep the "
+        "model whole and use data parallelism: model.fit under "
+        "tfmgpu.get_strategy('mirrored').scope(). To only serve it split, "
+        "split a plain functional view of it: keras.Model(model.inputs, "
+        "model.outputs).")

@@ -43,9 +43,9 @@ _PROMPT_IDS = flags.DEFINE_list(
     "--prompt).")
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
     "max_new_tokens", 200, "Tokens to write at most.", lower_bound=1)
-_SAMPLER = flags.DEFINE_enum(
+_SAMPLER = flags_lib.define_choice(
     "sampler", "greedy", ["greedy", "top_k", "top_p", "random"],
-    "How the next token is chosen.")
+    "How the next token is chosen.", module_name=__name__)
 _TOP_K = flags.DEFINE_integer("top_k", 40, "k of --sampler=top_k.",
                               lower_bound=1)
 _TOP_P = flags.DEFINE_float("top_p", 0.9, "p of --sampler=top_p.")
@@ -63,11 +63,11 @@ _MEMORY_PLAN = flags.DEFINE_bool(
 _SERVE_BATCH = flags.DEFINE_integer(
     "serve_batch", 1, "Request rows --memory_plan and --serve plan for.",
     lower_bound=1)
-_SERVE = flags.DEFINE_enum(
+_SERVE = flags_lib.define_choice(
     "serve", None, ["latency", "throughput"], "Print the layouts weighed "
     "to generate with on the devices found (weights + KV cache per device, "
     "predicted decode step) and the one chosen for this goal; generate "
-    "nothing.")
+    "nothing.", module_name=__name__)
 
 BYTE_VOCAB = 256
 

@@ -271,6 +271,19 @@ def _autotuned(config: TrainConfig, placement: strategies_lib.Placement,
   return config.replace(**choice.settings.as_dict())
 
 
+def _training_data(config: TrainConfig, arrays: Any) -> Any:
+  """The run's data: `arrays` (as a `--dataset` loader returns them: made
+  `Arrays`), or `config.dataset` opened; labels checked, logged."""
+  if arrays is None:
+    arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
+  elif isinstance(arrays, (tuple, list)):
+    arrays = data_lib.user_arrays("arrays", arrays)
+  logging.info("Data: %r", arrays)
+  if isinstance(arrays, data_lib.Arrays):
+    data_lib.check_labels(arrays)  # Before a first step fails on one.
+  return arrays
+
+
 def run_training(config: TrainConfig, *,
                  model_fn: models_lib.ModelFn | None = None,
                  arrays: "data_lib.Arrays | data_lib.StreamedDataset | tuple "
@@ -298,23 +311,16 @@ def run_training(config: TrainConfig, *,
   # Resolved once, when the config was made, for the whole run.
   distribution, options = config.distribution, config.options
   strategy = start_devices(config, distribution, options)
-  if arrays is None:
-    arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
-  elif isinstance(arrays, (tuple, list)):  # As a --dataset loader returns.
-    arrays = data_lib.user_arrays("arrays", arrays)
-  logging.info("Data: %r", arrays)
-  if isinstance(arrays, data_lib.Arrays):
-    data_lib.check_labels(arrays)  # Before a first step fails on one.
-  placement = distribution.place(
-      options, _model_builder(config, arrays, model_fn), strategy=strategy,
-      seed=config.seed)
+  arrays = _training_data(config, arrays)
+  build = _model_builder(config, arrays, model_fn)
+  placement = distribution.place(options, build, strategy=strategy,
+                                 seed=config.seed)
   placement.distribution = placement.distribution or distribution
   placement.options = placement.options or options
   if placement.plan is not None:
     print(placement.plan, flush=True)
   if config.autotune:
-    config = _autotuned(config, placement, arrays,
-                        _model_builder(config, arrays, model_fn))
+    config = _autotuned(config, placement, arrays, build)
   model_dir = config.model_dir or rundir.default_model_dir(config.strategy)
   trainer = make_trainer(config, placement, model_dir=model_dir,
                          callbacks=callbacks)

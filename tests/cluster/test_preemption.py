@@ -2,7 +2,7 @@
 
 In one process (fast): the loop's own SIGTERM handling and step-level
 resume, including under a different replica count. The cluster version is
-in test_fault_tolerance.py.
+in test_multi_worker.py.
 """
 
 import glob

@@ -33,8 +33,8 @@ def data():
 
 
 def test_2x2x2_trains_as_unsplit_on_the_mesh(data, cpu_devices):
-  """Adam through the Trainer (SGD on this mesh: the keras_hub case below,
-  through Keras fit)."""
+  """Adam, by the layout's own step (SGD on this mesh: the keras_hub case
+  below, through Keras fit)."""
   make, tol = gp.OPTIMIZERS["adam"]
   model = hybrid.build_layout(th._gpt4(), LAYOUT, devices=cpu_devices)  # pylint: disable=protected-access
   assert sorted(model.devices) == sorted(cpu_devices[:8])

@@ -178,7 +178,10 @@ def _trainer_weights(model, strategy, x, y):
 
 def test_trainer_mirrored_and_pipelined_gpt_equal_one_device(data):
   x, y = data
-  want = _trainer_weights(_gpt(), tfmgpu.get_strategy("one_device"), x, y)
+  one_device = tfmgpu.get_strategy("one_device")
+  with one_device.scope():
+    reference = _gpt()
+  want = _trainer_weights(reference, one_device, x, y)
   mirrored = tfmgpu.get_strategy("mirrored", num_replicas=2)
   with mirrored.scope():
     model = _gpt()

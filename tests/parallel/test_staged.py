@@ -534,4 +534,10 @@ def test_a_model_with_its_own_keras_step_is_refused_by_every_split(
                        rf"overrides {step}: a split or sharded model .*"
                        "add_loss"):
       split()
+  # What the error offers for serving: a plain functional view splits.
+  view = StagedModel.from_model(keras.Model(model.inputs, model.outputs),
+                                num_stages=2)
+  np.testing.assert_allclose(view.predict(np.ones((2, 8)), verbose=0),
+                             model.predict(np.ones((2, 8)), verbose=0),
+                             rtol=1e-6)
   assert checks.overridden_steps(_mlp()) == []

@@ -223,6 +223,11 @@ def test_model_not_built_in_scope_is_a_clear_error():
                      r"strategy \(OneDeviceStrategy"):
     Trainer(model, strategy=tfmgpu.get_strategy("one_device"))
   assert Trainer(model, strategy="default").strategy is tf.distribute.get_strategy()
+  # ZeRO shards a model made outside any scope over the named strategy's
+  # devices.
+  sharded = Trainer(models.build_model("mlp", input_shape=(4,), num_classes=2),
+                    strategy="mirrored", zero_stage=1, verbose=0)
+  assert sharded.model.stage == 1
 
 
 def test_bad_arguments(digits):
@@ -237,6 +242,9 @@ def test_bad_arguments(digits):
   with pytest.raises(ValueError, match=r"learning_rate='0.1' is a string; "
                      r"pass a number, e.g. learning_rate=0.001"):
     make_trainer(tfmgpu.get_strategy("default"), learning_rate="0.1")
+  with pytest.raises(ValueError, match=r"jit_compile='False' is a string; "
+                     r"pass True or False, e.g. jit_compile=False"):
+    make_trainer(tfmgpu.get_strategy("default"), jit_compile="False")
 
 
 @pytest.mark.parametrize("as_function", [False, True])

@@ -86,7 +86,8 @@ class Generator:
       or a `tf.distribute.Strategy`: the request rows are split over its
       replicas, each decoding its rows on its own device with its own
       copy of the weights. A model built (or loaded) outside the
-      strategy's scope is copied into it once (`model` stays as it was).
+      strategy's scope is copied into it when the generator is made
+      (`model` stays as it was; `refresh()` copies its weights again).
     jit_compile: compile each replica's decode loop with XLA. Defaults to
       `True` (always `False` for a placed model: XLA compiles for one
       device).
@@ -119,12 +120,22 @@ class Generator:
     if strategy is not None and strategy.num_replicas_in_sync == 1:
       device = _device_of(strategy)  # E.g. one_device's.
       strategy = None  # One replica: run the loop directly, there.
+    self._source = None  # The model copied, when one was.
     if strategy is not None and not cloning.built_in_scope(model, strategy):
+      self._source = model
       model = _copy_in_scope(model, strategy)
       adapter = adapter_for(model)
     self.model = model
     self.adapter = adapter
     self._runner = decode.Runner(strategy, jit_compile, device=device)
+
+  def refresh(self) -> None:
+    """Copies the given model's current weights into the copy this
+    generator made in the strategy's scope (no retrace); nothing when it
+    made none. `tfmgpu.generate` does it before every request, so a model
+    trained on since still generates with its latest weights."""
+    if self._source is not None:
+      self.model.set_weights(self._source.get_weights())
 
   @property
   def traces(self) -> int:
@@ -252,5 +263,7 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
   cache = _GENERATORS.setdefault(model, {})
   if key not in cache:
     cache[key] = Generator(model, strategy=strategy)
+  else:
+    cache[key].refresh()  # A copy in the strategy's scope: latest weights.
   return cache[key].generate(inputs, max_new_tokens=max_new_tokens,
                              sampling=sampling, stop_token_ids=stop_token_ids)

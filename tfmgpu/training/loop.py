@@ -68,8 +68,7 @@ class Trainer:
     model: a Keras model built in `strategy.scope()`; a staged or pipelined
       model brings its own per-device backward. With `zero_stage=1|2|3`
       it is sharded over the strategy's devices (`zero_placement`).
-    strategy: the `tf.distribute.Strategy`, or a registered name (as
-      `tfmgpu.get_strategy` takes); defaults to the current one.
+    strategy: a `tf.distribute.Strategy` or name; defaults to the current.
     options: a `TrainerOptions` (optimizer, loss, metrics, input mode,
       model_dir, callbacks, ...). Defaults to `TrainerOptions()`.
     execution: how steps run: `"sync"` (`strategy.run`) or `"coordinator"`
@@ -79,12 +78,12 @@ class Trainer:
   """
 
   def __init__(self, model: keras.Model, *,
-               strategy: tf.distribute.Strategy | None = None,
+               strategy: tf.distribute.Strategy | str | None = None,
                options: TrainerOptions | None = None,
                execution: str = "sync", **settings: Any):
-    strategy = model_checks.strategy_named(model, strategy)
     settings = model_checks.compiled_settings(model, options, settings)
     self.options = o = TrainerOptions.of(options, settings)
+    strategy = model_checks.strategy_named(model, strategy, o.zero_stage)
     model, strategy = shard_for_trainer(model, strategy, o.zero_stage)
     self.model = model
     self.strategy = strategy or tf.distribute.get_strategy()
@@ -94,8 +93,7 @@ class Trainer:
     resident.check_input_mode(o.input_mode, self.strategy)
     model_checks.check_model(model, self.strategy, o)
     checks.check_choice("execution", execution, EXECUTIONS)
-    # tfmgpu sums replica gradients itself (then clips), except where the
-    # execution leaves them to the strategy (parameter servers).
+    # tfmgpu sums replica gradients (then clips) unless TF does (PS).
     owns_allreduce = EXECUTIONS[execution].owns_allreduce
     self.optimizer = prepare_optimizer(
         o.optimizer, model, self.strategy, learning_rate=o.learning_rate,

@@ -28,18 +28,22 @@ def check_model(model: keras.Model, strategy: tf.distribute.Strategy,
   batch_splits_lib.check(model, options.batch_splits)
 
 
-def strategy_named(model: keras.Model, strategy: Any) -> Any:
+def strategy_named(model: keras.Model, strategy: Any,
+                   zero_stage: int = 0) -> Any:
   """`strategy`, or for a registered name (`"mirrored"`) a new strategy
   from `tfmgpu.get_strategy`.
 
   Raises:
     ValueError: a name, with a model whose weights were made outside the
       new strategy's scope (they would not be mirrored; the Trainer does
-      not train a copy: the model given is the one trained).
+      not train a copy: the model given is the one trained), unless ZeRO
+      shards it (`zero_stage`: it takes a model made outside).
   """
   if not isinstance(strategy, str):
     return strategy
   made = strategies_lib.get_strategy(strategy)
+  if zero_stage:
+    return made
   try:
     check_built_in_scope(model, made)
   except ValueError as e:

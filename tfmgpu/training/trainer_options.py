@@ -106,11 +106,13 @@ class TrainerOptions:
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if isinstance(value, str) and field.type.split(" |")[0] in ("int",
-                                                                  "float"):
+      kind = field.type.split(" |")[0]
+      if isinstance(value, str) and kind in ("int", "float", "bool"):
+        example = (f", e.g. {field.name}={field.default!r}"
+                   if field.default is not None else "")
         raise ValueError(
-            f"{field.name}={value!r} is a string; pass a number, e.g. "
-            f"{field.name}={field.default!r}.")
+            f"{field.name}={value!r} is a string; pass "
+            f"{'True or False' if kind == 'bool' else 'a number'}{example}.")
     if self.steps_per_execution < 1:
       raise ValueError(
           f"steps_per_execution={self.steps_per_execution} must be >= 1.")
