@@ -534,10 +534,15 @@ def test_a_model_with_its_own_keras_step_is_refused_by_every_split(
                        rf"overrides {step}: a split or sharded model .*"
                        "add_loss"):
       split()
-  # What the error offers for serving: a plain functional view splits.
+  # What the error offers for serving: a plain functional view splits, and
+  # serving placements split one themselves (serving runs no training step).
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  x = np.random.RandomState(0).normal(size=(4, 8)).astype("float32")
+  want = model.predict(x, verbose=0)
   view = StagedModel.from_model(keras.Model(model.inputs, model.outputs),
                                 num_stages=2)
-  np.testing.assert_allclose(view.predict(np.ones((2, 8)), verbose=0),
-                             model.predict(np.ones((2, 8)), verbose=0),
-                             rtol=1e-6)
+  served, _ = inference.place_for_serving([model], "model_parallel",
+                                          num_stages=2)
+  for split in (view, served):
+    np.testing.assert_allclose(split.predict(x, verbose=0), want, rtol=1e-6)
   assert checks.overridden_steps(_mlp()) == []

@@ -183,7 +183,7 @@ class LayoutPlacement(registry.Distribution):
       return None
 
   def serve(self, models: Sequence[Any], options: Any) -> tuple[Any, Any]:
-    model = one_model(self.name, models)
+    model = served_view(one_model(self.name, models))
     return self.split(model, self.plan(model, options), options), None
 
   def save_model(self, model: Any, path: str) -> str:
@@ -352,6 +352,21 @@ def planned_devices(num_stages: int) -> list[str] | None:
     return None
   kind = "GPU" if any("GPU" in d for d in found) else "CPU"
   return [f"/device:{kind}:{i}" for i in range(num_stages)]
+
+
+def served_view(model: Any) -> Any:
+  """What serving splits: `model`, or a plain functional view of it (its
+  layers and weights) when its class overrides only training steps
+  (`train_step`, `test_step`, `compute_loss`), which serving never runs;
+  a split refuses such a model (`checks.refuse_custom_steps`)."""
+  custom = checks.overridden_steps(model)
+  if not custom or "predict_step" in custom:
+    return model
+  import keras  # pylint: disable=g-import-not-at-top
+  try:
+    return keras.Model(model.inputs, model.outputs, name=model.name)
+  except (AttributeError, ValueError, TypeError):
+    return model  # Not a graph of layers: the split says what it needs.
 
 
 def one_model(name: str, models: Sequence[Any]) -> Any:
