@@ -132,7 +132,8 @@ def test_ema_weights_are_put_into_the_model_after_fit(digits):
 
 
 def test_a_custom_train_step_is_named_in_a_warning(caplog):
-  """The Trainer runs its own step; a model's `train_step` is not called."""
+  """The Trainer runs its own step; a model's `train_step` is not called
+  (a warning names it; with no loss to train instead, an error)."""
 
   class OwnStep(keras.Sequential):
     def train_step(self, data):
@@ -143,9 +144,14 @@ def test_a_custom_train_step_is_named_in_a_warning(caplog):
   with caplog.at_level("WARNING"):
     Trainer(plain, verbose=0)
     assert "overrides" not in caplog.text
-    Trainer(model, verbose=0)
+    Trainer(model, loss="mse", verbose=0)
   assert "overrides train_step: tfmgpu's Trainer runs its own step" in (
       caplog.text)
+  # Without a loss it would train the default one, which the step may not
+  # compute at all (a keras.io VAE): refused.
+  with pytest.raises(ValueError, match=r"overrides train_step and no loss was "
+                     r"given or compiled.*Trainer\(loss=\.\.\.\)"):
+    Trainer(model, verbose=0)
 
 
 def test_evaluate_counts_every_row_on_4_replicas(digits):

@@ -24,7 +24,7 @@ def check_model(model: keras.Model, strategy: tf.distribute.Strategy,
   the strategy's scope, custom steps it will not call (a warning), and
   `options.batch_splits` it can train with."""
   check_built_in_scope(model, strategy)
-  warn_about_custom_steps(model)
+  warn_about_custom_steps(model, options.loss)
   batch_splits_lib.check(model, options.batch_splits)
 
 
@@ -85,13 +85,27 @@ def check_built_in_scope(model: keras.Model,
         "`with strategy.scope():` (tfmgpu.build_model does this for you).")
 
 
-def warn_about_custom_steps(model: keras.Model) -> None:
+def warn_about_custom_steps(model: keras.Model, loss: Any = None) -> None:
   """Logs a warning when the model overrides a step the Trainer never
-  calls (`train_step`, `test_step`, `compute_loss`)."""
+  calls (`train_step`, `test_step`, `compute_loss`).
+
+  Raises:
+    ValueError: such a model with no `loss` (given or compiled): the
+      Trainer would train the default loss, which the model's own step
+      may not compute at all (a keras.io VAE failed deep in TF).
+  """
   if step_lib.brings_own_backward(model):
     return  # A placed model: the Trainer runs its per-device backward.
   custom = checks.overridden_steps(
       model, ("train_step", "test_step", "compute_loss"))
+  if custom and loss is None:
+    raise ValueError(
+        f"model {model.name!r} overrides {', '.join(custom)} and no loss was "
+        "given or compiled: tfmgpu's Trainer does not call it, and would "
+        "train the default loss (sparse categorical cross-entropy from "
+        "logits), not the one your step computes. Pass Trainer(loss=...) "
+        "(extra terms: self.add_loss(...) in call()), or train with "
+        "model.fit under strategy.scope() to run your own step.")
   if custom:
     logging.warning(
         "Model %r overrides %s: tfmgpu's Trainer runs its own step (forward, "
