@@ -546,3 +546,28 @@ def test_a_model_with_its_own_keras_step_is_refused_by_every_split(
   for split in (view, served):
     np.testing.assert_allclose(split.predict(x, verbose=0), want, rtol=1e-6)
   assert checks.overridden_steps(_mlp()) == []
+
+
+def test_weight_files_move_between_layouts_and_the_unsplit_model(
+    tmp_path, cpu_devices):
+  """A layout's `save_weights` (what Keras' ModelCheckpoint with
+  save_weights_only=True calls) writes the unsplit model's weights: the
+  unsplit model and other layouts load them (the file held the stages'
+  structure, which nothing else loaded)."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  x = np.random.RandomState(0).normal(size=(8, 12)).astype("float32")
+  staged = StagedModel.from_model(_mlp(seed=1), num_stages=2)
+  want = staged.predict(x, verbose=0)
+  staged.save_weights(str(tmp_path / "staged.weights.h5"))
+  unsplit = _mlp(seed=2)
+  unsplit.load_weights(str(tmp_path / "staged.weights.h5"))
+  copies = hybrid.build_layout(_mlp(seed=3), hybrid.Layout(data=2, stages=2),
+                               devices=cpu_devices)
+  others = [pipeline.PipelinedModel.from_model(_mlp(seed=3), num_stages=3,
+                                               micro_batches=2), copies]
+  for other in others:
+    other.load_weights(str(tmp_path / "staged.weights.h5"))
+  for model in [unsplit, *others]:
+    np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0),
+                               want, rtol=1e-5, atol=1e-6)

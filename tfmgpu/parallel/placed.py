@@ -188,6 +188,24 @@ class PerDeviceGradientModel(keras.Model):
           "save the model it was placed from instead.")
     return unsplit.save(filepath, *args, **kwargs)
 
+  def save_weights(self, filepath: Any, *args, **kwargs) -> Any:
+    """Saves the unsplit model's weights (`to_unsplit()`): the file loads
+    into the unsplit model and into any layout of it (`load_weights`), as
+    Keras' `ModelCheckpoint(save_weights_only=True)` files then do. A
+    placed model without an unsplit form saves its own."""
+    if not isinstance(self, placed_model.UnsplitForm):
+      return super().save_weights(filepath, *args, **kwargs)
+    return self.to_unsplit().save_weights(filepath, *args, **kwargs)
+
+  def load_weights(self, filepath: Any, *args, **kwargs) -> Any:
+    """Loads weights saved unsplit (by the unsplit model, or by any
+    layout's `save_weights`) into this layout."""
+    if not isinstance(self, placed_model.UnsplitForm):
+      return super().load_weights(filepath, *args, **kwargs)
+    unsplit = self.to_unsplit()
+    unsplit.load_weights(filepath, *args, **kwargs)
+    self.load_from(unsplit)
+
   def build_optimizer(self, optimizer: keras.optimizers.Optimizer):
     """Prepares an optimizer for a custom loop over this model.
 
