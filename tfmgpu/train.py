@@ -18,8 +18,9 @@ In a cluster (TF_CONFIG), every task runs the same command; the "ps" and
 "worker" tasks of a parameter-server cluster only serve (tfmgpu/cluster.py).
 
 Exit codes: 0 done; 1 bad input or a training error (the message says which);
-42 (`checkpoints.EXIT_PREEMPTED`) stopped by SIGTERM after saving a
-checkpoint: run the same command again to resume.
+42 (`checkpoints.EXIT_PREEMPTED`) stopped by SIGTERM or Ctrl-C after
+saving a checkpoint: run the same command again to resume; 130 a second
+Ctrl-C (stopped at once; the checkpoints saved before are kept).
 """
 
 from __future__ import annotations
@@ -240,16 +241,22 @@ def _train_once(config: config_lib.TrainConfig) -> tuple[int, str]:
   # A SIGTERM resent after the preemption save keeps exit 42: the watcher
   # leaves SIGTERM ignored until this process exits (only for this call).
   preemption.hold_sigterm_after_preemption()
+  preemption.interrupt_saves()  # Ctrl-C saves as SIGTERM does.
   try:
     summary = runs.run_training(config)
   except checkpoints.PreemptedError as e:
     return _failed(checkpoints.EXIT_PREEMPTED, str(e))
+  except KeyboardInterrupt:
+    return _failed(130, "interrupted (Ctrl-C) at once: the checkpoints "
+                   f"already in {config.model_dir or 'the run directory'} "
+                   "are kept; the same command resumes from the latest.")
   except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
     return _failed(1, str(e))
   except OSError as e:  # A full disk while saving, ...: say so, name it.
     return _failed(1, files.describe_os_error(e))
   finally:
     preemption.hold_sigterm_after_preemption(False)
+    preemption.interrupt_saves(False)
   print("\n" + str(summary), flush=True)
   return 0, "The chief's run finished (its summary is in the chief's log)."
 

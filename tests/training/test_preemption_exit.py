@@ -96,3 +96,57 @@ def test_a_second_sigterm_after_the_save(tmp_path, mode, exit_code):
   ignored = ("SIGTERM again after the preemption checkpoint was saved: "
              "ignored; exiting with code 42.")
   assert (ignored in stderr_path.read_text()) == (mode == "hold")
+
+
+CTRL_C_CHILD = r"""
+import os, signal, sys
+import keras
+import numpy as np
+import tfmgpu
+from tfmgpu import models
+from tfmgpu.training import checkpoints, preemption
+from tfmgpu.training.loop import Trainer
+
+preemption.interrupt_saves()  # What `python -m tfmgpu.train` calls.
+try:  # No training runs: Ctrl-C interrupts at once.
+  os.kill(os.getpid(), signal.SIGINT)
+except KeyboardInterrupt:
+  print("interrupted outside training", flush=True)
+preemption.interrupt_saves()
+
+
+class CtrlCAtStep2(keras.callbacks.Callback):
+  def on_train_batch_end(self, batch, logs=None):
+    if batch == 1:
+      os.kill(os.getpid(), signal.SIGINT)
+
+
+strategy = tfmgpu.get_strategy("one_device")
+with strategy.scope():
+  model = models.build_model("mlp", input_shape=(8,), num_classes=3, seed=0)
+rng = np.random.default_rng(0)
+x = rng.random((64, 8), dtype=np.float32)
+y = rng.integers(0, 3, 64).astype(np.int32)
+trainer = Trainer(model, strategy=strategy, verbose=0, steps_per_execution=1,
+                  model_dir=sys.argv[1], callbacks=[CtrlCAtStep2()])
+try:
+  trainer.fit(x, y, epochs=2, global_batch_size=16, steps_per_epoch=4)
+except checkpoints.PreemptedError as e:
+  print("saved", e.checkpoint, flush=True)
+"""
+
+
+def test_ctrl_c_in_a_cli_run_saves_as_sigterm_does(tmp_path):
+  """Ctrl-C killed `python -m tfmgpu.train` with a traceback and lost the
+  epoch's steps since the last checkpoint; now it saves at the next step
+  (exit 42 in the CLI), and interrupts at once when nothing trains."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  out = subprocess.run([sys.executable, "-c", CTRL_C_CHILD,
+                        str(tmp_path / "run")], capture_output=True,
+                       text=True, env=env, timeout=TIMEOUT_S, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  assert lines[0] == "interrupted outside training", out.stdout
+  assert lines[1].startswith("saved "), out.stdout
+  assert os.path.exists(lines[1].split()[1] + ".index")
+  assert "Ctrl-C: saving a checkpoint at the next step boundary" in out.stderr

@@ -21,6 +21,7 @@ without saving") after the checkpoint was saved.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -48,6 +49,30 @@ def hold_sigterm_after_preemption(hold: bool = True) -> None:
   """
   global _HOLD_AFTER_PREEMPTION
   _HOLD_AFTER_PREEMPTION = hold
+
+
+_WATCHING: list["PreemptionWatcher"] = []  # Watchers inside their `with`.
+
+
+def interrupt_saves(on: bool = True) -> None:
+  """Makes Ctrl-C (SIGINT) stop a CLI run as SIGTERM does: a checkpoint at
+  the next step boundary, then `PreemptedError` (exit 42; the same command
+  resumes). A second Ctrl-C, or one while no training runs, interrupts at
+  once (`KeyboardInterrupt`). Main thread only; `False` restores Python's
+  handler. Not for notebooks: there Ctrl-C interrupts the cell."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  signal.signal(signal.SIGINT,
+                _interrupt_as_sigterm if on else signal.default_int_handler)
+
+
+def _interrupt_as_sigterm(signum, frame) -> None:
+  signal.signal(signal.SIGINT, signal.default_int_handler)  # Next: at once.
+  if not _WATCHING:
+    signal.default_int_handler(signum, frame)  # No step loop to stop.
+  logging.warning("Ctrl-C: saving a checkpoint at the next step boundary, "
+                  "then stopping (Ctrl-C again stops at once).")
+  os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _ignore_after_save(signum, frame) -> None:
@@ -109,6 +134,7 @@ class PreemptionWatcher:
     if threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
       self._installed = True
+      _WATCHING.append(self)
     else:
       logging.info("Not in the main thread: SIGTERM will not be caught.")
     return self
@@ -117,6 +143,7 @@ class PreemptionWatcher:
     if not self._installed:
       return
     self._installed = False
+    _WATCHING.remove(self)
     preempted = (self._stopping and exc_type is not None
                  and issubclass(exc_type, ckpt_lib.PreemptedError))
     if preempted and _HOLD_AFTER_PREEMPTION:
