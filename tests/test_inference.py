@@ -229,6 +229,10 @@ def test_directory_without_a_model_lists_what_it_holds(tmp_path):
                      r"--strategy=branch_parallel, e.g. --model_path="
                      r".*branch0.keras,.*branch1.keras"):
     inference.load_model(str(branches_dir))
+  # The run's model.keras asked for (a branch run saves none): the same.
+  with pytest.raises(ValueError, match=r"It holds model.branch0.keras, "
+                     r"model.branch1.keras; .*--strategy=branch_parallel"):
+    inference.load_model(str(branches_dir / "model.keras"))
   other = tmp_path / "other"
   other.mkdir()
   _tiny_model().save(str(other / "best.keras"))

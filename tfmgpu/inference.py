@@ -427,6 +427,9 @@ def load_model(path: str) -> Any:
       (the message lists the `.keras` files it does hold).
   """
   if not os.path.exists(path):
+    parent = os.path.dirname(path) or "."
+    if os.path.basename(path) == "model.keras" and os.path.isdir(parent):
+      _keras_file_in(parent)  # A run's directory: what it holds, and how.
     raise FileNotFoundError(
         f"model_path={path!r} does not exist. Train one with "
         "`python -m tfmgpu.train --model_dir=DIR` (it saves DIR/model.keras).")

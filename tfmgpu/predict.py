@@ -47,7 +47,9 @@ _BATCH_SIZE = flags.DEFINE_integer(
     "batch_size", 1024, "Global batch per step.", lower_bound=1)
 _PRECISION = flags_lib.define_choice(
     "precision", "float32", ["float32", "bfloat16", "float16"],
-    "Compute precision; outputs are float32.",
+    "Compute precision; outputs are float32. Placed models (model_parallel, "
+    "pipeline, tensor_parallel, branch_parallel, auto layouts) serve in "
+    "float32 only.",
     module_name=__name__)
 _SPLIT = flags_lib.define_choice(
     "split", "test", ["test", "train"], "Which part of --dataset to predict.",

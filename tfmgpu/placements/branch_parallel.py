@@ -45,8 +45,8 @@ class BranchParallelPlacement(registry.Distribution):
   name = "branch_parallel"
   python_api = "tfmgpu.BranchParallel"
   description = ("Parallel sub-models (towers, ensemble members) on separate "
-                 "devices on the same input, outputs combined "
-                 "(BranchParallel).")
+                 "devices on the same input, outputs averaged (an ensemble; "
+                 "BranchParallel(combine=...) in Python chooses).")
   kind = registry.Kind.PLACEMENT
   needs = "one device per branch (GPUs, or logical CPUs for testing)"
   Options = BranchOptions
