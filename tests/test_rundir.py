@@ -114,6 +114,22 @@ def test_a_lock_file_of_another_host_is_not_taken_over(tmp_path):
     rundir.RunLock(str(run)).acquire()
 
 
+def test_a_lock_taken_but_not_yet_written_says_a_run_is_starting(tmp_path):
+  """Two runs starting at once: the loser read the winner's lock before
+  it was written, and said `PID ? on host ?, started ? (command unknown)`."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  path = tmp_path / rundir.LOCK_NAME
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # Taken, still empty.
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(rundir.RunDirLockedError, match=(
+        r"is in use by a live run: one starting this moment \(it has not "
+        r"written who it is yet\)")):
+      rundir._take(str(path))  # pylint: disable=protected-access
+  finally:
+    os.close(fd)
+
+
 def test_the_lock_is_reentrant_within_a_process(tmp_path):
   outer = rundir.RunLock(str(tmp_path)).acquire()
   with rundir.RunLock(str(tmp_path)):  # What Trainer.fit does under the CLI.

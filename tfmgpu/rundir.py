@@ -209,8 +209,10 @@ def _locked_error(path: str, info: Mapping[str, Any], *, remote: bool
         f"{_describe(info)}. Whether it still runs cannot be checked from "
         f"here: if it does not, delete {path} and run again; otherwise use "
         "another --model_dir.")
+  holder = (_describe(info) if info else "one starting this moment (it "
+            "has not written who it is yet)")
   return RunDirLockedError(
-      f"model_dir={model_dir!r} is in use by a live run: {_describe(info)} "
+      f"model_dir={model_dir!r} is in use by a live run: {holder} "
       f"(lock {path}). Wait for it to end or stop it, or use another "
       "--model_dir.")
 
