@@ -170,4 +170,5 @@ def test_branch_parallel_trains_saves_each_member_and_serves(tmp_path, capsys):
   assert all(os.path.exists(p) for p in paths)
   with flagsaver.flagsaver(model_path=paths, strategy="branch_parallel"):
     assert predict.main(["predict"]) == 0
-  assert "predicted  1000 rows with branch_parallel" in capsys.readouterr().out
+  assert "predicted  1000 rows with branch_parallel (on 2 devices)" in (
+      capsys.readouterr().out)

@@ -226,8 +226,9 @@ def _report(predictor, predictions, y, seconds: float) -> int:
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import placed_model  # pylint: disable=g-import-not-at-top
   rows = len(np.asarray(_first_output(predictions)))
-  placed = getattr(predictor.model, "devices", None)
-  where = (f"on {len(placed)} devices" if placed_model.is_placed(
+  placed = (getattr(predictor.model, "devices", None)
+            or getattr(predictor.model, "branch_devices", None))
+  where = (f"on {len(set(placed))} devices" if placed_model.is_placed(
       predictor.model) and placed else
            f"{predictor.strategy.num_replicas_in_sync} replica(s)")
   print(f"predicted  {rows} rows with {strategy_flags.STRATEGY.value} "

@@ -156,7 +156,8 @@ def _branch_devices(branches: Sequence[BranchSpec],
           f"{len(branches)} branches but only {len(found)} device(s) exist: "
           f"{', '.join(found)}. Pass devices=[...] (a device may hold "
           "several branches) or split a device with "
-          "tfmgpu.configure_devices(logical_cpus=N).")
+          "tfmgpu.configure_devices(logical_cpus=N) (CLI: "
+          "--virtual_devices=N).")
     devices = found[:len(branches)]
   elif len(devices) != len(branches):
     raise ValueError(f"devices={list(devices)} has {len(devices)} entries "
