@@ -133,6 +133,7 @@ try:
   trainer.fit(x, y, epochs=2, global_batch_size=16, steps_per_epoch=4)
 except checkpoints.PreemptedError as e:
   print("saved", e.checkpoint, flush=True)
+  print(str(e).split(". Saved")[0], flush=True)
 """
 
 
@@ -149,4 +150,6 @@ def test_ctrl_c_in_a_cli_run_saves_as_sigterm_does(tmp_path):
   assert lines[0] == "interrupted outside training", out.stdout
   assert lines[1].startswith("saved "), out.stdout
   assert os.path.exists(lines[1].split()[1] + ".index")
+  assert lines[2] == "Preempted: Ctrl-C reached this process", out.stdout
   assert "Ctrl-C: saving a checkpoint at the next step boundary" in out.stderr
+  assert "SIGTERM received" not in out.stderr  # One line says what happens.

@@ -144,7 +144,8 @@ def preempted_error(checkpointer: ckpt_lib.Checkpointer, checkpoint: str, *,
   then = ("resume from there" if not last else "finish: training is done, "
           "it evaluates and saves the model")
   return ckpt_lib.PreemptedError(
-      f"Preempted: SIGTERM reached {who}. Saved {checkpoint} at global step "
+      f"Preempted: {preemption_lib.signal_name()} reached {who}. Saved "
+      f"{checkpoint} at global step "
       f"{global_step} ({where}). Run the same command again to {then} "
       f"(python -m tfmgpu.train exits with code "
       f"{ckpt_lib.EXIT_PREEMPTED}).", checkpoint=checkpoint, step=global_step)

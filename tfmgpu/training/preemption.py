@@ -52,6 +52,13 @@ def hold_sigterm_after_preemption(hold: bool = True) -> None:
 
 
 _WATCHING: list["PreemptionWatcher"] = []  # Watchers inside their `with`.
+_INTERRUPTED = threading.Event()  # The SIGTERM was a Ctrl-C, forwarded.
+
+
+def signal_name() -> str:
+  """What stopped this process's training: `"Ctrl-C"` (`interrupt_saves`)
+  or `"SIGTERM"`."""
+  return "Ctrl-C" if _INTERRUPTED.is_set() else "SIGTERM"
 
 
 def interrupt_saves(on: bool = True) -> None:
@@ -62,6 +69,7 @@ def interrupt_saves(on: bool = True) -> None:
   handler. Not for notebooks: there Ctrl-C interrupts the cell."""
   if threading.current_thread() is not threading.main_thread():
     return
+  _INTERRUPTED.clear()
   signal.signal(signal.SIGINT,
                 _interrupt_as_sigterm if on else signal.default_int_handler)
 
@@ -72,6 +80,7 @@ def _interrupt_as_sigterm(signum, frame) -> None:
     signal.default_int_handler(signum, frame)  # No step loop to stop.
   logging.warning("Ctrl-C: saving a checkpoint at the next step boundary, "
                   "then stopping (Ctrl-C again stops at once).")
+  _INTERRUPTED.set()
   os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -125,7 +134,7 @@ class PreemptionWatcher:
 
   def _on_sigterm(self, signum, frame) -> None:
     del signum, frame
-    if not self._received.is_set():
+    if not self._received.is_set() and not _INTERRUPTED.is_set():
       logging.warning("SIGTERM received: saving a checkpoint at the next step "
                       "boundary, then stopping.")
     self._received.set()
