@@ -18,7 +18,7 @@ import pytest
 
 from tfmgpu.training import checkpoints
 
-CHILD = r"""
+IMPORTS = r"""
 import os, signal, sys
 import keras
 import numpy as np
@@ -26,15 +26,15 @@ import tfmgpu
 from tfmgpu import models
 from tfmgpu.training import checkpoints, preemption
 from tfmgpu.training.loop import Trainer
+"""
 
-if sys.argv[2] == "hold":
-  preemption.hold_sigterm_after_preemption()
-
-
-class SigtermAtStep2(keras.callbacks.Callback):
+# Trains a few steps, sends itself SIGNAL after step 2 and catches the
+# `PreemptedError` of the save; the lines after it continue its `except`.
+TRAIN_UNTIL_SIGNAL = r"""
+class SignalAtStep2(keras.callbacks.Callback):
   def on_train_batch_end(self, batch, logs=None):
     if batch == 1:
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), signal.SIGNAL)
 
 
 strategy = tfmgpu.get_strategy("one_device")
@@ -44,11 +44,17 @@ rng = np.random.default_rng(0)
 x = rng.random((64, 8), dtype=np.float32)
 y = rng.integers(0, 3, 64).astype(np.int32)
 trainer = Trainer(model, strategy=strategy, verbose=0, steps_per_execution=1,
-                  model_dir=sys.argv[1], callbacks=[SigtermAtStep2()])
+                  model_dir=sys.argv[1], callbacks=[SignalAtStep2()])
 try:
   trainer.fit(x, y, epochs=2, global_batch_size=16, steps_per_epoch=4)
 except checkpoints.PreemptedError as e:
   print("saved", e.checkpoint, flush=True)
+"""
+
+CHILD = IMPORTS + r"""
+if sys.argv[2] == "hold":
+  preemption.hold_sigterm_after_preemption()
+""" + TRAIN_UNTIL_SIGNAL.replace("SIGNAL", "SIGTERM") + r"""
   sys.stdin.readline()  # The test has sent the second SIGTERM by now.
   print("exiting", flush=True)
   sys.exit(checkpoints.EXIT_PREEMPTED)
@@ -98,41 +104,14 @@ def test_a_second_sigterm_after_the_save(tmp_path, mode, exit_code):
   assert (ignored in stderr_path.read_text()) == (mode == "hold")
 
 
-CTRL_C_CHILD = r"""
-import os, signal, sys
-import keras
-import numpy as np
-import tfmgpu
-from tfmgpu import models
-from tfmgpu.training import checkpoints, preemption
-from tfmgpu.training.loop import Trainer
-
+CTRL_C_CHILD = IMPORTS + r"""
 preemption.interrupt_saves()  # What `python -m tfmgpu.train` calls.
 try:  # No training runs: Ctrl-C interrupts at once.
   os.kill(os.getpid(), signal.SIGINT)
 except KeyboardInterrupt:
   print("interrupted outside training", flush=True)
 preemption.interrupt_saves()
-
-
-class CtrlCAtStep2(keras.callbacks.Callback):
-  def on_train_batch_end(self, batch, logs=None):
-    if batch == 1:
-      os.kill(os.getpid(), signal.SIGINT)
-
-
-strategy = tfmgpu.get_strategy("one_device")
-with strategy.scope():
-  model = models.build_model("mlp", input_shape=(8,), num_classes=3, seed=0)
-rng = np.random.default_rng(0)
-x = rng.random((64, 8), dtype=np.float32)
-y = rng.integers(0, 3, 64).astype(np.int32)
-trainer = Trainer(model, strategy=strategy, verbose=0, steps_per_execution=1,
-                  model_dir=sys.argv[1], callbacks=[CtrlCAtStep2()])
-try:
-  trainer.fit(x, y, epochs=2, global_batch_size=16, steps_per_epoch=4)
-except checkpoints.PreemptedError as e:
-  print("saved", e.checkpoint, flush=True)
+""" + TRAIN_UNTIL_SIGNAL.replace("SIGNAL", "SIGINT") + r"""
   print(str(e).split(". Saved")[0], flush=True)
 """
 
