@@ -193,16 +193,17 @@ class PerDeviceGradientModel(keras.Model):
     into the unsplit model and into any layout of it (`load_weights`), as
     Keras' `ModelCheckpoint(save_weights_only=True)` files then do. A
     placed model without an unsplit form saves its own."""
-    if not isinstance(self, placed_model.UnsplitForm):
+    unsplit = placed_model.unsplit_of(self)
+    if unsplit is self:
       return super().save_weights(filepath, *args, **kwargs)
-    return self.to_unsplit().save_weights(filepath, *args, **kwargs)
+    return unsplit.save_weights(filepath, *args, **kwargs)
 
   def load_weights(self, filepath: Any, *args, **kwargs) -> Any:
     """Loads weights saved unsplit (by the unsplit model, or by any
     layout's `save_weights`) into this layout."""
-    if not isinstance(self, placed_model.UnsplitForm):
+    unsplit = placed_model.unsplit_of(self)
+    if unsplit is self:
       return super().load_weights(filepath, *args, **kwargs)
-    unsplit = self.to_unsplit()
     unsplit.load_weights(filepath, *args, **kwargs)
     self.load_from(unsplit)
 
