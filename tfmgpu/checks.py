@@ -104,12 +104,16 @@ def overridden_steps(model: Any,
                                                              name, None)]
 
 
-def refuse_custom_steps(model: Any) -> None:
+def refuse_custom_steps(model: Any, label: str = "model") -> None:
   """Raises when a model to be split or sharded overrides a Keras step.
 
   A split model (stages, tensor shards, their copies, ZeRO's shards) runs
   its own steps, per device; a step the user's class overrides would not
   run, so the split would silently train (or predict) something else.
+
+  Args:
+    model: the Keras model to be split.
+    label: what the user called it in the error (e.g. `"branches[1]"`).
 
   Raises:
     ValueError: naming the model, its class and the steps.
@@ -117,7 +121,7 @@ def refuse_custom_steps(model: Any) -> None:
   custom = overridden_steps(model)
   if custom:
     raise ValueError(
-        f"model {getattr(model, 'name', '')!r} ({type(model).__name__}) "
+        f"{label} {getattr(model, 'name', '')!r} ({type(model).__name__}) "
         f"overrides {', '.join(custom)}: a split or sharded model runs its "
         "own steps on each device and would not call it, so it would train "
         "or predict something else. Put extra loss terms in a layer (a "
@@ -125,5 +129,5 @@ def refuse_custom_steps(model: Any) -> None:
         "kernel_regularizer: split models keep layers' losses), or keep the "
         "model whole and use data parallelism: model.fit under "
         "tfmgpu.get_strategy('mirrored').scope(). To only serve it split, "
-        "split a plain functional view of it: keras.Model(model.inputs, "
-        "model.outputs).")
+        "split a plain functional view of it: keras.Model(model.input, "
+        "model.output).")

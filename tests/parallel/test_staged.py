@@ -518,9 +518,15 @@ def test_a_model_with_its_own_keras_step_is_refused_by_every_split(
   from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import zero  # pylint: disable=g-import-not-at-top
-  x = keras.Input((8,))
-  h = keras.layers.Dense(8, activation="relu", name="h")(x)
-  model = cls(x, keras.layers.Dense(4, name="out")(h), name="mine")
+  from tfmgpu.parallel.branches import BranchParallel  # pylint: disable=g-import-not-at-top
+
+  def make():
+    x = keras.Input((8,))
+    h = keras.layers.Dense(8, activation="relu", name="h")(x)
+    return cls(x, keras.layers.Dense(4, name="out")(h), name="mine")
+
+  model, twin = make(), make()
+  twin.set_weights(model.get_weights())
   splits = {
       "staged": lambda: StagedModel.from_model(model, num_stages=2),
       "pipelined": lambda: pipeline.PipelinedModel.from_model(
@@ -528,9 +534,11 @@ def test_a_model_with_its_own_keras_step_is_refused_by_every_split(
       "tensor": lambda: tensor.TensorParallelModel(model, cpu_devices[:2]),
       "hybrid": lambda: hybrid.build_layout(
           model, hybrid.Layout(data=2, stages=2), devices=cpu_devices),
-      "zero": lambda: zero.ShardedModel(model, cpu_devices[:2])}
+      "zero": lambda: zero.ShardedModel(model, cpu_devices[:2]),
+      "branches": lambda: BranchParallel([model], devices=cpu_devices[1:2])}
   for split in splits.values():
-    with pytest.raises(ValueError, match=rf"model 'mine' \({cls.__name__}\) "
+    with pytest.raises(ValueError, match=rf"(model|branches\[0\]) 'mine' "
+                       rf"\({cls.__name__}\) "
                        rf"overrides {step}: a split or sharded model .*"
                        "add_loss"):
       split()
@@ -539,11 +547,12 @@ def test_a_model_with_its_own_keras_step_is_refused_by_every_split(
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
   x = np.random.RandomState(0).normal(size=(4, 8)).astype("float32")
   want = model.predict(x, verbose=0)
-  view = StagedModel.from_model(keras.Model(model.inputs, model.outputs),
+  view = StagedModel.from_model(keras.Model(model.input, model.output),
                                 num_stages=2)
   served, _ = inference.place_for_serving([model], "model_parallel",
                                           num_stages=2)
-  for split in (view, served):
+  towers, _ = inference.place_for_serving([model, twin], "branch_parallel")
+  for split in (view, served, towers):
     np.testing.assert_allclose(split.predict(x, verbose=0), want, rtol=1e-6)
   assert checks.overridden_steps(_mlp()) == []
 

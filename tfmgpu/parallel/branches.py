@@ -17,6 +17,7 @@ from typing import Any, Callable, Union
 import keras
 import tensorflow as tf
 
+from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import placed as placed_lib
 from tfmgpu.parallel import shared as shared_lib
@@ -99,6 +100,8 @@ def _place(spec: BranchSpec, device: str, index: int) -> keras.Model:
     raise ValueError(
         f"branches[{index}] ({model.name!r}) is not built; give it a "
         "keras.Input or call build(input_shape) first.")
+  # The branches' calls run inside this model's steps, never their own.
+  checks.refuse_custom_steps(model, f"branches[{index}]")
   if all(devices_lib.canonical_device(placed_lib.variable_device(v)) == device
          for v in model.variables):
     return model  # Already on its device (or built there by the callable).

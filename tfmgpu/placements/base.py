@@ -364,7 +364,7 @@ def served_view(model: Any) -> Any:
     return model
   import keras  # pylint: disable=g-import-not-at-top
   try:
-    return keras.Model(model.inputs, model.outputs, name=model.name)
+    return keras.Model(model.input, model.output, name=model.name)
   except (AttributeError, ValueError, TypeError):
     return model  # Not a graph of layers: the split says what it needs.
 

@@ -94,4 +94,5 @@ class BranchParallelPlacement(registry.Distribution):
       raise ValueError("branch_parallel serves 2+ models side by side (one "
                        f"model path per branch); got {len(models)}.")
     base.keras_models_only(self.name, models)
-    return branches.BranchParallel(list(models), combine="mean"), None
+    return branches.BranchParallel([base.served_view(m) for m in models],
+                                   combine="mean"), None
