@@ -378,6 +378,8 @@ def test_cli_memory_plan_prints_weights_and_kv_cache_per_device(
   # Each device: one block's one head (gpt tiny: 2 blocks of 2 heads of
   # 16), keys and values: 2 x 8 rows x 16 positions x 16 x 4 bytes.
   assert out.count(" 16.0 KiB ") == 4, out
+  # This host has the 4 devices: the plan names them, not planned GPUs.
+  assert "/device:CPU:3" in out and "GPU" not in out, out
 
 
 def test_cli_serve_plan_weighs_layouts_and_chooses_one(

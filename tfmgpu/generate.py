@@ -115,6 +115,7 @@ def _prepare():
 
 def _memory_plan() -> str:
   """`kv_cache.serving_table` of the model under the placement flags."""
+  from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu import inference  # pylint: disable=g-import-not-at-top
   from tfmgpu import strategies as strategies_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import kv_cache  # pylint: disable=g-import-not-at-top
@@ -125,8 +126,12 @@ def _memory_plan() -> str:
   options = distribution.options_from(
       types.SimpleNamespace(**values, **stages.values()))
   layout = distribution.layout_of(options) or layout_lib.Layout()
-  return kv_cache.serving_table(model, layout, batch=_SERVE_BATCH.value,
-                                context=_context())
+  # This host's devices when it has enough, else the GPUs it plans for.
+  devices_lib.configure_virtual_devices(devices.VIRTUAL_DEVICES.value)
+  found = devices_lib.accelerator_devices()
+  return kv_cache.serving_table(
+      model, layout, batch=_SERVE_BATCH.value, context=_context(),
+      devices=found if len(found) >= layout.num_devices else None)
 
 
 def _context() -> int:
