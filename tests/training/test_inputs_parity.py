@@ -130,6 +130,33 @@ def test_a_multi_output_model_with_per_output_losses_trains_like_keras(initial):
   assert {"loss", "class_accuracy", "value_mae"} <= set(result.history)
 
 
+def test_central_storage_reports_the_losses_and_metrics_of_one_device(
+    initial, caplog):
+  """Keras 3.15's own fit under CentralStorageStrategy reports wrong losses
+  and metrics (right weights); get_strategy warns, and the Trainer it points
+  to reports what Keras on one device does."""
+  x, label, _ = _data()
+  weights = _class_weights(initial)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  reference = _two_input_model()
+  reference.set_weights(weights)
+  reference.compile(optimizer=keras.optimizers.SGD(LR), loss=loss,
+                    metrics=["accuracy"])
+  want = reference.fit(x, label, batch_size=BATCH, epochs=EPOCHS,
+                       shuffle=False, verbose=0).history
+  strategy = tfmgpu.get_strategy("central_storage", num_replicas=2)
+  assert "report wrong losses and metrics" in caplog.text
+  model = _built(strategy, weights)
+  got = Trainer(model, strategy=strategy, optimizer="sgd", learning_rate=LR,
+                loss=loss, metrics=["accuracy"], verbose=0).fit(
+                    x, label, epochs=EPOCHS, global_batch_size=BATCH,
+                    shuffle=False).history
+  for key in ("loss", "accuracy"):
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+  for got_w, want_w in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-5)
+
+
 def test_regression_mse_and_mae_equal_keras_evaluate_on_the_same_weights():
   x, _, target = _data(2)
   strategy = _strategy("mirrored x4")

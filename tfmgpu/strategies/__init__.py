@@ -90,6 +90,9 @@ def get_strategy(name: str = "default", **options: Any):
   else:
     logging.info("Strategy %r: %d replica(s).", distribution.name,
                  strategy.num_replicas_in_sync)
+  if distribution.keras_fit_caveat:
+    logging.warning("get_strategy(%r): %s", distribution.name,
+                    distribution.keras_fit_caveat)
   return strategy
 
 

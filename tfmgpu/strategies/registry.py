@@ -118,6 +118,9 @@ class Distribution:
     job_roles: what a job does, where messages should say it.
     python_api: a placement's own Python class (`tfmgpu.PipelinedModel`),
       named when `get_strategy` is asked for the placement.
+    keras_fit_caveat: what goes wrong when Keras' own `fit`/`evaluate`
+      run under its strategy; `get_strategy` warns with it (a reused
+      strategy meets Keras' loop, tfmgpu's runs use the `Trainer`).
     execution: how a `Trainer` runs its steps under it
       (`tfmgpu.training.loop.EXECUTIONS`): `"sync"` (`strategy.run`), or
       `"coordinator"` (steps scheduled on a parameter-server cluster's
@@ -136,6 +139,7 @@ class Distribution:
   slurm: ClassVar[bool] = True
   job_roles: ClassVar[dict[str, str]] = {}
   python_api: ClassVar[str] = ""
+  keras_fit_caveat: ClassVar[str] = ""
   execution: ClassVar[str] = "sync"
 
   # ------------------------------------------------------------ options
