@@ -30,6 +30,10 @@ from tfmgpu.parallel.shards import ShardedLayer
 from tfmgpu.parallel.shards import sliced_initializer
 from tfmgpu.parallel.shards import split_size
 
+# A Dense's product as an einsum (`layer_specs`); computed as a matmul.
+DENSE_EQUATION = "...i,io->...o"
+
+
 def layer_specs(layer: keras.layers.Layer) -> tuple[str, str, str]:
   """`(input, kernel, output)` einsum specs of a Dense or EinsumDense."""
   if isinstance(layer, keras.layers.EinsumDense):
@@ -130,8 +134,12 @@ class SplitKernelDense(ShardedLayer):
     """Shard `t`'s product for its part `x` of the input (its slice of the
     output, for a kernel split along an output axis), with its slice of
     the bias when the bias is split too (`bias`) and no activation."""
-    y = keras.ops.einsum(self.equation, x,
-                         keras.ops.cast(self.kernels[t], x.dtype))
+    kernel = keras.ops.cast(self.kernels[t], x.dtype)
+    # A Dense's product as Keras' `Dense.call` computes it (`matmul`), not
+    # as the einsum `...i,io->...o`: TensorFlow's CPU (oneDNN) einsum with
+    # an ellipsis returns wrong float16 values (float16 / mixed_float16).
+    y = (keras.ops.matmul(x, kernel) if self.equation == DENSE_EQUATION
+         else keras.ops.einsum(self.equation, x, kernel))
     if bias and self.biases:
       y = keras.ops.add(y, keras.ops.cast(self.biases[t], y.dtype))
     return y
