@@ -41,15 +41,42 @@ LAYOUTS: dict[str, dict[str, Any] | None] = {
 
 
 def build(family: str, seed: int = 0):
-  """A tiny keras_hub task model, seeded."""
+  """A tiny keras_hub task model, seeded. `family+frozen`: its first block
+  and its second block's attention frozen (`trainable = False`);
+  `family+lora`: its backbone's LoRA enabled (rank 2, the B factors drawn,
+  so that both factors train)."""
   import keras  # pylint: disable=g-import-not-at-top
+  family, _, variant = family.partition("+")
   keras.utils.set_random_seed(seed)
   if family == "bert":  # The registry's: a BertTextClassifier, wrapped.
     from tfmgpu import models  # pylint: disable=g-import-not-at-top
     return models.build_model("bert", input_shape=dict(
         token_ids=(LENGTH,), padding_mask=(LENGTH,)), num_classes=3)
   from tfmgpu.models import hub  # pylint: disable=g-import-not-at-top
-  return hub.causal_lm(family, vocabulary_size=VOCAB, sequence_length=LENGTH)
+  model = hub.causal_lm(family, vocabulary_size=VOCAB, sequence_length=LENGTH)
+  VARIANTS[variant](model, seed)
+  return model
+
+
+def _freeze(model, seed: int) -> None:
+  del seed
+  first, second = model.backbone.transformer_layers[:2]
+  first.trainable = False
+  next(l for l in second._flatten_layers()  # pylint: disable=protected-access
+       if "Attention" in type(l).__name__).trainable = False
+
+
+def _lora(model, seed: int) -> None:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  model.backbone.enable_lora(2)
+  rng = np.random.RandomState(seed)
+  for v in model.weights:
+    if "lora_kernel_b" in v.path:
+      v.assign(rng.normal(scale=0.1, size=v.shape).astype("float32"))
+
+
+VARIANTS: dict[str, Callable[[Any, int], None]] = {
+    "": lambda model, seed: None, "frozen": _freeze, "lora": _lora}
 
 
 def data(family: str):
@@ -61,7 +88,7 @@ def data(family: str):
   mask[:, -2:] = 0
   x = {"token_ids": rng.randint(1, VOCAB, (n, LENGTH)).astype("int32"),
        "padding_mask": mask}
-  if family == "bert":
+  if family.startswith("bert"):
     return x, rng.randint(0, 3, n).astype("int32"), None
   return x, rng.randint(1, VOCAB, (n, LENGTH)).astype("int32"), \
       mask.astype("float32")

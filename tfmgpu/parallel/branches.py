@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfmgpu import checks
 from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import placed as placed_lib
 from tfmgpu.parallel import shared as shared_lib
 
@@ -116,6 +117,7 @@ def _place(spec: BranchSpec, device: str, index: int) -> keras.Model:
   # Keras' clone makes a weight its layers share (a tied embedding) two.
   shared_lib.tie({l.name: l for l in clone.layers},
                  shared_lib.find_shared(model.layers), f"branches[{index}]")
+  layer_state.mirror(model, clone)
   clone.set_weights(model.get_weights())
   return clone
 

@@ -35,6 +35,7 @@ import tensorflow as tf
 from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import graph as graph_lib
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import shared as shared_lib
 
 
@@ -45,12 +46,14 @@ class ModelSpec:
   config: dict
   layer_names: tuple[str, ...] = ()
   shared: tuple[shared_lib.SharedWeight, ...] = ()
+  state: layer_state.LayerState | None = None  # Frozen weights, LoRA.
 
   @classmethod
   def of(cls, model: keras.Model) -> "ModelSpec":
     return cls(type(model), model.get_config(),
                tuple(l.name for l in model.layers),
-               shared_lib.find_shared(model.layers))
+               shared_lib.find_shared(model.layers),
+               layer_state.capture(model))
 
   def rebuild(self) -> keras.Model:
     """A new model from the config, its layers named as the original's.
@@ -69,6 +72,8 @@ class ModelSpec:
     # a nested model twice: tie the copies again.
     shared_lib.tie({l.name: l for l in model.layers}, self.shared,
                    "rebuilt model")
+    if self.state is not None and model.built:
+      layer_state.apply(self.state, model)
     return model
 
 
@@ -315,6 +320,7 @@ def copy_model(model: keras.Model,
       clone.build(model.input_shape)
     shared_lib.tie({l.name: l for l in clone.layers},
                    shared_lib.find_shared(model.layers), "copy")
+    layer_state.mirror(model, clone)
     clone.set_weights(weights)
   return clone
 

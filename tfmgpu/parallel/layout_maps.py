@@ -27,6 +27,7 @@ from typing import Any
 import keras
 
 from tfmgpu import _compat
+from tfmgpu.parallel import layer_state
 
 MODEL_AXIS = "model"  # keras_hub's default names of the mesh axes.
 BATCH_AXIS = "batch"
@@ -85,9 +86,10 @@ def path_rules(model: keras.Model, rules: Mapping[str, int]) -> dict[str, int]:
 def _splittable(model: keras.Model, axes: Mapping[str, int]
                 ) -> dict[str, int]:
   """The entries of `axes` that name a Dense or EinsumDense kernel."""
-  kernels = {l.kernel.path for l in _compat.flatten_layers(model)
+  kernels = {layer_state.variable(l, "kernel").path
+             for l in _compat.flatten_layers(model)
              if type(l) in (keras.layers.Dense, keras.layers.EinsumDense)  # pylint: disable=unidiomatic-typecheck
-             and getattr(l, "kernel", None) is not None}
+             and l.built}
   return {p: a for p, a in axes.items() if p in kernels}
 
 

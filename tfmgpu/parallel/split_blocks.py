@@ -42,6 +42,7 @@ from typing import Any, Callable
 import keras
 
 from tfmgpu import _compat
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import split_embedding
 from tfmgpu.parallel import split_hub_attention
 from tfmgpu.parallel import split_kernel
@@ -130,10 +131,14 @@ def _splits(layer: keras.layers.Layer, axes: Mapping[str, int],
       out.extend(pairs)
       continue
     how = _splitter(sub)
-    weight = getattr(sub, how[0], None) if how else None
+    weight = layer_state.variable(sub, how[0]) if how else None
     path = named.get(id(weight)) if weight is not None else None
     if path in axes:
+      layer_state.refuse_split(sub, path)
       out.append((sub, how[1](sub, path, axes[path], devices)))
+  for sub, split in out:  # Shards are new variables: frozen as the layer.
+    layer_state.refuse_split(sub, sub.name)
+    split.trainable = layer_state.trainable_of(sub)
   return out
 
 
@@ -226,6 +231,7 @@ def transform(axes: Mapping[str, int],
     if id(copy) not in done:
       if not copy.built:  # Its weights made as the model's layer's were.
         copy(*args, **kwargs)
+      layer_state.mirror(layer, copy)  # Frozen and LoRA'd as the layer.
       paths = [w.path for w in layer.weights]
       done[id(copy)] = split_layers(copy, axes, devices_of(name), paths)
     return done[id(copy)]

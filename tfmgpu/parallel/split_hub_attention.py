@@ -37,6 +37,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import split_kernel
 from tfmgpu.parallel.on_device import on_device
 
@@ -310,9 +311,11 @@ def fuse(layer: Any, axes: Mapping[str, int], devices: Sequence[str],
   dense = [getattr(layer, name, None) for name in heads.projections]
   if any(not isinstance(d, keras.layers.EinsumDense) for d in dense):
     return []
-  paths = [named.get(id(d.kernel)) for d in dense]
+  paths = [named.get(id(layer_state.variable(d, "kernel"))) for d in dense]
   if not any(p in axes for p in paths):
     return []
+  for d, path in zip(dense, paths):
+    layer_state.refuse_split(d, path or d.name)
   if _compat.attention_gated(layer):
     raise ValueError(
         f"the tensor-parallel layout names the attention "

@@ -39,6 +39,7 @@ from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import partition
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import plan as plan_lib
@@ -66,12 +67,15 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
   for name, node in zip(graph.names[start:end], graph.nodes[start:end]):
     args, kwargs = node.arguments.fill_in(tensors)
     clone = mine.get(id(node.operation))
-    if clone is None:
+    first = clone is None
+    if first:
       clone = mine[id(node.operation)] = cloning.copy_layer(
           graph, node.operation, fresh)
     if clones is not None:
       clones[name] = clone
     outputs = clone(*args, **kwargs)
+    if first and isinstance(clone, keras.layers.Layer):  # Built now.
+      layer_state.mirror(node.operation, clone)
     for old, new in zip(node.output_tensors, tf.nest.flatten(outputs)):
       tensors[id(old)] = new
   if end == len(graph.nodes):

@@ -25,6 +25,7 @@ from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import shared as shared_lib
 from tfmgpu.parallel import tensor_rules
@@ -72,9 +73,12 @@ def _scattered(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
 def _sharded_layer(layer, kind: str, devices: Sequence[str], *,
                    scattered_input: bool, gather: bool) -> ShardedLayer:
   """The split layer replacing `layer` (same name, config and dtype)."""
+  layer_state.refuse_split(layer, layer.weights[0].path if layer.weights
+                           else layer.name)
   config = layer.get_config()
   common = {"name": layer.name, "dtype": config.get("dtype"),
-            "trainable": layer.trainable, "devices": list(devices),
+            "trainable": layer_state.trainable_of(layer),
+            "devices": list(devices),
             "kernel_initializer": config["kernel_initializer"],
             "bias_initializer": config["bias_initializer"],
             "use_bias": config["use_bias"]}
@@ -228,11 +232,15 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
           gather=layer.name not in scattered)
     else:
       new = cloning.copy_layer(graph, layer, fresh)
-      if transform is not None:
+      if transform is not None:  # It mirrors the copy's state itself.
         new = transform(name, layer, new, args, kwargs)
       clones[name] = new
+    first = id(layer) not in mine
     mine[id(layer)] = new
     outputs = new(*args, **kwargs)
+    if (first and transform is None and layer.name not in kinds
+        and isinstance(new, keras.layers.Layer)):
+      layer_state.mirror(layer, new)
     if layer.name in scattered:  # One tensor before, its T pieces now.
       tensors[id(node.output_tensors[0])] = outputs
       continue

@@ -1,0 +1,148 @@
+"""What a layer's config leaves out and a copy of it must keep: which of
+its layers and weights are frozen, and which layers carry LoRA.
+
+Splits rebuild layers from configs (`cloning`). A config rebuilds a layer
+as constructed, not as the user left it: a keras_hub block frozen with
+`block.trainable = False`, or a backbone after `enable_lora(rank)`, comes
+back from its backbone's config trainable and without LoRA. A split would
+then train weights the user froze, silently, or fail to copy the LoRA
+weights. In Keras 3 freezing lives on each variable (`Layer.trainable`
+sets its variables' flags), so the state is the layers' `trainable` flags,
+their LoRA ranks and every weight's `trainable` flag, in walk order.
+
+* `capture(layer)` records it; `apply(state, copy)` sets it on a built copy
+  of the same structure; `mirror(layer, copy)` does both.
+* `variable(layer, name)`: a layer's kernel variable, LoRA or not.
+* `refuse_split(layer, path)`: tensor parallelism makes new variables for
+  a layer's shards, so it splits only a layer whose weights are all
+  trainable or all frozen, without LoRA; the others are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+
+from tfmgpu import _compat
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRecord:
+  """One (nested) layer: its class name, `trainable` flag and LoRA."""
+  kind: str
+  trainable: bool
+  lora_rank: int | None = None
+  lora_alpha: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerState:
+  """A layer's and its nested layers' records (depth first, the layer
+  first) and its weights' `trainable` flags (in `layer.weights` order)."""
+  layers: tuple[LayerRecord, ...]
+  variables: tuple[bool, ...]
+
+
+def _record(layer: keras.layers.Layer) -> LayerRecord:
+  lora = getattr(layer, "lora_enabled", False)
+  return LayerRecord(type(layer).__name__, bool(layer.trainable),
+                     getattr(layer, "lora_rank", None) if lora else None,
+                     getattr(layer, "lora_alpha", None) if lora else None)
+
+
+def capture(layer: keras.layers.Layer) -> LayerState:
+  """`layer`'s frozen flags and LoRA, to set on a copy (`apply`)."""
+  return LayerState(
+      tuple(_record(l) for l in _compat.flatten_layers(layer)),
+      tuple(bool(v.trainable) for v in layer.weights))
+
+
+def apply(state: LayerState, copy: keras.layers.Layer) -> None:
+  """Sets `state` (captured from the original) on `copy`, a built copy of
+  it: each layer's `trainable`, LoRA where the original had it (ranks and
+  alphas), then each weight's `trainable`.
+
+  Raises:
+    ValueError: `copy` differs in structure from the original while the
+      two differ in state, so tfmgpu cannot tell which of its weights to
+      freeze; named.
+  """
+  lora = any(r.lora_rank for r in state.layers)
+  if not lora and tuple(bool(v.trainable) for v in copy.weights) == (
+      state.variables):
+    return  # Each weight's flag is what trains it (`trainable_weights`).
+  layers = _compat.flatten_layers(copy)
+  if [type(l).__name__ for l in layers] == [r.kind for r in state.layers]:
+    for record, layer in zip(state.layers, layers):  # Parents first.
+      if layer.trainable != record.trainable:
+        layer.trainable = record.trainable
+    for record, layer in zip(state.layers, layers):
+      if record.lora_rank and not getattr(layer, "lora_enabled", False):
+        layer.enable_lora(record.lora_rank, lora_alpha=record.lora_alpha)
+  elif lora:  # A layer shared with a nested model may be listed twice.
+    raise _mismatch(copy, "its nested layers")
+  weights = copy.weights
+  if len(weights) != len(state.variables):
+    raise _mismatch(copy, f"its weights ({len(weights)} against "
+                    f"{len(state.variables)})")
+  for variable, trainable in zip(weights, state.variables):
+    if variable.trainable != trainable:
+      variable.trainable = trainable
+
+
+def mirror(layer: keras.layers.Layer, copy: keras.layers.Layer) -> None:
+  """`apply(capture(layer), copy)`: `copy` frozen and LoRA'd as `layer`."""
+  apply(capture(layer), copy)
+
+
+def _mismatch(copy: keras.layers.Layer, what: str) -> ValueError:
+  return ValueError(
+      f"layer {copy.name!r} ({type(copy).__name__}) has frozen weights or "
+      f"LoRA, and its copy rebuilt from its config differs in {what}, so "
+      "tfmgpu cannot freeze the same weights in a split. Train it with data "
+      "parallelism (mirrored, ZeRO), which keeps the model as it is.")
+
+
+def refuse_split(layer: keras.layers.Layer, path: str) -> None:
+  """Raises unless tensor parallelism can split `layer` (whose weight
+  `path` a rule or layout names) exactly: no LoRA, and its weights all
+  trainable or all frozen (its shards take the layer's `trainable`).
+
+  Raises:
+    ValueError: naming the layer, the weight and what to do.
+  """
+  why = None
+  if getattr(layer, "lora_enabled", False):
+    why = (f"it has LoRA enabled (rank {getattr(layer, 'lora_rank', '?')}), "
+           "whose low-rank factors tfmgpu does not shard")
+  elif len({bool(v.trainable) for v in layer.weights}) > 1 and not any(
+      "lora" in v.path for v in layer.weights):
+    frozen = [v.path for v in layer.weights if not v.trainable]
+    why = f"only some of its weights are frozen ({', '.join(frozen)})"
+  if why:
+    raise ValueError(
+        f"the tensor-parallel split names weight {path!r} of layer "
+        f"{layer.name!r} ({type(layer).__name__}), but tfmgpu cannot split "
+        f"it: {why}. Leave it whole (drop it from the rules or layout map), "
+        "or split the model into stages (model_parallel, pipeline) or train "
+        "it with data parallelism, which keep such layers as they are.")
+
+
+def trainable_of(layer: keras.layers.Layer) -> bool:
+  """The `trainable` flag a split copy of `layer` takes: `False` when its
+  weights are frozen (by it or by a frozen parent), else its own."""
+  weights = layer.weights
+  if weights and not any(v.trainable for v in weights):
+    return False
+  return bool(layer.trainable)
+
+
+def variable(layer: keras.layers.Layer, name: str) -> Any:
+  """`layer`'s own variable `name` (`kernel`, `embeddings`). With LoRA
+  enabled, Keras' `layer.kernel` is the merged tensor, not the variable."""
+  for v in layer.weights:
+    if v.path.rsplit("/", 1)[-1] == name:
+      return v
+  return getattr(layer, name, None)
