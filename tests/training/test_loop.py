@@ -251,6 +251,10 @@ def test_bad_arguments(digits):
   with pytest.raises(ValueError, match=r"jit_compile='False' is a string; "
                      r"pass True or False, e.g. jit_compile=False"):
     make_trainer(tfmgpu.get_strategy("default"), jit_compile="False")
+  # It restored the weights alone and trained the restored epochs again.
+  with pytest.raises(ValueError, match=r"BackupAndRestore.*Pass model_dir"):
+    make_trainer(tfmgpu.get_strategy("default"), callbacks=[
+        keras.callbacks.BackupAndRestore("unused_backup_dir")])
 
 
 @pytest.mark.parametrize("as_function", [False, True])
@@ -332,3 +336,46 @@ def test_clip_norm_under_float16_clips_the_unscaled_gradient(digits,
   diff = max(float(np.abs(a - b).max()) for a, b in
              zip(model.get_weights(), reference.get_weights()))
   assert moved > 1e-3 and diff < 1e-4, (moved, diff)
+
+
+def test_changing_trainable_after_the_trainer_is_made_is_refused():
+  """keras.io's fine-tuning workflow unfreezes the base between two fits:
+  the Trainer's step went on training the old weights (the base moved by
+  0.0), as Keras would without compile()."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 6)).astype("float32")
+  y = (x[:, 0] > 0).astype("int32")
+  keras.utils.set_random_seed(0)
+  base = keras.layers.Dense(8, activation="relu", name="base")
+  model = keras.Sequential([keras.Input((6,)), base, keras.layers.Dense(2)])
+  base.trainable = False
+  trainer = Trainer(model, optimizer="sgd", learning_rate=0.1, verbose=0)
+  trainer.fit(x, y, global_batch_size=16)
+  base.trainable = True
+  with pytest.raises(ValueError, match=r"trainable weights changed since this "
+                     r"Trainer was made: 2 now trainable \(sequential/base/kernel, "
+                     r"sequential/base/bias\).*Make a new Trainer"):
+    trainer.fit(x, y, global_batch_size=16)
+  before = base.get_weights()[0].copy()
+  Trainer(model, optimizer="sgd", learning_rate=0.1, verbose=0).fit(
+      x, y, global_batch_size=16)
+  assert np.abs(base.get_weights()[0] - before).max() > 1e-4
+
+
+def test_rows_no_global_batch_holds_are_named(caplog):
+  """100 rows in batches of 32 train 96 an epoch; with shuffle=False the
+  last 4 were never trained, without a word (Keras trains them)."""
+  x = np.zeros((100, 3), "float32")
+  y = np.zeros((100,), "int32")
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  trainer = Trainer(model, optimizer="sgd", verbose=0)
+  with caplog.at_level("INFO"):
+    trainer.fit(x, y, global_batch_size=32, shuffle=False)
+    trainer.fit(x, y, global_batch_size=32)
+    trainer.fit(x, y, global_batch_size=25)
+  said = [(r.levelname, r.getMessage()) for r in caplog.records
+          if "global batches of" in r.getMessage()]
+  assert [level for level, _ in said] == ["WARNING", "INFO"]
+  assert said[0][1].startswith(
+      "100 examples make 3 global batches of 32: each epoch trains 96 and "
+      "leaves 4 out, always the last ones (shuffle=False)")

@@ -68,6 +68,9 @@ class SyncExecution:
              seed: int, shuffle: bool) -> StepRunner:
     """What the `Controller` drives for `plan`."""
     logging.info("Training data: %s.", plan.describe())
+    left_out = plan.rows_left_out(shuffle)
+    if left_out:
+      (logging.info if shuffle else logging.warning)("%s", left_out)
     return runners.SyncRunner(
         train_fn, self.strategy, plan.source,
         global_batch_size=plan.global_batch_size,

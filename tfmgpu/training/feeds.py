@@ -124,6 +124,24 @@ class InputPlan:
   feed: str = ITERATOR
   refusal: str | None = None
 
+  def rows_left_out(self, shuffle: bool) -> str | None:
+    """What a warning says when arrays' rows do not fill whole global
+    batches (each epoch trains `steps_per_epoch` of them, where Keras' `fit`
+    trains the remainder in a smaller last batch), else `None`."""
+    if not isinstance(self.source, inputs.ArrayData):
+      return None
+    rows, batch = self.source.num_examples, self.global_batch_size
+    if rows % batch == 0 or self.steps_per_epoch != rows // batch:
+      return None
+    which = ("a different few each epoch (shuffled)" if shuffle else
+             "always the last ones (shuffle=False): they are never trained")
+    return (f"{rows} examples make {rows // batch} global batches of "
+            f"{batch}: each epoch trains {rows // batch * batch} and leaves "
+            f"{rows % batch} out, {which}; Keras' fit would train them in a "
+            "smaller last batch. To train every row, pass a global_batch_size "
+            "that divides the examples, or a tf.data.Dataset (its short last "
+            "batch is trained, as in Keras).")
+
   def describe(self) -> str:
     """The log line's words for where batches come from."""
     if self.feed == DEVICE:

@@ -108,6 +108,7 @@ class Trainer:
                                            self.objective, o)
     self.evaluator = self.execution.evaluator()
     self._train_fns: dict[tuple[int | None, str], Any] = {}
+    self._trainable = model_checks.TrainableWeights(model)
     self._checkpointer: ckpt_lib.Checkpointer | None = None
     self._writer = None
 
@@ -176,14 +177,15 @@ class Trainer:
 
     Raises:
       ValueError, TypeError: bad inputs or sizes (indivisible batch, too few
-        examples, a dataset of unknown length without `steps_per_epoch`),
-        or a checkpoint saved mid-epoch beyond `steps_per_epoch`.
+        examples, unknown length without `steps_per_epoch`), a checkpoint
+        beyond `steps_per_epoch`, or `layer.trainable` changed since made.
       NonFiniteLossError: the loss became NaN/inf; the last good checkpoint
         is kept and the message names the step.
       tfmgpu.training.checkpoints.PreemptedError: SIGTERM arrived (with a
         `model_dir`); every worker saved a checkpoint at the same step. Call
         `fit` again (in a new process) to resume from it.
     """
+    self._trainable.check_unchanged()
     plan = self.execution.plan(
         inputs.from_user(x, y, sample_weight), epochs=epochs,
         global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch)
@@ -242,12 +244,10 @@ class Trainer:
   def _hold_run_dir(self):
     """The run directory's lock while `fit` runs (the chief's; see
     `tfmgpu.rundir`). Reentrant: the train CLI holds it already."""
-    if not self.model_dir or not ckpt_lib.is_chief(self.strategy):
-      return contextlib.nullcontext()
-    return rundir.RunLock(self.model_dir)
+    chief = self.model_dir and ckpt_lib.is_chief(self.strategy)
+    return rundir.RunLock(self.model_dir) if chief else contextlib.nullcontext()
 
   def _watch_preemption(self):
     """SIGTERM becomes a checkpoint when the run keeps checkpoints."""
-    if not self.model_dir:
-      return contextlib.nullcontext()
-    return preemption_lib.PreemptionWatcher(self.strategy)
+    return (preemption_lib.PreemptionWatcher(self.strategy) if self.model_dir
+            else contextlib.nullcontext())

@@ -28,6 +28,40 @@ def check_model(model: keras.Model, strategy: tf.distribute.Strategy,
   batch_splits_lib.check(model, options.batch_splits)
 
 
+class TrainableWeights:
+  """The model's trainable weights when a `Trainer` was made: its step and
+  optimizer are made for them (Keras' `compile` likewise)."""
+
+  def __init__(self, model: keras.Model):
+    self.model = model
+    self.paths = {id(v): v.path for v in model.trainable_variables}
+
+  def check_unchanged(self) -> None:
+    """Raises when `layer.trainable` changed since (the keras.io
+    fine-tuning workflow unfreezes a base between two fits): the old step
+    would go on training the old weights, ignoring the change silently.
+
+    Raises:
+      ValueError: naming weights that changed and what to do.
+    """
+    now = {id(v): v.path for v in self.model.trainable_variables}
+    if now.keys() == self.paths.keys():
+      return
+    added = [p for i, p in now.items() if i not in self.paths]
+    removed = [p for i, p in self.paths.items() if i not in now]
+    said = [f"{len(items)} {what} ({', '.join(items[:3])}"
+            f"{', ...' if len(items) > 3 else ''})"
+            for items, what in ((added, "now trainable"),
+                                (removed, "now frozen")) if items]
+    raise ValueError(
+        f"model {self.model.name!r}'s trainable weights changed since this "
+        f"Trainer was made: {'; '.join(said)}. Its step and optimizer were "
+        "made for the old ones and would train them as before. Make a new "
+        "Trainer(model, ...) after changing layer.trainable (as Keras needs "
+        "model.compile() again; its optimizer starts fresh, as a recompiled "
+        "one does).")
+
+
 def strategy_named(model: keras.Model, strategy: Any,
                    zero_stage: int = 0) -> Any:
   """`strategy`, or for a registered name (`"mirrored"`) a new strategy

@@ -117,6 +117,7 @@ class TrainerOptions:
       raise ValueError(
           f"steps_per_execution={self.steps_per_execution} must be >= 1.")
     object.__setattr__(self, "callbacks", tuple(self.callbacks))
+    _refuse_backup_and_restore(self.callbacks)
 
   @classmethod
   def from_settings(cls, settings: Mapping[str, Any], **overrides: Any
@@ -145,3 +146,26 @@ class TrainerOptions:
                       f" Besides model, strategy, options and execution it takes the "
                       f"TrainerOptions fields: {', '.join(names)}.")
     return dataclasses.replace(options or cls(), **settings)
+
+
+def _refuse_backup_and_restore(callbacks: Sequence[Any]) -> None:
+  """Keras' `BackupAndRestore` restores `model`'s weights and
+  `model.optimizer` and tells Keras' `fit` the epoch to go on from; the
+  Trainer trains with its own optimizer and loop, so it would restore the
+  weights alone and train the restored epochs again (6 epochs for 4).
+
+  Raises:
+    ValueError: naming the callback and what does the job here.
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  for callback in callbacks:
+    if isinstance(callback, keras.callbacks.BackupAndRestore):
+      raise ValueError(
+          "callbacks holds keras.callbacks.BackupAndRestore, which works "
+          "with Keras' model.fit: under the Trainer it would restore the "
+          "weights but not the Trainer's optimizer state, step or epoch, and "
+          "the restored epochs would train again. Pass model_dir=... instead "
+          "(CLI: --model_dir): the Trainer checkpoints there and a rerun "
+          "resumes exactly where it stopped (weights, optimizer, step, "
+          "epoch), also after a preemption (SIGTERM).")
+
