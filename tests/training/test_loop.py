@@ -347,14 +347,15 @@ def test_changing_trainable_after_the_trainer_is_made_is_refused():
   y = (x[:, 0] > 0).astype("int32")
   keras.utils.set_random_seed(0)
   base = keras.layers.Dense(8, activation="relu", name="base")
-  model = keras.Sequential([keras.Input((6,)), base, keras.layers.Dense(2)])
+  model = keras.Sequential([keras.Input((6,)), base, keras.layers.Dense(2)],
+                           name="tuned")
   base.trainable = False
   trainer = Trainer(model, optimizer="sgd", learning_rate=0.1, verbose=0)
   trainer.fit(x, y, global_batch_size=16)
   base.trainable = True
   with pytest.raises(ValueError, match=r"trainable weights changed since this "
-                     r"Trainer was made: 2 now trainable \(sequential/base/kernel, "
-                     r"sequential/base/bias\).*Make a new Trainer"):
+                     r"Trainer was made: 2 now trainable \(tuned/base/kernel, "
+                     r"tuned/base/bias\).*Make a new Trainer"):
     trainer.fit(x, y, global_batch_size=16)
   before = base.get_weights()[0].copy()
   Trainer(model, optimizer="sgd", learning_rate=0.1, verbose=0).fit(
