@@ -580,3 +580,32 @@ def test_weight_files_move_between_layouts_and_the_unsplit_model(
   for model in [unsplit, *others]:
     np.testing.assert_allclose(model.predict(x, batch_size=8, verbose=0),
                                want, rtol=1e-5, atol=1e-6)
+
+
+def test_lookup_layers_keep_their_vocabulary_in_every_copy(cpu_devices):
+  """A TextVectorization / StringLookup copied from its config had an
+  empty table ("Table not initialized"): splits, to_unsplit and mirrored
+  serving's copy failed on text models."""
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  texts = np.array([["the good plot"], ["a bad actor"], ["good good"],
+                    ["bad plot"]])
+  vectorize = keras.layers.TextVectorization(max_tokens=12,
+                                             output_sequence_length=4)
+  vectorize.adapt(texts[:, 0])
+  words = keras.layers.StringLookup(name="words")
+  words.adapt(np.array(["good", "bad"]))
+  text, word = keras.Input((1,), dtype="string"), keras.Input((1,), dtype="string")
+  h = keras.layers.Embedding(12, 4, name="emb")(vectorize(text))
+  h = keras.layers.Concatenate(name="join")([
+      keras.layers.GlobalAveragePooling1D(name="pool")(h),
+      keras.layers.CategoryEncoding(4, "multi_hot", name="onehot")(
+          words(word))])
+  model = keras.Model([text, word], keras.layers.Dense(2, name="out")(
+      keras.layers.Dense(4, activation="relu", name="hidden")(h)))
+  x = [tf.constant(texts), tf.constant([["good"], ["bad"], ["meh"], ["good"]])]
+  want = model.predict(x, verbose=0)
+  staged = StagedModel.from_model(model, num_stages=2)
+  for got in (staged.predict(x, verbose=0),
+              staged.to_unsplit().predict(x, verbose=0),
+              inference.predict(model, x, strategy="mirrored", batch_size=2)):
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -223,7 +223,7 @@ def test_an_infinite_dataset_needs_steps_per_epoch_and_runs_on(initial):
     (lambda t, x, y: t.fit(x),
      r"x is given as arrays without y"),
     (lambda t, x, y: t.fit({"image": np.array([{}] * 64), "tab": x["tab"]}, y),
-     r"x\['image'\] is not a numeric array"),
+     r"x\['image'\] is not an array of numbers or strings"),
 ])
 def test_bad_inputs_are_named(initial, call, message):
   x, label, _ = _data()

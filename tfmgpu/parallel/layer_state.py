@@ -1,5 +1,6 @@
 """What a layer's config leaves out and a copy of it must keep: which of
-its layers and weights are frozen, and which layers carry LoRA.
+its layers and weights are frozen, which layers carry LoRA, and lookup
+layers' adapted vocabularies.
 
 Splits rebuild layers from configs (`cloning`). A config rebuilds a layer
 as constructed, not as the user left it: a keras_hub block frozen with
@@ -8,7 +9,9 @@ back from its backbone's config trainable and without LoRA. A split would
 then train weights the user froze, silently, or fail to copy the LoRA
 weights. In Keras 3 freezing lives on each variable (`Layer.trainable`
 sets its variables' flags), so the state is the layers' `trainable` flags,
-their LoRA ranks and every weight's `trainable` flag, in walk order.
+their LoRA ranks and every weight's `trainable` flag, in walk order. A
+`TextVectorization` / `StringLookup` copied from its config has an empty
+table ("Table not initialized"): its vocabulary is set again.
 
 * `capture(layer)` records it; `apply(state, copy)` sets it on a built copy
   of the same structure; `mirror(layer, copy)` does both.
@@ -30,11 +33,15 @@ from tfmgpu import _compat
 
 @dataclasses.dataclass(frozen=True)
 class LayerRecord:
-  """One (nested) layer: its class name, `trainable` flag and LoRA."""
+  """One (nested) layer: its class name, `trainable` flag, LoRA, and a
+  lookup layer's vocabulary (`TextVectorization`, `StringLookup`, ...:
+  adapted state Keras saves as an asset, not in the config)."""
   kind: str
   trainable: bool
   lora_rank: int | None = None
   lora_alpha: float | None = None
+  vocabulary: tuple[Any, ...] | None = None
+  output_mode: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +54,19 @@ class LayerState:
 
 def _record(layer: keras.layers.Layer) -> LayerRecord:
   lora = getattr(layer, "lora_enabled", False)
+  vocabulary = None
+  if hasattr(layer, "get_vocabulary") and hasattr(layer, "set_vocabulary"):
+    vocabulary = tuple(t.item() if hasattr(t, "item") else t
+                       for t in layer.get_vocabulary())
   return LayerRecord(type(layer).__name__, bool(layer.trainable),
                      getattr(layer, "lora_rank", None) if lora else None,
-                     getattr(layer, "lora_alpha", None) if lora else None)
+                     getattr(layer, "lora_alpha", None) if lora else None,
+                     vocabulary, getattr(layer, "output_mode", None))
 
 
 def capture(layer: keras.layers.Layer) -> LayerState:
-  """`layer`'s frozen flags and LoRA, to set on a copy (`apply`)."""
+  """`layer`'s frozen flags, LoRA and vocabularies, to set on a copy
+  (`apply`)."""
   return LayerState(
       tuple(_record(l) for l in _compat.flatten_layers(layer)),
       tuple(bool(v.trainable) for v in layer.weights))
@@ -69,8 +82,8 @@ def apply(state: LayerState, copy: keras.layers.Layer) -> None:
       two differ in state, so tfmgpu cannot tell which of its weights to
       freeze; named.
   """
-  lora = any(r.lora_rank for r in state.layers)
-  if not lora and tuple(bool(v.trainable) for v in copy.weights) == (
+  special = any(r.lora_rank or r.vocabulary for r in state.layers)
+  if not special and tuple(bool(v.trainable) for v in copy.weights) == (
       state.variables):
     return  # Each weight's flag is what trains it (`trainable_weights`).
   layers = _compat.flatten_layers(copy)
@@ -81,7 +94,9 @@ def apply(state: LayerState, copy: keras.layers.Layer) -> None:
     for record, layer in zip(state.layers, layers):
       if record.lora_rank and not getattr(layer, "lora_enabled", False):
         layer.enable_lora(record.lora_rank, lora_alpha=record.lora_alpha)
-  elif lora:  # A layer shared with a nested model may be listed twice.
+      if record.vocabulary:
+        _set_vocabulary(layer, record)
+  elif special:  # A layer shared with a nested model may be listed twice.
     raise _mismatch(copy, "its nested layers")
   weights = copy.weights
   if len(weights) != len(state.variables):
@@ -90,6 +105,19 @@ def apply(state: LayerState, copy: keras.layers.Layer) -> None:
   for variable, trainable in zip(weights, state.variables):
     if variable.trainable != trainable:
       variable.trainable = trainable
+
+
+def _set_vocabulary(layer: keras.layers.Layer, record: LayerRecord) -> None:
+  """A lookup layer's adapted vocabulary, which its config leaves out (the
+  copy's table was empty: "Table not initialized" at its first call)."""
+  if record.output_mode == "tf_idf":
+    raise ValueError(
+        f"layer {layer.name!r} ({record.kind}, output_mode='tf_idf') holds "
+        "IDF weights tfmgpu cannot copy with its vocabulary, and this "
+        "placement copies the model's layers. Apply it in the tf.data "
+        "pipeline (dataset.map(layer)) and give the model its output, or "
+        "serve the model unsplit.")
+  layer.set_vocabulary(list(record.vocabulary))
 
 
 def mirror(layer: keras.layers.Layer, copy: keras.layers.Layer) -> None:

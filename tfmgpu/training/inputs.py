@@ -74,14 +74,25 @@ def _as_structure(value: Any, what: str) -> Any:
     raise TypeError(f"{what} is a {type(value).__name__}; inside arrays only "
                     "arrays are accepted (give a dataset as x alone).")
   to_numpy = getattr(value, "to_numpy", None) or getattr(value, "numpy", None)
-  array = np.asarray(to_numpy() if to_numpy else value)
+  array = _strings_as_text(np.asarray(to_numpy() if to_numpy else value))
   if array.dtype == object:
-    raise TypeError(f"{what} is not a numeric array (dtype object, shape "
-                    f"{array.shape}); give a NumPy array, or a dict, list or "
-                    "tuple of arrays for several inputs.")
+    raise TypeError(f"{what} is not an array of numbers or strings (dtype "
+                    f"object, shape {array.shape}); give a NumPy array, or a "
+                    "dict, list or tuple of arrays for several inputs.")
   if array.ndim == 0:
     raise ValueError(f"{what} is a scalar ({array!r}); give one row per "
                      "example.")
+  return array
+
+
+def _strings_as_text(array: np.ndarray) -> np.ndarray:
+  """A string tensor's NumPy form (objects, each `bytes`) as a bytes array,
+  which tf.data takes; other object arrays as they are."""
+  if array.dtype != object or not array.size:
+    return array
+  for kind in (bytes, str):
+    if all(isinstance(v, kind) for v in array.flat):
+      return array.astype(kind)
   return array
 
 
