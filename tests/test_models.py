@@ -1,6 +1,7 @@
 """Model registry."""
 
 import keras
+import numpy as np
 import pytest
 
 from tfmgpu import models
@@ -73,3 +74,12 @@ def test_declared_block_counts_are_the_built_models(name, size, shape,
 def test_models_without_a_declared_count_are_checked_when_built():
   assert models.cuttable_blocks("resnet50") is None
   assert models.cuttable_blocks("path/to/file.py:build") is None
+
+
+def test_a_classifier_without_class_labels_says_what_to_give():
+  """Float labels give num_classes=None: Keras said `units=None`."""
+  with pytest.raises(ValueError, match=r"num_classes=None: tfmgpu's built-in "
+                     r"models end in one logit per class.*integer class labels"):
+    models.build_model("mlp", input_shape=(4,), num_classes=None)
+  assert models.build_model("mlp", input_shape=(4,),
+                            num_classes=np.int64(3)).output_shape == (None, 3)

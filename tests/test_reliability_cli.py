@@ -272,6 +272,17 @@ def test_npz_labels_are_checked_before_training(tmp_path, capsys):
                      r"labels"):
     data.load_dataset("npz", path=_npz(tmp_path / "f.npz",
                                        y_train=np.full(64, 0.5)))
+  # A NaN in the inputs read as a learning rate too high at step 20.
+  x = np.random.RandomState(0).normal(size=(64, 12)).astype("float32")
+  x[9, 3] = np.nan
+  path = _npz(tmp_path / "nan.npz", x_train=x)
+  with flagsaver.flagsaver(**TINY, dataset="npz", data_path=path,
+                           global_batch_size=16):
+    assert train.main(["train"]) == 1
+  assert _error_line(capsys) == (
+      f"error: dataset {path!r}: x_train holds 1 NaN/inf value(s), the first "
+      "in row 9; the loss would turn NaN at the step that reads it. Clean "
+      "the data first (drop those rows, or np.nan_to_num).")
 
 
 # ------------------------------------------------------- damaged TFRecords

@@ -72,7 +72,10 @@ def test_names_are_case_insensitive():
   assert tfmgpu.TrainConfig(strategy="Pipeline").distribution.name == "pipeline"
 
 
-def test_multi_worker_mirrored_single_process():
+def test_multi_worker_mirrored_single_process(monkeypatch):
+  """An empty TF_CONFIG means no cluster; TF failed to parse it ("Expecting
+  value: line 1 column 1 (char 0)")."""
+  monkeypatch.setenv("TF_CONFIG", "")
   s = tfmgpu.get_strategy("multi_worker_mirrored", communication="ring")
   assert isinstance(s, tf.distribute.MultiWorkerMirroredStrategy)
 
@@ -174,6 +177,9 @@ def test_unknown_cross_device_ops():
     (json.dumps({"cluster": {"worker": ["a:1"]},
                  "task": {"type": "ps", "index": 0}}),
      r"task type 'ps' is not a job of the cluster"),
+    (json.dumps({"cluster": {"worker": ["a:1", "b:2"]},  # Said "out of range".
+                 "task": {"type": "worker", "index": "1"}}),
+     r"task index '1' must be an integer .*one of 0\.\.1 for job 'worker'"),
 ])
 def test_malformed_tf_config(raw, match, monkeypatch):
   monkeypatch.setenv("TF_CONFIG", raw)

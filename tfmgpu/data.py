@@ -17,6 +17,7 @@ from tfmgpu.datasets.registry import Arrays
 from tfmgpu.datasets.registry import available_datasets
 from tfmgpu.datasets.registry import Baseline
 from tfmgpu.datasets.registry import check_dataset
+from tfmgpu.datasets.registry import check_features
 from tfmgpu.datasets.registry import check_labels
 from tfmgpu.datasets.registry import dataset_entry
 from tfmgpu.datasets.registry import DatasetEntry
@@ -34,7 +35,7 @@ from tfmgpu.datasets.registry import UserDatasets
 
 __all__ = [
     "Arrays", "available_datasets", "Baseline", "cache_dir", "check_dataset",
-    "check_labels", "dataset_entry", "DatasetEntry",
+    "check_features", "check_labels", "dataset_entry", "DatasetEntry",
     "DatasetUnavailableError", "default_metrics", "load_dataset",
     "open_dataset", "register_dataset", "StreamedDataset",
     "unregister_dataset", "USER_LOADER_CALL", "user_arrays", "user_datasets",

@@ -273,7 +273,7 @@ def _autotuned(config: TrainConfig, placement: strategies_lib.Placement,
 
 def _training_data(config: TrainConfig, arrays: Any) -> Any:
   """The run's data: `arrays` (as a `--dataset` loader returns them: made
-  `Arrays`), or `config.dataset` opened; labels checked, logged."""
+  `Arrays`), or `config.dataset` opened; labels and inputs checked, logged."""
   if arrays is None:
     arrays = data_lib.open_dataset(config.dataset, **config.dataset_options())
   elif isinstance(arrays, (tuple, list)):
@@ -281,6 +281,7 @@ def _training_data(config: TrainConfig, arrays: Any) -> Any:
   logging.info("Data: %r", arrays)
   if isinstance(arrays, data_lib.Arrays):
     data_lib.check_labels(arrays)  # Before a first step fails on one.
+    data_lib.check_features(arrays)
   return arrays
 
 

@@ -609,3 +609,21 @@ def test_interleaving_needs_1f1b_and_a_repeating_plan(cpu_devices):
   with pytest.raises(ValueError, match=r"virtual_stages=2 needs a plan whose "
                      r"stages repeat its first devices"):
     PipelinedModel(_mlp(), plan, virtual_stages=2, schedule="1f1b")
+
+
+def test_only_batch_norms_that_train_are_said_to_differ(caplog, cpu_devices):
+  """A frozen BatchNormalization normalises by its moving statistics, the
+  same for any micro-batch: transfer learning's frozen base was warned
+  about although it trained as unsplit (1e-9)."""
+  x = keras.Input((6,))
+  h = keras.layers.BatchNormalization(name="base_norm")(
+      keras.layers.Dense(6, name="base")(x))
+  model = keras.Model(x, keras.layers.Dense(2, name="head")(
+      keras.layers.Dense(6, name="mid")(h)))
+  said = []
+  for frozen in (True, False):
+    model.get_layer("base_norm").trainable = not frozen
+    caplog.clear()
+    pipeline.PipelinedModel.from_model(model, num_stages=2, micro_batches=2)
+    said.append("normalise each micro-batch" in caplog.text)
+  assert said == [False, True]

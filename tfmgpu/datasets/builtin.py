@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 
 from tfmgpu.datasets.registry import Arrays
+from tfmgpu.datasets.registry import check_features
 from tfmgpu.datasets.registry import check_labels
 from tfmgpu.datasets.registry import register_dataset
 
@@ -111,6 +112,7 @@ def npz(path: str | None = None) -> Arrays:
   arrays = Arrays("npz", x_train, y_train, x_test, y_test,
                   int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1)
   check_labels(arrays, source=repr(path))
+  check_features(arrays, source=repr(path))
   return arrays
 
 

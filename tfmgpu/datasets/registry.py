@@ -422,6 +422,32 @@ def open_dataset(name: str = "digits", **options) -> "Arrays | StreamedDataset":
   return dataset_entry(name).loader(**options)
 
 
+def check_features(arrays: Arrays, *, source: str | None = None) -> None:
+  """Checks that the float inputs hold no NaN or inf.
+
+  Run before training: a NaN in the data makes the loss NaN at the step
+  that reads it, which reads like a learning rate too high.
+
+  Raises:
+    ValueError: naming the input, how many values and the first row.
+  """
+  for split, x in (("x_train", arrays.x_train), ("x_test", arrays.x_test)):
+    leaves = (x.items() if isinstance(x, dict) else
+              enumerate(x) if isinstance(x, (list, tuple)) else [(None, x)])
+    for key, value in leaves:
+      value = np.asarray(value)
+      if value.dtype.kind != "f" or np.isfinite(value).all():
+        continue
+      bad = ~np.isfinite(value.reshape(len(value), -1))
+      name = split if key is None else f"{split}[{key!r}]"
+      raise ValueError(
+          f"dataset {source or repr(arrays.name)}: {name} holds "
+          f"{int(bad.sum())} NaN/inf value(s), the first in row "
+          f"{int(np.flatnonzero(bad.any(axis=1))[0])}; the loss would turn "
+          "NaN at the step that reads it. Clean the data first (drop those "
+          "rows, or np.nan_to_num).")
+
+
 def check_labels(arrays: Arrays, *, source: str | None = None) -> None:
   """Checks that every label is a class index in `0..num_classes - 1`.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -262,5 +263,18 @@ def build_model(name_or_fn: str | ModelFn, *, input_shape: tuple[int, ...],
 
 def logits_layer(num_classes: int, name: str = "logits"
                  ) -> "keras.layers.Layer":
-  """The output layer every builder ends with: float32 logits, no softmax."""
-  return keras.layers.Dense(num_classes, dtype="float32", name=name)
+  """The output layer every builder ends with: float32 logits, no softmax.
+
+  Raises:
+    ValueError: `num_classes` is not a positive integer (`None`: the
+      labels are not class indices), said for the user.
+  """
+  if isinstance(num_classes, bool) or not isinstance(
+      num_classes, numbers.Integral) or num_classes < 1:
+    raise ValueError(
+        f"num_classes={num_classes!r}: tfmgpu's built-in models end in one "
+        "logit per class, and num_classes is max(y) + 1 for integer labels "
+        "(None: the labels are not class indices, e.g. floats). Give integer "
+        "class labels 0..K-1, or your own model for other targets "
+        "(--model=path/to/file.py:build, with --loss=mse for values).")
+  return keras.layers.Dense(int(num_classes), dtype="float32", name=name)

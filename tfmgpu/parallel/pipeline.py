@@ -155,7 +155,8 @@ class PipelinedModel(staged.StagedModel):
     self.virtual_stages = _check_virtual(self.stage_devices, virtual_stages,
                                          micro_batches, schedule)
     norms = [l.name for s in self.stages for l in _compat.flatten_layers(s)
-             if isinstance(l, keras.layers.BatchNormalization)]
+             if isinstance(l, keras.layers.BatchNormalization)
+             and l.trainable]  # A frozen one normalises by its moving stats.
     if norms and micro_batches > 1:
       logging.warning(
           "%s: BatchNormalization layers (%s) normalise each micro-batch of "

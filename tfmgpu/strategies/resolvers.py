@@ -9,6 +9,8 @@ import json
 import os
 from typing import Any, Callable
 
+from absl import logging
+
 from tfmgpu import checks
 from tfmgpu._lazy import LazyModule
 
@@ -18,7 +20,12 @@ tf = LazyModule("tensorflow")
 
 def _tf_config_resolver():
   raw = os.environ.get("TF_CONFIG")
-  if raw:
+  if raw is not None and not raw.strip():
+    # Empty means no cluster (`tfmgpu.cluster`); TF's resolver would fail
+    # to parse it ("Expecting value: line 1 column 1").
+    logging.info("TF_CONFIG is set but empty: no cluster; unsetting it.")
+    del os.environ["TF_CONFIG"]
+  elif raw:
     validate_tf_config(raw)
   return tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
@@ -109,7 +116,11 @@ def validate_tf_config(raw: str) -> dict[str, Any]:
       raise ValueError(f"TF_CONFIG task type {job!r} is not a job of the "
                        f"cluster ({', '.join(cfg['cluster'])}).")
     n = len(cfg["cluster"][job])
-    if not isinstance(index, int) or not 0 <= index < n:
+    if not isinstance(index, int) or isinstance(index, bool):
+      raise ValueError(f"TF_CONFIG task index {index!r} must be an integer "
+                       f"(JSON {{\"index\": 0}}, not a string), one of "
+                       f"0..{n - 1} for job {job!r}.")
+    if not 0 <= index < n:
       raise ValueError(f"TF_CONFIG task index {index!r} is out of range: job "
                        f"{job!r} has {n} task(s) (indices 0..{n - 1}).")
   return cfg

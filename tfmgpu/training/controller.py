@@ -128,7 +128,8 @@ def non_finite_message(sums: StepSums, *, first_step: int, epoch: int,
                              else "none (no model_dir)")
   return (f"Loss became {what} at step {steps} (epoch {epoch + 1}). Training "
           f"stopped; the last good checkpoint is {kept}. Lower the learning "
-          "rate or set clip_norm.")
+          "rate or set clip_norm, and check the data for NaN/inf "
+          "(np.isfinite(x).all()).")
 
 
 def preempted_error(checkpointer: ckpt_lib.Checkpointer, checkpoint: str, *,
