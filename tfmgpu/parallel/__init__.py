@@ -24,6 +24,8 @@ only modules listed before it):
   variable in every copy, their gradients summed over every use;
 * `cloning`: rebuilding a model's layers elsewhere: `ModelSpec`,
   `clone_layer`, `stage_inputs`, weights by layer name, `UnsplitWeights`;
+* `layer_state`: what every copy takes from the original that its config
+  leaves out: frozen layers and weights, LoRA, lookup vocabularies;
 * `partition`: `plan_stages`, the exact balanced split of the blocks into
   stages (`min_max_partition`);
 * `inspection`: `op_placements`, the device every op of a traced function
