@@ -327,6 +327,11 @@ def dataset_fn():
 def with_test():
   test = tf.data.Dataset.from_tensor_slices(_arrays(64, 1)).batch(32)
   return dataset(), test
+
+
+def shapeless():
+  return dataset().map(lambda x, y: (tf.py_function(tf.identity, [x],
+                                                    tf.float32), y))
 '''
 
 
@@ -353,6 +358,9 @@ def test_a_loader_may_return_a_tf_data_dataset_or_a_dataset_function(
   arrays = data.load_dataset(f"{path}:with_test")  # What predict reads.
   assert (arrays.input_shape, arrays.num_classes) == ((8,), 4)
   assert (len(arrays.x_train), len(arrays.x_test)) == (128, 64)
+  # Said "Cannot iterate over a shape with unknown rank."
+  with pytest.raises(ValueError, match=r"unknown rank .*tf\.ensure_shape"):
+    data.load_dataset(f"{path}:shapeless")
 
 
 @pytest.mark.slow

@@ -325,6 +325,14 @@ class UserDatasets:
       raise ValueError(
           f"dataset={name!r} returned a dataset of {spec}; its elements must "
           "be (x, y) or (x, y, sample_weight) batches.")
+    unknown = [t for t in tf.nest.flatten(spec[:2]) if t.shape.rank is None]
+    if unknown:
+      raise ValueError(
+          f"dataset={name!r} returned a dataset whose elements have unknown "
+          f"rank ({unknown[0]}: tf.py_function / tf.numpy_function outputs "
+          "carry no shape), so the model's input shape cannot be read from "
+          "it. Give them one in your map: x = tf.ensure_shape(x, [None, 28, "
+          "28, 1]) (or x.set_shape(...)), likewise y.")
     self.input_shape = tf.nest.map_structure(
         lambda t: tuple(t.shape[1:]), spec[0])
     self.num_classes = self._class_count(spec[1])
