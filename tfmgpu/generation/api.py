@@ -47,7 +47,10 @@ def adapter_for(model: Any) -> decode.CacheAdapter:
   raise ValueError(
       f"model {getattr(model, 'name', model)!r} ({type(model).__name__}) is "
       "neither tfmgpu's gpt nor a keras_hub CausalLM: generate takes one of "
-      "those (build one with tfmgpu.build_model('gpt', ...)).")
+      "those (build one with tfmgpu.build_model('gpt', ...))."
+      + (" An encoder-decoder (a keras_hub Seq2SeqLM: BART, T5) generates "
+         "with its own model.generate(...)." if "Seq2Seq" in
+         type(model).__name__ else ""))
 
 
 def _copy_in_scope(model: Any, strategy: tf.distribute.Strategy) -> Any:
