@@ -224,6 +224,12 @@ def test_rows_split_differently_get_the_same_seeded_tokens(gpt):
     ({"tokens": np.ones((1, 4), np.int32)}, "keys"),
     (np.ones((1, 4), np.float32), "integer"),
     (np.array([[-3, 6]]), "holds -3; token ids are >= 0"),
+    # Past the vocabulary: a raw GatherV2 error (zeros on a GPU).
+    (np.array([[300, 6]]), r"holds 300, but the model's vocabulary has 50 "
+     r"tokens \(ids 0\.\.49\)"),
+    # Said "Use max_new_tokens <= -6".
+    (np.ones((1, 30), np.int32), r"prompt \(30 tokens\) leaves no room in "
+     r"the model's 24 positions: shorten it to at most 23 tokens"),
 ])
 def test_bad_inputs_are_named(gpt, inputs, match):
   with pytest.raises(ValueError, match=match):

@@ -141,6 +141,32 @@ def test_reduced_precision_outputs_float32(model, rows, reference):
   assert np.mean(np.argmax(got, -1) == np.argmax(reference, -1)) > 0.98
 
 
+def test_copies_serve_todays_weights_ids_and_integer_outputs():
+  """Found by a new user: `predict(strategy="mirrored")` (a copy in the
+  strategy's scope) kept serving the first call's weights after training;
+  `precision="bfloat16"` rounded token ids (301 read row 300); integer
+  outputs came back as float32 (987654321 as 987654336); a Lambda layer
+  could not be copied ("deserialization of a Lambda layer")."""
+  ids = keras.Input((1,), dtype="int32", name="ids")
+  rows = keras.layers.Flatten()(keras.layers.Embedding(5000, 1, name="emb")(ids))
+  doubled = keras.layers.Lambda(lambda t: t * 2.0, name="double")(rows)
+  model = keras.Model(ids, {"value": doubled, "id": keras.ops.cast(
+      ids, "int64") * 1_000_000_007})
+  table = np.zeros((5000, 1), "float32")
+  table[[301, 1001, 4097]] = [[1], [2], [3]]
+  model.get_layer("emb").set_weights([table])
+  x = np.array([[301], [1001], [4097]], "int32")
+  for precision in ("float32", "bfloat16"):
+    got = inference.predict(model, x, strategy="mirrored", precision=precision)
+    np.testing.assert_array_equal(got["value"].ravel(), [2, 4, 6])
+    assert got["id"].dtype == np.int64
+    assert got["id"].ravel().tolist() == [301_000_002_107, 1_001_000_007_007,
+                                          4_097_000_028_679]
+  model.get_layer("emb").set_weights([table * 10])  # "Trained" since.
+  got = inference.predict(model, x, strategy="mirrored")
+  np.testing.assert_array_equal(got["value"].ravel(), [20, 40, 60])
+
+
 def test_train_split_serve_unsplit_and_the_reverse(tmp_path, rows):
   x, y = rows[:128], np.arange(128) % 10
   unsplit = models.build_model("deep_mlp", input_shape=(28, 28, 1),

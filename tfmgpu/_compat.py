@@ -259,6 +259,14 @@ def no_deferred_initialization() -> Iterator[None]:
 # Keras masks.
 
 
+def copying_layers() -> contextlib.AbstractContextManager:
+  """Keras' safe mode off while a live model's layers are rebuilt from
+  their configs: a `Lambda` (the user's own function, in memory) would
+  refuse "the deserialization of a Lambda layer" as if read from a file."""
+  from keras.src.saving import serialization_lib  # pylint: disable=g-import-not-at-top
+  return serialization_lib.SafeModeScope(False)
+
+
 def get_keras_mask(tensor: Any) -> Any:
   """The Keras mask a tensor carries, or `None`."""
   from keras.src.backend.common import masking  # pylint: disable=g-import-not-at-top

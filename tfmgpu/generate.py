@@ -122,12 +122,12 @@ def _memory_plan() -> str:
   from tfmgpu.parallel import layout as layout_lib  # pylint: disable=g-import-not-at-top
   values = strategy_flags.values()
   distribution = strategies_lib.lookup(values.pop("strategy"))
+  devices_lib.configure_virtual_devices(devices.VIRTUAL_DEVICES.value)
   model = inference.load_model(serving.MODEL_PATH.value[0])
   options = distribution.options_from(
       types.SimpleNamespace(**values, **stages.values()))
   layout = distribution.layout_of(options) or layout_lib.Layout()
   # This host's devices when it has enough, else the GPUs it plans for.
-  devices_lib.configure_virtual_devices(devices.VIRTUAL_DEVICES.value)
   found = devices_lib.accelerator_devices()
   return kv_cache.serving_table(
       model, layout, batch=_SERVE_BATCH.value, context=_context(),

@@ -105,8 +105,8 @@ class Predictor:
     batch_size: global batch per step; rounded up to a multiple of the
       replica count. Defaults to `1024` (large batches amortise overhead).
     steps_per_execution: batches per `tf.function` call. Defaults to `4`.
-    precision: `float32`, `bfloat16` or `float16` compute; outputs are
-      always float32.
+    precision: `float32`, `bfloat16` or `float16` compute; floating outputs
+      are always float32 (integer outputs keep their dtype).
     prefetch: read the next batches (to each device, where the platform
       supports it) while the current one computes. Defaults to `True`.
 
@@ -137,6 +137,14 @@ class Predictor:
     self.steps_per_execution = steps_per_execution
     self._fn = _predict_function(self.runner, self.strategy)
     self._fn_one = self._fn.one
+
+  def refresh(self) -> None:
+    """Copies the model's current weights into the copy this predictor
+    serves (made for another strategy's scope or precision); nothing when
+    it serves the model itself. `tfmgpu.predict` does it before every call,
+    so a model trained on since predicts with its latest weights."""
+    if self.runner is not self.model and isinstance(self.model, keras.Model):
+      self.runner.set_weights(self.model.get_weights())
 
   def predict(self, x: Any, *, output_kind: str = "logits") -> Any:
     """Predictions for every row of `x`, in input order (numpy).
@@ -253,7 +261,7 @@ class _Rows:
       return
     if self.arrays is None:
       self.structure = chunk
-      self.arrays = [np.empty((self.n, *f.shape[1:]), np.float32)
+      self.arrays = [np.empty((self.n, *f.shape[1:]), _kept_dtype(f))
                      for f in flat]
     take = min(len(flat[0]), self.n - self.done)
     for array, f in zip(self.arrays, flat):
@@ -264,18 +272,27 @@ class _Rows:
     if self.n is None:
       if not self.chunks:
         raise ValueError("x is an empty dataset: nothing to predict.")
-      self.arrays = [np.concatenate(parts).astype(np.float32, copy=False)
+      self.arrays = [np.concatenate(parts).astype(_kept_dtype(parts[0]),
+                                                  copy=False)
                      for parts in zip(*self.chunks)]
     return tf.nest.pack_sequence_as(self.structure, self.arrays)
+
+
+def _kept_dtype(array: np.ndarray) -> Any:
+  """What an output is returned as: float32 for floats (any precision),
+  else its own dtype (integer ids would lose digits as float32)."""
+  return np.float32 if array.dtype.kind == "f" or array.dtype.name == (
+      "bfloat16") else array.dtype
 
 
 def _predict_function(model, strategy) -> Callable[..., Any]:
   """`fn(iterator, k)`: k batches' outputs (any structure), gathered in
   replica order."""
 
-  def replica_fn(x):
-    return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32),
-                                 model(x, training=False))
+  def replica_fn(x):  # Floats as float32; integer outputs (ids) as they are.
+    return tf.nest.map_structure(
+        lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t,
+        model(x, training=False))
 
   def one(batch):
     per_replica = strategy.run(replica_fn, args=(batch,))
@@ -285,7 +302,7 @@ def _predict_function(model, strategy) -> Callable[..., Any]:
   def run(iterator, k):
     first = one(next(iterator))
     flat = tf.nest.flatten(first)
-    arrays = [tf.TensorArray(tf.float32, size=k, infer_shape=False).write(0, t)
+    arrays = [tf.TensorArray(t.dtype, size=k, infer_shape=False).write(0, t)
               for t in flat]
     for i in tf.range(1, k):
       outs = tf.nest.flatten(one(next(iterator)))
@@ -324,7 +341,8 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
       `convert_outputs`). Defaults to `logits`.
 
   Returns:
-    A float32 numpy array with a row per input row (a list or dict of them
+    A float32 numpy array (an integer output keeps its dtype) with a row
+    per input row (a list or dict of them
     for a model with several outputs).
 
   Raises:
@@ -339,6 +357,8 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
     cache[key] = Predictor(model, strategy=strategy, batch_size=batch_size,
                            steps_per_execution=steps_per_execution,
                            precision=precision, prefetch=prefetch)
+  else:  # Its copy (mirrored, another precision) takes today's weights.
+    cache[key].refresh()
   return cache[key].predict(x, output_kind=output_kind)
 
 

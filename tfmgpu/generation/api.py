@@ -184,7 +184,8 @@ class Generator:
     (`each`) or once at the end."""
     request = prompts_lib.read(inputs, max_new_tokens,
                                self.adapter.max_positions,
-                               self._runner.replicas)
+                               self._runner.replicas,
+                               vocab=getattr(self.adapter, "vocab", None))
     seed = sampling.seed
     if seed is None:
       seed = 0 if sampling.sampler == "greedy" else secrets.randbelow(2**30)

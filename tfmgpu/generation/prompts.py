@@ -58,19 +58,23 @@ def _arrays(inputs: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read(inputs: Any, max_new_tokens: int, max_positions: int | None,
-         replicas: int = 1) -> Request:
+         replicas: int = 1, *, vocab: int | None = None) -> Request:
   """The `Request` of `inputs` (see `tfmgpu.generate`).
 
   Raises:
     ValueError: a bad shape or dtype, an empty prompt, a prompt that is not
-      right-padded, `max_new_tokens` < 1, or a sequence longer than the
-      model's `max_positions`.
+      right-padded, a token id outside the `vocab`, `max_new_tokens` < 1,
+      or a sequence longer than the model's `max_positions`.
   """
   if (not isinstance(max_new_tokens, (int, np.integer))
       or isinstance(max_new_tokens, bool) or max_new_tokens < 1):
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive "
                      "int, e.g. 32.")
   ids, mask = _arrays(inputs)
+  if vocab and (ids[mask] >= vocab).any():  # A GPU's gather reads zeros.
+    raise ValueError(f"inputs token_ids holds {int(ids[mask].max())}, but "
+                     f"the model's vocabulary has {vocab} tokens (ids "
+                     f"0..{vocab - 1}).")
   lengths = mask.sum(axis=1).astype(np.int32)
   right_padded = np.arange(mask.shape[1])[None, :] < lengths[:, None]
   bad = np.flatnonzero((mask != right_padded).any(axis=1) | (lengths == 0))
@@ -81,6 +85,11 @@ def read(inputs: Any, max_new_tokens: int, max_positions: int | None,
         "prompt token, and its padding only at the end (right-padded).")
   longest = int(lengths.max())
   width = longest + int(max_new_tokens)
+  if max_positions is not None and longest >= max_positions:
+    raise ValueError(
+        f"the longest prompt ({longest} tokens) leaves no room in the "
+        f"model's {max_positions} positions: shorten it to at most "
+        f"{max_positions - 1} tokens.")
   if max_positions is not None and width > max_positions:
     raise ValueError(
         f"the longest prompt ({longest} tokens) + max_new_tokens="

@@ -22,10 +22,10 @@ only modules listed before it):
   their backward on their own device, and its shared helpers;
 * `shared`: weights several layers hold (tied embeddings): found, kept one
   variable in every copy, their gradients summed over every use;
-* `cloning`: rebuilding a model's layers elsewhere: `ModelSpec`,
-  `clone_layer`, `stage_inputs`, weights by layer name, `UnsplitWeights`;
 * `layer_state`: what every copy takes from the original that its config
   leaves out: frozen layers and weights, LoRA, lookup vocabularies;
+* `cloning`: rebuilding a model's layers elsewhere: `ModelSpec`,
+  `clone_layer`, `stage_inputs`, weights by layer name, `UnsplitWeights`;
 * `partition`: `plan_stages`, the exact balanced split of the blocks into
   stages (`min_max_partition`);
 * `inspection`: `op_placements`, the device every op of a traced function
@@ -116,7 +116,7 @@ _EXPORTS = {
 _SUBMODULES = ("accounting", "activations", "auto", "block_flops",
                "branches", "calibration", "choices",
                "cloning", "cost", "graph", "hybrid", "inspection", "kv_cache",
-               "layout", "layout_maps", "links", "microbatch", "on_device",
+               "layer_state", "layout", "layout_maps", "links", "microbatch", "on_device",
                "partition", "pipeline", "pipeline_step", "placed",
                "placed_model", "plan", "replicated", "schedule", "serve_plan",
                "shards", "shared", "split_attention", "split_blocks",

@@ -32,6 +32,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import graph as graph_lib
@@ -64,7 +65,8 @@ class ModelSpec:
     """
     # A copy: `Functional.from_config` consumes parts of the dict it gets,
     # and the model must rebuild from the same config every call.
-    model = self.cls.from_config(copy.deepcopy(self.config))
+    with _compat.copying_layers():
+      model = self.cls.from_config(copy.deepcopy(self.config))
     if len(model.layers) == len(self.layer_names):
       for layer, name in zip(model.layers, self.layer_names):
         layer.name = name
@@ -124,6 +126,11 @@ def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
     ValueError: the layer rebuilds neither from its config nor from its
       attributes, or no copy keeps every argument it kept.
   """
+  with _compat.copying_layers():
+    return _clone_layer(layer)
+
+
+def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
   if isinstance(layer, keras.Model):
     try:
       clone = keras.models.clone_model(layer, recursive=True)
@@ -308,7 +315,7 @@ def copy_model(model: keras.Model,
   """
   weights = model.get_weights()
   scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-  with scope:
+  with scope, _compat.copying_layers():
     if dtype is None and not same_class:
       clone = keras.models.clone_model(model)
     else:
@@ -326,13 +333,24 @@ def copy_model(model: keras.Model,
 
 
 def _with_dtype(config: Any, dtype: str) -> Any:
-  """Rewrites every layer's `dtype` in a (nested) model config."""
+  """Rewrites every layer's floating `dtype` in a (nested) model config;
+  integer and string inputs keep theirs (token ids rounded to bfloat16
+  read other rows: 301 became 300)."""
   if isinstance(config, dict):
     out = {k: _with_dtype(v, dtype) for k, v in config.items()}
-    if "dtype" in out and isinstance(config.get("dtype"), (str, dict)) and (
+    if "dtype" in out and _floating(config.get("dtype")) and (
         "name" in config or "units" in config or "filters" in config):
       out["dtype"] = dtype
     return out
   if isinstance(config, list):
     return [_with_dtype(c, dtype) for c in config]
   return config
+
+
+def _floating(value: Any) -> bool:
+  """Whether a config's `dtype` (a name, or a serialized `DTypePolicy`) is
+  a floating one (or a mixed policy)."""
+  if isinstance(value, dict):
+    value = (value.get("config") or {}).get("name", value.get("name"))
+  return isinstance(value, str) and (value.startswith(("float", "bfloat"))
+                                     or value.startswith("mixed"))
