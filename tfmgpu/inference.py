@@ -537,6 +537,15 @@ def export_saved_model(model: Any, path: str) -> str:
   """
   from tfmgpu.generation import export as generation_export  # pylint: disable=g-import-not-at-top
   model = placed_model.unsplit_of(model)
+  if placed_model.is_placed(model):  # Several models side by side.
+    raise ValueError(
+        f"export_saved_model exports one Keras model; {model.name!r} "
+        f"({type(model).__name__}) runs several side by side and has no "
+        "single-model form. Export each branch (model.branches[i]) alone; "
+        "save them (.keras) for python -m tfmgpu.predict "
+        "--strategy=branch_parallel --model_path=a.keras,b.keras; or build "
+        "the ensemble as one functional model (keras.Model(x, "
+        "keras.layers.Average()([b(x) for b in branches]))) and export it.")
   plain = cloning.copy_model(
       model, same_class=generation_export.keeps_its_class(model))
   archive = keras.export.ExportArchive()

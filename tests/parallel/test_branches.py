@@ -184,6 +184,11 @@ def test_bad_arguments(cpu_devices, tmp_path):
     BranchParallel([])
   with pytest.raises(ValueError, match=r"index=2 is out of range"):
     BranchParallel(towers).load_branch_weights(2, "x.weights.h5")
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"exports one Keras model; "  # Keras:
+                     r"'branch_parallel' \(BranchParallel\) runs several"):
+    inference.export_saved_model(BranchParallel(towers),  # get_config().
+                                 str(tmp_path / "saved"))
 
 
 def combine_predictions(pred1, pred2):
