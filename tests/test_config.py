@@ -115,6 +115,22 @@ def test_defaults_follow_a_replaced_model_and_sizes_are_named():
   assert kept.dataset == "synthetic"
 
 
+def test_another_strategys_options_are_said_to_be_ignored(caplog,
+                                                         monkeypatch):
+  """`--strategy=mirrored --num_stages=3 --schedule=1f1b` trained mirrored
+  without a word."""
+  from tfmgpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(config_lib, "_SAID_UNUSED", set())
+  TrainConfig(strategy="mirrored", num_stages=3, schedule="1f1b").replace(
+      epochs=2)
+  said = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+  assert said == [
+      "num_stages=3 is an option of model_parallel, branch_parallel, "
+      "pipeline, not of strategy='mirrored': this run ignores it.",
+      "schedule='1f1b' is an option of pipeline, not of "
+      "strategy='mirrored': this run ignores it."], said
+
+
 def test_layout_sizes_belong_to_the_layouts_that_take_them():
   with pytest.raises(ValueError, match=(
       r"tensor_parallel=2 is not an option of strategy='mirrored'; it shapes "

@@ -21,6 +21,8 @@ import textwrap
 import typing
 from typing import Any
 
+from absl import logging as absl_logging
+
 from tfmgpu import checks
 from tfmgpu import cluster
 from tfmgpu import data as data_lib
@@ -72,6 +74,11 @@ def _dataset_help() -> str:
       "stdlib_text), else digits (real digits that ship offline); predict: "
       "the dataset the model's run trained on (its run.json, which names "
       "your files by absolute path), else digits.")
+
+
+# Options of other strategies already said to be ignored (see
+# `TrainConfig._warn_unused_options`).
+_SAID_UNUSED: set[tuple[str, str, str]] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +226,7 @@ class RunSettings:
                             spec.choice_list())
     self._check_numbers()
     self._check_layout_sizes(distribution)
+    self._warn_unused_options(distribution)
     self._check_zero_stage(distribution)
     # The run's distribution checks its options and cross-field rules.
     object.__setattr__(self, "_options", distribution.options_of(
@@ -255,6 +263,25 @@ class RunSettings:
             f"{', '.join(users)} (e.g. --strategy=pipeline --num_stages=2 "
             f"--{name}=...). For copies of a whole model on each device use "
             "--strategy=mirrored without it.")
+
+  def _warn_unused_options(self, distribution: Any) -> None:
+    """Another strategy's option set away from its default (`--num_stages`
+    with `--strategy=mirrored`): said once, as the run ignores it."""
+    takes = {f.name for f in dataclasses.fields(distribution.Options)}
+    others: dict[str, list[str]] = {}
+    for d in strategies_lib.registered().values():
+      for f in dataclasses.fields(d.Options):
+        others.setdefault(f.name, []).append(d.name)
+    for field in dataclasses.fields(self):
+      name, value = field.name, getattr(self, field.name)
+      said = (name, repr(value), self.strategy)
+      if (name in others and name not in takes and value != field.default
+          and field.default is not dataclasses.MISSING
+          and said not in _SAID_UNUSED):  # Once: replace() checks again.
+        _SAID_UNUSED.add(said)
+        absl_logging.warning(
+            "%s=%r is an option of %s, not of strategy=%r: this run ignores "
+            "it.", name, value, ", ".join(others[name]), self.strategy)
 
   def _check_zero_stage(self, distribution: Any) -> None:
     """`zero_stage` for a strategy that cannot shard: an error that says
