@@ -49,6 +49,15 @@ def test_plan_only_prints_the_plan_and_memory(capsys):
                    r"flight\s+total$", out, re.M)
   assert len(re.findall(r"^/device:CPU:\d\s+[\d.]+ KiB", out, re.M)) == 4
   assert re.search(r"^max\s+[\d.]+ MiB$", out, re.M)
+  # A data-parallel strategy has no plan: it says whose plan it prints (a
+  # new user read mirrored's as a 2-stage split).
+  with flagsaver.flagsaver(strategy="mirrored", model="deep_mlp",
+                           plan_only=True):
+    assert train.main(["train"]) == 0
+  assert capsys.readouterr().out.startswith(
+      "strategy='mirrored' has no stage plan: each replica holds the whole "
+      "model. For comparison, the split --strategy=model_parallel "
+      "--num_stages=2 would make:\nStagePlan for 'deep_mlp'")
 
 
 def test_cli_trains_model_parallel(tmp_path, capsys):

@@ -178,8 +178,11 @@ def describe_plan(config: TrainConfig, *, arrays: data_lib.Arrays | None = None
   text = distribution.plan_text(model, config.options, **run)
   if text is None:  # No plan of its own: the stage options' plan.
     stages = model_parallel.ModelParallel()  # Not a second registry lookup.
-    text = stages.plan_text(
-        model, stages.options_of(config.values_of(stages.Options)), **run)
+    options = stages.options_of(config.values_of(stages.Options))
+    text = (f"strategy={config.strategy!r} has no stage plan: each replica "
+            "holds the whole model. For comparison, the split "
+            f"--strategy=model_parallel --num_stages={options.num_stages} "
+            "would make:\n" + stages.plan_text(model, options, **run))
   return text
 
 
