@@ -252,6 +252,7 @@ COMMANDS = {
     "python -m tfmgpu.bench": ("help",),
     "python -m tfmgpu.bench --quick": ("help",),  # Minutes: test_benchmark.
     "python -m tfmgpu.bench --sections=latency": ("help",),
+    "python -m tfmgpu.bench --sections=zero": ("help",),
     "python -m tfmgpu.bench --sections=generate --replicas=1": ("help",),
     "python -m tfmgpu.predict --output=p.npy": ("help",),
     "python -m tfmgpu.predict --model_path=runs/X/model.keras": ("help",),

@@ -127,10 +127,11 @@ def mirror(layer: keras.layers.Layer, copy: keras.layers.Layer) -> None:
 
 def _mismatch(copy: keras.layers.Layer, what: str) -> ValueError:
   return ValueError(
-      f"layer {copy.name!r} ({type(copy).__name__}) has frozen weights or "
-      f"LoRA, and its copy rebuilt from its config differs in {what}, so "
-      "tfmgpu cannot freeze the same weights in a split. Train it with data "
-      "parallelism (mirrored, ZeRO), which keeps the model as it is.")
+      f"layer {copy.name!r} ({type(copy).__name__}) holds state its config "
+      "leaves out (frozen weights, LoRA or a lookup vocabulary), and its "
+      f"copy rebuilt from that config differs in {what}, so tfmgpu cannot "
+      "carry the state over exactly. Train it with data parallelism "
+      "(mirrored, ZeRO), which keeps the model as it is.")
 
 
 def refuse_split(layer: keras.layers.Layer, path: str) -> None:
