@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 
+from tfmgpu.parallel import accounting
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import hybrid
@@ -75,10 +76,13 @@ def test_frozen_blocks_and_lora_stay_as_the_user_left_them(family, layout,
   for copy in copies:  # What serving and `generate` copy.
     assert frozen and frozen == {v.path for v in copy.weights
                                  if not v.trainable}
+  lora = matrix.build("llama+lora")
   with pytest.raises(ValueError, match=r"cannot split it: it has LoRA "
                      r"enabled \(rank 2\).*stages"):
-    hybrid.build_layout(matrix.build("llama+lora"), hybrid.Layout(tensor=2),
-                        devices=cpu_devices[:2])
+    hybrid.build_layout(lora, hybrid.Layout(tensor=2), devices=cpu_devices[:2])
+  # The planner weighs no tensor layout of it (its costing crashed).
+  assert "LoRA enabled" in accounting._split_of(  # pylint: disable=protected-access
+      lora, None, 2).why_not(2)
 
 
 def test_bert_without_a_layout_map_is_split_by_path_rules():

@@ -351,6 +351,7 @@ def path_split(model: Any, axes: Mapping[str, int]) -> TensorSplit:
   from tfmgpu.parallel import block_flops  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import cost  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import graph as graph_lib  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import layer_state  # pylint: disable=g-import-not-at-top
   graph = (model if isinstance(model, graph_lib.ModelGraph)
            else graph_lib.ModelGraph(model))
   layers = []
@@ -367,7 +368,11 @@ def path_split(model: Any, axes: Mapping[str, int]) -> TensorSplit:
         else 0.0
     sums = _sums(node.operation, mine, axes)
     for sub in mine:
-      kernel = sub.kernel
+      kernel = layer_state.variable(sub, "kernel")
+      why = layer_state.why_unsplittable(sub)
+      if why:  # Never chosen: the build would refuse it.
+        layers.append(SplitLayer(name, "column", why=why))
+        continue
       shape = tuple(int(d) for d in kernel.shape)
       size = graph_lib.dtype_size(kernel.dtype)
       axis = axes[kernel.path]
@@ -393,6 +398,7 @@ def _sums(layer: Any, kernels: Sequence[Any], axes: Mapping[str, int]
   output."""
   from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import split_hub_attention  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import layer_state  # pylint: disable=g-import-not-at-top
   from tfmgpu.parallel import split_kernel  # pylint: disable=g-import-not-at-top
   out = {id(k): (1, 1) for k in kernels}
   for sub in _compat.flatten_layers(layer):
@@ -406,7 +412,7 @@ def _sums(layer: Any, kernels: Sequence[Any], axes: Mapping[str, int]
 
   def gathers(k):
     _, spec, result = split_kernel.layer_specs(k)
-    return spec[axes[k.kernel.path]] in result
+    return spec[axes[layer_state.variable(k, "kernel").path]] in result
 
   if any(gathers(k) for k in rest) and any(not gathers(k) for k in rest):
     # An MLP: its columns feed its row on their shards.
@@ -417,9 +423,10 @@ def _sums(layer: Any, kernels: Sequence[Any], axes: Mapping[str, int]
 def _path_kernels(layer: Any, axes: Mapping[str, int]) -> list[Any]:
   """The layers inside `layer` whose kernel `axes` names."""
   from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import layer_state  # pylint: disable=g-import-not-at-top
   return [sub for sub in _compat.flatten_layers(layer)
           if getattr(sub, "kernel", None) is not None
-          and sub.kernel.path in axes]
+          and layer_state.variable(sub, "kernel").path in axes]
 
 
 def _split_of(model: Any, rules: Any, tensor: int) -> TensorSplit:

@@ -142,14 +142,7 @@ def refuse_split(layer: keras.layers.Layer, path: str) -> None:
   Raises:
     ValueError: naming the layer, the weight and what to do.
   """
-  why = None
-  if getattr(layer, "lora_enabled", False):
-    why = (f"it has LoRA enabled (rank {getattr(layer, 'lora_rank', '?')}), "
-           "whose low-rank factors tfmgpu does not shard")
-  elif len({bool(v.trainable) for v in layer.weights}) > 1 and not any(
-      "lora" in v.path for v in layer.weights):
-    frozen = [v.path for v in layer.weights if not v.trainable]
-    why = f"only some of its weights are frozen ({', '.join(frozen)})"
+  why = why_unsplittable(layer)
   if why:
     raise ValueError(
         f"the tensor-parallel split names weight {path!r} of layer "
@@ -157,6 +150,18 @@ def refuse_split(layer: keras.layers.Layer, path: str) -> None:
         f"it: {why}. Leave it whole (drop it from the rules or layout map), "
         "or split the model into stages (model_parallel, pipeline) or train "
         "it with data parallelism, which keep such layers as they are.")
+
+
+def why_unsplittable(layer: keras.layers.Layer) -> str | None:
+  """Why tensor parallelism cannot split `layer` exactly (LoRA, or only
+  some of its weights frozen), else `None`."""
+  if getattr(layer, "lora_enabled", False):
+    return (f"it has LoRA enabled (rank {getattr(layer, 'lora_rank', '?')}), "
+            "whose low-rank factors tfmgpu does not shard")
+  if len({bool(v.trainable) for v in layer.weights}) > 1:
+    frozen = [v.path for v in layer.weights if not v.trainable]
+    return f"only some of its weights are frozen ({', '.join(frozen)})"
+  return None
 
 
 def trainable_of(layer: keras.layers.Layer) -> bool:
