@@ -90,6 +90,34 @@ def lost_arguments(original: Any, clone: Any) -> list[str]:
   return lost
 
 
+# Packages whose layers rebuild from their configs as they are: only a
+# user's own layer classes are compared attribute by attribute.
+_LIBRARIES = ("keras", "keras_hub", "tfmgpu", "tensorflow", "tf_keras")
+_MISSING = object()
+
+
+def changed_attributes(original: Any, copy: Any) -> list[str]:
+  """The plain attributes (numbers, strings, flags, tuples of them) a
+  user's built layer holds that its built copy holds otherwise, as
+  `name=original (copy: value)`: a constructor argument its config drops
+  and that it keeps under another name (`self._scale = alpha * 2`), which
+  `lost_arguments` cannot see. Layers of Keras, keras_hub and tfmgpu are
+  not compared (their configs round-trip)."""
+  if type(original).__module__.split(".")[0] in _LIBRARIES:
+    return []
+  import keras  # pylint: disable=g-import-not-at-top
+  base = vars(keras.layers.Layer())
+  changed = []
+  for name, value in vars(original).items():
+    if name in base or name.startswith("_self_") or not _plain(value):
+      continue
+    other = vars(copy).get(name, _MISSING)
+    if other is _MISSING or other != value:
+      changed.append(f"{name}={value!r} (copy: "
+                     f"{'none' if other is _MISSING else repr(other)})")
+  return changed
+
+
 # The steps of `keras.Model` a subclass overrides to change what `fit`,
 # `evaluate` or `predict` computes.
 KERAS_STEPS = ("train_step", "test_step", "predict_step", "compute_loss")

@@ -494,6 +494,36 @@ def test_lost_arguments_compares_what_it_can_and_skips_what_fails():
       "width=3 (copy: 5)"]
 
 
+class _Scaled(keras.layers.Layer):
+  """Keeps its argument under another name, which its config drops."""
+
+  def __init__(self, units=4, alpha=1.0, **kwargs):
+    super().__init__(**kwargs)
+    self.units, self._scale = units, alpha * 2.0
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(shape=(input_shape[-1], self.units))
+
+  def call(self, x):
+    return keras.ops.matmul(x, self.kernel) * self._scale
+
+  def get_config(self):
+    return {**super().get_config(), "units": self.units}
+
+
+def test_a_layer_whose_copy_computes_otherwise_is_refused():
+  """Its copy got alpha=1.0: predictions 0.79 off, training another model,
+  without a word (a new user's layer)."""
+  x = keras.Input((6,))
+  h = _Scaled(4, alpha=0.2, name="scaled")(keras.layers.Dense(6, name="a")(x))
+  model = keras.Model(x, keras.layers.Dense(2, name="out")(
+      keras.layers.Dense(4, name="b")(h)))
+  with pytest.raises(ValueError, match=r"layer 'scaled' \(_Scaled\) does "
+                     r"not rebuild as it is: its copy differs in _scale=0\.4 "
+                     r"\(copy: 2\.0\)"):
+    StagedModel.from_model(model, num_stages=2)
+
+
 class _L2Step(keras.Model):
   """A keras.io-style model whose own train_step adds a penalty."""
 

@@ -155,8 +155,21 @@ def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
   return clone
 
 
-def _check_kept(layer: keras.layers.Layer, clone: keras.layers.Layer) -> None:
-  lost = checks.lost_arguments(layer, clone)
+def settle(layer: keras.layers.Layer, clone: keras.layers.Layer) -> None:
+  """After a copy's first call (built): its frozen flags, LoRA and
+  vocabularies as the layer's (`layer_state.mirror`), and a user's layer
+  whose built copy holds other plain attributes refused by name.
+
+  Raises:
+    ValueError: the copy differs (see `_check_kept`).
+  """
+  layer_state.mirror(layer, clone)
+  _check_kept(layer, clone, checks.changed_attributes(layer, clone))
+
+
+def _check_kept(layer: keras.layers.Layer, clone: keras.layers.Layer,
+                lost: list[str] | None = None) -> None:
+  lost = checks.lost_arguments(layer, clone) if lost is None else lost
   if lost:
     raise ValueError(
         f"layer {layer.name!r} ({type(layer).__name__}) does not rebuild "

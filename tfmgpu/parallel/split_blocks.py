@@ -42,6 +42,7 @@ from typing import Any, Callable
 import keras
 
 from tfmgpu import _compat
+from tfmgpu.parallel import cloning
 from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import split_embedding
 from tfmgpu.parallel import split_hub_attention
@@ -231,7 +232,7 @@ def transform(axes: Mapping[str, int],
     if id(copy) not in done:
       if not copy.built:  # Its weights made as the model's layer's were.
         copy(*args, **kwargs)
-      layer_state.mirror(layer, copy)  # Frozen and LoRA'd as the layer.
+      cloning.settle(layer, copy)  # Frozen and LoRA'd as the layer.
       paths = [w.path for w in layer.weights]
       done[id(copy)] = split_layers(copy, axes, devices_of(name), paths)
     return done[id(copy)]

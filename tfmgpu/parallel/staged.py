@@ -39,7 +39,6 @@ from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
-from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import partition
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import plan as plan_lib
@@ -75,7 +74,7 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
       clones[name] = clone
     outputs = clone(*args, **kwargs)
     if first and isinstance(clone, keras.layers.Layer):  # Built now.
-      layer_state.mirror(node.operation, clone)
+      cloning.settle(node.operation, clone)
     for old, new in zip(node.output_tensors, tf.nest.flatten(outputs)):
       tensors[id(old)] = new
   if end == len(graph.nodes):

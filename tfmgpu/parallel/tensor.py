@@ -240,7 +240,7 @@ def _replay(graph: graph_lib.ModelGraph, kinds: Mapping[str, str],
     outputs = new(*args, **kwargs)
     if (first and transform is None and layer.name not in kinds
         and isinstance(new, keras.layers.Layer)):
-      layer_state.mirror(layer, new)
+      cloning.settle(layer, new)
     if layer.name in scattered:  # One tensor before, its T pieces now.
       tensors[id(node.output_tensors[0])] = outputs
       continue
