@@ -627,3 +627,30 @@ def test_only_batch_norms_that_train_are_said_to_differ(caplog, cpu_devices):
     pipeline.PipelinedModel.from_model(model, num_stages=2, micro_batches=2)
     said.append("normalise each micro-batch" in caplog.text)
   assert said == [False, True]
+
+
+class _RunningCount(keras.layers.Layer):
+  """A user's BatchNorm-like layer: state it assigns in call."""
+
+  def build(self, input_shape):
+    self.count = self.add_weight(shape=(), initializer="zeros",
+                                 trainable=False)
+
+  def call(self, x, training=False):
+    if training:
+      self.count.assign_add(1.0)
+    return x
+
+
+def test_a_users_layer_with_state_and_recomputed_dropout_are_named(caplog):
+  """Its update ran once per micro-batch (count 4 for 2 steps, 8 with
+  recompute) and recomputed dropout drew other masks, without a word."""
+  x = keras.Input((6,))
+  h = _RunningCount(name="counter")(keras.layers.Dense(6, name="a")(x))
+  h = keras.layers.Dropout(0.3, name="drop")(keras.layers.Dense(6, name="b")(h))
+  model = keras.Model(x, keras.layers.Dense(2, name="out")(h))
+  pipeline.PipelinedModel.from_model(model, num_stages=2, micro_batches=2,
+                                     recompute=True)
+  assert re.search(r"layers counter hold non-trainable state.*once per "
+                   r"micro-batch and again when recomputed", caplog.text)
+  assert "re-runs drop and draws other random masks" in caplog.text

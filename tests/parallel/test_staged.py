@@ -524,6 +524,38 @@ def test_a_layer_whose_copy_computes_otherwise_is_refused():
     StagedModel.from_model(model, num_stages=2)
 
 
+class _NoConfig(keras.layers.Layer):
+  """Keeps its arguments under their names; its get_config raises."""
+
+  def __init__(self, units=4, **kwargs):
+    super().__init__(**kwargs)
+    self.units = units
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(shape=(input_shape[-1], self.units))
+
+  def call(self, x):
+    return keras.ops.matmul(x, self.kernel)
+
+  def get_config(self):
+    raise NotImplementedError
+
+
+def test_a_layer_whose_get_config_raises_splits_and_to_unsplit_says_why():
+  """A bare NotImplementedError came out of StagedModel.from_model."""
+  x = keras.Input((6,))
+  h = _NoConfig(4, name="plain")(keras.layers.Dense(6, name="a")(x))
+  model = keras.Model(x, keras.layers.Dense(2, name="out")(
+      keras.layers.Dense(4, name="b")(h)))
+  staged = StagedModel.from_model(model, num_stages=2)
+  rows = np.ones((3, 6), "float32")
+  np.testing.assert_allclose(staged.predict(rows, verbose=0),
+                             model.predict(rows, verbose=0), rtol=1e-6)
+  with pytest.raises(ValueError, match=r"cannot be rebuilt: a layer's "
+                     r"get_config\(\) raises NotImplementedError"):
+    staged.to_unsplit()
+
+
 class _L2Step(keras.Model):
   """A keras.io-style model whose own train_step adds a penalty."""
 

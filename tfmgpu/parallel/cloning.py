@@ -44,15 +44,21 @@ from tfmgpu.parallel import shared as shared_lib
 class ModelSpec:
   """Enough to rebuild the unsplit model (a plain object: Keras won't track it)."""
   cls: type
-  config: dict
+  config: dict | None
   layer_names: tuple[str, ...] = ()
   shared: tuple[shared_lib.SharedWeight, ...] = ()
   state: layer_state.LayerState | None = None  # Frozen weights, LoRA.
 
   @classmethod
   def of(cls, model: keras.Model) -> "ModelSpec":
-    return cls(type(model), model.get_config(),
-               tuple(l.name for l in model.layers),
+    """The spec of `model`; its config `None` when a layer's `get_config`
+    raises (the split still copies that layer from its attributes; only
+    `rebuild` needs the config, and says so)."""
+    try:
+      config = model.get_config()
+    except NotImplementedError:
+      config = None
+    return cls(type(model), config, tuple(l.name for l in model.layers),
                shared_lib.find_shared(model.layers),
                layer_state.capture(model))
 
@@ -63,6 +69,12 @@ class ModelSpec:
     constructor was given, so a layer Keras named gets a new name when
     rebuilt; weights move between layouts by layer name.
     """
+    if self.config is None:
+      raise ValueError(
+          f"the unsplit {self.cls.__name__} cannot be rebuilt: a layer's "
+          "get_config() raises NotImplementedError. Give each custom layer a "
+          "get_config() that returns its constructor arguments; the split "
+          "model trains and its checkpoints hold its weights.")
     # A copy: `Functional.from_config` consumes parts of the dict it gets,
     # and the model must rebuild from the same config every call.
     with _compat.copying_layers():

@@ -154,14 +154,7 @@ class PipelinedModel(staged.StagedModel):
     self.recompute = recompute
     self.virtual_stages = _check_virtual(self.stage_devices, virtual_stages,
                                          micro_batches, schedule)
-    norms = [l.name for s in self.stages for l in _compat.flatten_layers(s)
-             if isinstance(l, keras.layers.BatchNormalization)
-             and l.trainable]  # A frozen one normalises by its moving stats.
-    if norms and micro_batches > 1:
-      logging.warning(
-          "%s: BatchNormalization layers (%s) normalise each micro-batch of "
-          "%d with its own statistics, so training differs from the unsplit "
-          "model.", self.name, ", ".join(norms), micro_batches)
+    _warn_per_micro_batch(self.name, self.stages, micro_batches, recompute)
 
   @classmethod
   def from_model(cls, model: keras.Model,
@@ -332,6 +325,46 @@ class PipelinedModel(staged.StagedModel):
         f"reproduce a loss with reduction={reduction!r}. Use reduction="
         "'sum_over_batch_size' or 'sum', or schedule='gpipe' (which computes "
         "the loss once on the whole batch).")
+
+
+def _warn_per_micro_batch(name: str, stages: Sequence[keras.Model],
+                          micro_batches: int, recompute: bool) -> None:
+  """Says what micro-batches and recomputation change: a training
+  BatchNormalization normalises each micro-batch by its own statistics; a
+  user's layer with non-trainable state (a running mean it may assign in
+  `call`) updates it once per micro-batch, and again when recomputed; with
+  recomputation, dropout draws other masks for the backward."""
+  layers = [l for s in stages for l in _compat.flatten_layers(s)]
+  norms = [l.name for l in layers  # A frozen one uses its moving stats.
+           if isinstance(l, keras.layers.BatchNormalization) and l.trainable]
+  if norms and micro_batches > 1:
+    logging.warning(
+        "%s: BatchNormalization layers (%s) normalise each micro-batch of "
+        "%d with its own statistics, so training differs from the unsplit "
+        "model.", name, ", ".join(norms), micro_batches)
+  stateful = [l.name for l in layers if l.trainable and l.non_trainable_weights
+              and type(l).__module__.split(".")[0] not in (
+                  "keras", "keras_hub", "tfmgpu")
+              and not getattr(l, "lora_enabled", False)]
+  if stateful and (micro_batches > 1 or recompute):
+    logging.warning(
+        "%s: layers %s hold non-trainable state; an update their call() makes "
+        "(a running mean or count) runs once per micro-batch%s, so it differs "
+        "from the unsplit model's (if it is updated in call). For the "
+        "unsplit model's updates, split it without micro-batches "
+        "(--strategy=model_parallel, or micro_batches=1 without "
+        "recompute).", name, ", ".join(stateful),
+        " and again when recomputed" if recompute else "")
+  noisy = [l.name for l in layers if recompute and isinstance(
+      l, (keras.layers.Dropout, keras.layers.GaussianNoise,
+          keras.layers.GaussianDropout)) and getattr(
+              l, "rate", getattr(l, "stddev", 0))]
+  if noisy:
+    logging.warning(
+        "%s: with recompute=True the backward re-runs %s and draws other "
+        "random masks than the forward that gave the loss; train with "
+        "recompute=False for gradients of the forward's own masks.", name,
+        ", ".join(noisy))
 
 
 def _check_virtual(devices: Sequence[str], virtual_stages: int,
