@@ -9,6 +9,7 @@ nothing heavy.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from collections.abc import Iterable
 from typing import Any
@@ -90,10 +91,24 @@ def lost_arguments(original: Any, clone: Any) -> list[str]:
   return lost
 
 
-# Packages whose layers rebuild from their configs as they are: only a
-# user's own layer classes are compared attribute by attribute.
+# Packages whose layers rebuild from their configs as they are, and whose
+# state updates tfmgpu knows: only a user's own classes are looked into.
 _LIBRARIES = ("keras", "keras_hub", "tfmgpu", "tensorflow", "tf_keras")
 _MISSING = object()
+
+
+def users_class(obj: Any) -> bool:
+  """Whether `obj`'s class is the user's own (not Keras', keras_hub's,
+  TF's or tfmgpu's)."""
+  return type(obj).__module__.split(".")[0] not in _LIBRARIES
+
+
+@functools.cache
+def _base_layer_attributes() -> frozenset[str]:
+  """The attributes every Keras layer holds (one probe layer, named, so
+  Keras' automatic layer names are not advanced)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  return frozenset(vars(keras.layers.Layer(name="tfmgpu_probe")))
 
 
 def changed_attributes(original: Any, copy: Any) -> list[str]:
@@ -103,10 +118,9 @@ def changed_attributes(original: Any, copy: Any) -> list[str]:
   and that it keeps under another name (`self._scale = alpha * 2`), which
   `lost_arguments` cannot see. Layers of Keras, keras_hub and tfmgpu are
   not compared (their configs round-trip)."""
-  if type(original).__module__.split(".")[0] in _LIBRARIES:
+  if not users_class(original):
     return []
-  import keras  # pylint: disable=g-import-not-at-top
-  base = vars(keras.layers.Layer())
+  base = _base_layer_attributes()
   changed = []
   for name, value in vars(original).items():
     if name in base or name.startswith("_self_") or not _plain(value):

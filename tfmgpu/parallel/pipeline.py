@@ -75,6 +75,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import pipeline_step
@@ -343,8 +344,7 @@ def _warn_per_micro_batch(name: str, stages: Sequence[keras.Model],
         "%d with its own statistics, so training differs from the unsplit "
         "model.", name, ", ".join(norms), micro_batches)
   stateful = [l.name for l in layers if l.trainable and l.non_trainable_weights
-              and type(l).__module__.split(".")[0] not in (
-                  "keras", "keras_hub", "tfmgpu")
+              and checks.users_class(l)
               and not getattr(l, "lora_enabled", False)]
   if stateful and (micro_batches > 1 or recompute):
     logging.warning(

@@ -138,7 +138,6 @@ def _splits(layer: keras.layers.Layer, axes: Mapping[str, int],
       layer_state.refuse_split(sub, path)
       out.append((sub, how[1](sub, path, axes[path], devices)))
   for sub, split in out:  # Shards are new variables: frozen as the layer.
-    layer_state.refuse_split(sub, sub.name)
     split.trainable = layer_state.trainable_of(sub)
   return out
 
