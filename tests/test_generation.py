@@ -388,6 +388,19 @@ def test_cli_memory_plan_prints_weights_and_kv_cache_per_device(
   assert "/device:CPU:3" in out and "GPU" not in out, out
 
 
+def test_cli_memory_plan_needs_no_prompt_and_caps_at_the_context(
+    byte_gpt_path, parsed_flags, capsys):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  # 500 new tokens slide a window over the model's 16 positions: the cache
+  # never holds more than 16.
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt=None,
+                           prompt_ids=None, max_new_tokens=500,
+                           memory_plan=True):
+    assert generate.main(["generate"]) == 0
+  assert "1 row(s) of 16 positions" in capsys.readouterr().out
+
+
 def test_cli_serve_plan_weighs_layouts_and_chooses_one(
     byte_gpt_path, parsed_flags, capsys):
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top

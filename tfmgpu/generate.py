@@ -58,8 +58,9 @@ _STOP_TOKEN_IDS = flags.DEFINE_list(
     "stop_token_ids", None, "Stop after any of these token ids.")
 _MEMORY_PLAN = flags.DEFINE_bool(
     "memory_plan", False, "Print each device's weights and KV cache for "
-    "--serve_batch rows of the prompt + --max_new_tokens positions under "
-    "the placement flags; generate nothing.")
+    "--serve_batch rows of the prompt (if given) + --max_new_tokens "
+    "positions, at most the model's own, under the placement flags; "
+    "generate nothing.")
 _SERVE_BATCH = flags.DEFINE_integer(
     "serve_batch", 1, "Request rows --memory_plan and --serve plan for.",
     lower_bound=1)
@@ -79,11 +80,13 @@ def main(argv: list[str]) -> int:
     raise app.UsageError("--model_path is required: one .keras file, e.g. "
                          "runs/X/model.keras from python -m tfmgpu.train "
                          "--model_dir=runs/X.")
-  if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
+  planning = _MEMORY_PLAN.value or _SERVE.value
+  if _PROMPT.value is not None and _PROMPT_IDS.value is not None or (
+      not planning and _PROMPT.value is None and _PROMPT_IDS.value is None):
     raise app.UsageError('Give one of --prompt="text" or --prompt_ids=1,2,3.')
   flags_lib.quiet_tensorflow()
   try:
-    if _MEMORY_PLAN.value or _SERVE.value:
+    if planning:
       print(_serving_plan() if _SERVE.value else _memory_plan())
       return 0
     generator, as_text = _prepare()
@@ -130,15 +133,19 @@ def _memory_plan() -> str:
   # This host's devices when it has enough, else the GPUs it plans for.
   found = devices_lib.accelerator_devices()
   return kv_cache.serving_table(
-      model, layout, batch=_SERVE_BATCH.value, context=_context(),
+      model, layout, batch=_SERVE_BATCH.value, context=_context(model),
       devices=found if len(found) >= layout.num_devices else None)
 
 
-def _context() -> int:
-  """The prompt's tokens + --max_new_tokens."""
+def _context(model) -> int:
+  """The prompt's tokens (if given) + --max_new_tokens, at most the
+  positions `model` reads (a longer text slides its window over them)."""
+  from tfmgpu.generation import api  # pylint: disable=g-import-not-at-top
   prompt = (len(_PROMPT_IDS.value) if _PROMPT_IDS.value is not None
-            else len(_PROMPT.value.encode("utf-8")))
-  return prompt + _MAX_NEW_TOKENS.value
+            else len((_PROMPT.value or "").encode("utf-8")))
+  limit = api.adapter_for(model).max_positions
+  wanted = prompt + _MAX_NEW_TOKENS.value
+  return wanted if limit is None else min(wanted, limit)
 
 
 def _serving_plan() -> str:
@@ -151,11 +158,12 @@ def _serving_plan() -> str:
   model = inference.load_model(serving.MODEL_PATH.value[0])
   hardware = auto.hardware_for(auto.AutoOptions(),
                                devices_lib.accelerator_devices())
+  context = _context(model)
   weighed = serve_plan.weigh_serving(
-      model, hardware, batch=_SERVE_BATCH.value, context=_context(),
+      model, hardware, batch=_SERVE_BATCH.value, context=context,
       goal=_SERVE.value)
   return serve_plan.format_serving(weighed, hardware, goal=_SERVE.value,
-                                   context=_context())
+                                   context=context)
 
 
 def _prompt_tokens(as_text: bool) -> list[int]:
