@@ -257,14 +257,19 @@ def test_bad_arguments(digits):
         keras.callbacks.BackupAndRestore("unused_backup_dir")])
 
 
-@pytest.mark.parametrize("as_function", [False, True])
-def test_a_dataset_longer_than_an_epoch_runs_on_like_keras(as_function):
+@pytest.mark.parametrize("kind", ["dataset", "function", "unknown_length"])
+def test_a_dataset_longer_than_an_epoch_runs_on_like_keras(kind):
   # 6 batches, 2 steps per epoch: epoch k trains on batches 2k and 2k + 1
   # (Keras' iterator runs on); restarting each epoch would see 0, 1 thrice.
+  # TF knows no length after `filter` (or of `from_generator`): it runs on
+  # too (it restarted each epoch).
   rng = np.random.default_rng(0)
   x = rng.normal(size=(48, 5)).astype("float32")
   y = rng.normal(size=(48, 1)).astype("float32")
   dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+  if kind == "unknown_length":
+    dataset = dataset.filter(lambda *_: True)
+    assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
 
   def build():
     keras.utils.set_random_seed(3)
@@ -276,11 +281,43 @@ def test_a_dataset_longer_than_an_epoch_runs_on_like_keras(as_function):
   model = build()
   trainer = Trainer(model, optimizer="sgd", learning_rate=0.1, loss="mse",
                     verbose=0)
-  source = (lambda ctx: dataset) if as_function else dataset
+  source = (lambda ctx: dataset) if kind == "function" else dataset
   trainer.fit(source, epochs=3, steps_per_epoch=2)
   for got, want in zip(model.get_weights(), reference.get_weights()):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   trainer.fit(source, epochs=5, steps_per_epoch=2)  # A new pass: no error.
+
+
+def test_a_callback_stopping_mid_epoch_stops_after_that_batch_like_keras():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(48, 5)).astype("float32")
+  y = rng.normal(size=(48, 1)).astype("float32")
+
+  class StopAt(keras.callbacks.Callback):
+    def __init__(self):
+      super().__init__()
+      self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+      self.batches += 1
+      if self.batches == 5:  # Batch 1 of epoch 2 (3 batches an epoch).
+        self.model.stop_training = True
+
+  def build():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                callbacks=[StopAt()])
+  model, stop = build(), StopAt()
+  trainer = Trainer(model, optimizer="sgd", learning_rate=0.1, loss="mse",
+                    verbose=0, callbacks=[stop])
+  result = trainer.fit(x, y, epochs=3, global_batch_size=16, shuffle=False)
+  assert stop.batches == 5 and len(result.history["loss"]) == 2
+  for got, want in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_trainers_made_in_a_row_do_not_report_retracing(caplog):

@@ -292,7 +292,7 @@ class Controller:
         self._preempt(epoch + 1, 0, steps_per_epoch, self.last_checkpoint,
                       last=epoch + 1 >= epochs)
       if self.o.model.stop_training:
-        logging.info("A callback stopped training after epoch %d.", epoch + 1)
+        logging.info("A callback stopped training in epoch %d.", epoch + 1)
         break
     if self.o.optimizer is not None and self.total_steps:
       self.o.optimizer.finalize_variable_values(
@@ -344,6 +344,8 @@ class Controller:
           bar.update(done, logs, rate)
         callbacks.on_train_batch_end(done - 1, logs)
       self._write_step_summaries(sums, rate)
+      if self.o.model.stop_training:  # A callback: Keras stops here too.
+        break
       if done < steps_per_epoch:
         self._mid_epoch_saves(epoch, done, steps_per_epoch)
     if bar is not None:

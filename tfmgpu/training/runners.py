@@ -118,7 +118,8 @@ class SyncRunner:
     `from_step(step)` method seeks there, others skip the batches. A finite
     dataset longer than an epoch also runs on, as Keras' iterator does
     (each epoch takes the next batches), starting a new pass when one ends
-    instead of running out."""
+    instead of running out; so does one of unknown length (TF's
+    `from_generator`, `filter`), whose passes are not counted."""
     if self._endless is not None:
       return self._endless
     endless = self._is_endless()
@@ -126,15 +127,16 @@ class SyncRunner:
     passes = self._pass_length()
     if passes is not None:
       start %= passes
+    repeat = passes is not None or self._unknown_length()
     if isinstance(self.source, inputs.DatasetData):  # Global batches.
       dataset = self.source.dataset
-      dataset = dataset.repeat() if passes is not None else dataset
+      dataset = dataset.repeat() if repeat else dataset
       dataset = dataset.skip(start) if start else dataset
       batches = (dataset if self.feed == feeds.HOST_SPLIT
                  else self.strategy.experimental_distribute_dataset(dataset))
     else:
       fn = self.source.fn
-      if passes is not None:
+      if repeat:
         fn = functools.partial(_repeated, fn)
       batches = self.strategy.distribute_datasets_from_function(
           inputs.dataset_fn_from_step(fn, start))
@@ -157,15 +159,22 @@ class SyncRunner:
       return None
     return card if card > self.steps_per_epoch else None
 
+  def _unknown_length(self) -> bool:
+    """A dataset whose length TF does not know (not a seekable stream)."""
+    seekable = hasattr(getattr(self.source, "fn", None), "from_step")
+    return self._cardinality() is None and not seekable
+
   def _is_endless(self) -> bool:
     if self._endless_known is None:
       # A dataset TF knows to be infinite, a stream that can seek
-      # (`from_step`, e.g. `tfmgpu.datasets.tfrecord`) and a finite dataset longer
-      # than an epoch run on across epochs; one of unknown length, or of
-      # exactly one epoch, is read afresh each epoch.
+      # (`from_step`, e.g. `tfmgpu.datasets.tfrecord`), a finite dataset
+      # longer than an epoch and one of unknown length run on across epochs,
+      # as Keras' iterator does; one of exactly one epoch is read afresh
+      # each epoch.
       seekable = hasattr(getattr(self.source, "fn", None), "from_step")
       self._endless_known = (self._cardinality() == inputs.INFINITE
-                             or seekable or self._pass_length() is not None)
+                             or seekable or self._pass_length() is not None
+                             or self._unknown_length())
     return self._endless_known
 
 
