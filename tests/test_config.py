@@ -121,8 +121,9 @@ def test_another_strategys_options_are_said_to_be_ignored(caplog,
   without a word."""
   from tfmgpu import config as config_lib  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(config_lib, "_SAID_UNUSED", set())
-  TrainConfig(strategy="mirrored", num_stages=3, schedule="1f1b").replace(
-      epochs=2)
+  # global_batch_size is also an option of auto's, and every run's own.
+  TrainConfig(strategy="mirrored", num_stages=3, schedule="1f1b",
+              global_batch_size=8).replace(epochs=2)
   said = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
   assert said == [
       "num_stages=3 is an option of model_parallel, branch_parallel, "

@@ -267,7 +267,10 @@ class RunSettings:
   def _warn_unused_options(self, distribution: Any) -> None:
     """Another strategy's option set away from its default (`--num_stages`
     with `--strategy=mirrored`): said once, as the run ignores it."""
-    takes = {f.name for f in dataclasses.fields(distribution.Options)}
+    # The run's own settings (`global_batch_size`) are used by every
+    # strategy, whichever Options also name them.
+    takes = {f.name for f in dataclasses.fields(distribution.Options)} | {
+        f.name for f in dataclasses.fields(RunSettings)}
     others: dict[str, list[str]] = {}
     for d in strategies_lib.registered().values():
       for f in dataclasses.fields(d.Options):
