@@ -320,6 +320,25 @@ def test_a_callback_stopping_mid_epoch_stops_after_that_batch_like_keras():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_users_tensorboard_callback_gets_no_summaries_of_the_trainers(
+    tmp_path):
+  """Without model_dir the Trainer's epoch/* scalars went to the callback's
+  writer, the default one then."""
+  import glob  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 5)).astype("float32")
+  y = rng.normal(size=(32, 1)).astype("float32")
+  model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+  Trainer(model, loss="mse", verbose=0, callbacks=[keras.callbacks.TensorBoard(
+      str(tmp_path), update_freq="batch")]).fit(
+          x, y, epochs=2, global_batch_size=8, validation_data=(x, y))
+  tags = {v.tag for f in glob.glob(str(tmp_path / "*" / "events*"))
+          for e in tf.compat.v1.train.summary_iterator(f)
+          for v in e.summary.value}
+  assert {"batch_loss", "epoch_loss"} <= tags, tags
+  assert not any(t.startswith("epoch/") for t in tags), tags
+
+
 def test_trainers_made_in_a_row_do_not_report_retracing(caplog):
   """A notebook makes a Trainer per experiment: each one's functions trace
   once, and TF does not warn of retracing (it counted every Trainer's

@@ -434,9 +434,10 @@ class Controller:
     if self.o.validate is not None:
       epoch_logs.update(self.o.validate())
     epoch_logs["examples_per_sec"] = self.clock.rate
-    with self.o.summary_writer.as_default(step=epoch + 1):
-      for k, v in epoch_logs.items():
-        tf.summary.scalar(f"epoch/{k}", v)
+    if self.o.writes_summaries:  # Else a user's TensorBoard writer took them.
+      with self.o.summary_writer.as_default(step=epoch + 1):
+        for k, v in epoch_logs.items():
+          tf.summary.scalar(f"epoch/{k}", v)
     if self.o.checkpointer is not None:
       self.last_checkpoint = self._save(epoch + 1)
     if not self.o.verbose:
