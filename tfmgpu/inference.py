@@ -35,6 +35,7 @@ from tfmgpu import strategies as strategies_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import placed_model
 from tfmgpu.strategies import collective_keys
+from tfmgpu.training import replica_state
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import resident
@@ -131,6 +132,8 @@ class Predictor:
     self.model = model
     self.runner, self.strategy = _prepare_model(
         model, _resolve_strategy(model, strategy), precision)
+    if self.runner is model:  # A copy took the first replica's values.
+      replica_state.agree(model)
     collective_keys.share(self.strategy)
     replicas = self.strategy.num_replicas_in_sync
     self.batch_size = -(-batch_size // replicas) * replicas
@@ -140,11 +143,15 @@ class Predictor:
 
   def refresh(self) -> None:
     """Copies the model's current weights into the copy this predictor
-    serves (made for another strategy's scope or precision); nothing when
-    it serves the model itself. `tfmgpu.predict` does it before every call,
-    so a model trained on since predicts with its latest weights."""
+    serves (made for another strategy's scope or precision); when it
+    serves the model itself, sets each replica's BatchNorm statistics to
+    the first replica's (`replica_state.agree`). `tfmgpu.predict` does it
+    before every call, so a model trained on since predicts with its latest
+    weights, on every replica as it saves."""
     if self.runner is not self.model and isinstance(self.model, keras.Model):
       self.runner.set_weights(self.model.get_weights())
+    else:
+      replica_state.agree(self.runner)
 
   def predict(self, x: Any, *, output_kind: str = "logits") -> Any:
     """Predictions for every row of `x`, in input order (numpy).

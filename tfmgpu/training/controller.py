@@ -28,6 +28,7 @@ from tfmgpu import rundir
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import progress as progress_lib
+from tfmgpu.training import replica_state
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -297,6 +298,7 @@ class Controller:
     if self.o.optimizer is not None and self.total_steps:
       self.o.optimizer.finalize_variable_values(
           self.o.model.trainable_weights)
+    replica_state.agree(self.o.model)  # Replicas predict as the model saves.
     callbacks.on_train_end(self.history)
     self.o.summary_writer.flush()
     chief = ckpt is not None and ckpt.chief

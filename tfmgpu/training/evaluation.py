@@ -22,6 +22,7 @@ from tfmgpu.training import distributed
 from tfmgpu.training import feeds
 from tfmgpu.training import inputs
 from tfmgpu.training import objectives
+from tfmgpu.training import replica_state
 from tfmgpu.training import resident
 from tfmgpu.training import step as step_lib
 
@@ -66,6 +67,7 @@ class Evaluator:
       raise ValueError("The dataset to evaluate is infinite (it repeats): "
                        "evaluation reads every batch once. Give it without "
                        ".repeat() (validation_data likewise).")
+    replica_state.agree(self.model)  # Every replica evaluates as it saves.
     held = self._held_batches(source, global_batch_size, keep)
     if held is not None:
       out = self.resident_function(*held)
