@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfmgpu
 from tfmgpu import checks
 from tfmgpu import devices as devices_lib
 from tfmgpu.models import demo
@@ -554,6 +555,61 @@ def test_a_layer_whose_get_config_raises_splits_and_to_unsplit_says_why():
   with pytest.raises(ValueError, match=r"cannot be rebuilt: a layer's "
                      r"get_config\(\) raises NotImplementedError"):
     staged.to_unsplit()
+
+
+class _TiedHead(keras.layers.Layer):
+  """A hand-written tied output: holds the Embedding layer (no config)."""
+
+  def __init__(self, embedding, **kwargs):
+    super().__init__(**kwargs)
+    self.embedding = embedding
+
+  def call(self, h):
+    return keras.ops.matmul(h, keras.ops.transpose(
+        self.embedding.embeddings))
+
+
+def test_a_head_holding_the_embedding_layer_splits_without_touching_it():
+  """The copy held the user's Embedding: the tie swapped its variable for
+  the split's (fresh values: predictions 0.007 off, the user's model
+  changed and trained by the split)."""
+  keras.utils.set_random_seed(0)
+  ids = keras.Input((5,), dtype="int32")
+  embedding = keras.layers.Embedding(12, 8, name="emb")
+  h = keras.layers.Dense(8, activation="tanh", name="mid")(embedding(ids))
+  model = keras.Model(ids, _TiedHead(embedding, name="tied")(
+      keras.layers.Dense(8, activation="tanh", name="mid2")(h)))
+  rows = np.random.default_rng(0).integers(0, 12, (16, 5)).astype("int32")
+  want, variable = model.predict(rows, verbose=0), embedding.embeddings
+  staged = StagedModel(model, partition.plan_stages(
+      model, 2, split_points=["mid2"]))
+  np.testing.assert_allclose(staged.predict(rows, verbose=0), want,
+                             atol=1e-6)
+  staged.compile(optimizer=keras.optimizers.SGD(1.0), loss=keras.losses.
+                 SparseCategoricalCrossentropy(from_logits=True))
+  staged.fit(rows, rows, batch_size=16, epochs=1, verbose=0)
+  assert embedding.embeddings is variable
+  np.testing.assert_array_equal(model.predict(rows, verbose=0), want)
+  served = tfmgpu.predict(model, rows, strategy="mirrored")  # A copy.
+  np.testing.assert_allclose(served, want, atol=1e-6)
+
+
+_SCALE = 3.0
+
+
+def test_a_lambda_reading_the_users_globals_splits():
+  """Its copy from config ran the lambda with Keras' globals: `keras`,
+  `_SCALE` unknown (a shape-inference error, then a NameError)."""
+  x = keras.Input((6,))
+  h = keras.layers.Lambda(lambda t: keras.ops.tanh(t) * _SCALE, name="lam")(
+      keras.layers.Dense(8, name="a")(x))
+  model = keras.Model(x, keras.layers.Dense(3, name="out")(
+      keras.layers.Dense(8, name="b")(h)))
+  staged = StagedModel(model, partition.plan_stages(
+      model, 2, split_points=["b"]))
+  rows = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+  np.testing.assert_allclose(staged.predict(rows, verbose=0),
+                             model.predict(rows, verbose=0), atol=1e-6)
 
 
 class _L2Step(keras.Model):

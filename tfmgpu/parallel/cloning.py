@@ -155,10 +155,15 @@ def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
   try:
     clone = layer.__class__.from_config(layer.get_config())
   except (NotImplementedError, TypeError, ValueError) as e:
-    raise ValueError(
+    error = ValueError(
         f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
         f"from its config ({e}); give it a get_config() that returns its "
-        "constructor arguments.") from e
+        "constructor arguments.")
+    if not checks.users_class(layer):  # keras_hub's: from its owner's.
+      raise error from e
+    clone = from_attributes(layer, error)
+  if isinstance(layer, keras.layers.Lambda):  # Its config's bytecode reads
+    clone.function = layer.function  # Keras' globals, not the user's.
   if checks.lost_arguments(layer, clone):
     clone = from_attributes(layer, ValueError(
         "its config drops " + ", ".join(checks.lost_arguments(layer, clone))))
@@ -208,8 +213,23 @@ def from_attributes(layer: keras.layers.Layer,
             f"rebuilt: its config fails ({error}) and it keeps no "
             f"attribute {p.name!r}.") from error
       continue
-    kwargs[p.name] = getattr(layer, p.name)
+    kwargs[p.name] = _fresh_argument(getattr(layer, p.name))
   return type(layer)(**kwargs)
+
+
+def _fresh_argument(value: Any) -> Any:
+  """A constructor argument for a copy: a layer (a hand-written tied head
+  holding the `Embedding`) becomes a built copy of its own, so the copy
+  never holds the user's layer (the ties of the split then swapped the
+  user's weights for the split's); lists and tuples of them likewise."""
+  if isinstance(value, (list, tuple)):
+    return type(value)(_fresh_argument(v) for v in value)
+  if not isinstance(value, keras.layers.Layer):
+    return value
+  clone = _clone_layer(value)
+  if value.built and not clone.built:
+    clone.build_from_config(value.get_build_config())
+  return clone
 
 
 def copy_layer(graph: graph_lib.ModelGraph, layer: keras.layers.Layer,
@@ -341,8 +361,8 @@ def copy_model(model: keras.Model,
   weights = model.get_weights()
   scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
   with scope, _compat.copying_layers():
-    if dtype is None and not same_class:
-      clone = keras.models.clone_model(model)
+    if dtype is None and not same_class:  # A config that fails: attributes.
+      clone = keras.models.clone_model(model, clone_function=_clone_layer)
     else:
       # A copy: `Functional.from_config` consumes parts of the dict it gets.
       config = copy.deepcopy(model.get_config())
