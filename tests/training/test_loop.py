@@ -394,6 +394,38 @@ def test_clip_norm_under_float16_clips_the_unscaled_gradient(digits,
   assert moved > 1e-3 and diff < 1e-4, (moved, diff)
 
 
+@pytest.mark.parametrize("strategy,options", [
+    ("default", {}), ("mirrored", {"clip_norm": 0.05}),
+    ("mirrored", {"fused_optimizer": True})])
+def test_an_optimizers_loss_scale_factor_scales_the_loss_as_keras_does(
+    strategy, options):
+  """Keras scales the loss by `loss_scale_factor` and `apply` divides the
+  gradients by it: the Trainer did only the second (steps 128x smaller)."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 5)).astype("float32")
+  y = rng.normal(size=(64, 1)).astype("float32")
+  optimizer = keras.optimizers.SGD if "fused_optimizer" not in options else (
+      keras.optimizers.Adam)
+
+  def build():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(
+        8, activation="tanh"), keras.layers.Dense(1)])
+
+  reference = build()
+  reference.compile(loss="mse", optimizer=optimizer(
+      0.1, loss_scale_factor=128.0, global_clipnorm=options.get("clip_norm")))
+  reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  strategy = tfmgpu.get_strategy(strategy)
+  with strategy.scope():
+    model = build()
+  Trainer(model, strategy=strategy, loss="mse", verbose=0, optimizer=optimizer(
+      0.1, loss_scale_factor=128.0), **options).fit(
+          x, y, epochs=2, global_batch_size=16, shuffle=False)
+  for got, want in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_changing_trainable_after_the_trainer_is_made_is_refused():
   """keras.io's fine-tuning workflow unfreezes the base between two fits:
   the Trainer's step went on training the old weights (the base moved by

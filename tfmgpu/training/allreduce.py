@@ -68,10 +68,11 @@ def for_optimizer(options: AllReduceOptions | None,
                   optimizer: keras.optimizers.Optimizer
                   ) -> AllReduceOptions | None:
   """`options` for the gradients `optimizer` is given: with its loss scale
-  when it is a `LossScaleOptimizer` (they are then scaled until it
-  applies them)."""
-  if options is None or not isinstance(
-      optimizer, keras.optimizers.LossScaleOptimizer):
+  when it is a `LossScaleOptimizer` or has a `loss_scale_factor` (they are
+  then scaled until it applies them)."""
+  if options is None or not (
+      isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+      or getattr(optimizer, "loss_scale_factor", None) is not None):
     return options
   return dataclasses.replace(
       options, loss_scale=lambda: optimizer.scale_loss(tf.constant(1.0)))
