@@ -180,6 +180,13 @@ def is_functional(layer: Any) -> bool:
   return isinstance(layer, functional) and type(layer).call is functional.call
 
 
+def overrides_call(layer: Any) -> bool:
+  """A functional model whose class overrides `call()`: its graph (inputs
+  to outputs) is not what it computes."""
+  functional = functional_class()
+  return isinstance(layer, functional) and type(layer).call is not functional.call
+
+
 def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
   """`layer` and all its nested layers, depth first."""
   return list(layer._flatten_layers())  # pylint: disable=protected-access

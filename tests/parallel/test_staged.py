@@ -612,6 +612,33 @@ def test_a_lambda_reading_the_users_globals_splits():
                              model.predict(rows, verbose=0), atol=1e-6)
 
 
+class _Scaled(keras.Model):
+  """A functional model whose own call() adds to its graph."""
+
+  def __init__(self, **kwargs):
+    x = keras.Input((6,))
+    super().__init__(x, keras.layers.Dense(6, name="inner_dense")(x),
+                     **kwargs)
+
+  def call(self, inputs, training=None):
+    return 3.0 * super().call(inputs, training=training) + 1.0
+
+
+def test_a_functional_model_overriding_call_is_refused_or_kept_whole():
+  """Its graph was split and its call() dropped: predictions 4.5 off."""
+  with pytest.raises(ValueError, match=r"'scaled' \(_Scaled\) overrides "
+                     r"call\(\): a split replays the graph"):
+    StagedModel.from_model(_Scaled(name="scaled"), num_stages=2)
+  x = keras.Input((6,))
+  h = _Scaled(name="inner")(keras.layers.Dense(6, name="pre")(x))
+  model = keras.Model(x, keras.layers.Dense(2, name="post")(h))
+  staged = StagedModel(model, partition.plan_stages(
+      model, 2, split_points=["inner"]))  # Nested: called whole.
+  rows = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+  np.testing.assert_allclose(staged.predict(rows, verbose=0),
+                             model.predict(rows, verbose=0), atol=1e-6)
+
+
 class _L2Step(keras.Model):
   """A keras.io-style model whose own train_step adds a penalty."""
 

@@ -143,8 +143,8 @@ def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
 
 
 def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
-  if isinstance(layer, keras.Model):
-    try:
+  if isinstance(layer, keras.Model) and not _compat.overrides_call(layer):
+    try:  # Keras' cloning keeps the graph, not a class's own call().
       clone = keras.models.clone_model(layer, recursive=True)
     except (ValueError, TypeError):
       pass  # Subclassed: fall through to its config.

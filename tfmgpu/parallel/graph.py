@@ -88,6 +88,13 @@ def _symbolic_inputs_outputs(model: keras.Model):
         f"model {model.name!r} is not built. Build it first (give it a "
         "keras.Input, or call model.build(input_shape)) so its layer "
         "shapes are known.")
+  if _compat.overrides_call(model):
+    raise ValueError(
+        f"model {model.name!r} ({type(model).__name__}) overrides call(): a "
+        "split replays the graph from its inputs to its outputs, not call(), "
+        "so it would train or predict something else. Put what call() adds "
+        "in a layer of the graph, or keep the model whole: data parallelism, "
+        "or ZeRO (tfmgpu.Trainer(model, zero_stage=3)), which call it.")
   try:
     inputs, outputs = model.inputs, model.outputs
   except (AttributeError, ValueError) as e:
