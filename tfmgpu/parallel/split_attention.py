@@ -8,6 +8,7 @@ the inputs' gradients backward, per attention block.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -30,9 +31,10 @@ class HeadParallelAttention(ShardedLayer):
   it projects, attends (Keras' `ops.dot_product_attention`, scaled by
   `1/sqrt(key_dim)`, as `MultiHeadAttention` does) and projects out. The
   partial outputs are summed on `devices[0]` with the output bias. Inputs
-  of shape `(B, T, d)`; masks as `MultiHeadAttention`'s `attention_mask`
-  and `use_causal_mask` (Keras masks of the inputs are not read). No
-  dropout.
+  of shape `(B, T, d)`; masks as `MultiHeadAttention`'s: the Keras masks
+  of the inputs (`Embedding(mask_zero=True)`), `attention_mask` and
+  `use_causal_mask`, combined as it does; the output keeps the query's
+  mask. No dropout.
   """
 
   def __init__(self, num_heads: int, key_dim: int, devices: Sequence[str],
@@ -41,6 +43,7 @@ class HeadParallelAttention(ShardedLayer):
                kernel_initializer: Any = "glorot_uniform",
                bias_initializer: Any = "zeros", **kwargs):
     super().__init__(devices, **kwargs)
+    self.supports_masking = True  # The output keeps the query's mask.
     if dropout:
       raise ValueError(
           f"HeadParallelAttention {self.name!r} got dropout={dropout!r}; "
@@ -103,12 +106,15 @@ class HeadParallelAttention(ShardedLayer):
       y = keras.ops.add(y, keras.ops.cast(self.output_bias, y.dtype))
     return y
 
-  def call(self, query, value, key=None, attention_mask=None,
-           use_causal_mask=False, training=None):
+  def call(self, query, value, key=None, query_mask=None, value_mask=None,
+           key_mask=None, attention_mask=None, use_causal_mask=False,
+           training=None):
+    # Keras fills `query_mask`, `value_mask`, `key_mask` from the inputs.
     del training  # No dropout.
     key = value if key is None else key
-    mask = _attention_mask(query, value, attention_mask, use_causal_mask)
-    is_causal = bool(use_causal_mask) and attention_mask is None
+    mask = _attention_mask(query, value, attention_mask, use_causal_mask,
+                           (query_mask, value_mask, key_mask))
+    is_causal = bool(use_causal_mask) and mask is None
     extra = [] if mask is None else [mask]
     parts = [on_device(d, lambda q, k, v, *m, t=t: self._shard(
         t, q, k, v, *m, is_causal=is_causal), query, key, value, *extra,
@@ -117,9 +123,11 @@ class HeadParallelAttention(ShardedLayer):
     return on_device(self.devices[0], self._reduce, *parts,
                      name=f"{self.name}_reduce")
 
-  def compute_output_spec(self, query, value, key=None, attention_mask=None,
+  def compute_output_spec(self, query, value, key=None, query_mask=None,
+                          value_mask=None, key_mask=None, attention_mask=None,
                           use_causal_mask=False, training=None):
-    del value, key, attention_mask, use_causal_mask, training
+    del value, key, query_mask, value_mask, key_mask, attention_mask
+    del use_causal_mask, training
     return keras.KerasTensor(tuple(query.shape), self.compute_dtype)
 
   def _unsplit_layout(self):
@@ -144,13 +152,23 @@ class HeadParallelAttention(ShardedLayer):
     return config
 
 
-def _attention_mask(query, value, attention_mask, use_causal_mask):
-  """`MultiHeadAttention`'s mask, `(B, 1, T, S)` bool, or `None` when only
-  the causal mask applies (then the kernel's `is_causal` does it, as Keras
-  does)."""
-  if attention_mask is None:
+def _attention_mask(query, value, attention_mask, use_causal_mask,
+                    input_masks=(None, None, None)):
+  """`MultiHeadAttention`'s mask, `(B, 1, T, S)` bool: the inputs' Keras
+  masks (`input_masks`: the query's as `(B, T, 1)`, the value's and key's
+  as `(B, 1, S)`), `attention_mask` and the causal mask, all ANDed; `None`
+  when only the causal mask applies (then the kernel's `is_causal` does
+  it, as Keras does)."""
+  query_mask, *value_masks = input_masks
+  masks = [] if query_mask is None else [
+      keras.ops.expand_dims(keras.ops.cast(query_mask, "bool"), -1)]
+  masks += [keras.ops.expand_dims(keras.ops.cast(m, "bool"), -2)
+            for m in value_masks if m is not None]
+  if attention_mask is not None:
+    masks.append(keras.ops.cast(attention_mask, "bool"))
+  if not masks:
     return None
-  mask = keras.ops.cast(attention_mask, "bool")
+  mask = functools.reduce(keras.ops.logical_and, masks)
   if use_causal_mask:
     q_len, v_len = keras.ops.shape(query)[1], keras.ops.shape(value)[1]
     ones = keras.ops.ones((1, q_len, v_len), dtype="int32")
