@@ -139,6 +139,20 @@ def test_a_compiled_model_trains_with_its_compile_unless_told_otherwise():
     np.testing.assert_allclose(a, b, atol=1e-6)
   told = Trainer(build(), optimizer="adam", verbose=0)
   assert type(told.optimizer).__name__ != "SGD"
+  # Options take compile's too, for the fields they leave at defaults
+  # (they took nothing: Adam at 1e-3 and cross-entropy from logits).
+  model = build()
+  Trainer(model, options=tfmgpu.TrainerOptions(verbose=0)).fit(
+      x, y, global_batch_size=16, epochs=1)
+  for a, b in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  told = Trainer(build(), options=tfmgpu.TrainerOptions(optimizer="sgd"))
+  assert type(told.optimizer).__name__ != "SGD" or (
+      float(told.optimizer.learning_rate.numpy()) != 0.5)
+  with pytest.raises(ValueError, match=r"learning_rate=0.0005 was given "
+                     r"with optimizer=Adam"):
+    Trainer(build(), options=tfmgpu.TrainerOptions(
+        optimizer=keras.optimizers.Adam(1e-2), learning_rate=5e-4))
 
 
 def test_compiled_metric_objects_are_reported_as_fit_reports_them():

@@ -73,8 +73,8 @@ class Trainer:
       model_dir, callbacks, ...). Defaults to `TrainerOptions()`.
     execution: how steps run: `"sync"` (`strategy.run`) or `"coordinator"`
       (parameter servers: `ParameterServerTrainer`). Defaults to `"sync"`.
-    **settings: `TrainerOptions` fields, applied over `options`; with no
-      `options`, a compiled model's optimizer, loss and metrics fill gaps.
+    **settings: `TrainerOptions` fields, applied over `options`; a compiled
+      model's optimizer, loss and metrics fill what neither sets.
   """
 
   def __init__(self, model: keras.Model, *,

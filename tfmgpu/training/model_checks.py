@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -272,6 +273,24 @@ def _set_learning_rate(optimizer: Any, rate: float, where: str) -> None:
   owner.learning_rate = rate
 
 
+def _set_in(options: Any) -> dict[str, Any]:
+  """The fields of a `TrainerOptions` (or `None`) set away from their
+  defaults."""
+  if options is None:
+    return {}
+  return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+          if not _same(getattr(options, f.name), f.default)}
+
+
+def _same(value: Any, default: Any) -> bool:
+  if value is default:
+    return True
+  try:
+    return bool(type(value) is type(default) and value == default)
+  except (TypeError, ValueError):  # Arrays and the like: set by the user.
+    return False
+
+
 def _check_learning_rate(settings: dict[str, Any]) -> None:
   """Refuses `learning_rate=` next to an optimizer object with another
   learning rate: only a name takes it, and it went unused, silently."""
@@ -301,13 +320,15 @@ def compiled_settings(model: keras.Model, options: Any,
   weights and metrics not given, and logged: a compiled model trains as its
   `fit` would (it trained with the Trainer's defaults, silently). A
   `learning_rate` given applies to the compiled optimizer, and
-  `fused_optimizer=True` fuses it. Nothing is taken when `options` are
-  given."""
-  _check_learning_rate(settings)
-  if options is not None or not getattr(model, "compiled", False):
+  `fused_optimizer=True` fuses it. A `TrainerOptions` given counts as
+  keyword arguments for its fields set away from their defaults (it took
+  nothing from compile: Adam at 1e-3 and cross-entropy instead)."""
+  given = {**_set_in(options), **settings}
+  _check_learning_rate(given)
+  if not getattr(model, "compiled", False):
     return settings
-  names = [n for n in _FROM_COMPILE if n not in settings]
-  taken = {name: _compiled_value(model, name, settings) for name in names}
+  names = [n for n in _FROM_COMPILE if n not in given]
+  taken = {name: _compiled_value(model, name, given) for name in names}
   taken = {k: v for k, v in taken.items() if v is not None}
   if taken:
     logging.info("Model %r was compiled: the Trainer takes its %s (pass "
