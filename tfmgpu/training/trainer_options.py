@@ -53,8 +53,8 @@ class TrainerOptions:
       with BatchNormalization or losses of their own. Defaults to `1`.
     fused_optimizer: when `optimizer` is a name, update each variable with
       one fused kernel (`tfmgpu.training.fused`); an optimizer object is
-      used as given. Given to a compiled model's Trainer, it trains with
-      the `optimizer` name instead of the compiled optimizer.
+      used as given. Given to a compiled model's Trainer, it trains a
+      fused copy of the compiled optimizer, with all its settings.
     input_mode: `"device"` copies the training arrays to every replica's
       device once and gathers each batch there (`tfmgpu.training.resident`);
       `"tf_data"` reads them through a `tf.data` pipeline; `"auto"` (the
