@@ -61,6 +61,10 @@ def test_gradient_accumulation_under_a_strategy_is_a_clear_error(digits):
                      r"MirroredStrategy.*global_batch_size by 2"):
     train(strategy, lambda: keras.optimizers.SGD(
         0.1, gradient_accumulation_steps=2), digits)
+  with pytest.raises(ValueError, match=r"use_ema=True, ema_overwrite_"
+                     r"frequency=3\) cannot train under MirroredStrategy"):
+    train(strategy, lambda: keras.optimizers.Adam(
+        use_ema=True, ema_overwrite_frequency=3), digits)
 
 
 def test_weight_decay_exclusions_follow_the_optimizer_into_the_scope():
@@ -377,3 +381,18 @@ def test_clip_norm_checks_the_optimizer_that_clips():
   with pytest.raises(ValueError, match=r"its global_clipnorm: None\). "
                      r"Create it with global_clipnorm=2.0"):
     optimizers._check_own_clipping(scaled(keras.optimizers.SGD()), 2.0)  # pylint: disable=protected-access
+
+
+def test_global_clipnorm_over_data_parallel_copies_is_refused():
+  """Keras took the norm over both copies' equal gradients: sqrt(2) too
+  large, so it clipped that much too hard (0.295 off one device)."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+      4, name="a"), keras.layers.Dense(2, name="b")])
+  placed = hybrid.build_layout(model, hybrid.Layout(data=2, stages=2))
+  with pytest.raises(ValueError, match=r"global_clipnorm=0.05 .* holds 2 "
+                     r"data-parallel copies .* clip_norm= to tfmgpu.Trainer"):
+    Trainer(placed, optimizer=keras.optimizers.SGD(0.1, global_clipnorm=0.05),
+            loss="mse", verbose=0)
+  Trainer(placed, optimizer="sgd", clip_norm=0.05, loss="mse", verbose=0)

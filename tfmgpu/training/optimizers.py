@@ -95,6 +95,7 @@ def check_splits(optimizer: Any, model: Any) -> None:
   Raises:
     ValueError: naming the split layers and what to use instead.
   """
+  _check_copies(optimizer, model)
   layers = [l for l in _compat.flatten_layers(model)
             if hasattr(l, "_unsplit_layout")]
   if not layers:
@@ -113,6 +114,27 @@ def check_splits(optimizer: Any, model: Any) -> None:
         f"{' ...' if len(split) > 4 else ''} into shards, which it would "
         f"update one by one, unlike the whole weights. {fix}, or use a "
         "layout with tensor=1.")
+
+
+def _check_copies(optimizer: Any, model: Any) -> None:
+  """Refuses `global_clipnorm` over a model holding data-parallel copies of
+  each weight (`ReplicatedModel`): Keras takes the norm over every copy's
+  (equal) gradients, sqrt(R) times the model's, and clipped that much too
+  hard."""
+  copies = max([getattr(l, "data_parallel", 1)
+                for l in _compat.flatten_layers(model)
+                if hasattr(l, "replicas")] or [1])
+  norms = [opt.global_clipnorm for opt in _compat.each_optimizer(optimizer)
+           if getattr(opt, "global_clipnorm", None)]
+  if copies > 1 and norms:
+    raise ValueError(
+        f"optimizer: global_clipnorm={norms[0]} clips the norm of all the "
+        f"gradients it applies, and {type(model).__name__} {model.name!r} "
+        f"holds {copies} data-parallel copies of each weight, whose equal "
+        f"gradients would count {copies} times (clipping sqrt({copies}) "
+        "times too hard). Pass clip_norm= to tfmgpu.Trainer instead (the "
+        "norm of one copy's), clip each weight with clipnorm=, or use a "
+        "layout with data=1.")
 
 
 def split_routing(optimizer: Any, split_layers: Any) -> str | None:
@@ -279,16 +301,26 @@ def _check_accumulation(optimizer: Any, strategy: Any) -> None:
   distributed update cannot run (TF fails with "`merge_call` called while
   defining a new graph")."""
   steps = getattr(optimizer, "gradient_accumulation_steps", None)
-  if not steps:
+  overwrite = (getattr(optimizer, "use_ema", False)
+               and getattr(optimizer, "ema_overwrite_frequency", None))
+  if not (steps or overwrite):
     return
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   with tf.init_scope():
     if (not tf.distribute.has_strategy()
         and strategy is tf.distribute.get_strategy()):
       return  # TF's default strategy: one device, no update to sync.
+  name, under = type(optimizer).__name__, type(strategy).__name__
+  if not steps:  # The same tf.cond, around the averages' overwrite.
+    raise ValueError(
+        f"optimizer={name}(use_ema=True, ema_overwrite_frequency="
+        f"{overwrite}) cannot train under {under}: Keras overwrites the "
+        "weights with their moving averages inside a tf.cond, where a "
+        "distributed update cannot run. Leave ema_overwrite_frequency "
+        "unset: Trainer.fit puts the averages in the weights when it ends.")
   raise ValueError(
-      f"optimizer={type(optimizer).__name__}(gradient_accumulation_steps="
-      f"{steps}) cannot train under {type(strategy).__name__}: Keras "
+      f"optimizer={name}(gradient_accumulation_steps={steps}) cannot train "
+      f"under {under}: Keras "
       "applies accumulated gradients inside a tf.cond, where a distributed "
       "update cannot run. Leave gradient_accumulation_steps unset and "
       f"multiply global_batch_size by {steps} instead (the same mean "
