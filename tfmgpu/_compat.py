@@ -295,6 +295,13 @@ def compiled_loss(model: keras.Model) -> Callable[..., Any] | None:
   return model._compile_loss  # pylint: disable=protected-access
 
 
+def compiled_metrics(model: keras.Model, name: str) -> Any:
+  """What `compile(metrics=...)` (`name="metrics"`) or `weighted_metrics`
+  was given, the user's own objects; `None` when nothing was."""
+  container = getattr(model, "_compile_metrics", None)  # pylint: disable=protected-access
+  return getattr(container, f"_user_{name}", None)
+
+
 def loss_tracker(model: keras.Model) -> keras.metrics.Metric:
   """The mean metric behind the `loss` that `fit` reports."""
   return model._loss_tracker  # pylint: disable=protected-access

@@ -396,3 +396,35 @@ def test_global_clipnorm_over_data_parallel_copies_is_refused():
     Trainer(placed, optimizer=keras.optimizers.SGD(0.1, global_clipnorm=0.05),
             loss="mse", verbose=0)
   Trainer(placed, optimizer="sgd", clip_norm=0.05, loss="mse", verbose=0)
+
+
+class _FractionAbove(keras.metrics.Metric):
+  """A user's metric whose config drops `threshold` (the base's has none)."""
+
+  def __init__(self, threshold=0.5, name="above", **kwargs):
+    super().__init__(name=name, **kwargs)
+    self.threshold = threshold
+    self.hits = self.add_weight(name="hits", initializer="zeros")
+    self.rows = self.add_weight(name="rows", initializer="zeros")
+
+  def update_state(self, y_true, y_pred, sample_weight=None):
+    del y_true, sample_weight
+    above = keras.ops.cast(y_pred[:, 0] > self.threshold, "float32")
+    self.hits.assign_add(keras.ops.sum(above))
+    self.rows.assign_add(keras.ops.cast(keras.ops.shape(y_pred)[0], "float32"))
+
+  def result(self):
+    return self.hits / keras.ops.maximum(self.rows, 1.0)
+
+
+def test_a_compiled_metric_that_rebuilds_otherwise_is_not_reported(caplog):
+  """Rebuilt from the compile config its threshold was the default: the
+  Trainer reported 0.17 where fit reported 1.0."""
+  keras.saving.register_keras_serializable("tests")(_FractionAbove)
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse",
+                metrics=[_FractionAbove(threshold=-5.0)])
+  x = np.ones((8, 3), "float32")
+  result = Trainer(model, verbose=0).fit(x, x[:, :1], global_batch_size=8)
+  assert "above" not in result.history
+  assert "threshold=-5.0 (copy: 0.5)" in caplog.text

@@ -167,7 +167,9 @@ def _compiled_value(model: keras.Model, name: str,
   value = (model.get_compile_config() or {}).get(name)
   if name.endswith("metrics") and value is not None:
     try:
-      return _fresh_metrics(value)
+      fresh = _fresh_metrics(value)
+      _check_rebuilt(_compat.compiled_metrics(model, name), fresh)
+      return fresh
     except (TypeError, ValueError) as e:
       logging.warning(
           "Model %r was compiled (by you, or by its class as it was built, "
@@ -202,6 +204,25 @@ def _fresh_metrics(value: Any) -> Any:
   if isinstance(value, str) or value is None:
     return value
   raise TypeError(f"{type(value).__name__} is not a serialized metric")
+
+
+def _check_rebuilt(given: Any, fresh: Any) -> None:
+  """Raises when a metric rebuilt from the compile config lost a constructor
+  argument the user's object kept (a `threshold` its get_config drops:
+  the Trainer reported 0.17 where fit reported 1.0)."""
+  if isinstance(given, Mapping) and isinstance(fresh, Mapping):
+    for k in given:
+      _check_rebuilt(given[k], fresh.get(k))
+  elif isinstance(given, (list, tuple)) and isinstance(fresh, (list, tuple)):
+    for a, b in zip(given, fresh):
+      _check_rebuilt(a, b)
+  elif isinstance(given, keras.metrics.Metric):
+    lost = checks.lost_arguments(given, fresh)
+    if lost:
+      raise ValueError(
+          f"metric {given.name!r} ({type(given).__name__}) does not rebuild "
+          f"from its config: the copy differs in {', '.join(lost)}; give it "
+          "a get_config() that returns every constructor argument")
 
 
 def _compiled_optimizer(model: keras.Model, settings: dict[str, Any]
