@@ -128,3 +128,27 @@ def test_an_unknown_sequence_length_comes_from_the_data_or_the_config(
     cost.model_blocks(unknown)
   assert "unknown length (e.g. input 'tokens' (None, None))" in caplog.text
   assert "UNKNOWN" in caplog.text and "input_shape=" in caplog.text
+
+
+def test_recurrent_layers_count_their_gate_matmuls_at_every_step(caplog):
+  """LSTM/GRU/Bidirectional were 1 FLOP per output element (~1000x low)."""
+  L = keras.layers
+  x = keras.Input((8, 6))  # 8 steps of 6 features.
+  h = L.LSTM(5, return_sequences=True, name="lstm")(x)
+  h = L.Bidirectional(L.GRU(3, return_sequences=True), name="bigru")(h)
+  h = L.SimpleRNN(4, name="rnn")(h)
+  h = L.RNN(L.LSTMCell(2), name="cell_rnn")(L.RepeatVector(8)(h))
+  y = L.PReLU(name="prelu")(h)  # Weights, unknown: estimated, and logged.
+  blocks = {b.layers[0]: b.flops for b in cost.model_blocks(
+      keras.Model(x, y, name="rnns"))}
+  # steps * gates * 2 * (in + units) * units; Bidirectional twice.
+  assert blocks["lstm"] == 8 * 4 * 2 * (6 + 5) * 5
+  assert blocks["bigru"] == 2 * 8 * 3 * 2 * (5 + 3) * 3
+  assert blocks["rnn"] == 8 * 1 * 2 * (6 + 4) * 4
+  assert blocks["cell_rnn"] == 8 * 4 * 2 * (4 + 2) * 2
+  assert blocks["prelu"] == 2  # One per output element.
+  assert "prelu (PReLU)" in caplog.text and "lstm" not in caplog.text
+  assert "1 per output element" in caplog.text
+  caplog.clear()
+  cost.model_blocks(keras.Model(x, y, name="rnns"))
+  assert "prelu" not in caplog.text  # Once.

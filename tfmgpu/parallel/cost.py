@@ -12,6 +12,10 @@ per block and per example:
   - `Conv1D/2D/3D`: `2 * prod(kernel) * in_channels / groups * filters` per
     output position (+ bias, + activation); transposed convs per *input*
     position; depthwise and separable convs as their two factors;
+  - `LSTM`, `GRU`, `SimpleRNN` (or a `keras.layers.RNN` of their cells):
+    `gates * 2 * (in + units) * units` per time step (4 gates for an LSTM,
+    3 for a GRU, 1 for a SimpleRNN); a `Bidirectional` wrapper, both
+    directions;
   - `MultiHeadAttention`: its query, key, value and output projections
     (`2 * in * out` per position each), the scores and the weighted sum
     (`2 * T_query * T_key * heads * head_dim` each; a causal mask computes
@@ -25,7 +29,8 @@ per block and per example:
     `T^2` terms, + one per output element (`block_flops.sublayer_flops`);
     a `ReversibleEmbedding` called in reverse (an LM head): `2 * vocabulary
     * width` per position;
-  - anything else: one FLOP per output element (a coarse estimate);
+  - anything else: one FLOP per output element (a coarse estimate;
+    `model_blocks` logs the names of such layers that hold weights, once);
 * activation bytes: the outputs of every layer (kept for the backward
   pass), and inside `MultiHeadAttention` its query, key and value
   projections, its scores and their softmax (`heads * T^2` each: what
@@ -133,6 +138,26 @@ def _kernel_flops(layer, in_shape, out_shape, out_el: int) -> int | None:
   return flops + _activation_flops(layer, out_el)
 
 
+def _recurrent_flops(layer, in_shape) -> int | None:
+  """FLOPs of an LSTM, GRU or SimpleRNN layer (or a `Bidirectional` of
+  them) over its time steps, else None (see the module docstring)."""
+  L = keras.layers
+  if isinstance(layer, L.Bidirectional):
+    parts = [_recurrent_flops(part, in_shape)
+             for part in (layer.forward_layer, layer.backward_layer)]
+    return None if None in parts else sum(parts)
+  if not isinstance(layer, L.RNN):
+    return None
+  gates = next((n for cell, n in ((L.LSTMCell, 4), (L.GRUCell, 3),
+                                  (L.SimpleRNNCell, 1))
+                if isinstance(layer.cell, cell)), None)
+  if gates is None:  # ConvLSTM, stacked or custom cells: the estimate.
+    return None
+  steps = _spatial(in_shape)  # (batch, time, features)
+  units = int(layer.cell.units)
+  return steps * gates * 2 * (int(in_shape[-1]) + units) * units
+
+
 def _attention_dims(node, shape: ShapeOf = _symbolic) -> dict[str, int]:
   """Heads, head sizes, lengths and widths of a `MultiHeadAttention` call."""
   layer, args = node.operation, node.arguments
@@ -191,11 +216,10 @@ def node_activation_bytes(node, shape: ShapeOf = _symbolic) -> int:
       node.operation, shape(node.input_tensors[0]))
 
 
-def _elementwise_flops(layer, num_inputs: int, in_shape, out_el: int) -> int:
-  """FLOPs of a normalisation, pooling, merge or reshape-like layer.
-
-  Anything else counts one FLOP per output element.
-  """
+def _elementwise_flops(layer, num_inputs: int, in_shape,
+                       out_el: int) -> int | None:
+  """FLOPs of a normalisation, pooling, merge or reshape-like layer, else
+  None."""
   L = keras.layers
   if isinstance(layer, (L.BatchNormalization, L.LayerNormalization,
                         L.GroupNormalization, L.UnitNormalization)):
@@ -217,7 +241,7 @@ def _elementwise_flops(layer, num_inputs: int, in_shape, out_el: int) -> int:
                         L.SpatialDropout2D, L.SpatialDropout3D,
                         L.GaussianNoise, L.GaussianDropout)):
     return 0
-  return out_el
+  return None
 
 
 def node_flops(node, shape: ShapeOf = _symbolic) -> int:
@@ -226,6 +250,15 @@ def node_flops(node, shape: ShapeOf = _symbolic) -> int:
   `shape` gives each tensor's shape (`ModelGraph.shape`); defaults to the
   symbolic one.
   """
+  flops = _known_flops(node, shape)
+  if flops is None:  # The coarse estimate.
+    return sum(graph_lib.elements(shape(t)) for t in node.output_tensors)
+  return flops
+
+
+def _known_flops(node, shape: ShapeOf) -> int | None:
+  """`node_flops`, or None where it is one FLOP per output element (a layer
+  this module does not know)."""
   layer = node.operation
   ins, outs = node.input_tensors, node.output_tensors
   out_el = sum(graph_lib.elements(shape(t)) for t in outs)
@@ -237,10 +270,12 @@ def node_flops(node, shape: ShapeOf = _symbolic) -> int:
                                    else None)
       return sum(node_flops(n, inner.shape) for n in inner.nodes)
     except (TypeError, ValueError):  # Subclassed or multi-input: estimate.
-      return out_el
+      return None
   if isinstance(layer, keras.layers.MultiHeadAttention):
     return _attention_flops(node, shape)
   flops = _kernel_flops(layer, in_shape, shape(outs[0]), out_el)
+  if flops is None:
+    flops = _recurrent_flops(layer, in_shape)
   if flops is None:
     flops = block_flops.reverse_embedding_flops(node, in_shape)
   if flops is None:
@@ -274,6 +309,29 @@ class Block:
   output_shape: tuple[int | None, ...]
 
 
+# The layers `_log_estimated` has named, by model: it names them once.
+_ESTIMATED_LOGGED: set[tuple[str, ...]] = set()
+
+
+def _log_estimated(graph: graph_lib.ModelGraph) -> None:
+  """Logs (once per model and layers) the layers with weights that
+  `node_flops` costs at one FLOP per output element: their FLOPs may be far
+  too small, and a `"flops"` or `"balanced"` plan unbalanced."""
+  names = tuple(f"{name} ({type(node.operation).__name__})"
+                for name, node in zip(graph.names, graph.nodes)
+                if param_bytes(node.operation) and
+                _known_flops(node, graph.shape) is None)
+  if not names or (graph.model.name, *names) in _ESTIMATED_LOGGED:
+    return
+  _ESTIMATED_LOGGED.add((graph.model.name, *names))
+  logging.warning(
+      "Model %r: the cost model does not know layer(s) %s, which hold "
+      "weights: their FLOPs are estimated at 1 per output element, which may "
+      "be far too few, so a criterion='flops' or 'balanced' stage plan may be "
+      "unbalanced. Check the plan's FLOPs/ex, or use criterion='params' or "
+      "split_points=[...].", graph.model.name, ", ".join(names))
+
+
 def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
   """Costs each layer call of a model, in topological order.
 
@@ -294,6 +352,7 @@ def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
         "that length were 1 (far too small). Give the length: "
         "plan_stages(model, ..., input_shape=<one example's shape>).",
         graph.model.name, graph.describe(unknown[0]))
+  _log_estimated(graph)
   blocks = []
   for name, node in zip(graph.names, graph.nodes):
     out = node.output_tensors[0]
