@@ -223,6 +223,41 @@ def test_bad_inputs_name_the_file_or_shapes(tmp_path, model, rows):
     inference.predict(model, np.zeros((5, 8, 8, 1), np.float32))
 
 
+class _RowMean(keras.layers.Layer):
+  """Each ragged row's mean (a model Keras' predict feeds a RaggedTensor)."""
+
+  def call(self, rows):
+    return tf.reduce_mean(tf.cast(rows, tf.float32), axis=1, keepdims=True)
+
+  def compute_output_shape(self, shape):
+    return (shape[0], 1)
+
+
+@pytest.mark.parametrize("strategy", [
+    "default",
+    pytest.param(lambda: tfmgpu.get_strategy("mirrored", num_replicas=2),
+                 id="mirrored2"),
+])
+def test_ragged_and_sparse_inputs_predict_as_in_keras(strategy):
+  """A RaggedTensor or SparseTensor given as x was refused as 'not an array
+  of numbers' (Keras' predict takes both): rows in order, the last batch
+  short (5 rows, batches of 2 over 2 replicas)."""
+  strategy = strategy() if callable(strategy) else strategy
+  ragged = tf.ragged.constant([[1, 2], [3], [4, 5, 6], [7], [8, 9]])
+  inp = keras.Input((None,), dtype="int32", ragged=True)
+  mean = keras.Model(inp, _RowMean()(inp))
+  got = inference.predict(mean, ragged, strategy=strategy, batch_size=2)
+  np.testing.assert_allclose(got, mean.predict(ragged, verbose=0))
+  np.testing.assert_allclose(got.ravel(), [1.5, 3, 5, 7, 8.5])
+  sparse = tf.sparse.from_dense(np.eye(5, 10, dtype="float32") * 3)
+  inp = keras.Input((10,), sparse=True)
+  keras.utils.set_random_seed(0)
+  dense = keras.Model(inp, keras.layers.Dense(2)(inp))
+  np.testing.assert_allclose(
+      inference.predict(dense, sparse, strategy=strategy, batch_size=2),
+      dense.predict(sparse, verbose=0), rtol=1e-6, atol=1e-6)
+
+
 def _tiny_model():
   return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
 

@@ -157,9 +157,10 @@ class Predictor:
     """Predictions for every row of `x`, in input order (numpy).
 
     Args:
-      x: an array, a dict/list/tuple of arrays (a model with several
-        inputs), or a `tf.data.Dataset` of input batches (`x`, or `(x, y)`
-        / `(x, y, sample_weight)` whose targets are ignored, as in Keras).
+      x: an array, a `tf.RaggedTensor` or `tf.SparseTensor`, a
+        dict/list/tuple of them (a model with several inputs), or a
+        `tf.data.Dataset` of input batches (`x`, or `(x, y)` /
+        `(x, y, sample_weight)` whose targets are ignored, as in Keras).
       output_kind: `logits` (the model's outputs), `probabilities` or
         `classes` (see `convert_outputs`). Defaults to `logits`.
 
@@ -178,6 +179,11 @@ class Predictor:
     """The model's float32 outputs for every row of `x`, in input order."""
     if isinstance(x, tf.data.Dataset):
       return self._predict_dataset(x)
+    if _has_composite(x):  # Ragged or sparse rows: tf.data slices them.
+      n, padded = _padded_composite(
+          x, self.strategy.num_replicas_in_sync)
+      return self._predict_dataset(tf.data.Dataset.from_tensor_slices(
+          padded).batch(self.batch_size), n)
     source = inputs_lib.from_user(x, what="x", needs_targets=False)
     if not isinstance(source, inputs_lib.ArrayData):
       raise TypeError("x is a dataset function; predict takes arrays (any "
@@ -222,15 +228,53 @@ class Predictor:
     out.add(self._fn_one(inputs))
     return out.result()
 
-  def _predict_dataset(self, dataset: tf.data.Dataset) -> Any:
-    """Batch by batch over a user's dataset (the last batch may be short)."""
+  def _predict_dataset(self, dataset: tf.data.Dataset,
+                       n: int | None = None) -> Any:
+    """Batch by batch over a dataset (the last batch may be short); only
+    its first `n` rows if given."""
     spec = dataset.element_spec
     if isinstance(spec, tuple) and 1 <= len(spec) <= 3:
       dataset = dataset.map(lambda *parts: parts[0])
-    out = _Rows(None)
+    out = _Rows(n)
     for batch in self.strategy.experimental_distribute_dataset(dataset):
       out.add(self._fn_one(batch))
     return out.result()
+
+
+def _has_composite(x: Any) -> bool:
+  """Whether `x` (any nesting) holds a `tf.RaggedTensor` or
+  `tf.SparseTensor`, which Keras' predict takes as input rows."""
+  return any(isinstance(v, (tf.RaggedTensor, tf.SparseTensor))
+             for v in tf.nest.flatten(x))
+
+
+def _padded_composite(x: Any, multiple: int) -> tuple[int, Any]:
+  """`x`'s rows and `x` with rows appended up to a multiple of `multiple`
+  (so no replica gets an empty part of the last batch, which TF cannot
+  split for a sparse tensor): empty rows of a sparse tensor, copies of the
+  last row of a ragged one, zero rows of an array. Lists become tuples
+  (several inputs, not one stacked tensor)."""
+  flat = tf.nest.flatten(x)
+  n = int(_rows_of(flat[0]))
+  extra = (-n) % multiple
+
+  def pad(v):
+    if isinstance(v, tf.SparseTensor):
+      return tf.sparse.reset_shape(v, [n + extra, *v.dense_shape[1:]])
+    if isinstance(v, tf.RaggedTensor):
+      return tf.concat([v, tf.gather(v, tf.fill([extra], n - 1))], axis=0)
+    return inputs_lib.pad_rows(np.asarray(v), n + extra)
+
+  structure = tuple(x) if isinstance(x, list) else x
+  return n, tf.nest.pack_sequence_as(structure, [pad(v) for v in flat])
+
+
+def _rows_of(v: Any) -> int:
+  if isinstance(v, tf.RaggedTensor):
+    return int(v.nrows())
+  if isinstance(v, tf.SparseTensor):
+    return int(v.dense_shape[0])
+  return len(v)
 
 
 def _streamed_batches(x: Any, batch: int) -> tf.data.Dataset:
