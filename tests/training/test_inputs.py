@@ -71,3 +71,14 @@ def test_a_generator_or_a_py_dataset_is_refused_by_name():
     with pytest.raises(TypeError, match=rf"x is a {type(x).__name__}: .*"
                        r"tf.data.Dataset.from_generator"):
       inputs.from_user(x)
+
+
+def test_ragged_or_sparse_training_arrays_say_to_pass_a_dataset():
+  """They were 'not an array of numbers or strings (dtype object, ...)'."""
+  ragged = tf.ragged.constant([[1, 2], [3]])
+  sparse = tf.sparse.from_dense(np.eye(2, dtype="float32"))
+  for x, y in ((ragged, np.zeros(2)), ({"a": np.zeros((2, 1))}, sparse)):
+    kind = type(x if not isinstance(x, dict) else y).__name__
+    with pytest.raises(TypeError, match=rf"is a {kind}; .*tf.data.Dataset."
+                       r"from_tensor_slices\(\(x, y\)\).batch"):
+      inputs.from_user(x, y)

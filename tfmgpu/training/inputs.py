@@ -70,6 +70,12 @@ def _as_structure(value: Any, what: str) -> Any:
     value = np.asarray(value)  # A list of numbers is one array.
   if isinstance(value, (list, tuple)):
     return tuple(_as_structure(v, f"{what}[{i}]") for i, v in enumerate(value))
+  if isinstance(value, (tf.RaggedTensor, tf.SparseTensor)):
+    raise TypeError(
+        f"{what} is a {type(value).__name__}; arrays are batched as NumPy "
+        "arrays. Give a dataset of batches instead: x=tf.data.Dataset."
+        "from_tensor_slices((x, y)).batch(batch_size) (tfmgpu.predict takes "
+        "it as it is).")
   if isinstance(value, (tf.data.Dataset, str, bytes)) or callable(value):
     raise TypeError(f"{what} is a {type(value).__name__}; inside arrays only "
                     "arrays are accepted (give a dataset as x alone).")
