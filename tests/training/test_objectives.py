@@ -170,3 +170,34 @@ def test_sample_weights_reach_weighted_metrics_only_as_in_keras():
   for name in names:
     assert got[name] == pytest.approx(want[name], rel=1e-5), name
   assert got["score_accuracy"] != pytest.approx(got["score_weighted_accuracy"])
+
+
+def test_one_output_takes_a_one_entry_list_or_a_dict_by_its_name_as_keras():
+  """`loss_weights=[0.25]` on a one-output model: Keras trains, the Trainer
+  raised "float() argument must be ... not 'list'"."""
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(16, 4)).astype(np.float32)
+  y = (x[:, 0] > 0).astype(np.int32)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2,
+                                                                   name="out")])
+
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=[loss],
+                    loss_weights=[0.25])
+  reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+  for specs in (dict(loss=loss, loss_weights=[0.25]),
+                dict(loss=[loss], loss_weights=(0.25,)),
+                dict(loss={"out": loss}, loss_weights={"out": 0.25})):
+    model = build()
+    Trainer(model, optimizer=keras.optimizers.SGD(0.5), verbose=0,
+            **specs).fit(x, y, global_batch_size=8, shuffle=False)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match=r"loss_weights=\[0.25, 1.0\] has 2 "
+                     r"entries for the model's one output.*'out'"):
+    objectives.Objective(build(), loss, loss_weights=[0.25, 1.0])

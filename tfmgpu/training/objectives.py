@@ -38,6 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.parallel import microbatch
 from tfmgpu.training import text_metrics
 
@@ -207,8 +208,15 @@ class _Output:
   loss_label: str | None = None
 
 
-def _per_output(spec: Any, names: Sequence[str], what: str) -> list[Any]:
-  """`spec` given for all outputs, as a list, or as a dict: one per output."""
+def _per_output(spec: Any, names: Sequence[str], what: str,
+                alias: str | None = None) -> list[Any]:
+  """`spec` given for all outputs, as a list, or as a dict: one per output.
+
+  For a one-output model, as Keras: a dict keyed by its name (or `alias`,
+  the name Keras gives it) and, for a loss or loss weight, a one-entry list.
+  """
+  if len(names) == 1:
+    spec = _one_output_spec(spec, names[0], alias, what)
   if isinstance(spec, Mapping):
     unknown = sorted(set(spec) - set(names))
     if unknown:
@@ -225,6 +233,33 @@ def _per_output(spec: Any, names: Sequence[str], what: str) -> list[Any]:
                        "output or a dict keyed by output name.")
     return list(spec)
   return [spec] * len(names)
+
+
+def _one_output_spec(spec: Any, name: str, alias: str | None,
+                     what: str) -> Any:
+  """A one-output model's `spec` keyed by `name` if a dict keys it by
+  `alias`; a one-entry list of a loss or loss weight, its entry."""
+  if isinstance(spec, Mapping) and alias is not None and alias in spec:
+    return {name if k == alias else k: v for k, v in spec.items()}
+  if what in ("loss", "loss_weights") and isinstance(spec, (list, tuple)):
+    if len(spec) != 1:
+      raise ValueError(f"{what}={list(spec)!r} has {len(spec)} entries for "
+                       "the model's one output; give one (or a dict keyed "
+                       f"by the output's name, {alias or name!r}).")
+    return spec[0]
+  return spec
+
+
+def _keras_output_name(model: keras.Model) -> str | None:
+  """The name Keras keys a one-output model's loss and metric dicts by: the
+  layer that makes its output (a Sequential's last layer)."""
+  outputs = tf.nest.flatten(getattr(model, "outputs", None) or [])
+  if len(outputs) != 1:
+    return None
+  try:
+    return _compat.keras_history(outputs[0])[0].name
+  except (AttributeError, TypeError, ValueError):
+    return None
 
 
 def output_names(model: keras.Model) -> list[str]:
@@ -272,11 +307,13 @@ class Objective:
     names = output_names(model)
     if metrics is None:
       metrics = ["accuracy"] if loss is None else []
-    losses = _per_output(loss, names, "loss")
+    alias = _keras_output_name(model)
+    losses = _per_output(loss, names, "loss", alias)
     weights = _per_output(loss_weights if loss_weights is not None else 1.0,
-                          names, "loss_weights")
-    per_metrics = _per_output(metrics, names, "metrics")
-    per_weighted = _per_output(weighted_metrics, names, "weighted_metrics")
+                          names, "loss_weights", alias)
+    per_metrics = _per_output(metrics, names, "metrics", alias)
+    per_weighted = _per_output(weighted_metrics, names, "weighted_metrics",
+                               alias)
     multi = len(names) > 1
     self.outputs: list[_Output] = [
         _make_output(
