@@ -121,9 +121,51 @@ def test_accuracy_with_a_custom_loss_is_read_from_the_shapes(y_true, y_pred,
 def test_a_metric_giving_several_numbers_is_refused_when_built():
   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
   with pytest.raises(ValueError, match=r"'f1_score' \(F1Score\) gives \(3,\) "
-                     r"values, not one.*average='macro'"):
+                     r"values, not one number.*F1Score\(average='micro', 'macro' or "
+                     r"'weighted'\)"):
     objectives.Objective(model, "categorical_crossentropy",
                          metrics=[keras.metrics.F1Score()])
+
+
+def _f1_model():
+  keras.utils.set_random_seed(0)
+  i = keras.Input((6,))
+  h = keras.layers.Dense(8, activation="tanh", name="hidden")(i)
+  return keras.Model(i, keras.layers.Dense(1, name="logit")(h), name="f1_net")
+
+
+@pytest.mark.parametrize("layout", ["plain", "pipelined", "zero"])
+def test_f1_score_of_one_unit_on_any_placement_is_keras_value(layout):
+  """F1Score (average=None) of a 1-unit output: Keras logs [0.19]; the
+  Trainer failed after the first epoch (numpy's 'only 0-dimensional
+  arrays ...'). On a PipelinedModel or ZeRO ShardedModel any F1Score was
+  refused as 'the model's output shape is unknown'."""
+  from tfmgpu.parallel import PipelinedModel  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import zero  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 6)).astype(np.float32)
+  y = (x[:, :1] > 0).astype(np.float32)
+  specs = lambda: dict(  # pylint: disable=unnecessary-lambda-assignment
+      loss=keras.losses.BinaryCrossentropy(from_logits=True),
+      metrics=[keras.metrics.F1Score(threshold=0.5)])
+  reference = _f1_model()
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), **specs())
+  want = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+  model = _f1_model()
+  devices = tf.config.list_logical_devices("CPU")[:2]
+  if layout == "pipelined":
+    model = PipelinedModel.from_model(model, num_stages=2, micro_batches=2,
+                                      devices=[d.name for d in devices])
+  elif layout == "zero":
+    model = zero.ShardedModel(model, [d.name for d in devices], stage=1)
+  got = Trainer(model, optimizer=keras.optimizers.SGD(0.1), verbose=0,
+                **specs()).fit(x, y, global_batch_size=8,
+                               shuffle=False).history
+  assert isinstance(got["f1_score"][0], float)
+  assert got["f1_score"][0] == pytest.approx(float(want["f1_score"][0][0]),
+                                             rel=1e-5)
+  assert got["loss"][0] == pytest.approx(want["loss"][0], rel=1e-5)
 
 
 def test_a_metric_that_builds_its_state_on_first_use_is_built_up_front():

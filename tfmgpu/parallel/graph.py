@@ -74,6 +74,19 @@ def output_names(model: keras.Model) -> tuple[str, ...]:
   return tuple(model.output_names)
 
 
+def output_shapes(model: Any) -> tuple[tuple[int | None, ...], ...]:
+  """The shapes of a model's outputs (batch axis `None`), in the order of
+  `tf.nest.flatten(model.outputs)`; a placed model (staged, pipelined,
+  ZeRO, tensor-parallel), which has no symbolic outputs, answers for the
+  model it was made from (`unsplit_output_shapes`). `()` if unknown (a
+  subclassed model)."""
+  shapes = getattr(model, "unsplit_output_shapes", None)
+  if shapes:
+    return tuple(tuple(s) for s in shapes)
+  outputs = getattr(model, "outputs", None)
+  return tuple(tuple(t.shape) for t in tf.nest.flatten(outputs or []))
+
+
 def _producer(tensor: keras.KerasTensor):
   # Keras 3 has no public graph-walking API (see `_compat.producer_node`).
   return _compat.producer_node(tensor)

@@ -36,6 +36,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.training import allreduce as allreduce_lib
@@ -104,6 +105,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
     # The first copy's output names key per-output losses and metrics.
     self.unsplit_output_names = getattr(replicas[0], "unsplit_output_names",
                                         ())
+    self.unsplit_output_shapes = graph_lib.output_shapes(replicas[0])
     self.built = True
 
   @property

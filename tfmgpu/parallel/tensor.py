@@ -303,6 +303,7 @@ class TensorParallelModel(cloning.UnsplitWeights,
     self._unsplit_spec = cloning.ModelSpec.of(model)
     # The unsplit model's output names (a dict's keys) key per-output losses.
     self.unsplit_output_names = graph_lib.output_names(model)
+    self.unsplit_output_shapes = graph_lib.output_shapes(model)
     self.built = True
 
   def call(self, inputs, training=None):

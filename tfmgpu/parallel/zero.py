@@ -66,6 +66,7 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu import checks
+from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import replicated
@@ -137,6 +138,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
     self._copies = (Copies(trainable, self._owner_list(trainable), devices)
                     if stage < 3 else None)
     self.unsplit_output_names = tuple(getattr(model, "output_names", ()) or ())
+    self.unsplit_output_shapes = graph_lib.output_shapes(model)
     self.built = True
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

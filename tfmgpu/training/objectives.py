@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.training import text_metrics
 
@@ -340,16 +341,16 @@ class Objective:
   def _build_lazy_metrics(self, model: keras.Model) -> None:
     """Metrics that make their state on first use (`F1Score`) get it now,
     from one update on zeros shaped like the output, then a reset."""
-    outputs = tf.nest.flatten(getattr(model, "outputs", None) or [])
+    shapes = graph_lib.output_shapes(model)  # A placed model's unsplit one's.
     for out in self.outputs:
       for label, metric in out.metrics:
         if metric.variables:
           continue
-        if out.index >= len(outputs):
+        if out.index >= len(shapes):
           raise ValueError(f"metrics: {label!r} makes its state on first use "
                            "and the model's output shape is unknown; use a "
                            "metric with fixed state or a functional model.")
-        shape = [1 if d is None else d for d in outputs[out.index].shape]
+        shape = [1 if d is None else d for d in shapes[out.index]]
         zeros = np.zeros(shape, np.float32)
         metric.update_state(zeros, zeros)
         metric.reset_state()
@@ -360,11 +361,14 @@ class Objective:
         self.results(self.zero_states(), scalars=False).values(),
         [m for o in self.outputs for m in o.metrics]):
       if np.size(value) != 1:
+        kind = type(metric).__name__
+        hint = (f"{kind}(average='micro', 'macro' or 'weighted')"
+                if isinstance(metric, keras.metrics.FBetaScore)
+                else "F1Score(average='macro'), Precision with one threshold")
         raise ValueError(
-            f"metrics: {label!r} ({type(metric).__name__}) gives "
-            f"{np.shape(value)} values, not one; configure it to give one "
-            "number (e.g. F1Score(average='macro'), Precision with one "
-            "threshold).")
+            f"metrics: {label!r} ({kind}) gives {np.shape(value)} values, "
+            "not one number, which the logs need; configure it to give one "
+            f"(e.g. {hint}).")
 
   def _variables(self):
     for out in self.outputs:
@@ -480,7 +484,8 @@ class Objective:
         state = [self._initial[k] + np.asarray(deltas.get(k, 0.0))
                  for k in keys]
         value = np.asarray(metric.stateless_result(state))
-        out[label] = float(value) if scalars else value
+        # One number (an F1Score of one class gives it as a 1-vector).
+        out[label] = float(value.reshape(())) if scalars else value
     return out
 
 
