@@ -198,6 +198,32 @@ def test_sample_weights_weigh_the_loss_like_keras(initial):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("source", ["arrays", "dataset"])
+def test_class_weights_weigh_the_loss_like_keras(initial, source):
+  """`fit(class_weight=...)` was Python's bare 'unexpected keyword'."""
+  x, label, _ = _data(4)
+  weights = _class_weights(initial)
+  class_weight = {0: 0.25, 1: 3.0}
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  expected = _keras_reference(weights, loss, x, label,
+                              class_weight=class_weight)
+  strategy = _strategy("mirrored x2")
+  model = _built(strategy, weights)
+  trainer = Trainer(model, strategy=strategy, optimizer="sgd",
+                    learning_rate=LR, loss=loss, verbose=0)
+  trainer.fit(epochs=EPOCHS, class_weight=class_weight,
+              **_sources(x, label)[source])
+  for got, want in zip(model.get_weights(), expected):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="class_weight and sample_weight were "
+                     r"both given.*np.take\(weights, y\)"):
+    trainer.fit(x, label, sample_weight=np.ones(ROWS), class_weight={0: 1.0})
+  with pytest.raises(TypeError, match="x is a dataset function"):
+    trainer.fit(class_weight={0: 1.0}, **_sources(x, label)["dataset_fn"])
+  with pytest.raises(ValueError, match=r"class_weight=\[1.0\] must be a dict"):
+    trainer.fit(x, label, class_weight=[1.0])
+
+
 def test_an_infinite_dataset_needs_steps_per_epoch_and_runs_on(initial):
   x, label, _ = _data()
   model = _built(tf.distribute.get_strategy(), _class_weights(initial))

@@ -49,7 +49,7 @@ from tfmgpu.training.batches import with_mask
 
 __all__ = [
     "INFINITE", "ArrayData", "DatasetData", "DatasetFnData", "InputData",
-    "from_user", "from_validation_data",
+    "from_fit", "from_user", "from_validation_data",
     # Re-exported from `tfmgpu.training.batches`.
     "array_dataset_fn", "check_global_batch", "dataset_fn_from_step",
     "distribute_arrays", "epoch_indices", "epoch_order", "pad_rows",
@@ -271,6 +271,70 @@ def from_user(x: Any, y: Any = None, sample_weight: Any = None, *,
   data = tuple(parts)
   _rows(data, what)
   return ArrayData(data)
+
+
+def from_fit(x: Any, y: Any = None, sample_weight: Any = None,
+             class_weight: Mapping[int, float] | None = None) -> InputData:
+  """`from_user` for `fit`, with Keras' `class_weight`: each row weighted by
+  the weight of its class (the integer label; a one-hot row's argmax; 1.0
+  for a class not listed), given as its sample weight. As in Keras, only
+  with a single `y` array (or a dataset of `(x, y)`) and no sample weights.
+
+  Raises:
+    ValueError, TypeError: see `from_user`; a `class_weight` that is not a
+      dict of class ids, or one given with sample weights, several targets
+      or a dataset function.
+  """
+  source = from_user(x, y, sample_weight)
+  if class_weight is None:
+    return source
+  table = _class_weight_table(class_weight)
+  targets = (source.data[1:] if isinstance(source, ArrayData) else
+             source.dataset.element_spec[1:]
+             if isinstance(source, DatasetData) else None)
+  if targets is None:
+    raise TypeError(
+        "class_weight is for arrays or a tf.data.Dataset; x is a dataset "
+        "function: yield (x, y, sample_weight) from it with sample_weight = "
+        "tf.gather(weights, y).")
+  if len(targets) != 1:
+    raise ValueError("class_weight and sample_weight were both given; give "
+                     "one (as Keras): multiply the class weights into "
+                     "sample_weight, e.g. sample_weight * np.take(weights, y).")
+  if isinstance(targets[0], (tuple, Mapping)):
+    raise ValueError("class_weight is for a model with one output (as in "
+                     "Keras); y has several. Pass sample_weight= instead.")
+  if isinstance(source, DatasetData):
+    return DatasetData(source.dataset.map(
+        lambda x, y: (x, y, _row_class_weights(table, y))))
+  return ArrayData(source.data + (
+      _row_class_weights(table, tf.constant(source.data[1])).numpy(),))
+
+
+def _class_weight_table(class_weight: Any) -> tf.Tensor:
+  """`class_weight` as a float32 table by class id (1.0 where not given)."""
+  if not isinstance(class_weight, Mapping) or not all(
+      isinstance(k, (int, np.integer)) and k >= 0 for k in class_weight):
+    raise ValueError(f"class_weight={class_weight!r} must be a dict from "
+                     "class ids (ints >= 0) to weights, e.g. {0: 1.0, 1: 5.0}.")
+  table = np.ones(max(class_weight, default=0) + 1, np.float32)
+  for k, w in class_weight.items():
+    table[int(k)] = float(w)
+  return tf.constant(table)
+
+
+def _row_class_weights(table: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+  """Each row's class weight (Keras': a row of several values is one-hot,
+  its class the argmax; one value is a label, rounded)."""
+  if y.shape.rank >= 2 and y.shape[-1] != 1:
+    classes = tf.argmax(y, axis=-1, output_type=tf.int32)
+  else:
+    labels = tf.reshape(y, [-1]) if y.shape.rank >= 2 else y
+    classes = tf.cast(tf.round(tf.cast(labels, tf.float32)), tf.int32)
+  size = tf.shape(table, out_type=tf.int32)[0]
+  known = (classes >= 0) & (classes < size)
+  return tf.where(known, tf.gather(table, tf.clip_by_value(
+      classes, 0, tf.maximum(size - 1, 0))), 1.0)
 
 
 def from_validation_data(validation_data: Any) -> InputData:

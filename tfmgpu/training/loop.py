@@ -148,7 +148,7 @@ class Trainer:
   def fit(self, x: Any, y: Any = None, *, sample_weight: Any = None,
           epochs: int = 1, global_batch_size: int | None = None,
           steps_per_epoch: int | None = None, validation_data: Any = None,
-          seed: int = 0, shuffle: bool = True) -> TrainResult:
+          seed: int = 0, shuffle: bool = True, class_weight: Any = None) -> TrainResult:
     """Trains for `epochs` (resuming from `model_dir` if it has checkpoints).
 
     Inputs follow Keras (`tfmgpu.training.inputs`): in-memory arrays (any
@@ -159,7 +159,7 @@ class Trainer:
     Args:
       x: inputs: arrays, a `tf.data.Dataset` or a dataset function.
       y: targets (arrays only; a dataset carries its own).
-      sample_weight: per-example weights (arrays only).
+      sample_weight, class_weight: per-example weights (arrays only); Keras' {class: weight}.
       epochs: total epochs; a resumed run trains only the missing ones.
       global_batch_size: examples per step over all replicas, for arrays
         (default 64); must divide by the replica count. A dataset sets its
@@ -187,7 +187,7 @@ class Trainer:
     """
     self._trainable.check_unchanged()
     plan = self.execution.plan(
-        inputs.from_user(x, y, sample_weight), epochs=epochs,
+        inputs.from_fit(x, y, sample_weight, class_weight), epochs=epochs,
         global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch)
     runner = self.execution.runner(
         self._train_fn(plan.global_batch_size, plan.feed), plan, seed=seed,
