@@ -130,11 +130,22 @@ def test_an_unknown_sequence_length_comes_from_the_data_or_the_config(
   assert "UNKNOWN" in caplog.text and "input_shape=" in caplog.text
 
 
+class PositionEmbedding(keras.layers.Layer):
+  """A custom layer with weights the cost model counts as 1 per element."""
+
+  def build(self, shape):
+    self.table = self.add_weight(shape=tuple(shape[1:]), name="table")
+
+  def call(self, x):
+    return x + self.table
+
+
 def test_recurrent_layers_count_their_gate_matmuls_at_every_step(caplog):
   """LSTM/GRU/Bidirectional were 1 FLOP per output element (~1000x low)."""
   L = keras.layers
   x = keras.Input((8, 6))  # 8 steps of 6 features.
-  h = L.LSTM(5, return_sequences=True, name="lstm")(x)
+  h = PositionEmbedding(name="positions")(x)  # Counted right: not logged.
+  h = L.LSTM(5, return_sequences=True, name="lstm")(h)
   h = L.Bidirectional(L.GRU(3, return_sequences=True), name="bigru")(h)
   h = L.SimpleRNN(4, name="rnn")(h)
   h = L.RNN(L.LSTMCell(2), name="cell_rnn")(L.RepeatVector(8)(h))
@@ -148,6 +159,7 @@ def test_recurrent_layers_count_their_gate_matmuls_at_every_step(caplog):
   assert blocks["cell_rnn"] == 8 * 4 * 2 * (4 + 2) * 2
   assert blocks["prelu"] == 2  # One per output element.
   assert "prelu (PReLU)" in caplog.text and "lstm" not in caplog.text
+  assert blocks["positions"] == 8 * 6 and "positions" not in caplog.text
   assert "1 per output element" in caplog.text
   caplog.clear()
   cost.model_blocks(keras.Model(x, y, name="rnns"))
