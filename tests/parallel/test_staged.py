@@ -612,7 +612,7 @@ def test_a_lambda_reading_the_users_globals_splits():
                              model.predict(rows, verbose=0), atol=1e-6)
 
 
-class _Scaled(keras.Model):
+class _ScaledModel(keras.Model):
   """A functional model whose own call() adds to its graph."""
 
   def __init__(self, **kwargs):
@@ -626,11 +626,11 @@ class _Scaled(keras.Model):
 
 def test_a_functional_model_overriding_call_is_refused_or_kept_whole():
   """Its graph was split and its call() dropped: predictions 4.5 off."""
-  with pytest.raises(ValueError, match=r"'scaled' \(_Scaled\) overrides "
+  with pytest.raises(ValueError, match=r"'scaled' \(_ScaledModel\) overrides "
                      r"call\(\): a split replays the graph"):
-    StagedModel.from_model(_Scaled(name="scaled"), num_stages=2)
+    StagedModel.from_model(_ScaledModel(name="scaled"), num_stages=2)
   x = keras.Input((6,))
-  h = _Scaled(name="inner")(keras.layers.Dense(6, name="pre")(x))
+  h = _ScaledModel(name="inner")(keras.layers.Dense(6, name="pre")(x))
   model = keras.Model(x, keras.layers.Dense(2, name="post")(h))
   staged = StagedModel(model, partition.plan_stages(
       model, 2, split_points=["inner"]))  # Nested: called whole.

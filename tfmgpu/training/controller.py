@@ -29,6 +29,7 @@ from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import progress as progress_lib
 from tfmgpu.training import replica_state
+from tfmgpu.training import step_errors
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -331,7 +332,7 @@ class Controller:
       if per_call:
         callbacks.on_train_batch_begin(done)
       start = time.perf_counter()
-      sums = self.runner.run(done, steps_per_epoch - done)
+      sums = self._run_steps(done, steps_per_epoch - done)
       elapsed = time.perf_counter() - start
       self._check_finite(sums, epoch)
       self.clock.add(int(sums.count), elapsed, sums.steps)
@@ -353,6 +354,19 @@ class Controller:
     if bar is not None:
       bar.end()
     return self._logs(total) if total.steps else {}
+
+  def _run_steps(self, done: int, limit: int) -> StepSums:
+    """The runner's next call; TF's errors of a batch the user can fix
+    said as such (`step_errors.explain`)."""
+    try:
+      return self.runner.run(done, limit)
+    except tf.errors.InvalidArgumentError as e:
+      strategy = getattr(self.runner, "strategy", None)
+      better = step_errors.explain(
+          e, strategy.num_replicas_in_sync if strategy else 1)
+      if better is None:
+        raise
+      raise better from e
 
   # ------------------------------------------ checkpoints (reliability)
 

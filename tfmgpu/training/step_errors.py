@@ -1,0 +1,48 @@
+"""TF's errors from a training step, said in the user's terms.
+
+A step fails deep in TF for causes the user can fix in one line: a batch
+that `micro_batches` does not divide (a dataset's short last batch, found
+only when it comes: TF's `Assert` message is 3 kB long, its point at the
+end), or, likely, a batch with fewer rows than replicas, which leaves a replica
+an empty slice that some kernels (convolutions) reject: TF names the
+replica whose part failed.
+`explain` turns such an error into one that says what to change.
+"""
+
+from __future__ import annotations
+
+import re
+
+import tensorflow as tf
+
+_MICRO = re.compile(r"not divisible by micro_batches=(\d+)")
+_SIZE = re.compile(r"batch size:\]?\s*\[?(\d+)")
+_REPLICA = re.compile(r"/replica_([1-9]\d*)/")
+
+
+def explain(error: tf.errors.OpError, replicas: int) -> ValueError | None:
+  """A clear `ValueError` for `error` from a training step over `replicas`
+  replicas, or `None` when it is none of the causes above."""
+  text = error.message or ""
+  micro = _MICRO.search(text)
+  if micro:
+    size = _SIZE.search(text)
+    m = int(micro.group(1))
+    batch = f"of {size.group(1)} examples " if size else ""
+    return ValueError(
+        f"A batch {batch}is not divisible by micro_batches={m} (a dataset's "
+        "short last batch?): batch the dataset with drop_remainder=True, use "
+        f"a batch size that is a multiple of {m}, or micro_batches that "
+        "divides every batch. The steps before it were trained.")
+  replica = _REPLICA.search(text)
+  if replicas > 1 and replica:
+    said = next((line for line in text.splitlines()
+                 if "INVALID_ARGUMENT" in line), text.splitlines()[0])
+    return ValueError(
+        f"A step failed in replica {replica.group(1)}'s part. If a batch had "
+        f"fewer rows than the {replicas} replicas (a dataset's short last "
+        "batch), that replica got none, which TF's kernels for some layers "
+        "(convolutions) reject, as under Keras' fit: batch the dataset with "
+        f"drop_remainder=True or give it a multiple of {replicas} rows. TF "
+        f"said: {said.strip()[:300]}")
+  return None
