@@ -417,14 +417,31 @@ class _FractionAbove(keras.metrics.Metric):
     return self.hits / keras.ops.maximum(self.rows, 1.0)
 
 
+def _doubled_error(y_true, y_pred):
+  """A plain function metric, not registered."""
+  return 2.0 * keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)
+
+
 def test_a_compiled_metric_that_rebuilds_otherwise_is_not_reported(caplog):
   """Rebuilt from the compile config its threshold was the default: the
-  Trainer reported 0.17 where fit reported 1.0."""
+  Trainer reported 0.17 where fit reported 1.0. It alone is left out: a
+  plain function is the user's own (its name alone was refused), and the
+  others are reported."""
   keras.saving.register_keras_serializable("tests")(_FractionAbove)
-  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-  model.compile(optimizer="sgd", loss="mse",
-                metrics=[_FractionAbove(threshold=-5.0)])
+  def build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+
+  model = build()
+  model.compile(optimizer="sgd", loss="mse", metrics=[
+      _FractionAbove(threshold=-5.0), _doubled_error, "mae"])
   x = np.ones((8, 3), "float32")
+  reference = build()
+  reference.compile(optimizer="sgd", loss="mse",
+                    metrics=[_doubled_error, "mae"])
+  want = reference.fit(x, x[:, :1], batch_size=8, verbose=0).history
   result = Trainer(model, verbose=0).fit(x, x[:, :1], global_batch_size=8)
   assert "above" not in result.history
   assert "threshold=-5.0 (copy: 0.5)" in caplog.text
+  for name in ("_doubled_error", "mae"):
+    np.testing.assert_allclose(result.history[name], want[name], rtol=1e-6)

@@ -166,17 +166,16 @@ def _compiled_value(model: keras.Model, name: str,
     return _plain(model.loss)
   value = (model.get_compile_config() or {}).get(name)
   if name.endswith("metrics") and value is not None:
-    try:
-      fresh = _fresh_metrics(value)
-      _check_rebuilt(_compat.compiled_metrics(model, name), fresh)
-      return fresh
-    except (TypeError, ValueError) as e:
+    dropped: list[str] = []
+    value = _rebuilt_metrics(_compat.compiled_metrics(model, name), value,
+                             dropped)
+    if dropped:
       logging.warning(
           "Model %r was compiled (by you, or by its class as it was built, "
-          "as keras_hub's tasks are) with %s the Trainer cannot rebuild "
-          "(%s): pass Trainer(%s=...) to report them.", model.name, name, e,
-          name)
-      return None
+          "as keras_hub's tasks are) with %s the Trainer cannot rebuild as "
+          "they were, and does not report: %s. Give the class a get_config() "
+          "returning every constructor argument, or pass Trainer(%s=[...]).",
+          model.name, name, "; ".join(dropped), name)
   return value
 
 
@@ -191,38 +190,43 @@ def _plain(value: Any) -> Any:
   return value
 
 
-def _fresh_metrics(value: Any) -> Any:
-  """The compile config's metrics (names, serialized metrics, per output
-  in dicts or lists) with each serialized metric rebuilt as a new object:
-  the Trainer keeps its own state."""
-  if isinstance(value, dict) and "class_name" in value:
-    return keras.metrics.deserialize(value)
-  if isinstance(value, dict):
-    return {k: _fresh_metrics(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_fresh_metrics(v) for v in value]
-  if isinstance(value, str) or value is None:
-    return value
-  raise TypeError(f"{type(value).__name__} is not a serialized metric")
+_DROPPED = object()
 
 
-def _check_rebuilt(given: Any, fresh: Any) -> None:
-  """Raises when a metric rebuilt from the compile config lost a constructor
-  argument the user's object kept (a `threshold` its get_config drops:
-  the Trainer reported 0.17 where fit reported 1.0)."""
-  if isinstance(given, Mapping) and isinstance(fresh, Mapping):
-    for k in given:
-      _check_rebuilt(given[k], fresh.get(k))
-  elif isinstance(given, (list, tuple)) and isinstance(fresh, (list, tuple)):
-    for a, b in zip(given, fresh):
-      _check_rebuilt(a, b)
-  elif isinstance(given, keras.metrics.Metric):
-    lost = checks.lost_arguments(given, fresh)
-    if lost:
-      raise ValueError(
-          f"metric {given.name!r} ({type(given).__name__}) does not rebuild "
-          f"from its config: the copy differs in {', '.join(lost)}; give it "
-          "a get_config() that returns every constructor argument")
+def _rebuilt_metrics(given: Any, config: Any, dropped: list[str]) -> Any:
+  """The compiled metrics (`config`: the compile config's, per output in
+  dicts or lists; `given`: the user's objects, in the same places) entry by
+  entry: a metric object rebuilt from its config (the Trainer keeps its
+  own state), a plain function the user's own (it holds none), a name as
+  it is. One that does not rebuild as it was (its class cannot be found,
+  or its config drops an argument: a `threshold` reported 0.17 for fit's
+  1.0) is left out and named in `dropped`."""
+  if isinstance(config, Mapping) and "class_name" not in config:
+    given = given if isinstance(given, Mapping) else {}
+    out = {k: _rebuilt_metrics(given.get(k), v, dropped)
+           for k, v in config.items()}
+    return {k: v for k, v in out.items() if v is not _DROPPED}
+  if isinstance(config, (list, tuple)):
+    if not (isinstance(given, (list, tuple)) and len(given) == len(config)):
+      given = [None] * len(config)
+    out = [_rebuilt_metrics(g, c, dropped) for g, c in zip(given, config)]
+    return [m for m in out if m is not _DROPPED]
+  if callable(given) and not isinstance(given, keras.metrics.Metric):
+    return given
+  if isinstance(config, str) or config is None:
+    return config
+  try:
+    fresh = keras.metrics.deserialize(config)
+  except (TypeError, ValueError) as e:
+    dropped.append(f"{config.get('class_name', config)} ({e})")
+    return _DROPPED
+  lost = (checks.lost_arguments(given, fresh)
+          if isinstance(given, keras.metrics.Metric) else [])
+  if lost:
+    dropped.append(f"{given.name!r} ({type(given).__name__}: its config "
+                   f"drops {', '.join(lost)})")
+    return _DROPPED
+  return fresh
 
 
 def _compiled_optimizer(model: keras.Model, settings: dict[str, Any]
