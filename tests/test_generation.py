@@ -287,6 +287,20 @@ def _hub_lm(name):
         num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
         head_dim=8)
     return keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+  if name == "falcon":  # Its heads are num_attention_heads.
+    backbone = keras_hub.models.FalconBackbone(
+        vocabulary_size=64, num_layers=2, num_attention_heads=2,
+        hidden_dim=16, intermediate_dim=32)
+    return keras_hub.models.FalconCausalLM(backbone, preprocessor=None)
+  if name == "smollm3":  # Its blocks refuse a Python index next to tensors.
+    backbone = keras_hub.models.SmolLM3Backbone(
+        vocabulary_size=64, hidden_dim=16, intermediate_dim=32, num_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=False,
+        attention_dropout=0.0, rope_layer_enabled_list=[True, True],
+        layer_types=["full_attention"] * 2, mlp_bias=False,
+        layer_norm_epsilon=1e-6, max_position_embeddings=64,
+        rope_theta=10000.0, partial_rotary_factor=1.0)
+    return keras_hub.models.SmolLM3CausalLM(backbone, preprocessor=None)
   backbone = keras_hub.models.LlamaBackbone(  # Grouped-query, rotary.
       vocabulary_size=64, num_layers=2, num_query_heads=4,
       num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
@@ -294,7 +308,8 @@ def _hub_lm(name):
 
 
 @pytest.mark.parametrize("name,replicas", [
-    ("gpt2", None), ("llama", None), ("gemma", None), ("llama", 2)])
+    ("gpt2", None), ("llama", None), ("gemma", None), ("llama", 2),
+    ("falcon", None), ("smollm3", None)])
 def test_keras_hub_greedy_equals_its_own_generate(name, replicas):
   """One device, and the rows spread over mirrored x2 (3 rows: one
   padded)."""
@@ -313,6 +328,21 @@ def test_keras_hub_greedy_equals_its_own_generate(name, replicas):
   lengths = prompts["padding_mask"].sum(axis=1)
   expected = [list(row[:n + new]) for row, n in zip(theirs, lengths)]
   assert _rows(out) == expected
+
+
+def test_a_keras_hub_model_whose_cache_cannot_trace_is_named():
+  """keras_hub 0.32's Qwen with sliding-window attention reads a tensor as
+  a Python bool (its own generate fails too): TF's AutoGraph page came
+  out."""
+  keras_hub = pytest.importorskip("keras_hub")
+  backbone = keras_hub.models.QwenBackbone(
+      vocabulary_size=64, num_layers=1, num_query_heads=2,
+      num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+      use_sliding_window_attention=True, sliding_window_size=4)
+  lm = keras_hub.models.QwenCausalLM(backbone, preprocessor=None)
+  with pytest.raises(ValueError, match=r"cached call cannot run in a TF "
+                     r"graph.*Qwen with sliding-window attention"):
+    tfmgpu.generate(lm, np.ones((1, 3), np.int32), max_new_tokens=2)
 
 
 # ------------------------------------------------------- the CLI

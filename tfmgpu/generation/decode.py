@@ -17,6 +17,7 @@ over the replicas and each replica runs the loop on its own rows and cache
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Protocol
 
@@ -140,6 +141,26 @@ def loop_function(step: Callable[..., State], stop_early: bool
   return advance
 
 
+def _explained(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn`, whose trace failing on a model's Python use of a tensor says
+  that generation cannot run it (instead of TF's page on AutoGraph)."""
+
+  def call(*args):
+    try:
+      return fn(*args)
+    except tf.errors.OperatorNotAllowedInGraphError as e:
+      said = next((re.sub(r"\x1b\[\d+m", "", line).strip()
+                   for line in str(e).splitlines() if "not allowed" in line), "")
+      raise ValueError(
+          "This model's cached call cannot run in a TF graph: it uses a "
+          "tensor as a Python bool or unpacks one (keras_hub 0.32's Gemma3, "
+          "and Qwen with sliding-window attention; their own generate fails "
+          "the same way on TensorFlow), so tfmgpu cannot generate with it. "
+          f"TF said: {said[:200]}") from e
+
+  return call
+
+
 class Runner:
   """Runs prefill and the decode loop on one device, or on each replica's
   rows.
@@ -190,9 +211,9 @@ class Runner:
       # one XLA call on the first device, which cannot read the other
       # replicas' copies of the weights.
       each = lambda *a: inner(*a)
-      self._loops[key] = (self._on_device(inner) if self.strategy is None
-                          else tf.function(lambda *args: self.strategy.run(
-                              each, args=args)))
+      self._loops[key] = _explained(
+          self._on_device(inner) if self.strategy is None else
+          tf.function(lambda *args: self.strategy.run(each, args=args)))
     return self._loops[key]
 
   def _on_device(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -225,10 +246,9 @@ class Runner:
     prompt width), compiled once."""
     if key not in self._prefills:
       fn = make()
-      self._prefills[key] = (self._on_device(tf.function(fn))
-                             if self.strategy is None else
-                             tf.function(lambda s: self.strategy.run(
-                                 fn, args=(s,))))
+      self._prefills[key] = _explained(
+          self._on_device(tf.function(fn)) if self.strategy is None else
+          tf.function(lambda s: self.strategy.run(fn, args=(s,))))
     return self._prefills[key](state)
 
   def local(self, value: Any) -> np.ndarray:

@@ -116,7 +116,8 @@ def cache_sizes(get: Callable[[str], Any]) -> dict[str, int | None]:
   attribute of the backbone, or a key of its config): `num_layers`,
   `kv_heads` (the key/value heads under grouped-query attention),
   `head_dim`, `max_positions` (`None`: rotary) and `vocab`."""
-  heads = get("num_query_heads") or get("num_heads")
+  heads = (get("num_query_heads") or get("num_heads")
+           or get("num_attention_heads"))  # Falcon, SmolLM3.
   positions = get("max_sequence_length")
   return {"num_layers": int(get("num_layers")),
           "kv_heads": int(get("num_key_value_heads") or heads),

@@ -50,7 +50,9 @@ class HubCache:
     self.model = model
     backbone = model.backbone
     self.num_layers = int(backbone.num_layers)
-    heads = getattr(backbone, "num_query_heads", None) or backbone.num_heads
+    heads = (getattr(backbone, "num_query_heads", None)
+             or getattr(backbone, "num_heads", None)
+             or backbone.num_attention_heads)  # Falcon, SmolLM3.
     self.kv_heads = int(getattr(backbone, "num_key_value_heads", None)
                         or heads)
     self.head_dim = int(getattr(backbone, "head_dim", None)
@@ -68,7 +70,9 @@ class HubCache:
   def prefill(self, token_ids: tf.Tensor, cache: tuple[tf.Tensor]
               ) -> tuple[tf.Tensor]:
     """The cache with the keys/values of positions `[0, T)` written."""
-    _, _, written = self.model.call_with_cache(token_ids, cache[0], 0)
+    # A tensor index: SmolLM3's blocks refuse a Python 0 next to tensors.
+    _, _, written = self.model.call_with_cache(token_ids, cache[0],
+                                               tf.constant(0, tf.int32))
     return (written,)
 
   def step(self, token: tf.Tensor, cache: tuple[tf.Tensor], index: tf.Tensor
