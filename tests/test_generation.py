@@ -330,6 +330,30 @@ def test_keras_hub_greedy_equals_its_own_generate(name, replicas):
   assert _rows(out) == expected
 
 
+def test_phi3_su_scaling_prefills_as_keras_hub_does():
+  """Its rotary takes long factors past pretraining_sequence_length by the
+  length it is called with: keras_hub prefills the whole buffer, tfmgpu
+  prefilled the prompt alone (short factors): 5 rows of 8 differed."""
+  keras_hub = pytest.importorskip("keras_hub")
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  backbone = keras_hub.models.Phi3Backbone(
+      vocabulary_size=64, num_layers=1, hidden_dim=16, intermediate_dim=32,
+      num_query_heads=2, num_key_value_heads=1, max_sequence_length=32,
+      pretraining_sequence_length=8, rope_scaling_type="su",
+      rope_scaling_short_factor=[1.0] * 4,
+      rope_scaling_long_factor=[5.0, 9.0, 17.0, 33.0])
+  lm = keras_hub.models.Phi3CausalLM(backbone, preprocessor=None)
+  lm.set_weights([w * 4 if w.ndim > 1 else w for w in lm.get_weights()])
+  ids = np.random.RandomState(0).randint(1, 64, (8, 6)).astype("int32")
+  prompts = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
+  lm.compile(sampler="greedy")
+  theirs = lm.generate({k: np.pad(v, [(0, 0), (0, 6)])
+                        for k, v in prompts.items()}, stop_token_ids=None)
+  ours = tfmgpu.generate(lm, prompts, max_new_tokens=6)
+  np.testing.assert_array_equal(ours["token_ids"], theirs["token_ids"])
+
+
 def test_a_keras_hub_model_whose_cache_cannot_trace_is_named():
   """keras_hub 0.32's Qwen with sliding-window attention reads a tensor as
   a Python bool (its own generate fails too): TF's AutoGraph page came

@@ -36,6 +36,10 @@ class CacheAdapter(Protocol):
   Attributes:
     max_positions: the longest sequence the model reads (`None`: no limit).
     vocab: the logits' width.
+    prefills_whole_buffer: (optional, default False) prefill reads the
+      whole token buffer (prompt + room for new tokens), as keras_hub's
+      `generate` does, for a model whose prompt keys depend on the length
+      it is called with (Phi3's "su" rotary scaling).
   """
   max_positions: int | None
   vocab: int
@@ -81,10 +85,13 @@ def initial_state(prompt_ids: np.ndarray, lengths: np.ndarray, rows:
 def prefill_function(adapter: CacheAdapter, prompt_width: int) -> Callable[..., Any]:
   """`prefill(state) -> state` with the cache of the prompts written."""
 
+  whole = getattr(adapter, "prefills_whole_buffer", False)
+
   def prefill(state: State) -> State:
     tokens = state["tokens"]
     cache = adapter.empty_cache(dim(tokens, 0), dim(tokens, 1))
-    cache = adapter.prefill(tokens[:, :prompt_width], cache)
+    cache = adapter.prefill(tokens if whole else tokens[:, :prompt_width],
+                            cache)
     return dict(state, cache=cache)
 
   return prefill

@@ -61,6 +61,10 @@ class HubCache:
     self.max_positions = int(positions) if positions else None
     self.vocab = int(backbone.vocabulary_size)
     self.dtype = model.compute_dtype
+    # Phi3's "su" rotary takes long or short factors by the length called
+    # with: keys of a prompt prefilled alone differed from keras_hub's.
+    self.prefills_whole_buffer = (
+        getattr(backbone, "rope_scaling_type", None) == "su")
 
   def empty_cache(self, batch: int, length: int) -> tuple[tf.Tensor]:
     """The zero cache of `length` positions, as a 1-tuple."""
