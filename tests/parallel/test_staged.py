@@ -639,6 +639,23 @@ def test_a_functional_model_overriding_call_is_refused_or_kept_whole():
                              model.predict(rows, verbose=0), atol=1e-6)
 
 
+def test_a_nested_model_called_with_inputs_as_a_keyword_is_cut_inside():
+  """keras_hub's Gemma3CausalLM calls `backbone(inputs=...)`: the backbone
+  was kept whole on one stage (the other held only the head)."""
+  x = keras.Input((6,))
+  h = keras.layers.Dense(6, name="d1")(x)
+  inner = keras.Model(x, keras.layers.Dense(6, name="d2")(h), name="inner")
+  outer_in = keras.Input((6,))
+  model = keras.Model(outer_in, keras.layers.Dense(2, name="head")(
+      inner(inputs=outer_in)))
+  plan = partition.plan_stages(model, 2, split_points=["d2"])
+  assert plan.stages[0].layers == ("d1",), plan
+  staged = StagedModel(model, plan)
+  rows = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+  np.testing.assert_allclose(staged.predict(rows, verbose=0),
+                             model.predict(rows, verbose=0), atol=1e-6)
+
+
 class _L2Step(keras.Model):
   """A keras.io-style model whose own train_step adds a penalty."""
 

@@ -317,12 +317,14 @@ def _log_estimated(graph: graph_lib.ModelGraph) -> None:
   """Logs (once per model and layers) the layers with weights that
   `node_flops` costs at one FLOP per output element: their FLOPs may be far
   too small, and a `"flops"` or `"balanced"` plan unbalanced. Not custom
-  embeddings (`PositionEmbedding`, ...: lookups and adds, which that counts
-  about right)."""
+  embeddings (`PositionEmbedding`, ...: lookups and adds) nor
+  normalizations (`RMSNormalization`, ...), which that counts about
+  right."""
   names = tuple(f"{name} ({type(node.operation).__name__})"
                 for name, node in zip(graph.names, graph.nodes)
                 if param_bytes(node.operation) and
-                not type(node.operation).__name__.endswith("Embedding") and
+                not type(node.operation).__name__.endswith(
+                    ("Embedding", "Normalization", "Norm")) and
                 _known_flops(node, graph.shape) is None)
   if not names or (graph.model.name, *names) in _ESTIMATED_LOGGED:
     return

@@ -135,10 +135,13 @@ def _call_pairs(node) -> tuple[list[Any], list[Any]] | None:
   another way (as keywords, a mask, another structure)."""
   inner, args = node.operation, node.arguments
   tree = keras.tree
-  if len(args.args) != 1 or any(isinstance(v, keras.KerasTensor)
-                                for v in tree.flatten(args.kwargs)):
+  positional, keywords = list(args.args), dict(args.kwargs)
+  if not positional and "inputs" in keywords:  # backbone(inputs=...): Gemma3.
+    positional = [keywords.pop("inputs")]
+  if len(positional) != 1 or any(isinstance(v, keras.KerasTensor)
+                                 for v in tree.flatten(keywords)):
     return None
-  given, wanted = args.args[0], inner._inputs_struct  # pylint: disable=protected-access
+  given, wanted = positional[0], inner._inputs_struct  # pylint: disable=protected-access
   if isinstance(wanted, Mapping) != isinstance(given, Mapping) or (
       isinstance(wanted, Mapping) and set(wanted) != set(given)):
     return None
