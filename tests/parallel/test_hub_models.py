@@ -151,6 +151,10 @@ def test_a_backbone_with_nothing_to_split_says_what_to_pass(cpu_devices):
                      r"Pass layout_map="):
     hybrid.build_layout(model, hybrid.Layout(tensor=2),
                         devices=cpu_devices[:2])
+  # --plan_only's accounting said the GPT rules matched no layer.
+  from tfmgpu.parallel import accounting  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"tensor=2 finds nothing to split"):
+    accounting.account(model, hybrid.Layout(tensor=2), global_batch_size=2)
 
 
 def test_each_shards_matmuls_run_on_its_device(cpu_devices):

@@ -437,6 +437,8 @@ def _split_of(model: Any, rules: Any, tensor: int) -> TensorSplit:
   if rules is None or rules == "layout_map":
     from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
     axes = layout_maps.own_axes(model, tensor)
+    if axes == {}:  # keras_hub's, with nothing to split: not the GPT rules.
+      raise layout_maps.nothing_to_split(model, tensor)
     if axes:
       return path_split(model, axes)
   return tensor_split(model, None if rules == "layout_map" else rules)

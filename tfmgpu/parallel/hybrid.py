@@ -115,13 +115,7 @@ def _split_axes(model: keras.Model, layout_map: Any, rules: Any,
           f"map, but model {model.name!r} is not a keras_hub model with one. "
           "Give rules ('regex=kind,...') or a layout_map.")
     if axes == {}:
-      raise ValueError(
-          f"tensor={tensor} finds nothing to split in model {model.name!r}: "
-          "its keras_hub backbone has no layout map of its own, and no "
-          "weight path matches tfmgpu's keras_hub path rules ("
-          f"{', '.join(layout_maps.HUB_PATH_RULES)}). Pass layout_map="
-          "{path regex: axis} naming its attention and MLP kernels (their "
-          "paths: [w.path for w in model.weights]), or use tensor=1.")
+      raise layout_maps.nothing_to_split(model, tensor)
     return axes
   if isinstance(layout_map, dict):
     axes = layout_maps.path_rules(model, layout_map)

@@ -93,6 +93,18 @@ def _splittable(model: keras.Model, axes: Mapping[str, int]
   return {p: a for p, a in axes.items() if p in kernels}
 
 
+def nothing_to_split(model: keras.Model, tensor: int) -> ValueError:
+  """The error for a keras_hub model whose own split (`own_axes`) is empty:
+  no layout map of its own, no path matching `HUB_PATH_RULES`."""
+  return ValueError(
+      f"tensor={tensor} finds nothing to split in model {model.name!r}: "
+      "its keras_hub backbone has no layout map of its own, and no weight "
+      "path matches tfmgpu's keras_hub path rules ("
+      f"{', '.join(HUB_PATH_RULES)}). Pass layout_map={{path regex: axis}} "
+      "naming its attention and MLP kernels (their paths: [w.path for w in "
+      "model.weights]), or use tensor=1.")
+
+
 def own_axes(model: keras.Model, tensor: int) -> dict[str, int] | None:
   """`{variable path: axis}` of a keras_hub model's own split: its
   backbone's `get_layout_map` (the weights tfmgpu splits: attention and MLP
