@@ -60,3 +60,10 @@ def is_placed(model: Any) -> bool:
 def unsplit_of(model: Any) -> Any:
   """`model.to_unsplit()` for a model with an unsplit form, else `model`."""
   return model.to_unsplit() if isinstance(model, UnsplitForm) else model
+
+
+def data_copies(model: Any) -> int:
+  """How many data-parallel copies of each weight `model` holds: a
+  `ReplicatedModel`'s `data_parallel` (each copy's variables are its own,
+  updated with the same summed gradients), else 1."""
+  return int(getattr(model, "data_parallel", 1) or 1) if is_placed(model) else 1

@@ -16,6 +16,7 @@ from tfmgpu._lazy import LazyModule
 keras = LazyModule("keras")
 _compat = LazyModule("tfmgpu._compat")
 checks = LazyModule("tfmgpu.checks")
+placed_model = LazyModule("tfmgpu.parallel.placed_model")
 
 _OPTIMIZERS: dict[str, Callable[..., Any]] = {
     "adam": lambda **kw: keras.optimizers.Adam(**kw),
@@ -121,9 +122,7 @@ def _check_copies(optimizer: Any, model: Any) -> None:
   each weight (`ReplicatedModel`): Keras takes the norm over every copy's
   (equal) gradients, sqrt(R) times the model's, and clipped that much too
   hard."""
-  copies = max([getattr(l, "data_parallel", 1)
-                for l in _compat.flatten_layers(model)
-                if hasattr(l, "replicas")] or [1])
+  copies = placed_model.data_copies(model)
   norms = [opt.global_clipnorm for opt in _compat.each_optimizer(optimizer)
            if getattr(opt, "global_clipnorm", None)]
   if copies > 1 and norms:
