@@ -208,12 +208,16 @@ def make_trainer(config: TrainConfig, placement: strategies_lib.Placement, *,
   """The Trainer for `placement` with the config's training settings, run
   as its distribution says (`Distribution.execution`)."""
   loss, metrics = config.loss_and_metrics()
+  options = TrainerOptions.from_settings(
+      config.values_of(TrainerOptions), loss=loss, metrics=metrics,
+      model_dir=model_dir, callbacks=tuple(callbacks))
+  # Every setting as a keyword argument: a run trains with its own, not a
+  # compiled model's (`_warn_compile_unused`).
   return Trainer(
       placement.model, strategy=placement.strategy,
       execution=placement.distribution.execution,
-      options=TrainerOptions.from_settings(
-          config.values_of(TrainerOptions), loss=loss, metrics=metrics, model_dir=model_dir,
-          callbacks=tuple(callbacks)))
+      **{f.name: getattr(options, f.name)
+         for f in dataclasses.fields(options)})
 
 
 def _model_builder(config: TrainConfig, arrays: data_lib.Arrays,
