@@ -157,6 +157,33 @@ def test_a_backbone_with_nothing_to_split_says_what_to_pass(cpu_devices):
     accounting.account(model, hybrid.Layout(tensor=2), global_batch_size=2)
 
 
+def test_kernels_a_backbones_own_layout_leaves_whole_are_named(
+    cpu_devices, caplog):
+  """Mistral's map names no MLP gate: it sat whole on the first device
+  (11% of the weights) without a word. A layout_map naming it splits it."""
+  keras.utils.set_random_seed(0)
+  backbone = keras_hub.models.MistralBackbone(
+      vocabulary_size=64, num_layers=1, num_query_heads=2,
+      num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+  model = keras_hub.models.MistralCausalLM(backbone, preprocessor=None)
+  hybrid.build_layout(model, hybrid.Layout(tensor=2), devices=cpu_devices[:2])
+  assert ("leaves 1 Dense kernel(s) whole on each stage's first device (11% "
+          "of its weights): transformer_layer_0/feedforward_gate_dense/"
+          "kernel") in caplog.text
+  caplog.clear()
+  rules = {r".*self_attention/(query|key|value)/kernel": 1,
+           r".*self_attention/attention_output/kernel": 0,
+           r".*feedforward_(intermediate|gate)_dense/kernel": 1,
+           r".*feedforward_output_dense/kernel": 0}
+  split = hybrid.build_layout(model, hybrid.Layout(tensor=2),
+                              layout_map=rules, devices=cpu_devices[:2])
+  assert "leaves" not in caplog.text
+  x = {"token_ids": np.ones((2, 5), "int32"),
+       "padding_mask": np.ones((2, 5), "int32")}
+  np.testing.assert_allclose(split.predict(x, verbose=0),
+                             model.predict(x, verbose=0), atol=1e-6)
+
+
 def test_each_shards_matmuls_run_on_its_device(cpu_devices):
   """Llama split by its layout map: every shard's forward and backward
   products (Einsum / MatMul) are asked for on that shard's device."""

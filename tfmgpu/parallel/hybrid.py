@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from absl import logging
 import keras
 
 from tfmgpu import checks
@@ -99,6 +100,22 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
 LAYOUT_MAP = "layout_map"  # rules= asking for the model's own layout map.
 
 
+def _say_left_whole(model: keras.Model, axes: dict[str, int],
+                    tensor: int) -> None:
+  """Logs the Dense kernels a keras_hub model's own split leaves whole
+  (Mistral's MLP gate, Phi3's attention: its map names other paths), which
+  then sit whole on a stage's first device."""
+  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
+  whole, fraction = layout_maps.left_whole(model, axes)
+  if whole:
+    logging.warning(
+        "tensor=%d splits model %r by its keras_hub layout, which leaves %d "
+        "Dense kernel(s) whole on each stage's first device (%.0f%% of its "
+        "weights): %s%s. To split them too, pass layout_map={path regex: "
+        "axis} naming them with the others.", tensor, model.name, len(whole),
+        100 * fraction, ", ".join(whole[:4]), " ..." if len(whole) > 4 else "")
+
+
 def _split_axes(model: keras.Model, layout_map: Any, rules: Any,
                 tensor: int) -> dict[str, int] | None:
   """`{variable path: axis}` of a `LayoutMap` or `{path regex: axis}`; with
@@ -116,6 +133,8 @@ def _split_axes(model: keras.Model, layout_map: Any, rules: Any,
           "Give rules ('regex=kind,...') or a layout_map.")
     if axes == {}:
       raise layout_maps.nothing_to_split(model, tensor)
+    if axes:
+      _say_left_whole(model, axes, tensor)
     return axes
   if isinstance(layout_map, dict):
     axes = layout_maps.path_rules(model, layout_map)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import keras
+import numpy as np
 
 from tfmgpu import _compat
 from tfmgpu.parallel import layer_state
@@ -91,6 +92,21 @@ def _splittable(model: keras.Model, axes: Mapping[str, int]
              if type(l) in (keras.layers.Dense, keras.layers.EinsumDense)  # pylint: disable=unidiomatic-typecheck
              and l.built}
   return {p: a for p, a in axes.items() if p in kernels}
+
+
+def left_whole(model: keras.Model, axes: Mapping[str, int]
+               ) -> tuple[list[str], float]:
+  """`(paths, fraction)`: the Dense / EinsumDense kernels of `model` that
+  `axes` does not split (they stay whole on one device), and their share of
+  all its weights' elements."""
+  kernels = {}
+  for l in _compat.flatten_layers(model):
+    if type(l) in (keras.layers.Dense, keras.layers.EinsumDense) and l.built:  # pylint: disable=unidiomatic-typecheck
+      kernel = layer_state.variable(l, "kernel")
+      kernels[kernel.path] = int(np.prod(kernel.shape))
+  whole = sorted(p for p in kernels if p not in axes)
+  total = sum(int(np.prod(w.shape)) for w in model.weights) or 1
+  return whole, sum(kernels[p] for p in whole) / total
 
 
 def nothing_to_split(model: keras.Model, tensor: int) -> ValueError:
