@@ -236,6 +236,19 @@ def test_model_not_built_in_scope_is_a_clear_error():
   assert sharded.model.stage == 1
 
 
+def test_a_model_built_in_a_scope_trains_under_that_strategy_by_default():
+  """Given no strategy=, it failed deep in the fused update ('tuple indices
+  must be integers or slices, not MirroredVariable'); Keras' fit uses the
+  model's."""
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+  trainer = Trainer(model, optimizer="adam", verbose=0)
+  assert trainer.strategy is strategy
+  x = np.ones((16, 4), "float32")
+  trainer.fit(x, np.arange(16) % 2, global_batch_size=8)
+
+
 def test_bad_arguments(digits):
   trainer = make_trainer(tfmgpu.get_strategy("mirrored", num_replicas=4))
   with pytest.raises(ValueError, match=r"global_batch_size=30 is not divisible "

@@ -74,6 +74,8 @@ def strategy_named(model: keras.Model, strategy: Any,
       not train a copy: the model given is the one trained), unless ZeRO
       shards it (`zero_stage`: it takes a model made outside).
   """
+  if strategy is None:  # The one the model was built in, as Keras' fit.
+    return _built_in(model)
   if not isinstance(strategy, str):
     return strategy
   made = strategies_lib.get_strategy(strategy)
@@ -92,6 +94,18 @@ def strategy_named(model: keras.Model, strategy: Any,
         "strategy.scope(): model = ...`, then `Trainer(model, "
         "strategy=strategy)`.") from e
   return made
+
+
+def _built_in(model: keras.Model) -> Any:
+  """The strategy whose scope made `model`'s weights (its variables'),
+  `None` (the current one) for plain variables: a model built in a
+  mirrored scope and given no `strategy=` failed deep in the fused update
+  ("tuple indices must be integers or slices, not MirroredVariable")."""
+  for v in model.trainable_variables:
+    found = getattr(getattr(v, "value", v), "distribute_strategy", None)
+    if found is not None:
+      return found
+  return None
 
 
 def check_built_in_scope(model: keras.Model,
