@@ -182,6 +182,29 @@ def test_regression_mse_and_mae_equal_keras_evaluate_on_the_same_weights():
   assert "accuracy" not in result.history
 
 
+def test_float64_arrays_are_cast_to_float32_as_keras_does():
+  """NumPy's default float64 targets met a float32 prediction in the user's
+  loss ('Sub' op: float32 does not match float64); Keras casts them."""
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(32, 3)), rng.normal(size=(32, 1))  # float64.
+
+  def loss(y_true, y_pred):
+    return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+  def build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.SGD(LR), loss=loss)
+  reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+  model = build()
+  Trainer(model, optimizer="sgd", learning_rate=LR, loss=loss,
+          verbose=0).fit(x, y, global_batch_size=8, shuffle=False)
+  for got, want in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_sample_weights_weigh_the_loss_like_keras(initial):
   x, label, _ = _data(3)
   weights = _class_weights(initial)

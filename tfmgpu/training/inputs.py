@@ -88,6 +88,9 @@ def _as_structure(value: Any, what: str) -> Any:
   if array.ndim == 0:
     raise ValueError(f"{what} is a scalar ({array!r}); give one row per "
                      "example.")
+  floatx = keras.backend.floatx()
+  if array.dtype.kind == "f" and array.dtype != floatx:  # As Keras' fit:
+    array = array.astype(floatx)  # NumPy's float64 targets failed a loss.
   return array
 
 
