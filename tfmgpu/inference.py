@@ -134,6 +134,7 @@ class Predictor:
         model, _resolve_strategy(model, strategy), precision)
     if self.runner is model:  # A copy took the first replica's values.
       replica_state.agree(model)
+    self._handles = _handles(self.runner)
     collective_keys.share(self.strategy)
     replicas = self.strategy.num_replicas_in_sync
     self.batch_size = -(-batch_size // replicas) * replicas
@@ -150,8 +151,12 @@ class Predictor:
     weights, on every replica as it saves."""
     if self.runner is not self.model and isinstance(self.model, keras.Model):
       self.runner.set_weights(self.model.get_weights())
-    else:
-      replica_state.agree(self.runner)
+      return
+    replica_state.agree(self.runner)
+    if _handles(self.runner) != self._handles:  # ZeRO moved its variables:
+      self._fn = _predict_function(self.runner, self.strategy)  # the traced
+      self._fn_one = self._fn.one  # function read the old ones.
+      self._handles = _handles(self.runner)
 
   def predict(self, x: Any, *, output_kind: str = "logits") -> Any:
     """Predictions for every row of `x`, in input order (numpy).
@@ -327,6 +332,13 @@ class _Rows:
                                                   copy=False)
                      for parts in zip(*self.chunks)]
     return tf.nest.pack_sequence_as(self.structure, self.arrays)
+
+
+def _handles(model: Any) -> tuple[int, ...]:
+  """Which storage each of `model`'s variables has now (ZeRO's sharding
+  gives a Keras variable a new one on its owner's device)."""
+  return tuple(id(getattr(v, "value", v))
+               for v in getattr(model, "variables", ()))
 
 
 def _kept_dtype(array: np.ndarray) -> Any:

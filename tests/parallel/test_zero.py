@@ -424,3 +424,24 @@ def test_dropout_mixed_precision_predict_and_a_short_batch():
       trainer.fit(short)
   finally:
     keras.mixed_precision.set_global_policy("float32")
+
+
+def test_predictions_made_before_sharding_follow_the_trained_weights():
+  """Sharding gives each variable new storage: a predict function traced
+  before (tfmgpu's cached one, Keras' own) kept serving the initial
+  weights, 0.70 off."""
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                            keras.layers.Dense(2)])
+  x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+  before = tfmgpu.predict(model, x)
+  model.predict(x, verbose=0)
+  Trainer(model, zero_stage=2, optimizer="sgd", learning_rate=0.5,
+          verbose=0).fit(x, np.arange(32) % 2, global_batch_size=8, epochs=2)
+  fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                            keras.layers.Dense(2)])
+  fresh.set_weights(model.get_weights())
+  want = fresh.predict(x, verbose=0)
+  assert np.abs(want - before).max() > 0.1  # Training moved them.
+  np.testing.assert_allclose(tfmgpu.predict(model, x), want, atol=1e-5)
+  np.testing.assert_allclose(model.predict(x, verbose=0), want, atol=1e-5)

@@ -132,6 +132,9 @@ class ShardedModel(placed.PerDeviceGradientModel):
     owners = assign_owners([variable_bytes(v) for v in weights], len(devices))
     for v, owner in zip(weights, owners):
       _compat.rehome_variable(v, devices[owner])
+    for name in ("train_function", "test_function", "predict_function"):
+      if getattr(model, name, None) is not None:  # Traced with the old
+        setattr(model, name, None)  # variables: Keras' predict went stale.
     self._owner_of = {id(v): o for v, o in zip(weights, owners)}
     self.owners = {v.path: devices[o] for v, o in zip(weights, owners)}
     trainable = model.trainable_variables
