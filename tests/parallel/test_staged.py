@@ -656,6 +656,26 @@ def test_a_nested_model_called_with_inputs_as_a_keyword_is_cut_inside():
                              model.predict(rows, verbose=0), atol=1e-6)
 
 
+def test_unfreezing_the_model_after_splitting_it_is_refused():
+  """keras.io's fine-tuning: `base.trainable = True` on the model after it
+  was split changed nothing the split trains (the base moved by 0.0)."""
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  x = keras.Input((6,))
+  base = keras.layers.Dense(6, name="base")
+  base.trainable = False
+  h = keras.layers.Dense(6, name="mid")(base(x))
+  model = keras.Model(x, keras.layers.Dense(2, name="head")(h))
+  staged = StagedModel(model, partition.plan_stages(
+      model, 2, split_points=["mid"]))
+  base.trainable = True
+  with pytest.raises(ValueError, match=r"was split into StagedModel .* and "
+                     r"then changed which weights train \(base/kernel, "
+                     r"base/bias\).*split the model again"):
+    staged.compile(optimizer="sgd", loss="mse")
+  with pytest.raises(ValueError, match=r"then changed which weights train"):
+    Trainer(staged, loss="mse")
+
+
 class _L2Step(keras.Model):
   """A keras.io-style model whose own train_step adds a penalty."""
 

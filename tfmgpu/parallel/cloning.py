@@ -26,6 +26,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ class ModelSpec:
   layer_names: tuple[str, ...] = ()
   shared: tuple[shared_lib.SharedWeight, ...] = ()
   state: layer_state.LayerState | None = None  # Frozen weights, LoRA.
+  source: Any = None  # A weak reference to the model split.
 
   @classmethod
   def of(cls, model: keras.Model) -> "ModelSpec":
@@ -60,7 +62,7 @@ class ModelSpec:
       config = None
     return cls(type(model), config, tuple(l.name for l in model.layers),
                shared_lib.find_shared(model.layers),
-               layer_state.capture(model))
+               layer_state.capture(model), weakref.ref(model))
 
   def rebuild(self) -> keras.Model:
     """A new model from the config, its layers named as the original's.
@@ -300,6 +302,33 @@ class UnsplitWeights:
     """The unsplit model's class and config (e.g. to read a keras_hub
     backbone's sizes)."""
     return self._unsplit_spec
+
+  def check_source_unchanged(self) -> None:
+    """Raises when the model this one was split from now trains other
+    weights than when it was split (keras.io's fine-tuning sets
+    `base_model.trainable = True` between two fits): the split's copies
+    keep the flags they were made with, so the change was ignored (the
+    base moved by 0.0), silently.
+
+    Raises:
+      ValueError: naming the weights and what to do.
+    """
+    spec = self._unsplit_spec
+    model = spec.source() if spec.source is not None else None
+    if model is None or spec.state is None:
+      return
+    now = tuple(bool(v.trainable) for v in model.weights)
+    if len(now) != len(spec.state.variables) or now == spec.state.variables:
+      return
+    changed = [v.path for v, was in zip(model.weights, spec.state.variables)
+               if bool(v.trainable) != was]
+    raise ValueError(
+        f"model {model.name!r} was split into {type(self).__name__} "
+        f"{self.name!r} and then changed which weights train ("
+        f"{', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): "
+        "the split's copies keep the flags they were made with. Copy what "
+        "the split trained back (placed.copy_weights_to(model)) and split "
+        "the model again, or set layer.trainable before splitting.")
 
   def load_from(self, unsplit: keras.Model) -> None:
     """Copies the weights of the unsplit model into this one."""

@@ -161,6 +161,9 @@ class PerDeviceGradientModel(keras.Model):
           f"jit_compile=True is not supported by {type(self).__name__}: XLA "
           "cannot compile one step over variables on several devices. Use "
           "jit_compile=False (or 'auto').")
+    check = getattr(self, "check_source_unchanged", None)
+    if check is not None:  # Split models (`cloning.UnsplitWeights`).
+      check()
     names = getattr(self, "unsplit_output_names", ())
     if names and not getattr(self, "output_names", None):
       # Keras keys a per-output loss or metric dict by `output_names`, which

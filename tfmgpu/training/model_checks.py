@@ -36,6 +36,9 @@ class TrainableWeights:
   def __init__(self, model: keras.Model):
     self.model = model
     self.paths = {id(v): v.path for v in model.trainable_variables}
+    check = getattr(model, "check_source_unchanged", None)
+    if check is not None:  # A split model: its source's flags since.
+      check()
 
   def check_unchanged(self) -> None:
     """Raises when `layer.trainable` changed since (the keras.io
