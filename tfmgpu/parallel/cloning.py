@@ -157,13 +157,12 @@ def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
   try:
     clone = layer.__class__.from_config(layer.get_config())
   except (NotImplementedError, TypeError, ValueError) as e:
-    error = ValueError(
-        f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
-        f"from its config ({e}); give it a get_config() that returns its "
-        "constructor arguments.")
     if not checks.users_class(layer):  # keras_hub's: from its owner's.
-      raise error from e
-    clone = from_attributes(layer, error)
+      raise ValueError(
+          f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt "
+          f"from its config ({e}); give it a get_config() that returns its "
+          "constructor arguments.") from e
+    clone = from_attributes(layer, e)
   if isinstance(layer, keras.layers.Lambda):  # Its config's bytecode reads
     clone.function = layer.function  # Keras' globals, not the user's.
   if checks.lost_arguments(layer, clone):
@@ -210,10 +209,15 @@ def from_attributes(layer: keras.layers.Layer,
       continue
     if not hasattr(layer, p.name):
       if p.default is p.empty:
+        why = " ".join(str(error).split())  # Keras' own spans lines.
         raise ValueError(
             f"layer {layer.name!r} ({type(layer).__name__}) cannot be "
-            f"rebuilt: its config fails ({error}) and it keeps no "
-            f"attribute {p.name!r}.") from error
+            f"rebuilt: its config fails ({why[:300]}) and it keeps no "
+            f"attribute {p.name!r} to rebuild it from. Give it a get_config() "
+            "that returns its constructor arguments"
+            + (", and let its __init__ take **kwargs for super().__init__ "
+               "(name, trainable, dtype)" if "unexpected keyword" in why
+               else "") + ".") from error
       continue
     kwargs[p.name] = _fresh_argument(getattr(layer, p.name))
   return type(layer)(**kwargs)
@@ -248,6 +252,8 @@ def copy_layer(graph: graph_lib.ModelGraph, layer: keras.layers.Layer,
   except (AttributeError, KeyError, ValueError) as e:
     owner = graph.owner(layer)
     if owner is None:
+      if checks.users_class(layer):  # `clone_layer` tried its attributes.
+        raise
       clone = from_attributes(layer, e)
       _check_kept(layer, clone)
       return clone
