@@ -654,3 +654,61 @@ def test_a_users_layer_with_state_and_recomputed_dropout_are_named(caplog):
   assert re.search(r"layers counter hold non-trainable state.*once per "
                    r"micro-batch and again when recomputed", caplog.text)
   assert "re-runs drop and draws other random masks" in caplog.text
+
+
+@keras.saving.register_keras_serializable("tests")
+class _TokenAndPosition(keras.layers.Layer):
+  """keras.io's text-classification embedding: positions shared by rows."""
+
+  def __init__(self, length, vocab, width, **kwargs):
+    super().__init__(**kwargs)
+    self.length, self.vocab, self.width = length, vocab, width
+    self.tokens = keras.layers.Embedding(vocab, width)
+    self.positions = keras.layers.Embedding(length, width)
+
+  def call(self, x):
+    shared = self.positions(keras.ops.arange(0, keras.ops.shape(x)[-1]))
+    return self.tokens(x) + shared
+
+  def get_config(self):
+    return {**super().get_config(), "length": self.length,
+            "vocab": self.vocab, "width": self.width}
+
+
+@pytest.mark.parametrize("layout", ["pipeline", "data_x_stages"])
+def test_a_lookup_every_row_shares_trains_with_adam_as_one_device(
+    cpu_devices, layout):
+  """Each micro-batch's (copy's) rows of `positions(arange(T))` were
+  concatenated: Keras' Adam squared each before adding them, so the table
+  moved 7.5e-4 off one device in 2 steps at 4 micro-batches."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+
+  def build():
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((8,), dtype="int32")
+    h = _TokenAndPosition(8, 50, 4, name="embed")(ids)
+    h = keras.layers.Dense(4, activation="tanh", name="mid")(h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(ids, keras.layers.Dense(2, name="out")(h))
+
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 50, (32, 8)).astype("int32")
+  y = (x[:, 0] > 25).astype("int32")
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  reference = build()
+  reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+  reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  model = build()
+  plan = partition.plan_stages(model, 2, split_points=["mid"])
+  if layout == "pipeline":
+    placed = pipeline.PipelinedModel(model, plan, micro_batches=4)
+  else:
+    placed = hybrid.build_layout(model, hybrid.Layout(data=2, stages=2),
+                                 devices=cpu_devices[:4])
+  placed.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+  placed.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  unsplit = placed.to_unsplit() if layout == "pipeline" else build()
+  if layout != "pipeline":
+    placed.copy_weights_to(unsplit)
+  for got, want in zip(unsplit.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(got, want, atol=2e-6)

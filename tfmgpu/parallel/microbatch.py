@@ -134,6 +134,46 @@ def sum_gradients(grads: Sequence[Any]) -> Any:
   return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 
+def sum_parts(grads: Sequence[Any]) -> Any:
+  """Adds one variable's gradients from several micro-batches (or data
+  copies) of one step: as `sum_gradients`, except that a lookup every row
+  shares (positions `arange(length)`: its indices read no input, only
+  constants and shapes) is summed row by row, as one device's single
+  lookup gives one row per index. Concatenated, Keras' Adam squared each
+  part's row before adding them (a pipeline of 4 micro-batches moved a
+  position table 7.5e-4 off one device in 2 steps)."""
+  grads = [g for g in grads if g is not None]
+  if len(grads) > 1 and all(
+      isinstance(g, tf.IndexedSlices) and _reads_no_input(g.indices)
+      and g.indices.shape == grads[0].indices.shape
+      and g.indices.shape.is_fully_defined() for g in grads):
+    return tf.IndexedSlices(tf.add_n([g.values for g in grads]),
+                            grads[0].indices, grads[0].dense_shape)
+  return sum_gradients(grads)
+
+
+# Ops whose values depend on an input's shape only.
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def _reads_no_input(tensor: Any, limit: int = 64) -> bool:
+  """Whether a traced tensor's values come from constants and shapes alone
+  (no function input, variable or data), within `limit` ops."""
+  if tf.executing_eagerly() or not hasattr(tensor, "op"):
+    return False
+  seen, stack = set(), [tensor.op]
+  while stack:
+    op = stack.pop()
+    if op.name in seen or op.type in _SHAPE_OPS:
+      continue
+    seen.add(op.name)
+    if op.type == "Placeholder" or not op.inputs and op.type != "Const" or (
+        len(seen) > limit):
+      return False
+    stack.extend(t.op for t in op.inputs)
+  return True
+
+
 def call_losses(stage: keras.Model) -> list[Any]:
   """The losses added by the stage's last call (activity regularisers etc.).
 

@@ -299,7 +299,7 @@ class PipelineStep:
     for k, (stage, device) in enumerate(zip(self.stages, self.devices)):
       variables = stage.trainable_variables
       with tf.device(device), tf.name_scope(f"stage_{k}_accumulate"):
-        summed = [microbatch.sum_gradients(self.grads[k][i])
+        summed = [microbatch.sum_parts(self.grads[k][i])
                   for i in range(len(variables))]
       sources = [v.value for v in variables]
       with tf.device(device), tf.name_scope(f"stage_{k}_regularization"):

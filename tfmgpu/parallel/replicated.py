@@ -312,7 +312,7 @@ def sum_on_device(parts: Sequence[Any], sources: Sequence[str], device: str,
   """
   if any(isinstance(p, tf.IndexedSlices) for p in parts):
     with tf.device(device):
-      return microbatch.sum_gradients(parts)
+      return microbatch.sum_parts(parts)
   dtype = parts[0].dtype
   if compression != "none":
     cast = []
