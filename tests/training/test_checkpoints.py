@@ -316,7 +316,9 @@ def test_a_relative_model_dir_names_each_checkpoint_once(
   saver.save(1, step=3)
   saver.save(2, step=6)
   fresh = _checkpointer(os.path.join("runs", "x"), seed=7)
-  directory = os.path.join("runs", "x", "checkpoints")
+  # Named absolutely (multi-worker ZeRO's serving task writes from its own
+  # working directory).
+  directory = os.path.abspath(os.path.join("runs", "x", "checkpoints"))
   assert fresh.candidates() == [os.path.join(directory, "ckpt-2"),
                                 os.path.join(directory, "ckpt-1")]
   caplog.set_level("INFO")

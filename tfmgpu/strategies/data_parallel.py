@@ -282,9 +282,10 @@ class MultiWorkerMirrored(_Shardable):
           "and before any other TF op (tfmgpu.run_training does this); in a "
           "notebook, restart the kernel.") from e
     if in_multi_worker_mode(strategy):
-      logging.info("multi_worker_mirrored: train with tfmgpu's Trainer; Keras "
-                   "3.15 model.fit is broken under this strategy "
-                   "(keras-team/keras#20585).")
+      logging.warning(  # A user's script shows warnings, not info.
+          "multi_worker_mirrored: train with tfmgpu's Trainer; Keras 3.15 "
+          "model.fit is broken under this strategy (keras-team/keras#20585: "
+          "'Attempt to convert a value (PerReplica:...)').")
     return strategy
 
   def place(self, options: Any, build: Callable[[], Any], *,

@@ -226,7 +226,10 @@ class Checkpointer:
                max_to_keep: int = 3):
     self.chief = is_chief(strategy)
     # Every worker resumes from the chief's checkpoints.
-    self.chief_directory = os.path.join(model_dir, "checkpoints")
+    # Absolute: multi-worker ZeRO's chief has a serving task write its shard,
+    # from its own working directory (a relative runs/x failed there).
+    self.chief_directory = os.path.join(os.path.abspath(model_dir),
+                                        "checkpoints")
     self._tmp = None if self.chief else tempfile.mkdtemp(prefix="tfmgpu-ckpt-")
     self.directory = self.chief_directory if self.chief else self._tmp
     self.max_to_keep = max_to_keep
