@@ -64,15 +64,21 @@ class AllReduceOptions:
     return clipped
 
 
+def uses_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
+  """Whether `optimizer` divides the gradients it applies by a loss scale
+  (a `LossScaleOptimizer`, or any optimizer's `loss_scale_factor`, which
+  Keras' `apply` divides out): the loss is then scaled up by as much."""
+  return (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+          or getattr(optimizer, "loss_scale_factor", None) is not None)
+
+
 def for_optimizer(options: AllReduceOptions | None,
                   optimizer: keras.optimizers.Optimizer
                   ) -> AllReduceOptions | None:
   """`options` for the gradients `optimizer` is given: with its loss scale
   when it is a `LossScaleOptimizer` or has a `loss_scale_factor` (they are
   then scaled until it applies them)."""
-  if options is None or not (
-      isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-      or getattr(optimizer, "loss_scale_factor", None) is not None):
+  if options is None or not uses_loss_scaling(optimizer):
     return options
   return dataclasses.replace(
       options, loss_scale=lambda: optimizer.scale_loss(tf.constant(1.0)))

@@ -30,14 +30,6 @@ def as_objective(model: keras.Model, loss: Any = None
   return objectives.Objective(model, loss)
 
 
-def uses_loss_scaling(optimizer: keras.optimizers.Optimizer) -> bool:
-  """Whether `optimizer` divides the gradients it applies by a loss scale
-  (a `LossScaleOptimizer`, or any optimizer's `loss_scale_factor`, which
-  Keras' `apply` divides out): the loss is then scaled up by as much."""
-  return (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-          or getattr(optimizer, "loss_scale_factor", None) is not None)
-
-
 def brings_own_backward(model: keras.Model) -> bool:
   """Whether `model` computes its own gradients, each part's on its own
   device (`compute_loss_and_gradients`: staged, pipelined, tensor-split
@@ -64,7 +56,7 @@ def make_gradients_fn(model: keras.Model,
     ValueError: `jit_compile` for variables on several devices, or
       `batch_splits` the model cannot take."""
   batch_splits_lib.check(model, batch_splits)
-  scaling = uses_loss_scaling(optimizer)
+  scaling = allreduce_lib.uses_loss_scaling(optimizer)
 
   def scaled_loss(target, y_pred, batch=None):
     y_true, sample_weight = target
