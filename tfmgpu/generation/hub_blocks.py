@@ -35,6 +35,7 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from tfmgpu.generation.hub_cache import cache_sizes
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import split_hub_attention
 
@@ -109,21 +110,6 @@ def is_hub_copy(copy: Any) -> bool:
   """Whether a placed copy is a keras_hub causal LM's (or a wrapper's)."""
   return (isinstance(copy, cloning.UnsplitWeights)
           and _task_of(copy.unsplit_spec) is not None)
-
-
-def cache_sizes(get: Callable[[str], Any]) -> dict[str, int | None]:
-  """A keras_hub backbone's sizes a cache needs, read by `get(name)` (an
-  attribute of the backbone, or a key of its config): `num_layers`,
-  `kv_heads` (the key/value heads under grouped-query attention),
-  `head_dim`, `max_positions` (`None`: rotary) and `vocab`."""
-  heads = (get("num_query_heads") or get("num_heads")
-           or get("num_attention_heads"))  # Falcon, SmolLM3.
-  positions = get("max_sequence_length")
-  return {"num_layers": int(get("num_layers")),
-          "kv_heads": int(get("num_key_value_heads") or heads),
-          "head_dim": int(get("head_dim") or get("hidden_dim") // heads),
-          "max_positions": int(positions) if positions else None,
-          "vocab": int(get("vocabulary_size"))}
 
 
 def _device_of_weight(weight: Any) -> str:

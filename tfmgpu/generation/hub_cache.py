@@ -11,7 +11,7 @@ as a tensor, so a compiled step never retraces.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -32,6 +32,21 @@ def causal_lm_in(model: Any) -> Any:
   return None
 
 
+def cache_sizes(get: Callable[[str], Any]) -> dict[str, int | None]:
+  """A keras_hub backbone's sizes a cache needs, read by `get(name)` (an
+  attribute of the backbone, or a key of its config): `num_layers`,
+  `kv_heads` (the key/value heads under grouped-query attention),
+  `head_dim`, `max_positions` (`None`: rotary) and `vocab`."""
+  heads = (get("num_query_heads") or get("num_heads")
+           or get("num_attention_heads"))  # Falcon, SmolLM3.
+  positions = get("max_sequence_length")
+  return {"num_layers": int(get("num_layers")),
+          "kv_heads": int(get("num_key_value_heads") or heads),
+          "head_dim": int(get("head_dim") or get("hidden_dim") // heads),
+          "max_positions": int(positions) if positions else None,
+          "vocab": int(get("vocabulary_size"))}
+
+
 class HubCache:
   """Cached decoding of a keras_hub `CausalLM` (GPT-2, Llama, Gemma, ...),
   a `decode.CacheAdapter`.
@@ -49,17 +64,10 @@ class HubCache:
   def __init__(self, model: Any):
     self.model = model
     backbone = model.backbone
-    self.num_layers = int(backbone.num_layers)
-    heads = (getattr(backbone, "num_query_heads", None)
-             or getattr(backbone, "num_heads", None)
-             or backbone.num_attention_heads)  # Falcon, SmolLM3.
-    self.kv_heads = int(getattr(backbone, "num_key_value_heads", None)
-                        or heads)
-    self.head_dim = int(getattr(backbone, "head_dim", None)
-                        or backbone.hidden_dim // heads)
-    positions = getattr(backbone, "max_sequence_length", None)
-    self.max_positions = int(positions) if positions else None
-    self.vocab = int(backbone.vocabulary_size)
+    sizes = cache_sizes(lambda name: getattr(backbone, name, None))
+    self.num_layers, self.kv_heads = sizes["num_layers"], sizes["kv_heads"]
+    self.head_dim, self.vocab = sizes["head_dim"], sizes["vocab"]
+    self.max_positions = sizes["max_positions"]
     self.dtype = model.compute_dtype
     # Phi3's "su" rotary takes long or short factors by the length called
     # with: keys of a prompt prefilled alone differed from keras_hub's.
