@@ -5,10 +5,14 @@ checks this task's own port before training; both bind the way TensorFlow's
 gRPC server listens (on all interfaces) and fail with `PortInUseError`.
 `wait_until_listening` gives other tasks a bounded time to come up (a
 parameter-server coordinator would otherwise wait forever for a dead one).
+Tasks that wait for each other before any of them starts TensorFlow (the
+workers of `multi_worker_mirrored`) each hold their own port open meanwhile
+(`Announcement`), so that every one of them sees the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Mapping
@@ -37,9 +41,48 @@ def _listening(address: str) -> str | None:
   return None
 
 
+class Announcement:
+  """This task's port, accepting (and at once closing) connections until
+  closed: peers that wait for it to listen see it before it starts
+  TensorFlow, whose server then takes the port over (both reuse it like
+  gRPC). A port that cannot be bound (TensorFlow's server already holds it)
+  announces nothing: the server answers for it.
+
+  Args:
+    address: this task's `host:port`.
+  """
+
+  def __init__(self, address: str):
+    host, _, port = address.rpartition(":")
+    self._sock: socket.socket | None = socket.socket(
+        address_family(host.strip("[]")), socket.SOCK_STREAM)
+    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      self._sock.bind(("", int(port)))
+      self._sock.listen(64)
+      self._sock.setblocking(False)
+    except (OSError, ValueError):
+      self.close()
+
+  def answer(self) -> None:
+    """Closes the connections peers opened to check that it listens."""
+    while self._sock is not None:
+      try:
+        conn, _ = self._sock.accept()
+      except OSError:
+        return
+      conn.close()
+
+  def close(self) -> None:
+    if self._sock is not None:
+      self._sock.close()
+      self._sock = None
+
+
 def wait_until_listening(tasks: Mapping[str, str], timeout_s: float, *,
                          poll_s: float = 0.5,
-                         log: Callable[[str], None] | None = None
+                         log: Callable[[str], None] | None = None,
+                         between: Callable[[], None] | None = None
                          ) -> dict[str, str]:
   """Waits until every task's address accepts a TCP connection.
 
@@ -48,6 +91,7 @@ def wait_until_listening(tasks: Mapping[str, str], timeout_s: float, *,
     timeout_s: how long to wait at most.
     poll_s: seconds between tries.
     log: called now and then with a line naming the tasks still awaited.
+    between: called before every try (`Announcement.answer`).
 
   Returns:
     The tasks that never listened, with why (`{}`: every task listens).
@@ -56,6 +100,8 @@ def wait_until_listening(tasks: Mapping[str, str], timeout_s: float, *,
   waiting = dict(tasks)
   next_log = time.monotonic() + 10.0
   while True:
+    if between is not None:
+      between()
     waiting = {name: why for name, why in (
         (name, _listening(tasks[name])) for name in waiting) if why}
     now = time.monotonic()
@@ -71,7 +117,8 @@ def wait_until_listening(tasks: Mapping[str, str], timeout_s: float, *,
 def require_listening(tasks: Mapping[str, str], timeout_s: float, *,
                       who: str,
                       waiter: str = "this task",
-                      log: Callable[[str], None] | None = None) -> None:
+                      log: Callable[[str], None] | None = None,
+                      listen_on: str | None = None) -> None:
   """Every task listens within `timeout_s`, or an error: TensorFlow's
   connect waits forever for a task that died before it.
 
@@ -81,16 +128,23 @@ def require_listening(tasks: Mapping[str, str], timeout_s: float, *,
     who: the run that waits, for the message (e.g. "parameter_server").
     waiter: the task that waits, for the message ("the coordinator").
     log: as for `wait_until_listening`.
+    listen_on: this task's own `host:port`, held open while it waits
+      (`Announcement`) for tasks that wait for it in turn.
 
   Raises:
     RuntimeError: tasks that did not listen in time (named, with why).
   """
-  missing = wait_until_listening(tasks, timeout_s, log=log)
+  announced = Announcement(listen_on) if listen_on else None
+  with contextlib.closing(announced) if announced else contextlib.nullcontext():
+    missing = wait_until_listening(
+        tasks, timeout_s, log=log,
+        between=announced.answer if announced else None)
   if missing:
     named = ", ".join(f"{name} ({tasks[name]}: {why})"
                       for name, why in missing.items())
     raise RuntimeError(
         f"{who}: {named} did not come up within connect_timeout_s="
         f"{timeout_s:g} s, so {waiter} stops instead of waiting forever for "
-        "it. Check that task's log (it may have died), then run the job "
-        "again; --connect_timeout_s sets the wait.")
+        "it. Check that the task was started with this address and that its "
+        "log shows no error (it may have died), then run the job again; "
+        "--connect_timeout_s sets the wait.")

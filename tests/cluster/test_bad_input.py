@@ -7,10 +7,12 @@ CLI prints its error and exits 1.
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 from absl.testing import flagsaver
 import pytest
@@ -189,3 +191,56 @@ def test_mwms_after_tensorflow_started_says_what_to_do():
   assert ("ERROR: strategy 'multi_worker_mirrored' must be created before "
           "TensorFlow starts its runtime") in out.stdout, out.stderr[-3000:]
   assert "task worker:0" in out.stdout and "restart the kernel" in out.stdout
+
+
+
+def _missing_peer_run(timeout_s: float, model_dir) -> tuple[
+    subprocess.Popen, int, int]:
+  """Worker 0 of two, started alone: the train CLI, its port, its peer's."""
+  own, peer = free_port(), free_port()
+  env = dict(helpers.ENV, TF_CONFIG=tf_config({"worker": [
+      f"127.0.0.1:{own}", f"127.0.0.1:{peer}"]}))
+  proc = subprocess.Popen(  # pylint: disable=consider-using-with
+      helpers.train_command("--strategy=multi_worker_mirrored",
+                            "--model=mlp", "--epochs=1",
+                            "--steps_per_epoch=2", "--verbose=0",
+                            f"--connect_timeout_s={timeout_s:g}",
+                            f"--model_dir={model_dir}"), env=env, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  return proc, own, peer
+
+
+@pytest.mark.slow
+def test_mwms_names_a_peer_that_never_comes_up_within_the_timeout(tmp_path):
+  """TF's start-up waited for a missing peer forever, printing nothing;
+  every worker now waits at most --connect_timeout_s and names it."""
+  proc, _, peer = _missing_peer_run(2, tmp_path / "run")
+  try:
+    _, err = proc.communicate(timeout=90)
+  finally:
+    proc.kill()
+  assert proc.returncode == 1, err[-3000:]
+  assert (f"error: multi_worker_mirrored: worker:1 (127.0.0.1:{peer}: "
+          "Connection refused) did not come up within connect_timeout_s=2 s, "
+          "so task worker:0 stops") in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_mwms_worker_waiting_for_its_peer(tmp_path):
+  """TF's C++ start-up took SIGTERM and went on waiting; the wait for the
+  peers is Python's, which SIGTERM ends."""
+  proc, own, _ = _missing_peer_run(300, tmp_path / "run")
+  try:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+      try:  # Its port answers once it waits (TF's server would too).
+        socket.create_connection(("127.0.0.1", own), timeout=1).close()
+        break
+      except OSError:
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=15)
+  finally:
+    proc.kill()
+  assert proc.returncode == -signal.SIGTERM

@@ -267,6 +267,7 @@ class MultiWorkerMirrored(_Shardable):
             tf.distribute.experimental.CommunicationImplementation,
             options.communication.upper()))
     resolver = resolvers.make_resolver(options.cluster_resolver)
+    _wait_for_peers(resolver, options.connect_timeout_s)
     try:
       strategy = tf.distribute.MultiWorkerMirroredStrategy(
           cluster_resolver=resolver, communication_options=comm)
@@ -294,6 +295,30 @@ class MultiWorkerMirrored(_Shardable):
       return _sharded_placement("place")(self, options, build,
                                          devices=in_graph.replica_devices())
     return super().place(options, build, strategy=strategy, seed=seed)
+
+
+def _wait_for_peers(resolver: Any, timeout_s: float) -> None:
+  """Every other chief or worker task listens within `timeout_s`, or an
+  error naming the missing ones. TensorFlow's own start-up waits for them
+  without a bound, silent, in C++ that takes SIGTERM and ignores it; this
+  wait is in Python, where SIGTERM and Ctrl-C stop it. Skipped once TF's
+  runtime runs (the strategy then refuses, or joins the running cluster)."""
+  if devices_lib.runtime_initialized():
+    return
+  spec = resolver.cluster_spec().as_dict()
+  tasks = {}
+  for job in MultiWorkerMirrored.cluster_jobs:
+    addresses = spec.get(job) or []
+    if isinstance(addresses, (list, tuple)):
+      addresses = dict(enumerate(addresses))
+    tasks.update({f"{job}:{i}": a for i, a in addresses.items()})
+  own = tasks.pop(f"{resolver.task_type}:{resolver.task_id}", None)
+  if own is None or not tasks:
+    return
+  ports.require_listening(
+      tasks, timeout_s, who="multi_worker_mirrored",
+      waiter=f"task {resolver.task_type}:{resolver.task_id}",
+      log=logging.warning, listen_on=own)
 
 
 def _connect_in_graph(options: MultiWorkerOptions) -> "tf.distribute.Strategy":

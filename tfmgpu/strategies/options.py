@@ -125,10 +125,11 @@ class MultiWorkerOptions:
     zero_stage: shard the state over every worker's replica devices (ZeRO,
       run in-graph: the chief drives the other tasks' devices,
       `tfmgpu.in_graph`); `0` keeps a whole copy on every worker.
-    connect_timeout_s: how long a task that drives others (the in-graph
-      chief, a parameter-server coordinator) waits for them to listen
-      before it gives up (TensorFlow's own connect would wait forever for
-      a task that died). Defaults to `300`.
+    connect_timeout_s: how long each task waits for the others to listen
+      (every worker for its peers; with `zero_stage`, the chief for the
+      tasks it drives) before it gives up with an error naming the missing
+      ones (TensorFlow's own connect would wait forever, deaf to SIGTERM,
+      for a task that died or was never started). Defaults to `300`.
   """
   communication: str = setting(
       "auto", "Collective implementation for 'multi_worker_mirrored'.",
@@ -138,9 +139,9 @@ class MultiWorkerOptions:
       "strategies.", choices=tuple(CLUSTER_RESOLVERS))
   zero_stage: int = settings.with_default(MirroredOptions, "zero_stage", 0)
   connect_timeout_s: float = setting(
-      300.0, "Seconds the task that drives the others (the "
-      "parameter-server coordinator, the multi-worker ZeRO chief) waits for "
-      "every other task to listen before it stops with an error naming the "
+      300.0, "Seconds a task waits for the tasks it needs to listen (each "
+      "multi_worker_mirrored worker for its peers, the parameter-server "
+      "coordinator for every task) before it stops with an error naming the "
       "missing ones (default 300).", lower_bound=0.001, run_default=None)
 
   def __post_init__(self):
