@@ -221,6 +221,9 @@ class LoopOptions:
   # Periodic checkpoints besides the epoch ends (see `Controller._save_due`).
   checkpoint_every_steps: int | None = None
   checkpoint_every_s: float | None = None
+  # Whether a flag holds on any worker (`workers.AnyWorker`): a callback's
+  # `stop_training` on one worker stops them all after the same step.
+  any_worker: Callable[[bool], bool] = bool
 
 
 def _restore(ckpt: ckpt_lib.Checkpointer) -> int:
@@ -293,7 +296,7 @@ class Controller:
       if watcher and watcher.stop_requested():
         self._preempt(epoch + 1, 0, steps_per_epoch, self.last_checkpoint,
                       last=epoch + 1 >= epochs)
-      if self.o.model.stop_training:
+      if self._callback_stopped():
         logging.info("A callback stopped training in epoch %d.", epoch + 1)
         break
     if self.o.optimizer is not None and self.total_steps:
@@ -347,7 +350,7 @@ class Controller:
           bar.update(done, logs, rate)
         callbacks.on_train_batch_end(done - 1, logs)
       self._write_step_summaries(sums, rate)
-      if self.o.model.stop_training:  # A callback: Keras stops here too.
+      if self._callback_stopped():  # A callback: Keras stops here too.
         break
       if done < steps_per_epoch:
         self._mid_epoch_saves(epoch, done, steps_per_epoch)
@@ -367,6 +370,16 @@ class Controller:
       if better is None:
         raise
       raise better from e
+
+  def _callback_stopped(self) -> bool:
+    """Whether a callback set `model.stop_training` on any worker; then
+    it is set on every one, so that all stop after the same step (a
+    worker stopping alone crashed the others in their next collective)."""
+    if not self.o.callbacks:
+      return bool(self.o.model.stop_training)
+    stop = self.o.any_worker(bool(self.o.model.stop_training))
+    self.o.model.stop_training = stop
+    return stop
 
   # ------------------------------------------ checkpoints (reliability)
 

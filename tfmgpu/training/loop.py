@@ -34,6 +34,7 @@ from tfmgpu.training import optimizers
 from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import resident
 from tfmgpu.training import step as step_lib
+from tfmgpu.training import workers
 from tfmgpu.training.controller import Controller
 from tfmgpu.training.controller import LoopOptions
 from tfmgpu.training.controller import NonFiniteLossError  # pylint: disable=unused-import  (public here)
@@ -110,7 +111,7 @@ class Trainer:
     self._train_fns: dict[tuple[int | None, str], Any] = {}
     self._trainable = model_checks.TrainableWeights(model)
     self._checkpointer: ckpt_lib.Checkpointer | None = None
-    self._writer = None
+    self._writer, self._any_worker = None, workers.AnyWorker(self.strategy)
 
   @property
   def num_replicas(self) -> int:
@@ -239,7 +240,7 @@ class Trainer:
         metric_results=self.objective.results,
         metric_names=self.objective.metric_names,
         checkpoint_every_steps=o.checkpoint_every_steps,
-        checkpoint_every_s=o.checkpoint_every_s)
+        checkpoint_every_s=o.checkpoint_every_s, any_worker=self._any_worker)
 
   def _hold_run_dir(self):
     """The run directory's lock while `fit` runs (the chief's; see

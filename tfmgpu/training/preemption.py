@@ -29,8 +29,8 @@ from absl import logging
 import tensorflow as tf
 
 from tfmgpu import in_graph
-from tfmgpu import strategies as strategies_lib
 from tfmgpu.training import checkpoints as ckpt_lib
+from tfmgpu.training import workers
 
 _HOLD_AFTER_PREEMPTION = False
 
@@ -90,12 +90,6 @@ def _ignore_after_save(signum, frame) -> None:
                   "ignored; exiting with code %d.", ckpt_lib.EXIT_PREEMPTED)
 
 
-def _is_collective_multi_worker(strategy: tf.distribute.Strategy) -> bool:
-  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-    return False
-  return strategies_lib.in_multi_worker_mode(strategy)
-
-
 class PreemptionWatcher:
   """A context manager that turns SIGTERM into a flag checked between steps.
 
@@ -122,15 +116,8 @@ class PreemptionWatcher:
     self._previous = None
     self._installed = False
     self._stopping = False  # stop_requested() said yes: a save follows.
-    self._agree = None
+    self._any_worker = workers.AnyWorker(strategy)
     self.sender: str | None = None  # A served task's SIGTERM (in-graph).
-    if _is_collective_multi_worker(strategy):
-      @tf.function
-      def agree(flag):
-        per_replica = strategy.run(tf.identity, args=(flag,))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica,
-                               axis=None)
-      self._agree = agree
 
   def _on_sigterm(self, signum, frame) -> None:
     del signum, frame
@@ -186,6 +173,4 @@ class PreemptionWatcher:
     """Whether `flag` holds on any worker: one all-reduce under multi-worker
     mirrored (every worker must call it as often), else `flag` itself. The
     controller agrees on time-based checkpoints this way."""
-    if self._agree is None:
-      return bool(flag)
-    return float(self._agree(tf.constant(1.0 if flag else 0.0))) > 0
+    return self._any_worker(flag)
