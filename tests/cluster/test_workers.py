@@ -29,3 +29,17 @@ def test_stop_training_on_one_worker_stops_every_worker_after_that_step():
   for task in ("worker:0", "worker:1"):
     assert "DONE: steps 4 epochs 1" in helpers.task_lines(text, task), (
         text[-5000:])
+
+
+def test_workers_given_other_settings_all_refuse_naming_them():
+  """Worker 1's fit got global_batch_size=32 and seed=1: both workers
+  trained to exit 0, silently, weights that neither call asks for."""
+  code, text = run_task("mismatch")
+  assert code != 0, text[-5000:]
+  for task in ("worker:0", "worker:1"):
+    lines = helpers.task_lines(text, task)
+    assert "DONE" not in lines, text[-5000:]
+    assert ("REFUSED: The workers of this multi_worker_mirrored run were "
+            "given different settings: global_batch_size (worker 0: 64, "
+            "worker 1: 32); seed (worker 0: 0, worker 1: 1). ") in lines, (
+                text[-5000:])

@@ -179,17 +179,19 @@ class Trainer:
     Raises:
       ValueError, TypeError: bad inputs or sizes (indivisible batch, too few
         examples, unknown length without `steps_per_epoch`), a checkpoint
-        beyond `steps_per_epoch`, or `layer.trainable` changed since made.
-      NonFiniteLossError: the loss became NaN/inf; the last good checkpoint
-        is kept and the message names the step.
-      tfmgpu.training.checkpoints.PreemptedError: SIGTERM arrived (with a
-        `model_dir`); every worker saved a checkpoint at the same step. Call
-        `fit` again (in a new process) to resume from it.
+        beyond `steps_per_epoch`, `layer.trainable` changed since made, or
+        workers given different settings (`workers.WorkersDisagreeError`).
+      NonFiniteLossError: the loss became NaN/inf (the step named, the last
+        good checkpoint kept).
+      tfmgpu.training.checkpoints.PreemptedError: SIGTERM (with a `model_dir`):
+        every worker saved at the same step; `fit` in a new process resumes.
     """
     self._trainable.check_unchanged()
     plan = self.execution.plan(
         inputs.from_fit(x, y, sample_weight, class_weight), epochs=epochs,
         global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch)
+    workers.require_same_run(self._any_worker, workers.fit_settings(
+        self, plan, epochs=epochs, seed=seed, shuffle=shuffle, validation=validation_data))
     runner = self.execution.runner(
         self._train_fn(plan.global_batch_size, plan.feed), plan, seed=seed,
         shuffle=shuffle)
@@ -235,16 +237,13 @@ class Trainer:
         global_batch_size=global_batch_size, callbacks=list(o.callbacks),
         verbose=o.verbose, checkpointer=self.checkpointer,
         summary_writer=self._writer, writes_summaries=writes,
-        validate=self.evaluator.validation(validation_data,
-                                           global_batch_size),
-        metric_results=self.objective.results,
-        metric_names=self.objective.metric_names,
+        validate=self.evaluator.validation(validation_data, global_batch_size),
+        metric_results=self.objective.results, metric_names=self.objective.metric_names,
         checkpoint_every_steps=o.checkpoint_every_steps,
         checkpoint_every_s=o.checkpoint_every_s, any_worker=self._any_worker)
 
   def _hold_run_dir(self):
-    """The run directory's lock while `fit` runs (the chief's; see
-    `tfmgpu.rundir`). Reentrant: the train CLI holds it already."""
+    """The chief's lock of the run directory (`tfmgpu.rundir`; reentrant)."""
     chief = self.model_dir and ckpt_lib.is_chief(self.strategy)
     return rundir.RunLock(self.model_dir) if chief else contextlib.nullcontext()
 
