@@ -19,7 +19,11 @@ import psutil
 from tfmgpu import launcher
 from tfmgpu.config import TrainConfig
 
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+# Scripts run by path import this checkout's tfmgpu, not an installed one.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
+    p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
 ENV.pop("TF_CONFIG", None)
 
 # One run's shape, shared by the multi-worker, parity and preemption tests so
