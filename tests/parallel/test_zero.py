@@ -445,3 +445,32 @@ def test_predictions_made_before_sharding_follow_the_trained_weights():
   assert np.abs(want - before).max() > 0.1  # Training moved them.
   np.testing.assert_allclose(tfmgpu.predict(model, x), want, atol=1e-5)
   np.testing.assert_allclose(model.predict(x, verbose=0), want, atol=1e-5)
+
+
+def test_synchronized_batchnorm_not_synced_by_copies_says_so(caplog):
+  """ShardedModel and ReplicatedModel run their data-parallel copies
+  outside a replica context, where BatchNormalization(synchronized=True)
+  cannot all-reduce: it trained 0.012 off mirrored (which syncs it) with
+  no word. Plain BatchNorm (per replica, as mirrored) says nothing."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=import-outside-toplevel
+  devices = tfmgpu.list_devices("CPU")[:2]
+
+  def bn_model(synchronized):
+    inputs = keras.Input((12,))
+    h = keras.layers.BatchNormalization(synchronized=synchronized,
+                                        name="sync_bn")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(h))
+
+  with caplog.at_level(logging.WARNING):
+    zero.ShardedModel(bn_model(False), devices, stage=1)
+  assert "synchronized=True" not in caplog.text
+  with caplog.at_level(logging.WARNING):
+    zero.ShardedModel(bn_model(True), devices, stage=1)
+  assert ("BatchNormalization layers sync_bn ask for synchronized=True, but "
+          "each of its 2 data-parallel copies normalises its own rows"
+          ) in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    hybrid.build_layout(bn_model(True), hybrid.Layout(data=2, stages=2),
+                        devices=tfmgpu.list_devices("CPU")[:4])
+  assert "each of its 2 data-parallel copies" in caplog.text

@@ -33,13 +33,36 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+from absl import logging
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.training import allreduce as allreduce_lib
+
+
+def warn_unsynchronized_norms(model: keras.Model, copies: int,
+                              name: str) -> None:
+  """Says that `BatchNormalization(synchronized=True)` layers are not
+  synchronized over `copies` data-parallel copies that a placed model runs
+  itself (outside a strategy's replica context, where Keras would
+  all-reduce their moments): each copy normalises its own rows, so training
+  differs from one device and from `mirrored`, where they are synced."""
+  synced = [l.name for l in _compat.flatten_layers(model)
+            if isinstance(l, keras.layers.BatchNormalization)
+            and l.trainable and getattr(l, "synchronized", False)]
+  if synced and copies > 1:
+    logging.warning(
+        "%s: BatchNormalization layers %s ask for synchronized=True, but "
+        "each of its %d data-parallel copies normalises its own rows with "
+        "their own statistics (they are not synchronized across its "
+        "devices), so training differs from one device. For synchronized "
+        "statistics train under --strategy=mirrored without --zero_stage "
+        "or data copies (TF all-reduces them there).", name,
+        ", ".join(synced[:4]) + (" ..." if len(synced) > 4 else ""), copies)
 
 
 def _check_replicas(replicas: Sequence[Any]) -> list[Any]:
@@ -94,6 +117,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
                      **kwargs)
     self.replicas = replicas
     self.data_parallel = len(replicas)
+    warn_unsynchronized_norms(replicas[0], len(replicas), self.name)
     mine = [id(v) for v in self.trainable_variables]
     if mine != [id(v) for r in replicas for v in r.trainable_variables]:
       raise ValueError("ReplicatedModel: the copies' variables are not "

@@ -127,6 +127,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
     self.unsplit = model
     self.stage = stage
     self._devices = tuple(devices)
+    replicated.warn_unsynchronized_norms(model, len(devices), self.name)
     # Seed generators' states (Dropout) are variables but not weights.
     weights = unique(list(model.weights) + list(model.non_trainable_variables))
     owners = assign_owners([variable_bytes(v) for v in weights], len(devices))
