@@ -23,6 +23,7 @@ from typing import Any, Callable
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 # Minor versions (inclusive) the shims below were checked against. Widen a
@@ -422,6 +423,49 @@ def variable_storage(variable: Any) -> Any:
   """The `tf.Variable` behind a Keras variable (its `value` is a cast
   tensor under a mixed-precision autocast scope)."""
   return variable._value  # pylint: disable=protected-access
+
+
+def variable_shards(variable: Any) -> list[Any] | None:
+  """The parts of a variable a `ParameterServerStrategy` split over its
+  servers (`variable_partitioner`: its value is a `ShardedVariable`), in
+  order along the first axis; `None` for a variable kept whole."""
+  value = (variable_storage(variable) if isinstance(variable, keras.Variable)
+           else variable)
+  if isinstance(value, tf.__internal__.distribute.ShardedVariable):
+    return list(value.variables)
+  return None
+
+
+def make_shards_whole(variables: Any) -> int:
+  """Makes each Keras variable of `variables` whose value a parameter-server
+  strategy split (`variable_shards`) save, restore and read into numpy as
+  one whole variable: a checkpoint holds it under the key and value an
+  unsplit variable has, and `model.save` writes it as one array.
+
+  A Keras 3 variable saves the tensors its value serializes, else its value
+  as one tensor, and reads into numpy through its value's `__array__`; a
+  `ShardedVariable` serializes none (it saves through TF's older
+  saveables), is no tensor and has no `__array__`, so the first checkpoint
+  failed ("no attribute 'device'"), and so did `model.save`. The value is
+  given them here: its read (the parts joined) and its `assign` (each part
+  its slice).
+
+  Returns:
+    How many variables were split.
+  """
+  count = 0
+  for variable in variables:
+    if variable_shards(variable) is None:
+      continue
+    value = variable_storage(variable)
+    value._serialize_to_tensors = (  # pylint: disable=protected-access
+        lambda value=value: {"VARIABLE_VALUE": tf.convert_to_tensor(value)})
+    value._restore_from_tensors = (  # pylint: disable=protected-access
+        lambda tensors, value=value: value.assign(tensors["VARIABLE_VALUE"]))
+    value.__array__ = (lambda dtype=None, value=value:
+                       np.asarray(value.numpy(), dtype=dtype))
+    count += 1
+  return count
 
 
 def rehome_variable(variable: Any, device: str) -> None:

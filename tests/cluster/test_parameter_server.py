@@ -10,6 +10,7 @@ against one process trained for the same number of steps.
 import os
 import re
 import signal
+import sys
 
 import pytest
 import tensorflow as tf
@@ -86,3 +87,19 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
   # the load of the cores (0.916 against one process's 0.942 in one CI run
   # on 2 busy cores; within 0.02 on quiet ones).
   assert accuracy >= reference.test_accuracy - 0.04
+
+
+def test_variables_split_over_two_servers_train_as_on_one_device(tmp_path):
+  # The trial's crash (#1): with --variable_shards=2 the first step failed
+  # ("'ShardedVariable' object has no attribute 'handle'"), then the first
+  # checkpoint and the model's save. One worker runs its steps in turn.
+  run = helpers.ClusterRun(
+      [sys.executable, "-m", "tests.cluster.ps_shards_task",
+       str(tmp_path / "run")], num_workers=1, num_ps=2, chief=True)
+  result = run.join()
+  text = helpers.task_lines(run.text, "chief:0")
+  assert result.exit_code == 0, run.text[-5000:]
+  assert "parts [2, 2, 2, 2]" in text, text[-3000:]
+  assert float(re.search(r"^maxdiff (\S+)$", text, re.M).group(1)) < 1e-6
+  assert "checkpoint kernel (6, 8)" in text  # Whole, as an unsplit run's.
+  assert "saved equal True" in text

@@ -111,6 +111,9 @@ class CoordinatorExecution(execution.SyncExecution):
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
         self.strategy)
     self.num_workers = _compat.parameter_server_workers(self.strategy)
+    # Variables split over the servers (`variable_shards`) checkpoint and
+    # save as whole ones: the parts joined.
+    _compat.make_shards_whole(self.model.variables)
 
   def train_function(self, step: Callable[..., Any], feed: str
                      ) -> Callable[..., Any]:

@@ -17,6 +17,7 @@ keras = LazyModule("keras")
 _compat = LazyModule("tfmgpu._compat")
 checks = LazyModule("tfmgpu.checks")
 placed_model = LazyModule("tfmgpu.parallel.placed_model")
+sharded = LazyModule("tfmgpu.training.sharded")
 
 _OPTIMIZERS: dict[str, Callable[..., Any]] = {
     "adam": lambda **kw: keras.optimizers.Adam(**kw),
@@ -354,14 +355,14 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
     if _uses_float16(model) and not isinstance(
         optimizer, keras.optimizers.LossScaleOptimizer):
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    check_exclusions(optimizer, model.trainable_variables,
-                     f"model {model.name!r}")
+    variables = sharded.trainable_parts(model)  # Split ones: their parts.
+    check_exclusions(optimizer, variables, f"model {model.name!r}")
     check_splits(optimizer, model)
     build = getattr(model, "build_optimizer", None)
     if build is not None:
       build(optimizer)  # Staged models place each stage's slots themselves.
     else:
-      optimizer.build(model.trainable_variables)
+      optimizer.build(variables)
   return optimizer
 
 

@@ -8,18 +8,23 @@ when the new model lists its trainable variables in the same order: when
 the order differs and the shapes happen to agree, the moments would land on
 other weights without an error. The chief therefore writes the variables'
 paths in order to `checkpoints/variables.txt`, and a resume whose model
-lists the same paths in another order is refused.
+lists the same paths in another order is refused. A variable split over
+parameter servers (`variable_shards`) has slots per part, listed as
+`path/part_0`, ...: a resume that splits it otherwise is refused too.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
+from tfmgpu import _compat
 from tfmgpu import files
 
 FILE_NAME = "variables.txt"
+_PART = re.compile(r"/part_\d+$")
 
 
 class SlotOrderError(RuntimeError):
@@ -27,8 +32,15 @@ class SlotOrderError(RuntimeError):
 
 
 def order_of(model: Any) -> list[str]:
-  """The paths of `model`'s trainable variables, in the optimizer's order."""
-  return [str(getattr(v, "path", v.name)) for v in model.trainable_variables]
+  """The paths of `model`'s trainable variables, in the optimizer's order;
+  one split over parameter servers as its parts' (`path/part_0`, ...)."""
+  order = []
+  for variable in model.trainable_variables:
+    path = str(getattr(variable, "path", variable.name))
+    parts = _compat.variable_shards(variable)
+    order.extend([path] if parts is None else
+                 [f"{path}/part_{i}" for i in range(len(parts))])
+  return order
 
 
 def write(directory: str, order: Sequence[str]) -> None:
@@ -52,7 +64,10 @@ def check(directory: str, order: Sequence[str]) -> None:
     return
   with open(path, encoding="utf-8") as f:
     saved = f.read().splitlines()
-  if saved == list(order) or sorted(saved) != sorted(order):
+  if saved == list(order):
+    return
+  _check_parts(directory, saved, order)
+  if sorted(saved) != sorted(order):
     return
   first = next(i for i, (a, b) in enumerate(zip(saved, order)) if a != b)
   raise SlotOrderError(
@@ -62,6 +77,29 @@ def check(directory: str, order: Sequence[str]) -> None:
       "layout: restored by position, Adam's moments would land on other "
       "weights. Resume in the layout the run was saved in, or start a new "
       "--model_dir from its weights (tfmgpu.restore_weights).")
+
+
+def _check_parts(directory: str, saved: Sequence[str],
+                 order: Sequence[str]) -> None:
+  """Raises `SlotOrderError` when `saved` and `order` are the same variables
+  split into other parts over parameter servers (`variable_shards`)."""
+  def parts(paths):
+    count: dict[str, int] = {}
+    for p in paths:
+      count[_PART.sub("", p)] = count.get(_PART.sub("", p), 0) + 1
+    return count
+  then, now = parts(saved), parts(order)
+  if list(then) != list(now):
+    return
+  name = next(n for n in then if then[n] != now[n])
+  raise SlotOrderError(
+      f"The checkpoints in {directory} hold optimizer slots for the model's "
+      f"variables split otherwise over the parameter servers ({name!r}: "
+      f"{then[name]} part(s) then, {now[name]} now): --variable_shards "
+      "changed. Each part has slots of its own (Adam's moments), restored "
+      "by position. Resume with the --variable_shards the run was saved "
+      "with, or start a new --model_dir from its weights "
+      "(tfmgpu.restore_weights).")
 
 
 def other_variables(directory: str, order: Sequence[str]) -> str | None:

@@ -21,6 +21,7 @@ from tfmgpu.parallel import placed_model
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import batch_splits as batch_splits_lib
 from tfmgpu.training import objectives
+from tfmgpu.training import sharded
 
 def as_objective(model: keras.Model, loss: Any = None
                  ) -> objectives.Objective:
@@ -83,8 +84,8 @@ def make_gradients_fn(model: keras.Model,
       y_pred = model(x, training=True)
       loss_value = scaled_loss((y, sw), y_pred, batch) + _regularization(model)
       target = optimizer.scale_loss(loss_value) if scaling else loss_value
-    return loss_value, y_pred, tape.gradient(target,
-                                             model.trainable_variables)
+    return loss_value, y_pred, tape.gradient(
+        target, sharded.trainable_parts(model))
 
   if brings_own_backward(model):
     if jit_compile:
@@ -174,7 +175,7 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
       grads = reduce_within(grads, allreduce)
     elif allreduce is not None:
       grads = allreduce_lib.all_reduce_gradients(grads, allreduce)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    optimizer.apply_gradients(zip(grads, sharded.trainable_parts(model)))
     rows = global_batch_size if global_batch is None else global_batch
     out = {"loss": loss_value, "count": batch_count(y_pred),
            "loss_rows": loss_value * tf.cast(rows, loss_value.dtype),
