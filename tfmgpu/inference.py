@@ -66,11 +66,35 @@ def _resolve_strategy(model, strategy) -> tf.distribute.Strategy:
   return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
 
 
+def _on_the_coordinator() -> tf.distribute.Strategy:
+  """The strategy a parameter-server model predicts under: none (TF's
+  default). Its workers run only functions the coordinator schedules and
+  read only per-worker datasets, so the coordinator runs each batch itself,
+  reading the variables from the servers, as the Trainer's evaluation does.
+
+  Raises:
+    ValueError: called inside a strategy's scope, whose strategy would
+      then run the batches.
+  """
+  if tf.distribute.has_strategy():
+    raise ValueError(
+        "predict on a model built under a ParameterServerStrategy runs on "
+        "the coordinator, outside any strategy's scope; it was called inside "
+        f"the scope of {type(tf.distribute.get_strategy()).__name__}. Call "
+        "tfmgpu.predict after the `with strategy.scope():` block.")
+  return tf.distribute.get_strategy()
+
+
 def _prepare_model(model, strategy, precision: str):
-  """The model to run: cast to `precision`, and replicated under `strategy`."""
+  """The model to run: cast to `precision`, and replicated under `strategy`
+  (a parameter-server model runs on the coordinator: `_on_the_coordinator`)."""
   if precision not in PRECISIONS:
     raise ValueError(f"precision={precision!r} is unknown. Choose one of "
                      f"{', '.join(PRECISIONS)}.")
+  if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+    strategy = _on_the_coordinator()
+    if precision == "float32" and not isinstance(model, SavedModelPredictor):
+      return model, strategy
   if isinstance(model, SavedModelPredictor):
     if precision != "float32":
       raise ValueError(f"precision={precision!r} needs a Keras model to "
@@ -114,8 +138,10 @@ class Predictor:
   Inputs of at most `batch_size` rows (online serving) skip the input
   pipeline on one host (one device, mirrored, placements): they are split
   over the replicas and run in one call, so a request's latency is one
-  step's. Multi-worker, parameter-server, central-storage and TPU
-  strategies always read through `tf.data`.
+  step's. Multi-worker, central-storage and TPU strategies always read
+  through `tf.data`. A model built under a parameter-server strategy
+  predicts on the coordinator, which reads its variables from the servers
+  (call it outside the strategy's scope).
   """
 
   def __init__(self, model: Any, *, strategy: Any = None,

@@ -89,17 +89,37 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
   assert accuracy >= reference.test_accuracy - 0.04
 
 
+def _one_worker_run(model_dir, shards: int, num_ps: int) -> str:
+  """`ps_task.py`'s output (the chief's lines), on 1 worker and `num_ps`."""
+  run = helpers.ClusterRun(
+      [sys.executable, "-m", "tests.cluster.ps_task", str(model_dir),
+       str(shards)], num_workers=1, num_ps=num_ps, chief=True)
+  result = run.join()
+  assert result.exit_code == 0, run.text[-5000:]
+  return helpers.task_lines(run.text, "chief:0")
+
+
 def test_variables_split_over_two_servers_train_as_on_one_device(tmp_path):
   # The trial's crash (#1): with --variable_shards=2 the first step failed
   # ("'ShardedVariable' object has no attribute 'handle'"), then the first
   # checkpoint and the model's save. One worker runs its steps in turn.
-  run = helpers.ClusterRun(
-      [sys.executable, "-m", "tests.cluster.ps_shards_task",
-       str(tmp_path / "run")], num_workers=1, num_ps=2, chief=True)
-  result = run.join()
-  text = helpers.task_lines(run.text, "chief:0")
-  assert result.exit_code == 0, run.text[-5000:]
+  text = _one_worker_run(tmp_path / "run", shards=2, num_ps=2)
   assert "parts [2, 2, 2, 2]" in text, text[-3000:]
   assert float(re.search(r"^maxdiff (\S+)$", text, re.M).group(1)) < 1e-6
-  assert "checkpoint kernel (6, 8)" in text  # Whole, as an unsplit run's.
+  # Whole (their parts are saved again under the optimizer, by number).
+  assert ("checkpoint kernels [('model', (6, 8)), ('model', (8, 3))]"
+          in text), text[-3000:]
   assert "saved equal True" in text
+  # Predictions read the split variables whole.
+  assert float(re.search(r"^predict \(256, 3\) maxdiff (\S+)$", text,
+                         re.M).group(1)) < 1e-5, text[-3000:]
+
+
+def test_predict_runs_on_the_coordinator(tmp_path):
+  # The trial's #2: tfmgpu.predict on a model built under parameter_server
+  # failed with TF's "you need to pass this dataset to
+  # ClusterCoordinator.create_per_worker_dataset".
+  text = _one_worker_run(tmp_path / "run", shards=0, num_ps=1)
+  assert "parts [1, 1, 1, 1]" in text, text[-3000:]
+  assert float(re.search(r"^predict \(256, 3\) maxdiff (\S+)$", text,
+                         re.M).group(1)) < 1e-5, text[-3000:]

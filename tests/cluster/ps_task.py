@@ -1,12 +1,13 @@
-"""A parameter-server run with each variable split over 2 servers, against
-one device (run by test_parameter_server.py, under `tfmgpu.launch
---num_workers=1 --num_ps=2 --coordinator`).
+"""A parameter-server run against one device (run by
+test_parameter_server.py, under `tfmgpu.launch --num_workers=1
+--num_ps=N --coordinator`).
 
-argv: the model directory. The chief trains a tiny model with
-`variable_shards=2` on one worker (its steps run one after another, as on
-one device; whole passes over the rows, which its stream does not restart
-each epoch), then the same model on one device in this process, and
-prints the largest weight difference and what the checkpoint holds.
+argv: the model directory and `variable_shards` (0: variables whole). The
+chief trains a tiny model on one worker (its steps run one after another,
+as on one device; whole passes over the rows, which its stream does not
+restart each epoch), then the same model on one device in this process;
+it prints the largest weight difference, what the checkpoint holds, and
+how far `tfmgpu.predict` on the coordinator is from the one-device model's.
 """
 
 import os
@@ -39,19 +40,25 @@ def trained(strategy, **kwargs):
   return model
 
 
-def main(model_dir):
-  split = tfmgpu.get_strategy("parameter_server", variable_shards=2)
-  model = trained(split, model_dir=model_dir)
-  print("parts", [len(v.value.variables) for v in model.weights])
+def main(model_dir, shards):
+  strategy = tfmgpu.get_strategy("parameter_server",
+                                 variable_shards=shards or None)
+  model = trained(strategy, model_dir=model_dir)
+  print("parts", [len(getattr(v.value, "variables", [v]))
+                  for v in model.weights])
   reference = trained(tfmgpu.get_strategy("one_device"))
   print("maxdiff", max(float(np.abs(a - b).max()) for a, b in
                        zip(model.get_weights(), reference.get_weights())))
+  predictions = tfmgpu.predict(model, X, batch_size=100)
+  print("predict", predictions.shape, "maxdiff", float(np.abs(
+      predictions - tfmgpu.predict(reference, X)).max()), flush=True)
+  # The model's variables (whole) and, under the optimizer, their parts.
   path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
-  kernel = [k for k, _ in tf.train.list_variables(path)
-            if k.startswith("model/") and "kernel" in k][0]
-  print("checkpoint kernel", tf.train.load_variable(path, kernel).shape)
-  model.save(os.path.join(model_dir, "split.keras"))
-  loaded = keras.models.load_model(os.path.join(model_dir, "split.keras"))
+  print("checkpoint kernels", sorted(
+      (k.split("/")[0], tuple(shape)) for k, shape
+      in tf.train.list_variables(path) if "kernel" in k))
+  model.save(os.path.join(model_dir, "model.keras"))
+  loaded = keras.models.load_model(os.path.join(model_dir, "model.keras"))
   print("saved equal", all(np.array_equal(a, b) for a, b in
                            zip(loaded.get_weights(), model.get_weights())),
         flush=True)
@@ -60,4 +67,4 @@ def main(model_dir):
 if __name__ == "__main__":
   # The ps and worker tasks serve here until the launcher stops them.
   cluster.run_server_if_needed(cluster.task_role(os.environ.get("TF_CONFIG")))
-  main(sys.argv[1])
+  main(sys.argv[1], int(sys.argv[2]))
