@@ -1,8 +1,10 @@
 """`Checkpointer`: checkpoint numbers, the saved position, restore, latest."""
 
+import gc
 import glob
 import os
 import re
+import types
 
 import keras
 import numpy as np
@@ -360,3 +362,24 @@ def test_a_resume_whose_variables_come_in_another_order_is_refused(
     slot_order.check(directory, saved[::-1])
   os.remove(os.path.join(directory, slot_order.FILE_NAME))
   slot_order.check(directory, saved[::-1])  # Older checkpoints: no record.
+
+
+def test_a_workers_temporary_directory_goes_without_close(tmp_path):
+  # Worker 1 of two keeps no checkpoints: its copies go to a temporary
+  # directory, removed when the checkpointer is collected (or Python exits:
+  # tests/cluster/test_multi_worker.py) even if nobody calls close().
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec({"worker": ["a:1", "b:1"]}), task_type="worker",
+      task_id=1)
+  model, optimizer = _model_and_optimizer(0)
+  saver = checkpoints.Checkpointer(
+      str(tmp_path), types.SimpleNamespace(cluster_resolver=resolver),
+      model=model, optimizer=optimizer)
+  assert not saver.chief
+  saver.save(1, step=2)
+  directory = saver.directory
+  assert os.path.exists(os.path.join(directory, "ckpt-1.index"))
+  del saver
+  gc.collect()
+  assert not os.path.exists(directory)
+  assert not os.path.exists(tmp_path / "checkpoints" / "ckpt-1.index")

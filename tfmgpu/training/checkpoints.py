@@ -37,7 +37,9 @@ same command to resume from the saved step. A worker killed without notice
 Multi-worker: every worker restores from the chief's directory
 (`model_dir/checkpoints`, which must be on a filesystem all workers see) and
 takes part in saving, but only the chief's files are kept: the others write
-to a temporary directory that `close()` removes.
+to a temporary directory that `close()` removes, or else the garbage
+collector or the interpreter's exit (a finalizer: a Python run that never
+called `Trainer.close()` left one per run in /tmp).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import os
 import re
 import shutil
 import tempfile
+import weakref
 from collections.abc import Sequence
 
 from absl import logging
@@ -232,6 +235,10 @@ class Checkpointer:
                                         "checkpoints")
     self._tmp = None if self.chief else tempfile.mkdtemp(prefix="tfmgpu-ckpt-")
     self.directory = self.chief_directory if self.chief else self._tmp
+    # Removed by `close()`, else when collected or at the interpreter's exit.
+    self._remove_tmp = (weakref.finalize(self, shutil.rmtree, self._tmp,
+                                         ignore_errors=True)
+                        if self._tmp else None)
     self.max_to_keep = max_to_keep
     self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
     self.epoch_step = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -424,7 +431,8 @@ class Checkpointer:
     return os.path.join(self.chief_directory, os.path.basename(path))
 
   def close(self) -> None:
-    """Removes a non-chief worker's temporary directory."""
-    if self._tmp:
-      shutil.rmtree(self._tmp, ignore_errors=True)
+    """Removes a non-chief worker's temporary directory now (else it goes
+    when this object is collected, or when Python exits)."""
+    if self._remove_tmp is not None:
+      self._remove_tmp()
       self._tmp = None

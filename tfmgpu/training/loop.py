@@ -208,7 +208,7 @@ class Trainer:
         self.evaluator.release()  # Validation data held for this fit only.
 
   def close(self) -> None:
-    """Flushes summaries and removes a non-chief worker's temporary files."""
+    """Flushes summaries; removes a non-chief's temporary files now."""
     if self._writer is not None:
       self._writer.close()
     if self._checkpointer is not None:
