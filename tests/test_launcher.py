@@ -414,3 +414,16 @@ def test_tf_config_for_refuses_a_job_given_as_a_string():
                      r" is invalid: give a list of 'host:port' strings, e\.g\. "
                      r"\{'worker': \['127\.0\.0\.1:1'\]\}"):
     launcher.tf_config_for({"worker": "127.0.0.1:1"}, "worker", 0)
+
+
+def test_help_gives_the_exit_codes_of_ctrl_c():
+  # The trial's #4b: --help said "130 on Ctrl-C", but Ctrl-C to a launch
+  # of `python -m tfmgpu.train` exits 42: each task saves on the launcher's
+  # SIGTERM (measured; the codes: test_signal_to_launcher_stops_tasks,
+  # test_parameter_servers_stop_coordinator_first_and_ps_last).
+  from tfmgpu import launch  # pylint: disable=g-import-not-at-top
+  text = " ".join(launch.__doc__.split())
+  assert ("on Ctrl-C (or SIGTERM) the tasks are stopped with SIGTERM, and "
+          "the code is 42 when every task that trains saved a checkpoint "
+          "and exited 42 (python -m tfmgpu.train does: rerun to resume), "
+          "else 130 (143)") in text

@@ -2,10 +2,13 @@ r"""Run a command once per task of a local TensorFlow cluster.
 
 A thin command line over `tfmgpu.launcher.launch`: every task gets its own
 TF_CONFIG (and TFMGPU_TASK="worker:0"), its output is printed with a
-"[worker:0] " prefix, and the exit code is 0 only if the run succeeded
-(124 on --timeout_s, 130 on Ctrl-C, else the first failed task's code). See
-`tfmgpu.launcher` for the full contract. `scripts/launch_local_cluster.py`
-runs the same command line from a checkout.
+"[worker:0] " prefix, and the exit code is 0 only if the run succeeded:
+124 on --timeout_s; on Ctrl-C (or SIGTERM) the tasks are stopped with
+SIGTERM, and the code is 42 when every task that trains saved a checkpoint
+and exited 42 (python -m tfmgpu.train does: rerun to resume), else 130
+(143); otherwise the first failed task's code. See `tfmgpu.launcher` for
+the full contract. `scripts/launch_local_cluster.py` runs the same command
+line from a checkout.
 
 Everything after `--` is the command:
 
