@@ -120,7 +120,9 @@ def test_tpu_without_tpu():
 def test_parameter_server_without_cluster(monkeypatch):
   monkeypatch.delenv("TF_CONFIG", raising=False)
   with pytest.raises(ValueError, match=r"parameter_server needs a cluster with "
-                     r"'ps' and 'worker' jobs.*launch_local_cluster"):
+                     r"'ps' and 'worker' jobs.*Start one with python -m "
+                     r"tfmgpu\.launch --num_workers=2 --num_ps=1 "
+                     r"--coordinator -- COMMAND"):
     tfmgpu.get_strategy("parameter_server")
 
 

@@ -154,7 +154,7 @@ def check_port_free(role: TaskRole) -> None:
           f"port {port} cannot be bound on this machine ({e.strerror}): "
           "another process is using it. Stop that process (see `ss -ltnp "
           f"'sport = :{port}'`), or give this task a free port in TF_CONFIG "
-          "(scripts/launch_local_cluster.py picks free ports).") from e
+          "(python -m tfmgpu.launch picks free ports).") from e
 
 
 def preflight(target: ClusterTarget,
@@ -191,7 +191,7 @@ def preflight(target: ClusterTarget,
       raise ValueError(
           f"strategy={name!r} needs a cluster with "
           f"{_jobs(distribution.required_jobs, 'and')} tasks in TF_CONFIG, "
-          "which is unset. Start one with scripts/launch_local_cluster.py "
+          "which is unset. Start one with python -m tfmgpu.launch "
           "--num_workers=2 --num_ps=1 --coordinator -- python -m "
           f"tfmgpu.train --strategy={name}")
     if distribution.joins_cluster:

@@ -74,7 +74,9 @@ PS_CLUSTER = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
      r"needs 'chief' \(the coordinator\), 'worker' and 'ps' tasks; .* lacks "
      r"'chief'\. With the launcher: --num_ps=1 --coordinator"),
     (PS, None, r"parameter_server' needs a cluster .* TF_CONFIG, which is "
-     r"unset\. Start one with scripts/launch_local_cluster\.py"),
+     r"unset\. Start one with python -m tfmgpu\.launch --num_workers=2 "
+     r"--num_ps=1 --coordinator -- python -m tfmgpu\.train "
+     r"--strategy=parameter_server$"),
     (TrainConfig(strategy="mirrored"), tf_config(TWO_WORKERS),
      r"TF_CONFIG puts this process in a cluster \(task worker:0; worker: 2\) "
      r"but strategy='mirrored' trains on one host.*"
@@ -114,7 +116,8 @@ def test_own_port_in_use(busy_port):
                      match=rf"TF_CONFIG gives task worker:0 the address "
                      rf"127\.0\.0\.1:{busy_port}, but port {busy_port} cannot "
                      r"be bound on this machine \(Address already in use\): "
-                     r"another process is using it\."):
+                     r"another process is using it\..*\(python -m "
+                     r"tfmgpu\.launch picks free ports\)\.$"):
     cluster.preflight(MWMS, {"TF_CONFIG": raw})
   with pytest.raises(PortInUseError, match=r"address 'localhost', which has "
                      r"no valid port"):

@@ -363,8 +363,10 @@ class ParameterServer(DataParallel):
       raise ValueError(
           f"parameter_server needs a cluster with 'ps' and 'worker' jobs; the "
           f"cluster ({spec or 'empty: TF_CONFIG is unset'}) lacks "
-          f"{', '.join(missing)}. Start one with "
-          "scripts/launch_local_cluster.py --num_ps=1, or set TF_CONFIG.")
+          f"{', '.join(missing)}. Start one with python -m tfmgpu.launch "
+          "--num_workers=2 --num_ps=1 --coordinator -- COMMAND (a script's "
+          "ps and worker tasks must serve first: "
+          "tfmgpu.cluster.run_server_if_needed), or set TF_CONFIG.")
     ports.require_listening({f"{job}:{i}": address
                              for job in ("ps", "worker")
                              for i, address in enumerate(spec[job])},
