@@ -110,3 +110,19 @@ def test_the_slot_order_names_each_part_and_refuses_other_parts(tmp_path):
                      r"--variable_shards changed"):
     slot_order.check(str(tmp_path), whole)
   slot_order.check(str(tmp_path), split)  # The same parts pass.
+
+
+@pytest.mark.parametrize("optimizer", [
+    keras.optimizers.Lamb(0.1), keras.optimizers.SGD(0.1, clipnorm=1.0)])
+def test_an_optimizer_reading_whole_variables_is_refused_for_parts(optimizer):
+  """Each part is updated alone: Lamb's trust ratio, or clipnorm, would be
+  a part's, not the variable's (the split model trained otherwise)."""
+  with pytest.raises(ValueError, match=r"into 8 parts \(--variable_shards\)"
+                     r".*or --variable_shards=1"):
+    optimizers.prepare_optimizer(optimizer, _model(split=True),
+                                 tf.distribute.get_strategy(),
+                                 learning_rate=None, clip_norm=None, fused=False)
+  optimizers.prepare_optimizer(optimizer.from_config(optimizer.get_config()),
+                               _model(split=False),
+                               tf.distribute.get_strategy(),
+                               learning_rate=None, clip_norm=None, fused=False)

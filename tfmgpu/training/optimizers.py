@@ -118,6 +118,23 @@ def check_splits(optimizer: Any, model: Any) -> None:
         "layout with tensor=1.")
 
 
+def _check_parts(optimizer: Any, model: Any, parts: int) -> None:
+  """Refuses an optimizer that reads whole variables when parameter servers
+  split some of `model`'s variables in parts (`--variable_shards`): each
+  part is updated alone (`sharded.trainable_parts`), so Lamb's trust ratio
+  or a `clipnorm` would be taken per part."""
+  whole = len(model.trainable_variables)
+  reason = whole_variable_use(optimizer) if parts != whole else None
+  if reason:
+    raise ValueError(
+        f"optimizer: {reason}, but the parameter servers split the "
+        f"{whole} trainable variables of model {model.name!r} into {parts} "
+        "parts (--variable_shards), which it would update one by one, "
+        "unlike the whole variables. Use an element-wise optimizer (Adam, "
+        "AdamW, SGD, RMSprop, Lion, ...; global_clipnorm instead of "
+        "clipnorm), or --variable_shards=1.")
+
+
 def _check_copies(optimizer: Any, model: Any) -> None:
   """Refuses `global_clipnorm` over a model holding data-parallel copies of
   each weight (`ReplicatedModel`): Keras takes the norm over every copy's
@@ -356,6 +373,7 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
         optimizer, keras.optimizers.LossScaleOptimizer):
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     variables = sharded.trainable_parts(model)  # Split ones: their parts.
+    _check_parts(optimizer, model, len(variables))
     check_exclusions(optimizer, variables, f"model {model.name!r}")
     check_splits(optimizer, model)
     build = getattr(model, "build_optimizer", None)
