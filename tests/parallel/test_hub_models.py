@@ -85,6 +85,34 @@ def test_frozen_blocks_and_lora_stay_as_the_user_left_them(family, layout,
       lora, None, 2).why_not(2)
 
 
+@pytest.mark.parametrize("layout", ["staged", "data2_stages2", "tensor2"])
+def test_enable_lora_after_the_split_is_refused(layout, cpu_devices):
+  """`enable_lora()` on the model after it was split: the split trained
+  every base weight in full (21 of 21 moved) and no LoRA weight (it had
+  none), silently; the weights added are named."""
+  from tfmgpu.parallel import partition  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel.staged import StagedModel  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  model = matrix.build("llama")
+  if layout == "staged":
+    placed = StagedModel(model, partition.plan_stages(
+        model, 2, devices=cpu_devices[:2]))
+  else:
+    sizes = dict(data=2, stages=2, micro_batches=2) if layout.startswith(
+        "data") else dict(tensor=2)
+    placed = hybrid.build_layout(model, hybrid.Layout(**sizes),
+                                 devices=cpu_devices[:4])
+  model.backbone.enable_lora(2)
+  said = (r"model 'llama_causal_lm.*' was split into \w+ '.*' and then had "
+          r"weights added or removed: 8 added \(transformer_layer_0/"
+          r"self_attention/query/lora_kernel_a, .*\).*Call enable_lora\(\) "
+          r".*before placing it, or split the model again")
+  with pytest.raises(ValueError, match=said):
+    Trainer(placed, optimizer="sgd")
+  with pytest.raises(ValueError, match=said):
+    placed.compile(optimizer="sgd", loss="mse")
+
+
 def test_bert_without_a_layout_map_is_split_by_path_rules():
   """The registry's `bert` (a BertTextClassifier from config): keras_hub's
   path rules shard its attention and MLP kernels, not its embeddings."""

@@ -474,3 +474,32 @@ def test_synchronized_batchnorm_not_synced_by_copies_says_so(caplog):
     hybrid.build_layout(bn_model(True), hybrid.Layout(data=2, stages=2),
                         devices=tfmgpu.list_devices("CPU")[:4])
   assert "each of its 2 data-parallel copies" in caplog.text
+
+
+def test_enable_lora_after_sharding_is_refused():
+  """`enable_lora()` on the model after sharding it: its LoRA weights had
+  no owner, and the step failed with a bare `KeyError` deep in TF."""
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8,
+                                                                  name="a"),
+                            keras.layers.Dense(2, name="b")], name="seq")
+  sharded = zero.ShardedModel(model, tfmgpu.list_devices("CPU")[:2], stage=3)
+  model.get_layer("a").enable_lora(2)
+  said = (r"model '.*' was sharded into ShardedModel '.*_zero3' and then had "
+          r"weights added or removed: 2 added \(seq/a/lora_kernel_a, "
+          r"seq/a/lora_kernel_b\).*Call enable_lora\(\) .*before "
+          r"placing it, or shard it again")
+  with pytest.raises(ValueError, match=said):
+    Trainer(sharded, optimizer="sgd")
+  with pytest.raises(ValueError, match=said):
+    sharded.compile(optimizer="sgd", loss="mse")
+  # Sharded again, it trains the LoRA factors, not the frozen kernel.
+  again = zero.ShardedModel(model, tfmgpu.list_devices("CPU")[:2], stage=3)
+  kernel = next(v for v in model.weights if v.path == "seq/a/kernel")
+  base = kernel.numpy()  # `layer.kernel` under LoRA is the merged one.
+  x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+  Trainer(again, optimizer="sgd", learning_rate=0.5, verbose=0).fit(
+      x, np.arange(16) % 2, global_batch_size=8, epochs=1)
+  assert "seq/a/lora_kernel_b" in {
+      v.path for v in again.trainable_variables}
+  np.testing.assert_array_equal(kernel.numpy(), base)

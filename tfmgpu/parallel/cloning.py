@@ -290,6 +290,39 @@ def stage_inputs(graph: graph_lib.ModelGraph, start: int, k: int):
   return new, mapping
 
 
+def check_same_weights(model: keras.Model, paths: Sequence[str], made: str,
+                       again: str) -> None:
+  """Raises when `model` has weights added or removed since a placement
+  was made of it (`paths`: its weights' paths then; `made`: "split into
+  StagedModel 'x'"): the placement holds only the weights it had, so new
+  ones (`enable_lora()`'s) would not train and the ones it has would, in
+  full, silently. `again` says how to place the model anew.
+
+  Raises:
+    ValueError: naming the weights added and removed, and what to do.
+  """
+  now = [v.path for v in model.weights]
+  before, after = set(paths), set(now)
+  added = [p for p in now if p not in before]
+  removed = [p for p in paths if p not in after]
+  if not added and not removed:
+    return
+  said = [f"{len(items)} {what} ({_some(items)})" for items, what in
+          ((added, "added"), (removed, "removed")) if items]
+  raise ValueError(
+      f"model {model.name!r} was {made} and then had weights added or "
+      f"removed: {'; '.join(said)}. The placement was made for the "
+      "weights the model had then and would not train the model as it now "
+      "is (after enable_lora(), a split went on training every base weight "
+      "in full and no LoRA weight). Call enable_lora() (or change the "
+      f"model) before placing it, or {again}.")
+
+
+def _some(paths: Sequence[str]) -> str:
+  """The first three of `paths`, joined, with ", ..." when there are more."""
+  return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+
+
 class UnsplitWeights:
   """Weights to and from the unsplit model, by layer name.
 
@@ -310,11 +343,13 @@ class UnsplitWeights:
     return self._unsplit_spec
 
   def check_source_unchanged(self) -> None:
-    """Raises when the model this one was split from now trains other
-    weights than when it was split (keras.io's fine-tuning sets
+    """Raises when the model this one was split from now has other weights
+    than when it was split (`enable_lora()` adds LoRA weights and freezes
+    the base), or trains other ones (keras.io's fine-tuning sets
     `base_model.trainable = True` between two fits): the split's copies
-    keep the flags they were made with, so the change was ignored (the
-    base moved by 0.0), silently.
+    keep the weights and flags they were made with, so the change was
+    ignored (the base moved by 0.0, or trained in full under LoRA),
+    silently.
 
     Raises:
       ValueError: naming the weights and what to do.
@@ -323,18 +358,21 @@ class UnsplitWeights:
     model = spec.source() if spec.source is not None else None
     if model is None or spec.state is None:
       return
+    made = f"split into {type(self).__name__} {self.name!r}"
+    check_same_weights(model, spec.state.paths, made,
+                       "split the model again (placed.copy_weights_to(model) "
+                       "first keeps what the split trained)")
     now = tuple(bool(v.trainable) for v in model.weights)
-    if len(now) != len(spec.state.variables) or now == spec.state.variables:
+    if now == spec.state.variables:
       return
     changed = [v.path for v, was in zip(model.weights, spec.state.variables)
                if bool(v.trainable) != was]
     raise ValueError(
-        f"model {model.name!r} was split into {type(self).__name__} "
-        f"{self.name!r} and then changed which weights train ("
-        f"{', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): "
-        "the split's copies keep the flags they were made with. Copy what "
-        "the split trained back (placed.copy_weights_to(model)) and split "
-        "the model again, or set layer.trainable before splitting.")
+        f"model {model.name!r} was {made} and then changed which weights "
+        f"train ({_some(changed)}): the split's copies keep the flags they "
+        "were made with. Copy what the split trained back "
+        "(placed.copy_weights_to(model)) and split the model again, or set "
+        "layer.trainable before splitting.")
 
   def load_from(self, unsplit: keras.Model) -> None:
     """Copies the weights of the unsplit model into this one."""

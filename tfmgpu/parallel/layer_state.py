@@ -47,9 +47,11 @@ class LayerRecord:
 @dataclasses.dataclass(frozen=True)
 class LayerState:
   """A layer's and its nested layers' records (depth first, the layer
-  first) and its weights' `trainable` flags (in `layer.weights` order)."""
+  first), its weights' `trainable` flags and their paths (in
+  `layer.weights` order)."""
   layers: tuple[LayerRecord, ...]
   variables: tuple[bool, ...]
+  paths: tuple[str, ...] = ()
 
 
 def _record(layer: keras.layers.Layer) -> LayerRecord:
@@ -69,7 +71,8 @@ def capture(layer: keras.layers.Layer) -> LayerState:
   (`apply`)."""
   return LayerState(
       tuple(_record(l) for l in _compat.flatten_layers(layer)),
-      tuple(bool(v.trainable) for v in layer.weights))
+      tuple(bool(v.trainable) for v in layer.weights),
+      tuple(v.path for v in layer.weights))
 
 
 def apply(state: LayerState, copy: keras.layers.Layer) -> None:

@@ -288,6 +288,14 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
                      else g)
     return out
 
+  def check_source_unchanged(self) -> None:
+    """Raises when the model the copies were split from changed since
+    (see `cloning.UnsplitWeights.check_source_unchanged`): the copies are
+    of one model, so the first one's check is every one's."""
+    check = getattr(self.replicas[0], "check_source_unchanged", None)
+    if check is not None:
+      check()
+
   # ---------------------------------------------------------------- weights
 
   def load_from(self, unsplit: keras.Model) -> None:

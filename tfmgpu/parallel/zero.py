@@ -66,6 +66,7 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu import checks
+from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
@@ -138,6 +139,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
         setattr(model, name, None)  # variables: Keras' predict went stale.
     self._owner_of = {id(v): o for v, o in zip(weights, owners)}
     self.owners = {v.path: devices[o] for v, o in zip(weights, owners)}
+    self._paths = tuple(v.path for v in model.weights)
     trainable = model.trainable_variables
     self._copies = (Copies(trainable, self._owner_list(trainable), devices)
                     if stage < 3 else None)
@@ -153,6 +155,20 @@ class ShardedModel(placed.PerDeviceGradientModel):
     if save_type == "checkpoint":
       return _compat.trackable_children(self.unsplit, save_type, **kwargs)
     return super()._trackable_children(save_type, **kwargs)
+
+  def check_source_unchanged(self) -> None:
+    """Raises when the model has weights added or removed since it was
+    sharded (`enable_lora()` adds LoRA weights): they have no owner, and
+    the step failed with a bare `KeyError`.
+
+    Raises:
+      ValueError: naming the weights and what to do.
+    """
+    cloning.check_same_weights(
+        self.unsplit, self._paths,
+        f"sharded into ShardedModel {self.name!r}",
+        "shard it again (ShardedModel(model, devices, stage=...): the model "
+        "holds the weights trained so far)")
 
   def _owner_list(self, variables: Sequence[Any]) -> list[int]:
     return [self._owner_of[id(v)] for v in variables]
