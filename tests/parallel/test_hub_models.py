@@ -113,6 +113,36 @@ def test_enable_lora_after_the_split_is_refused(layout, cpu_devices):
     placed.compile(optimizer="sgd", loss="mse")
 
 
+@pytest.mark.parametrize("layout", ["1f1b2", "tensor2"])
+def test_a_split_of_a_compiled_model_trains_with_its_compile(layout,
+                                                             cpu_devices):
+  """keras_hub's flow: `lm.compile(optimizer=SGD(0.5))`, then split `lm`
+  and train the split with `Trainer`: it trained with the Trainer's
+  default (Adam at 1e-3, 3.7e-2 from Keras fit), silently. It now takes a
+  fresh copy of the compiled optimizer, as `Trainer(lm)` does."""
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  x, y, sw = matrix.data("llama")
+  reference = matrix.build("llama")
+  reference.compile(optimizer=keras.optimizers.SGD(matrix.LR))
+  reference.fit(x, y, sample_weight=sw, batch_size=matrix.BATCH,
+                shuffle=False, verbose=0)
+  model = matrix.build("llama")
+  model.compile(optimizer=keras.optimizers.SGD(matrix.LR))
+  placed = hybrid.build_layout(model, hybrid.Layout(**matrix.LAYOUTS[layout]),
+                               devices=cpu_devices)
+  trainer = Trainer(placed, verbose=0)
+  assert type(trainer.optimizer).__name__ == "SGD"
+  assert trainer.optimizer is not model.optimizer
+  trainer.fit(x, y, sample_weight=sw, global_batch_size=matrix.BATCH,
+              shuffle=False, epochs=1)
+  trained = matrix.build("llama", seed=7)
+  placed.copy_weights_to(trained)
+  diff = max(float(np.abs(a - b).max()) for a, b in
+             zip(trained.get_weights(), reference.get_weights()))
+  assert diff <= 1e-5
+  assert int(model.optimizer.iterations.numpy()) == 0  # Its own untouched.
+
+
 def test_bert_without_a_layout_map_is_split_by_path_rules():
   """The registry's `bert` (a BertTextClassifier from config): keras_hub's
   path rules shard its attention and MLP kernels, not its embeddings."""

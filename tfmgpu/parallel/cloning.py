@@ -342,6 +342,13 @@ class UnsplitWeights:
     backbone's sizes)."""
     return self._unsplit_spec
 
+  @property
+  def source_model(self) -> keras.Model | None:
+    """The model this one was split from, while it lives (held by a weak
+    reference: the split does not keep it alive)."""
+    spec = self._unsplit_spec
+    return spec.source() if spec.source is not None else None
+
   def check_source_unchanged(self) -> None:
     """Raises when the model this one was split from now has other weights
     than when it was split (`enable_lora()` adds LoRA weights and freezes
@@ -354,8 +361,7 @@ class UnsplitWeights:
     Raises:
       ValueError: naming the weights and what to do.
     """
-    spec = self._unsplit_spec
-    model = spec.source() if spec.source is not None else None
+    spec, model = self._unsplit_spec, self.source_model
     if model is None or spec.state is None:
       return
     made = f"split into {type(self).__name__} {self.name!r}"

@@ -11,7 +11,8 @@ name. `is_placed` is the one way to ask "is this a placed model".
 A placed model whose layers keep the unsplit model's names also has an
 unsplit form (`UnsplitForm`: `to_unsplit`, `copy_weights_to`,
 `load_from`); `unsplit_of` gives the model to save, export or restore a
-plain checkpoint into.
+plain checkpoint into, and `source_of` the model it was made from (whose
+`compile()` a `Trainer` of the placed model takes).
 
 Imports neither TensorFlow nor Keras: any layer can ask.
 """
@@ -60,6 +61,12 @@ def is_placed(model: Any) -> bool:
 def unsplit_of(model: Any) -> Any:
   """`model.to_unsplit()` for a model with an unsplit form, else `model`."""
   return model.to_unsplit() if isinstance(model, UnsplitForm) else model
+
+
+def source_of(model: Any) -> Any:
+  """The model a placed model was made from (split or sharded), while it
+  lives: its `source_model`; `None` for any other model."""
+  return getattr(model, "source_model", None) if is_placed(model) else None
 
 
 def data_copies(model: Any) -> int:

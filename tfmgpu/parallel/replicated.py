@@ -41,6 +41,7 @@ from tfmgpu import _compat
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
+from tfmgpu.parallel import placed_model
 from tfmgpu.training import allreduce as allreduce_lib
 
 
@@ -287,6 +288,11 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
           out.append(tf.identity(g) if not isinstance(g, tf.IndexedSlices)
                      else g)
     return out
+
+  @property
+  def source_model(self) -> keras.Model | None:
+    """The model the copies were split from, while it lives."""
+    return placed_model.source_of(self.replicas[0])
 
   def check_source_unchanged(self) -> None:
     """Raises when the model the copies were split from changed since

@@ -156,6 +156,11 @@ class ShardedModel(placed.PerDeviceGradientModel):
       return _compat.trackable_children(self.unsplit, save_type, **kwargs)
     return super()._trackable_children(save_type, **kwargs)
 
+  @property
+  def source_model(self) -> keras.Model:
+    """The model sharded (`unsplit`): it holds the weights."""
+    return self.unsplit
+
   def check_source_unchanged(self) -> None:
     """Raises when the model has weights added or removed since it was
     sharded (`enable_lora()` adds LoRA weights): they have no owner, and

@@ -13,6 +13,7 @@ import tensorflow as tf
 from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.parallel import placed_model
 from tfmgpu.training import batch_splits as batch_splits_lib
 from tfmgpu.training import fused as fused_lib
 from tfmgpu.training import optimizers as optimizers_lib
@@ -364,16 +365,32 @@ def compiled_settings(model: keras.Model, options: Any,
   `learning_rate` given applies to the compiled optimizer, and
   `fused_optimizer=True` fuses it. A `TrainerOptions` given counts as
   keyword arguments for its fields set away from their defaults (it took
-  nothing from compile: Adam at 1e-3 and cross-entropy instead)."""
+  nothing from compile: Adam at 1e-3 and cross-entropy instead). A
+  placed model not compiled itself takes the `compile()` of the model it
+  was split from (`placed_model.source_of`; the optimizer a fresh copy,
+  never the source's own), as that model's `Trainer` would."""
   given = {**_set_in(options), **settings}
   _check_learning_rate(given)
-  if not getattr(model, "compiled", False):
+  compiled = _compiled_model(model)
+  if compiled is None:
     return settings
   names = [n for n in _FROM_COMPILE if n not in given]
-  taken = {name: _compiled_value(model, name, given) for name in names}
+  taken = {name: _compiled_value(compiled, name, given) for name in names}
   taken = {k: v for k, v in taken.items() if v is not None}
   if taken:
-    logging.info("Model %r was compiled: the Trainer takes its %s (pass "
-                 "them to Trainer(...) to override).", model.name,
+    source = ("" if compiled is model else
+              f" (split from it as {type(model).__name__} {model.name!r})")
+    logging.info("Model %r was compiled%s: the Trainer takes its %s (pass "
+                 "them to Trainer(...) to override).", compiled.name, source,
                  ", ".join(taken))
   return {**settings, **taken}
+
+
+def _compiled_model(model: keras.Model) -> keras.Model | None:
+  """`model` if compiled, else for a placed model the compiled model it
+  was split from (a split dropped a keras_hub user's compile() silently:
+  Adam at 1e-3 instead of SGD at 0.5), else `None`."""
+  if getattr(model, "compiled", False):
+    return model
+  source = placed_model.source_of(model)
+  return source if getattr(source, "compiled", False) else None
