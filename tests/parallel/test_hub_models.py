@@ -143,6 +143,23 @@ def test_a_split_of_a_compiled_model_trains_with_its_compile(layout,
   assert int(model.optimizer.iterations.numpy()) == 0  # Its own untouched.
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+def test_predict_in_a_strategy_copies_the_model_as_a_split_does(family):
+  """`tfmgpu.predict(lm, x, strategy="mirrored")` copies a model built
+  outside the strategy's scope into it: Keras' recursive cloning rebuilt
+  each block from its own config, which failed for Llama (AttributeError
+  'rope_scaling_factor') and dropped Qwen's `sliding_window_size`
+  (refused). The backbone is rebuilt by its class, as a split does."""
+  import tfmgpu  # pylint: disable=g-import-not-at-top
+  model = matrix.build(family)
+  x, _, _ = matrix.data(family)
+  copy = cloning.copy_model(model)
+  assert type(copy.get_layer(model.backbone.name)) is type(model.backbone)
+  np.testing.assert_allclose(
+      tfmgpu.predict(model, x, strategy="mirrored"),
+      model.predict(x, verbose=0), atol=1e-6)
+
+
 def test_bert_without_a_layout_map_is_split_by_path_rules():
   """The registry's `bert` (a BertTextClassifier from config): keras_hub's
   path rules shard its attention and MLP kernels, not its embeddings."""

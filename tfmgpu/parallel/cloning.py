@@ -145,6 +145,8 @@ def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
 
 
 def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
+  if _library_model(layer):
+    return _from_own_config(layer)
   if isinstance(layer, keras.Model) and not _compat.overrides_call(layer):
     try:  # Keras' cloning keeps the graph, not a class's own call().
       clone = keras.models.clone_model(layer, recursive=True)
@@ -170,6 +172,32 @@ def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         "its config drops " + ", ".join(checks.lost_arguments(layer, clone))))
   _check_kept(layer, clone)
   clone.name = layer.name  # See `ModelSpec.rebuild`.
+  return clone
+
+
+def _library_model(layer: keras.layers.Layer) -> bool:
+  """Whether `layer` is a functional model of a library's own class (a
+  keras_hub backbone), which rebuilds by its class's `from_config`."""
+  return (isinstance(layer, _compat.functional_class())
+          and type(layer) is not _compat.functional_class()
+          and not isinstance(layer, keras.Sequential)
+          and not checks.users_class(layer))
+
+
+def _from_own_config(model: keras.Model) -> keras.Model:
+  """A copy of a library's functional model (a keras_hub backbone) by its
+  class's own `from_config`, as a split copies its blocks (`copy_layer`):
+  Keras' recursive cloning rebuilt each block from the block's config,
+  which raises (Llama's: no attribute 'rope_scaling_factor') or drops an
+  argument (Qwen's `sliding_window_size`), and lost the class.
+
+  Raises:
+    ValueError: a layer of the copy differs from the original's.
+  """
+  clone = type(model).from_config(copy.deepcopy(model.get_config()))
+  for old, new in zip(model.layers, clone.layers):
+    _check_kept(old, new)
+  clone.name = model.name
   return clone
 
 
