@@ -273,6 +273,19 @@ def test_run_directory_loads_its_model_keras(tmp_path, caplog):
   assert str(tmp_path / "model.keras") in caplog.text
 
 
+def test_a_keras_hub_preset_directory_says_how_to_make_a_keras_file(
+    tmp_path):
+  """`generate --model_path=<preset>` said only "Pass a .keras file or a
+  SavedModel directory"; it now says how to make one from the preset."""
+  for name in ("config.json", "metadata.json", "task.json"):
+    (tmp_path / name).write_text("{}")
+  with pytest.raises(ValueError, match=r"model_path='.*' is a keras_hub "
+                     r"preset directory; predict and generate load a .keras "
+                     r"file .*CausalLM.from_preset\(.*preprocessor=None\)"
+                     r"\.save\('model.keras'\).*--model_preset="):
+    inference.load_model(str(tmp_path))
+
+
 def test_directory_without_a_model_lists_what_it_holds(tmp_path):
   empty = tmp_path / "empty"
   empty.mkdir()

@@ -545,6 +545,7 @@ def load_model(path: str) -> Any:
   if os.path.isdir(path):
     if os.path.exists(os.path.join(path, "saved_model.pb")):
       return SavedModelPredictor(path)
+    _refuse_hub_preset(path)
     directory, path = path, _keras_file_in(path)
     logging.info("model_path=%r is a directory without saved_model.pb: "
                  "loading %s.", directory, path)
@@ -552,6 +553,25 @@ def load_model(path: str) -> Any:
     raise ValueError(f"model_path={path!r} is not a .keras file or a "
                      "SavedModel directory.")
   return _load_keras_file(path)
+
+
+def _refuse_hub_preset(directory: str) -> None:
+  """Raises for a keras_hub preset directory (`config.json` and
+  `metadata.json`, as `save_to_preset` writes), saying how to make a
+  `.keras` file of it (it was told only "Pass a .keras file or a
+  SavedModel directory")."""
+  if not all(os.path.isfile(os.path.join(directory, f))
+             for f in ("config.json", "metadata.json")):
+    return
+  raise ValueError(
+      f"model_path={directory!r} is a keras_hub preset directory; predict "
+      "and generate load a .keras file or a SavedModel directory. Make one "
+      "from the preset in Python: `keras_hub.models.CausalLM.from_preset("
+      f"{directory!r}, preprocessor=None).save('model.keras')` (a "
+      "classifier: keras_hub.models.TextClassifier), then pass "
+      "--model_path=model.keras; or train from it with --model=<family> "
+      f"--model_preset={directory} --model_dir=DIR, which saves "
+      "DIR/model.keras.")
 
 
 def _load_keras_file(path: str) -> keras.Model:

@@ -297,6 +297,13 @@ def test_a_local_preset_loads_its_weights(tmp_path):
       model.predict(x, verbose=0),
       lm.predict({"token_ids": x, "padding_mask": np.ones_like(x)},
                  verbose=0), rtol=1e-6, atol=1e-6)
+  # Data whose token ids the preset's vocabulary does not hold: it failed
+  # deep in TF ("GatherV2 indices ... not in [0, 64)"; zeros on a GPU).
+  with pytest.raises(ValueError, match=r"model_preset='.*qwen' has "
+                     r"vocabulary_size=64, but the data has num_classes=256 "
+                     r"\(token ids up to 255\).*at least 256"):
+    models.build_model("qwen", input_shape=(8,), num_classes=256,
+                       preset=str(tmp_path / "qwen"))
   with pytest.raises(ValueError, match="no config.json"):
     hub.check_preset("qwen", str(tmp_path))
   with pytest.raises(ValueError, match="model='gpt'"):

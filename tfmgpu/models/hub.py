@@ -204,9 +204,29 @@ def build(family: str, input_shape: Any, num_classes: int, *,
   length, masked = _token_shape(input_shape)
   lm = causal_lm(family, size, vocabulary_size=int(num_classes or 256),
                  sequence_length=length, preset=preset)
+  _check_vocabulary(lm, num_classes, preset)
   inputs, ids, mask = _token_inputs(length, masked)
   logits = lm({"token_ids": ids, "padding_mask": mask})
   return keras.Model(inputs, logits, name=family)
+
+
+def _check_vocabulary(lm: Any, num_classes: int, preset: str | None
+                      ) -> None:
+  """Refuses a preset whose vocabulary is smaller than the data's token
+  ids (`num_classes`): its embedding lookup failed deep in TF (GatherV2
+  "indices ... not in [0, 64)"); on a GPU TF's gather returns zeros for
+  such ids, silently."""
+  vocabulary = int(lm.backbone.vocabulary_size)
+  if preset is None or not num_classes or num_classes <= vocabulary:
+    return
+  raise ValueError(
+      f"model_preset={preset!r} has vocabulary_size={vocabulary}, but the "
+      f"data has num_classes={num_classes} (token ids up to "
+      f"{num_classes - 1}): the model cannot read or predict ids from "
+      f"{vocabulary} on. Use data tokenized with the preset's own "
+      f"vocabulary (ids below {vocabulary}; --dataset=module:function "
+      "for your own), or a preset whose vocabulary_size is at least "
+      f"{num_classes}.")
 
 
 def text_classifier(family: str, size: str = TINY, *, num_classes: int,
