@@ -487,3 +487,32 @@ def test_weight_decay_excluded_by_object_is_refused_on_copies(cpu_devices):
   by_name = keras.optimizers.AdamW(weight_decay=0.5)
   by_name.exclude_from_weight_decay(var_names=["gamma", "beta", "bias"])
   model.compile(optimizer=by_name, loss=gp._loss())  # pylint: disable=protected-access
+
+
+def test_a_global_keras_distribution_is_said_to_be_ignored(cpu_devices,
+                                                           caplog):
+  """`keras.distribution.set_distribution(ModelParallel(layout_map=...))`
+  (or `DataParallel`) is ignored by Keras on TF, and by tfmgpu: silently,
+  until now."""
+  from tfmgpu.training.loop import Trainer  # pylint: disable=g-import-not-at-top
+  x = keras.Input((4,))
+  h = keras.layers.Dense(4, name="a")(x)
+  model = keras.Model(x, keras.layers.Dense(2, name="b")(h))
+  said = r"A Keras distribution is set \(DataParallel.*ignores it.*%s.*layout_map="
+  with caplog.at_level("WARNING", logger="absl"):
+    Trainer(model, optimizer="sgd", loss="mse")
+    hybrid.build_layout(model, hybrid.Layout(stages=2),
+                        devices=cpu_devices[:2])
+  assert "Keras distribution" not in caplog.text
+  keras.distribution.set_distribution(
+      keras.distribution.DataParallel(devices=cpu_devices[:2]))
+  try:
+    with caplog.at_level("WARNING", logger="absl"):
+      Trainer(model, optimizer="sgd", loss="mse")
+      assert re.search(said % "Trainer", caplog.text)
+      caplog.clear()
+      hybrid.build_layout(model, hybrid.Layout(stages=2),
+                          devices=cpu_devices[:2])
+      assert re.search(said % "build_layout", caplog.text)
+  finally:
+    keras.distribution.set_distribution(None)

@@ -32,6 +32,7 @@ import keras
 
 from tfmgpu import checks
 from tfmgpu import devices as devices_lib
+from tfmgpu.parallel import layout_maps
 from tfmgpu.parallel import partition
 from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import plan as plan_lib
@@ -105,7 +106,6 @@ def _say_left_whole(model: keras.Model, axes: dict[str, int],
   """Logs the Dense kernels a keras_hub model's own split leaves whole
   (Mistral's MLP gate, Phi3's attention: its map names other paths), which
   then sit whole on a stage's first device."""
-  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
   whole, fraction = layout_maps.left_whole(model, axes)
   if whole:
     logging.warning(
@@ -123,7 +123,6 @@ def _split_axes(model: keras.Model, layout_map: Any, rules: Any,
   are given."""
   if tensor == 1 or (layout_map is None and rules not in (None, LAYOUT_MAP)):
     return None
-  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
   if layout_map is None:
     axes = layout_maps.own_axes(model, tensor)
     if axes is None and rules == LAYOUT_MAP:
@@ -210,6 +209,7 @@ def build_layout(model: keras.Model, layout: Layout, *,
       split model would not call it).
   """
   checks.refuse_custom_steps(model)  # Before planning: fail fast.
+  layout_maps.warn_if_keras_distribution("build_layout")
   if devices is None and plan is not None and layout.num_devices == \
       layout.stages:  # Stages alone: where the plan puts them.
     devices = plan.devices

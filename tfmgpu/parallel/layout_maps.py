@@ -16,6 +16,10 @@ only on JAX; here it splits the layers *inside* a model's blocks on TF:
 
 `split_blocks` then splits the kernels these name inside the model's
 blocks; a weight named that cannot be split is refused there with its path.
+
+`warn_if_keras_distribution`: a global Keras distribution
+(`keras.distribution.set_distribution`) is ignored by Keras on TF, and by
+tfmgpu: said where a user would expect it to apply.
 """
 
 from __future__ import annotations
@@ -24,11 +28,29 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from absl import logging
 import keras
 import numpy as np
 
 from tfmgpu import _compat
 from tfmgpu.parallel import layer_state
+
+def warn_if_keras_distribution(what: str) -> None:
+  """Logs a warning when a global Keras distribution is set: Keras lays
+  out variables by it on JAX only, so on TensorFlow it is ignored (by
+  Keras' `fit` and by tfmgpu, `what`), silently."""
+  found = keras.distribution.distribution()
+  if found is None:
+    return
+  logging.warning(
+      "A Keras distribution is set (%s, by keras.distribution."
+      "set_distribution): Keras ignores it on the TensorFlow backend, and "
+      "%s does not read it. For tensor parallelism from a LayoutMap use "
+      "tfmgpu.parallel.build_layout(model, Layout(tensor=T), "
+      "layout_map=...); for data parallelism a strategy, e.g. "
+      "Trainer(model, strategy='mirrored') with the model built in its "
+      "scope.", type(found).__name__, what)
+
 
 MODEL_AXIS = "model"  # keras_hub's default names of the mesh axes.
 BATCH_AXIS = "batch"

@@ -13,6 +13,7 @@ import tensorflow as tf
 from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.parallel import layout_maps
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import batch_splits as batch_splits_lib
 from tfmgpu.training import fused as fused_lib
@@ -24,7 +25,9 @@ def check_model(model: keras.Model, strategy: tf.distribute.Strategy,
                 options: Any) -> None:
   """The checks of a `Trainer`'s model before its first step: built in
   the strategy's scope, custom steps it will not call (a warning), and
-  `options.batch_splits` it can train with."""
+  `options.batch_splits` it can train with; a global Keras distribution,
+  which it ignores, said (a warning)."""
+  layout_maps.warn_if_keras_distribution("tfmgpu's Trainer")
   check_built_in_scope(model, strategy)
   warn_about_custom_steps(model, options.loss)
   batch_splits_lib.check(model, options.batch_splits)
