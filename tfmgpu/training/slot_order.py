@@ -88,6 +88,8 @@ def _check_parts(directory: str, saved: Sequence[str],
     for p in paths:
       count[_PART.sub("", p)] = count.get(_PART.sub("", p), 0) + 1
     return count
+  if not any(_PART.search(p) for p in [*saved, *order]):
+    return  # No split variable: data copies repeat a path, not parts.
   then, now = parts(saved), parts(order)
   if list(then) != list(now):
     return
