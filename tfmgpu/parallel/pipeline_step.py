@@ -138,7 +138,8 @@ class PipelineStep:
             [self.outs[(self.last, i)] for i in range(M)])
     summed = self._accumulate()
     with tf.device(self.devices[self.last]):
-      total = tf.add_n([tf.cast(t, tf.float32) for t in self.totals])
+      total = tf.add_n([tf.cast(t, keras.config.floatx())
+                        for t in self.totals])
     return total, self.y_pred, summed
 
   def _lane(self, k: int) -> int:
@@ -207,7 +208,7 @@ class PipelineStep:
       if calls and self.micro_batches > 1:
         _warn_call_losses(stage, self.micro_batches)
       if calls:
-        total = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32)
+        total = tf.add_n([tf.cast(tf.reduce_sum(l), keras.config.floatx())
                           for l in calls])
         objective = self.scale(total) / float(self.micro_batches)
       if loss_term is not None:
@@ -306,7 +307,8 @@ class PipelineStep:
         with tf.GradientTape(watch_accessed_variables=False) as tape:
           tape.watch(sources)
           terms = microbatch.weight_regularization(stage)
-          reg = (self.scale(tf.add_n([tf.cast(t, tf.float32) for t in terms]))
+          reg = (self.scale(tf.add_n([tf.cast(t, keras.config.floatx())
+                                      for t in terms]))
                  if terms else None)
       if reg is not None:
         self.totals.append(reg)

@@ -71,11 +71,13 @@ def colocate_optimizer_updates(optimizer: keras.optimizers.Optimizer):
 
 def regularization_loss(layer: keras.layers.Layer,
                         scale: Callable[[tf.Tensor], tf.Tensor]):
-  """Sum of `layer.losses` (after its call), scaled, or `None` if none."""
+  """Sum of `layer.losses` (after its call) in Keras' `floatx()` (as its
+  `compute_loss` sums them with the loss), scaled, or `None` if none."""
   losses = layer.losses
   if not losses:
     return None
-  total = tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32) for l in losses])
+  total = tf.add_n([tf.cast(tf.reduce_sum(l), keras.config.floatx())
+                    for l in losses])
   return scale(total)
 
 

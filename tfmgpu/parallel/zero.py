@@ -260,7 +260,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
             weights, self._state_on(r), x, training=True, return_losses=True)
         total = loss_fn(y, y_pred)
         if losses:
-          total += scale(tf.add_n([tf.cast(tf.reduce_sum(l), tf.float32)
+          total += scale(tf.add_n([tf.cast(tf.reduce_sum(l), total.dtype)
                                    for l in losses]))
       grads = tape.gradient(total, weights)
     return total, y_pred, grads, state

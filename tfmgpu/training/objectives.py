@@ -50,9 +50,10 @@ _ACCURACY_NAMES = ("accuracy", "acc")
 
 
 def default_loss(y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
-  """Sparse categorical cross-entropy from logits, per example."""
+  """Sparse categorical cross-entropy from logits, per example (in the
+  logits' dtype: `Objective` casts them to the loss's)."""
   return keras.losses.sparse_categorical_crossentropy(
-      y_true, tf.cast(y_pred, tf.float32), from_logits=True)
+      y_true, y_pred, from_logits=True)
 
 
 def loss_function(loss: Any, *, what: str = "loss") -> Callable[..., Any]:
@@ -204,6 +205,7 @@ class _Output:
   index: int
   loss_fn: Callable[..., Any] | None
   weight: float
+  loss_dtype: str
   metrics: list[tuple[str, keras.metrics.Metric]]
   weighted: frozenset[str] = frozenset()
   loss_label: str | None = None
@@ -324,6 +326,7 @@ class Objective:
             weight=float(weights[i] if weights[i] is not None else 1.0),
             metrics=per_metrics[i], weighted_metrics=per_weighted[i])
         for i, name in enumerate(names)]
+    self.loss_dtype = loss_dtype()  # Read once, as Keras' compile() does.
     self._check_unique_names()
     self._build_lazy_metrics(model)
     self._initial = {key: np.asarray(v) for key, v in self._variables()}
@@ -421,10 +424,11 @@ class Objective:
           "Trainer averages every example's loss over the global batch and "
           "would train on the masked entries. Pass the mask as sample_weight "
           "(0 on padding) from a model output without a Keras mask.")
-    y_pred = tf.convert_to_tensor(y_pred)
-    if y_pred.dtype.is_floating:  # Losses in float32, as Keras' Loss does.
-      y_pred = tf.cast(y_pred, tf.float32)
-    values = tf.cast(out.loss_fn(y_true, y_pred), tf.float32)
+    # In the loss's dtype, as Keras' Loss does (float64 for a float64 model).
+    y_pred = _floats_as(tf.convert_to_tensor(y_pred), out.loss_dtype)
+    y_true = tf.nest.map_structure(
+        lambda t: _floats_as(t, out.loss_dtype), y_true)
+    values = tf.cast(out.loss_fn(y_true, y_pred), self.loss_dtype)
     if values.shape.rank == 0:
       raise ValueError(
           f"loss for output {out.name!r} returned a scalar; it must return "
@@ -432,7 +436,7 @@ class Objective:
           "over the non-batch axes only.")
     sw = _pick_weight(sample_weight, out, len(self.outputs))
     if sw is not None:
-      values = values * _broadcast_weight(tf.cast(sw, tf.float32), values)
+      values = values * _broadcast_weight(tf.cast(sw, values.dtype), values)
     rank = len(values.shape)
     if rank > 1:
       values = tf.reduce_mean(values, axis=list(range(1, rank)))
@@ -509,9 +513,26 @@ def _make_output(name: str, index: int, *, multi: bool, loss: Any,
   return _Output(
       name=name, index=index,
       loss_fn=loss_function(loss, what="loss") if has_loss else None,
-      weight=weight, metrics=own_loss + plain + weighted,
+      weight=weight, loss_dtype=_own_dtype(loss),
+      metrics=own_loss + plain + weighted,
       weighted=frozenset(label for label, _ in weighted),
       loss_label=loss_label)
+
+
+def loss_dtype() -> str:
+  """The dtype losses are summed in: Keras' `floatx()`, which its compiled
+  loss casts every output's loss to (float32 under mixed precision, whose
+  floatx stays float32; float64 for a float64 model). Added losses
+  (regularisation) are cast to it too."""
+  return keras.config.floatx()
+
+
+def _own_dtype(loss: Any) -> str:
+  """The dtype a loss computes in, as in Keras: a `keras.losses.Loss`'s
+  own (`dtype=`, floatx by default), `loss_dtype()` for any other."""
+  if isinstance(loss, keras.losses.Loss):
+    return loss.dtype
+  return loss_dtype()
 
 
 def _labelled(wanted: MetricSpec, loss: Any, prefix: str, what: str
@@ -522,6 +543,14 @@ def _labelled(wanted: MetricSpec, loss: Any, prefix: str, what: str
       list(wanted) if isinstance(wanted, (list, tuple)) else [wanted])
   objs = [(_metric_label(m), _metric_object(m, loss, what)) for m in wanted]
   return [(prefix + (label or m.name), m) for label, m in objs]
+
+
+def _floats_as(value: Any, dtype: str) -> Any:
+  """`value` cast to `dtype` if it holds floats (labels stay integers)."""
+  if value is None:
+    return value
+  value = tf.convert_to_tensor(value)
+  return tf.cast(value, dtype) if value.dtype.is_floating else value
 
 
 def _single(value: Any) -> Any:

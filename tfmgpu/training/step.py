@@ -82,7 +82,8 @@ def make_gradients_fn(model: keras.Model,
   def tape_grads(x, y, sw=None, batch=None):
     with tf.GradientTape() as tape:
       y_pred = model(x, training=True)
-      loss_value = scaled_loss((y, sw), y_pred, batch) + _regularization(model)
+      loss_value = (scaled_loss((y, sw), y_pred, batch)
+                    + _regularization(model, objective.loss_dtype))
       target = optimizer.scale_loss(loss_value) if scaling else loss_value
     return loss_value, y_pred, tape.gradient(
         target, sharded.trainable_parts(model))
@@ -100,12 +101,17 @@ def make_gradients_fn(model: keras.Model,
           if batch_splits > 1 else grads)
 
 
-def _regularization(model: keras.Model) -> tf.Tensor | float:
-  """The model's regularization losses, scaled for the replica count."""
+def _regularization(model: keras.Model, dtype: str) -> tf.Tensor | float:
+  """The model's regularization losses in the loss's `dtype` (as Keras
+  sums them), scaled for the replica count."""
   if not model.losses:
     return 0.0
-  return tf.nn.scale_regularization_loss(
-      tf.add_n([tf.cast(l, tf.float32) for l in model.losses]))
+  return tf.nn.scale_regularization_loss(_added_losses(model, dtype))
+
+
+def _added_losses(model: keras.Model, dtype: str) -> tf.Tensor:
+  """The sum of `model.losses` (regularisation, `add_loss`) in `dtype`."""
+  return tf.add_n([tf.cast(tf.reduce_sum(l), dtype) for l in model.losses])
 
 
 def _global_batch_of(x: Any) -> tf.Tensor:
@@ -213,11 +219,12 @@ def make_eval_step(model: keras.Model, *, loss: Any = None
   def step(x, y, mask, sample_weight=None):
     y_pred = model(x, training=False)
     count = tf.reduce_sum(mask)
+    loss_mask = tf.cast(mask, objective.loss_dtype)
     loss_sum = tf.reduce_sum(
-        objective.per_example_loss(y, y_pred, sample_weight) * mask)
+        objective.per_example_loss(y, y_pred, sample_weight) * loss_mask)
     if model.losses:  # Regularisation, per example, as in training.
-      loss_sum += count * tf.add_n(
-          [tf.cast(l, tf.float32) for l in model.losses])
+      loss_sum += tf.reduce_sum(loss_mask) * _added_losses(
+          model, objective.loss_dtype)
     out = {"loss_sum": loss_sum, "count": count}
     out.update(objective.metric_updates(y, y_pred, sample_weight, mask=mask))
     return out
