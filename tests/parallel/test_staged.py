@@ -791,3 +791,64 @@ def test_lookup_layers_keep_their_vocabulary_in_every_copy(cpu_devices):
               staged.to_unsplit().predict(x, verbose=0),
               inference.predict(model, x, strategy="mirrored", batch_size=2)):
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _dropout_mlp():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((8,))
+  h = keras.layers.Dense(16, activation="relu", name="d1")(x)
+  h = keras.layers.Dropout(0.5, seed=7, name="drop")(h)
+  h = keras.layers.Dense(8, activation="relu", name="d2")(h)
+  return keras.Model(x, keras.layers.Dense(1, name="out")(h))
+
+
+def _fit_one_epoch(model, x, y):
+  model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("layout", ["staged", "tensor"])
+@pytest.mark.parametrize("path", ["copy_back_and_split_again",
+                                  "to_unsplit", "split_after_training"])
+def test_seeded_dropout_continues_its_masks_across_splits(path, layout,
+                                                          cpu_devices):
+  """A split copied back (`copy_weights_to`, `to_unsplit`) left the
+  original's Dropout seed where it was, and a split started from the
+  config's seed: the next epoch replayed the first one's masks (weights
+  0.05 off Keras training the model throughout). The seed generators'
+  states now travel with the weights."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 8)).astype("float32")
+  y = rng.normal(size=(32, 1)).astype("float32")
+  reference = _dropout_mlp()
+  _fit_one_epoch(reference, x, y)
+  _fit_one_epoch(reference, x, y)
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+
+  def split(m):
+    if layout == "tensor":
+      return hybrid.build_layout(m, hybrid.Layout(tensor=2),
+                                 devices=cpu_devices[:2], rules={"d2": "column"})
+    return StagedModel(m, partition.plan_stages(m, 2, split_points=["d2"]))
+
+  model = _dropout_mlp()
+  if path == "split_after_training":  # Keras, then a split.
+    _fit_one_epoch(model, x, y)
+    staged = split(model)
+    _fit_one_epoch(staged, x, y)
+    model = staged.to_unsplit()
+  elif path == "to_unsplit":  # A split, then Keras on its unsplit form.
+    staged = split(model)
+    _fit_one_epoch(staged, x, y)
+    model = staged.to_unsplit()
+    _fit_one_epoch(model, x, y)
+  else:  # A split, copied back, split again.
+    staged = split(model)
+    _fit_one_epoch(staged, x, y)
+    staged.copy_weights_to(model)
+    staged = split(model)
+    _fit_one_epoch(staged, x, y)
+    model = staged.to_unsplit()
+  for got, want in zip(model.weights, reference.weights):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6,
+                               err_msg=got.path)

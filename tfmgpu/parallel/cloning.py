@@ -28,9 +28,10 @@ import dataclasses
 import inspect
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmgpu import _compat
@@ -98,14 +99,46 @@ def weighted_layers(models: Sequence[keras.Model]) -> dict[str, Any]:
   weights, and those of the models nested in them (a nested model's layers
   are planned and placed one by one: `graph.ModelGraph`); an outer layer
   keeps its name when a nested one has it too."""
+  return _layers_by_name(models, lambda layer: bool(layer.weights))
+
+
+def seeded_layers(models: Sequence[keras.Model]) -> dict[str, Any]:
+  """`{name: layer}` for the layers of `models` (looked into as by
+  `weighted_layers`) that hold random-seed state: a `Dropout`'s (or any
+  layer's) `SeedGenerator`, which `get_weights` leaves out."""
+  return _layers_by_name(models, lambda layer: bool(seed_states(layer)))
+
+
+def _layers_by_name(models: Sequence[keras.Model],
+                    keep: Callable[[Any], bool]) -> dict[str, Any]:
   found: dict[str, Any] = {}
   level = [l for m in models for l in m.layers]
   while level:
     for layer in level:
-      if layer.weights:
+      if keep(layer):
         found.setdefault(layer.name, layer)
     level = [l for m in level if isinstance(m, keras.Model) for l in m.layers]
   return found
+
+
+def seed_states(layer: keras.layers.Layer) -> list[Any]:
+  """The seed generators' states of `layer` and its sublayers: its state
+  beyond its weights (Keras' `Layer.variables`: weights and seeds)."""
+  weights = {id(w) for w in layer.weights}
+  return [v for v in layer.variables if id(v) not in weights]
+
+
+def copy_seed_states(src: dict[str, Any], dst: dict[str, Any]) -> None:
+  """Each layer of `dst` named in `src` takes its seed states, so that it
+  draws the random numbers (dropout masks) `src`'s would draw next: a copy
+  made, trained and copied back continues one sequence, as the original
+  training throughout would. Layers in one only, or holding other
+  numbers of seed generators, keep theirs."""
+  for name in set(src) & set(dst):
+    theirs, mine = seed_states(src[name]), seed_states(dst[name])
+    if len(theirs) == len(mine):
+      for source, target in zip(theirs, mine):
+        target.assign(np.asarray(source))
 
 
 def copy_weights(src: dict[str, Any], dst: dict[str, Any],
@@ -409,15 +442,19 @@ class UnsplitWeights:
         "layer.trainable before splitting.")
 
   def load_from(self, unsplit: keras.Model) -> None:
-    """Copies the weights of the unsplit model into this one."""
+    """Copies the weights of the unsplit model into this one (and its
+    layers' seed states: dropout continues where the unsplit's stopped)."""
     mine = self.weighted_layers()
     copy_weights(weighted_layers([unsplit]), mine, list(mine), "unsplit")
+    copy_seed_states(seeded_layers([unsplit]), seeded_layers([self]))
 
   def copy_weights_to(self, unsplit: keras.Model) -> None:
     """Copies this model's weights into an unsplit model of the same
-    architecture."""
+    architecture (and its layers' seed states: its dropout continues
+    where this model's stopped)."""
     mine = self.weighted_layers()
     copy_weights(mine, weighted_layers([unsplit]), list(mine), "unsplit")
+    copy_seed_states(seeded_layers([self]), seeded_layers([unsplit]))
 
   def to_unsplit(self, *, device: str | None = None,
                  custom_objects: dict[str, Any] | None = None) -> keras.Model:

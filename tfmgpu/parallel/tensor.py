@@ -180,6 +180,8 @@ def tensor_parallel(model: keras.Model,
   mine = cloning.weighted_layers([split])
   cloning.copy_weights(cloning.weighted_layers([model]), mine, list(mine),
                        "unsplit")
+  cloning.copy_seed_states(cloning.seeded_layers([model]),
+                           cloning.seeded_layers([split]))
   return split
 
 
