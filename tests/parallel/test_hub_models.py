@@ -346,3 +346,48 @@ def test_the_plan_counts_each_split_kernels_traffic_by_its_sides():
   assert tokens >= 1 and out.input_bytes == 0
   assert sum(l.output_bytes for l in block) == 2 * tokens * hidden * 4
   assert sum(l.input_bytes for l in block) == 3 * tokens * hidden * 4
+
+
+_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "dog",
+          "sat", "on", "mat", "a", "ran"]
+
+
+def _bert_classifier(with_preprocessor: bool):
+  keras.utils.set_random_seed(0)
+  preprocessor = keras_hub.models.BertTextClassifierPreprocessor(
+      keras_hub.tokenizers.BertTokenizer(vocabulary=_VOCAB), sequence_length=8)
+  backbone = keras_hub.models.BertBackbone(
+      vocabulary_size=len(_VOCAB), num_layers=2, num_heads=2, hidden_dim=8,
+      intermediate_dim=16, max_sequence_length=8, dropout=0.0)
+  return keras_hub.models.BertTextClassifier(
+      backbone, num_classes=2, dropout=0.0,
+      preprocessor=preprocessor if with_preprocessor else None)
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_a_task_with_its_preprocessor_splits_as_one_without(detached,
+                                                            cpu_devices):
+  """A BertTextClassifier built with its preprocessor (used once, so
+  built) could not be split, even after `model.preprocessor = None`: its
+  tokenizer's vocabulary was taken for state the split must copy ("holds
+  state its config leaves out ..."). The split takes preprocessed inputs,
+  as the model without a preprocessor does, and its unsplit form (and a
+  copy) keeps the preprocessor, whose vocabulary a config leaves out."""
+  texts = np.array(["the cat sat", "a dog ran on the mat", "the mat", "a cat"])
+  model = _bert_classifier(with_preprocessor=True)
+  x = {k: np.asarray(v) for k, v in model.preprocessor(texts).items()}
+  want = model.predict(texts, verbose=0)
+  if detached:
+    model.preprocessor = None
+  plain = _bert_classifier(with_preprocessor=False)
+  plain.set_weights(model.get_weights())
+  placed = hybrid.build_layout(model, hybrid.Layout(stages=2),
+                               devices=cpu_devices[:2])
+  np.testing.assert_allclose(placed.predict(x, verbose=0),
+                             plain.predict(x, verbose=0), atol=1e-6)
+  copies = [placed.to_unsplit(), cloning.copy_model(model, same_class=True)]
+  for copy in copies:  # `to_unsplit`, and what serving copies.
+    assert (copy.preprocessor is None) == detached
+    if not detached:  # Strings, through the original's preprocessor.
+      np.testing.assert_allclose(copy.predict(texts, verbose=0), want,
+                                 atol=1e-6)

@@ -11,7 +11,10 @@ weights. In Keras 3 freezing lives on each variable (`Layer.trainable`
 sets its variables' flags), so the state is the layers' `trainable` flags,
 their LoRA ranks and every weight's `trainable` flag, in walk order. A
 `TextVectorization` / `StringLookup` copied from its config has an empty
-table ("Table not initialized"): its vocabulary is set again.
+table ("Table not initialized"): its vocabulary is set again. A keras_hub
+task's preprocessor runs on the data, not in the model's call: a copy
+takes the original's as it is, and its layers are no state to compare
+(a split takes preprocessed inputs).
 
 * `capture(layer)` records it; `apply(state, copy)` sets it on a built copy
   of the same structure; `mirror(layer, copy)` does both.
@@ -48,10 +51,13 @@ class LayerRecord:
 class LayerState:
   """A layer's and its nested layers' records (depth first, the layer
   first), its weights' `trainable` flags and their paths (in
-  `layer.weights` order)."""
+  `layer.weights` order), and a keras_hub task's preprocessor, kept as it
+  is (rebuilt from its config, its tokenizer has no vocabulary: keras_hub
+  saves it as an asset)."""
   layers: tuple[LayerRecord, ...]
   variables: tuple[bool, ...]
   paths: tuple[str, ...] = ()
+  preprocessor: Any = None
 
 
 def _record(layer: keras.layers.Layer) -> LayerRecord:
@@ -68,28 +74,58 @@ def _record(layer: keras.layers.Layer) -> LayerRecord:
 
 def capture(layer: keras.layers.Layer) -> LayerState:
   """`layer`'s frozen flags, LoRA and vocabularies, to set on a copy
-  (`apply`)."""
+  (`apply`); a keras_hub task's preprocessor left out (`_state_layers`)."""
+  preprocessor = getattr(layer, "preprocessor", None)
   return LayerState(
-      tuple(_record(l) for l in _compat.flatten_layers(layer)),
+      tuple(_record(l) for l in _state_layers(layer)),
       tuple(bool(v.trainable) for v in layer.weights),
-      tuple(v.path for v in layer.weights))
+      tuple(v.path for v in layer.weights),
+      preprocessor if is_preprocessor(preprocessor) else None)
+
+
+def _state_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+  """`layer` and its nested layers, depth first, except a keras_hub task's
+  preprocessor and its layers (tokenizer, packer), even one detached with
+  `task.preprocessor = None`, which Keras still tracks: it runs on the
+  data, outside the forward pass a copy or split makes (which takes
+  preprocessed inputs); built on its first use, it differed from its
+  copy's and made every split of the task fail."""
+  skipped: set[int] = set()
+  kept = []
+  for l in _compat.flatten_layers(layer):  # Parents before their layers.
+    if id(l) in skipped:
+      continue
+    if is_preprocessor(l):
+      skipped.update(id(s) for s in _compat.flatten_layers(l))
+    else:
+      kept.append(l)
+  return kept
+
+
+def is_preprocessor(layer: Any) -> bool:
+  """Whether `layer` is a keras_hub `Preprocessor` (a task's
+  tokenizer-and-packer), which the model's own call never runs."""
+  return any(c.__name__ == "Preprocessor" and c.__module__.startswith(
+      "keras_hub") for c in type(layer).__mro__)
 
 
 def apply(state: LayerState, copy: keras.layers.Layer) -> None:
   """Sets `state` (captured from the original) on `copy`, a built copy of
-  it: each layer's `trainable`, LoRA where the original had it (ranks and
-  alphas), then each weight's `trainable`.
+  it: its preprocessor, each layer's `trainable`, LoRA where the original
+  had it (ranks and alphas), then each weight's `trainable`.
 
   Raises:
     ValueError: `copy` differs in structure from the original while the
       two differ in state, so tfmgpu cannot tell which of its weights to
       freeze; named.
   """
+  if state.preprocessor is not None and hasattr(copy, "preprocessor"):
+    copy.preprocessor = state.preprocessor  # The same, not a copy.
   special = any(r.lora_rank or r.vocabulary for r in state.layers)
   if not special and tuple(bool(v.trainable) for v in copy.weights) == (
       state.variables):
     return  # Each weight's flag is what trains it (`trainable_weights`).
-  layers = _compat.flatten_layers(copy)
+  layers = _state_layers(copy)
   if [type(l).__name__ for l in layers] == [r.kind for r in state.layers]:
     for record, layer in zip(state.layers, layers):  # Parents first.
       if layer.trainable != record.trainable:
