@@ -39,6 +39,7 @@ from tfmgpu.training import replica_state
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import resident
+from tfmgpu.training import string_inputs
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 
@@ -208,6 +209,7 @@ class Predictor:
 
   def _predict(self, x: Any) -> Any:
     """The model's float32 outputs for every row of `x`, in input order."""
+    string_inputs.check(self.model, x)
     if isinstance(x, tf.data.Dataset):
       return self._predict_dataset(x)
     if _has_composite(x):  # Ragged or sparse rows: tf.data slices them.

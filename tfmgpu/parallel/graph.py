@@ -87,6 +87,22 @@ def output_shapes(model: Any) -> tuple[tuple[int | None, ...], ...]:
   return tuple(tuple(t.shape) for t in tf.nest.flatten(outputs or []))
 
 
+def input_dtypes(model: Any) -> tuple[str, ...]:
+  """The dtypes of a model's inputs (`"float32"`, `"int32"`, `"string"`),
+  in the order of `tf.nest.flatten(model.inputs)`; a placed model answers
+  for the model it was made from (`unsplit_input_dtypes`). `()` if
+  unknown (a subclassed model)."""
+  dtypes = getattr(model, "unsplit_input_dtypes", None)
+  if dtypes:
+    return tuple(dtypes)
+  try:
+    inputs = model.inputs
+  except (AttributeError, ValueError):  # Subclassed: no symbolic inputs.
+    return ()
+  return tuple(keras.backend.standardize_dtype(t.dtype)
+               for t in tf.nest.flatten(inputs or []))
+
+
 def _producer(tensor: keras.KerasTensor):
   # Keras 3 has no public graph-walking API (see `_compat.producer_node`).
   return _compat.producer_node(tensor)

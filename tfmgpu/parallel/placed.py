@@ -26,6 +26,7 @@ from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import optimizers as optimizers_lib
+from tfmgpu.training import string_inputs
 
 LossFn = Callable[[Any, Any], tf.Tensor]
 
@@ -177,6 +178,22 @@ class PerDeviceGradientModel(keras.Model):
       # Build now, eagerly: built lazily inside the traced step, Keras would
       # create every slot on the default device instead of beside its variable.
       self.build_optimizer(self.optimizer)
+
+  def fit(self, x: Any = None, *args, **kwargs) -> Any:
+    """`keras.Model.fit`, strings the model does not take refused first
+    (`tfmgpu.training.string_inputs`)."""
+    string_inputs.check(self, x)
+    return super().fit(x, *args, **kwargs)
+
+  def evaluate(self, x: Any = None, *args, **kwargs) -> Any:
+    """`keras.Model.evaluate`, strings refused first (as `fit`)."""
+    string_inputs.check(self, x)
+    return super().evaluate(x, *args, **kwargs)
+
+  def predict(self, x: Any, *args, **kwargs) -> Any:
+    """`keras.Model.predict`, strings refused first (as `fit`)."""
+    string_inputs.check(self, x)
+    return super().predict(x, *args, **kwargs)
 
   def save(self, filepath: Any, *args, **kwargs) -> Any:
     """Saves the unsplit model (`to_unsplit()`), which any layout, or

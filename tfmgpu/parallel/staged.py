@@ -209,6 +209,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
     # The unsplit model's output names key per-output losses and metrics.
     self.unsplit_output_names = graph_lib.output_names(source)
     self.unsplit_output_shapes = graph_lib.output_shapes(source)
+    self.unsplit_input_dtypes = graph_lib.input_dtypes(source)
     self.load_from(model)
     self.built = True
 

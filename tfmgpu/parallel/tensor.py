@@ -306,6 +306,7 @@ class TensorParallelModel(cloning.UnsplitWeights,
     # The unsplit model's output names (a dict's keys) key per-output losses.
     self.unsplit_output_names = graph_lib.output_names(model)
     self.unsplit_output_shapes = graph_lib.output_shapes(model)
+    self.unsplit_input_dtypes = graph_lib.input_dtypes(model)
     self.built = True
 
   def call(self, inputs, training=None):

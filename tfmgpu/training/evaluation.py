@@ -25,6 +25,7 @@ from tfmgpu.training import objectives
 from tfmgpu.training import replica_state
 from tfmgpu.training import resident
 from tfmgpu.training import step as step_lib
+from tfmgpu.training import string_inputs
 
 # TF warns about its own `options()` call when a `tf.function` iterates a
 # distributed dataset; nothing for the user to do.
@@ -67,6 +68,7 @@ class Evaluator:
       raise ValueError("The dataset to evaluate is infinite (it repeats): "
                        "evaluation reads every batch once. Give it without "
                        ".repeat() (validation_data likewise).")
+    string_inputs.check_source(self.model, source)
     replica_state.agree(self.model)  # Every replica evaluates as it saves.
     held = self._held_batches(source, global_batch_size, keep)
     if held is not None:

@@ -24,6 +24,7 @@ from tfmgpu.training import inputs
 from tfmgpu.training import objectives
 from tfmgpu.training import runners
 from tfmgpu.training import step as step_lib
+from tfmgpu.training import string_inputs
 from tfmgpu.training.controller import StepRunner
 from tfmgpu.training.trainer_options import TrainerOptions
 
@@ -50,7 +51,9 @@ class SyncExecution:
   def plan(self, source: inputs.InputData, *, epochs: int,
            global_batch_size: int | None,
            steps_per_epoch: int | None) -> feeds.InputPlan:
-    """The checked sizes and the feed of one `fit`."""
+    """The checked sizes and the feed of one `fit` (strings the model
+    does not take refused first)."""
+    string_inputs.check_source(self.model, source)
     return feeds.plan_input(
         source, self.strategy, input_mode=self.options.input_mode,
         epochs=epochs, global_batch_size=global_batch_size,
