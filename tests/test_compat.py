@@ -29,7 +29,8 @@ PRIVATE = re.compile(
         "_compile_loss", "_loss_tracker", "_num_workers",
         "_in_multi_worker_mode", "_context_handle", "_distribution_strategy",
         "_learning_rate", "_all_reduce_sum_gradients", "_get_variable_index",
-        "_momentums", "_velocities", "keras_masking", "global_state")) + r")\b")
+        "_momentums", "_velocities", "keras_masking", "global_state",
+        "_seed_generators")) + r")\b")
 
 
 def test_no_private_keras_or_tf_use_outside_compat():
@@ -189,6 +190,14 @@ def test_flatten_layers_finds_nested_layers():
                             keras.layers.Dense(1, name="out")])
   names = [l.name for l in _compat.flatten_layers(outer)]
   assert {"in", "out", inner.name} <= set(names)
+
+
+def test_own_seed_generators_are_a_layers_own():
+  drop = keras.layers.Dropout(0.5, seed=3, name="drop")
+  model = keras.Sequential([keras.Input((2,)), drop])
+  assert [g.state.path for g in _compat.own_seed_generators(drop)] == [
+      drop.seed_generator.state.path]
+  assert not _compat.own_seed_generators(model)
 
 
 def test_no_deferred_initialization_forgets_deferred_variables():

@@ -193,6 +193,12 @@ def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
   return list(layer._flatten_layers())  # pylint: disable=protected-access
 
 
+def own_seed_generators(layer: keras.layers.Layer) -> list[Any]:
+  """The Keras `SeedGenerator`s `layer` itself holds (a `Dropout`'s), not
+  those of its nested layers; each keeps its state in `.state`."""
+  return list(layer._seed_generators)  # pylint: disable=protected-access
+
+
 def replace_tracked_variable(layer: keras.layers.Layer, old: Any,
                              new: Any) -> None:
   """Makes `layer`'s own variable stores hold `new` where they held `old`.

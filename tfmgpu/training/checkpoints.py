@@ -1,7 +1,9 @@
 """Checkpoints: save every epoch (and on preemption), resume, chief-only writes.
 
-A checkpoint holds the model, the optimizer and the training position: the
-epochs completed, the steps done in the next epoch, and the global step.
+A checkpoint holds the model, the optimizer, the state of the model's
+random-number generators (`seed_states`: Dropout's masks) and the training
+position: the epochs completed, the steps done in the next epoch, and the
+global step.
 Every save takes a number never used before in the directory: `ckpt-N` for
 the end of epoch N or a preemption during epoch N when N is free, otherwise
 the next free number (a run preempted during epoch 3 saves `ckpt-3`; the
@@ -62,6 +64,7 @@ from tfmgpu import _compat
 from tfmgpu import files
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import portable
+from tfmgpu.training import seed_states
 from tfmgpu.training import slot_order
 
 # Exit code of `python -m tfmgpu.train` when SIGTERM stopped training after a
@@ -251,8 +254,13 @@ class Checkpointer:
     self._model = model  # Its variables' order: `slot_order`.
     self._objects = dict(model=model, optimizer=optimizer, epoch=self.epoch,
                          epoch_step=self.epoch_step, step=self.step)
-    self._has_view = bool(view)
-    self.checkpoint = tf.train.Checkpoint(**self._objects, **view)
+    self._view, self._has_view = view, bool(view)
+    # Dropout's random state (Keras seed generators), by layer name: without
+    # it a resumed run replays the masks of the first steps.
+    seeds = seed_states.SeedStates(model)
+    self._seeds = {seed_states.KEY: seeds} if seeds else {}
+    self.checkpoint = tf.train.Checkpoint(**self._objects, **view,
+                                          **self._seeds)
     # Saves counted as `tf.train.CheckpointManager` did, so that checkpoints
     # of either kind restore with every object matched.
     self._saves = self.checkpoint.save_counter
@@ -325,15 +333,37 @@ class Checkpointer:
   def _read(self, path: str):
     """Restores checkpoint `path`; returns the restore's status.
 
-    A checkpoint without the portable view (saved before tfmgpu wrote one)
-    is read without it, so that every object it holds is still matched.
+    A checkpoint without the portable view (saved before tfmgpu wrote one),
+    or without some layers' seed states (saved by an older tfmgpu, or by a
+    layout without them) is read without them, so that every object it
+    holds is still matched; the seed states it lacks stay as they are.
     """
-    if not self._has_view or portable.has_view(path):
+    names = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    view = self._has_view and portable.has_view(path)
+    seeds = self._seeds_held(path, seed_states.held_in(names))
+    if view == self._has_view and seeds is self._seeds:
       return self.checkpoint.restore(path)
-    plain = tf.train.Checkpoint(**self._objects)
-    status = plain.restore(path)
-    self._saves.assign(plain.save_counter)
+    partial = tf.train.Checkpoint(**self._objects, **seeds,
+                                  **(self._view if view else {}))
+    status = partial.restore(path)
+    self._saves.assign(partial.save_counter)
     return status
+
+  def _seeds_held(self, path: str, held: set[str]) -> dict[str, object]:
+    """`self._seeds`, or the part of it checkpoint `path` holds (`held`:
+    layer names), saying which layers keep their current seed state."""
+    if not self._seeds:
+      return self._seeds
+    ours = self._seeds[seed_states.KEY].layer_names
+    if held.issuperset(ours):
+      return self._seeds
+    logging.info(
+        "%s holds no seed state of layers %s (saved by an older tfmgpu, or "
+        "by another model): their random masks (Dropout) continue from the "
+        "model's current state, not from where the saved run left them.",
+        path, ", ".join(sorted(set(ours) - held)))
+    part = seed_states.SeedStates(self._model, only=held)
+    return {seed_states.KEY: part} if part else {}
 
   def _moved_error(self) -> Exception | None:
     """The error of a resume in a layout whose variables the checkpoints'
