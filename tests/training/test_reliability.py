@@ -169,6 +169,42 @@ def test_checkpoint_every_steps_saves_mid_epoch_and_a_kill_resumes_exactly(
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_callback_stopping_mid_epoch_saves_where_it_stopped(
+    digits, tmp_path, caplog):
+  """A callback's `stop_training` after step 2 of epoch 2 saved the
+  checkpoint as the end of epoch 2: the rerun skipped the rest of it (20
+  steps instead of 24 in the trial, weights 0.046 off)."""
+  whole = make_trainer(tmp_path / "whole")
+  whole.fit(*digits, **FIT)
+
+  run_dir = tmp_path / "run"
+  stopped = make_trainer(run_dir, callbacks=[_StopAfter(8)])
+  caplog.set_level("INFO")
+  result = stopped.fit(*digits, **FIT)
+  assert result.steps == 8
+  assert "A callback stopped training in epoch 2, after step 2 of 6; a " \
+         "rerun resumes there." in caplog.text
+  assert _position(str(run_dir / "checkpoints" / "ckpt-2")) == [1, 2, 8]
+  resumed = make_trainer(run_dir)
+  result = resumed.fit(*digits, **FIT)
+  assert (result.initial_epoch, result.initial_step, result.steps) == (1, 8, 4)
+  for a, b in zip(resumed.model.get_weights(), whole.model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
+class _StopAfter(keras.callbacks.Callback):
+  """Sets `model.stop_training` after global step `step` (1-based)."""
+
+  def __init__(self, step):
+    super().__init__()
+    self.step, self.done = step, 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.done += 1
+    if self.done == self.step:
+      self.model.stop_training = True
+
+
 def test_checkpoint_every_s_saves_on_the_clock(digits, tmp_path, monkeypatch):
   now = [0.0]
 

@@ -289,15 +289,21 @@ class Controller:
     for epoch in range(initial_epoch, epochs):
       callbacks.on_epoch_begin(epoch)
       first = progress.epoch_step if epoch == initial_epoch else 0
-      logs = self._run_epoch(epoch, epochs, first, steps_per_epoch, callbacks)
-      self._finish_epoch(epoch, epochs, logs, callbacks)
+      logs, done = self._run_epoch(epoch, epochs, first, steps_per_epoch,
+                                   callbacks)
+      # A callback's stop mid-epoch saves where it stopped (the epoch not
+      # done), so that a rerun trains the rest of it.
+      at = (epoch + 1, 0) if done >= steps_per_epoch else (epoch, done)
+      self._finish_epoch(epoch, epochs, logs, callbacks, at)
       # Also after the last epoch: "saving a checkpoint ..., then stopping"
       # was logged, so the run stops (42) rather than going on to evaluate.
       if watcher and watcher.stop_requested():
-        self._preempt(epoch + 1, 0, steps_per_epoch, self.last_checkpoint,
-                      last=epoch + 1 >= epochs)
+        self._preempt(*at, steps_per_epoch, self.last_checkpoint,
+                      last=epoch + 1 >= epochs and not at[1])
       if self._callback_stopped():
-        logging.info("A callback stopped training in epoch %d.", epoch + 1)
+        logging.info("A callback stopped training in epoch %d%s.", epoch + 1,
+                     f", after step {done} of {steps_per_epoch}; a rerun "
+                     "resumes there" if at[1] else "")
         break
     if self.o.optimizer is not None and self.total_steps:
       self.o.optimizer.finalize_variable_values(
@@ -324,8 +330,10 @@ class Controller:
           "steps_per_epoch and global_batch_size of the run that wrote it.")
 
   def _run_epoch(self, epoch: int, epochs: int, first: int,
-                 steps_per_epoch: int, callbacks) -> dict[str, float]:
-    """The steps of one epoch; returns its running loss and metrics."""
+                 steps_per_epoch: int, callbacks
+                 ) -> tuple[dict[str, float], int]:
+    """The steps of one epoch; returns its running loss and metrics, and
+    the steps of it done (fewer when a callback stopped training)."""
     self.runner.start_epoch(epoch, first)
     bar = (progress_lib.EpochProgress(epoch + 1, epochs, steps_per_epoch)
            if self.o.verbose else None)
@@ -356,7 +364,7 @@ class Controller:
         self._mid_epoch_saves(epoch, done, steps_per_epoch)
     if bar is not None:
       bar.end()
-    return self._logs(total) if total.steps else {}
+    return (self._logs(total) if total.steps else {}), done
 
   def _run_steps(self, done: int, limit: int) -> StepSums:
     """The runner's next call; TF's errors of a batch the user can fix
@@ -457,8 +465,11 @@ class Controller:
         last=last)
 
   def _finish_epoch(self, epoch: int, epochs: int, logs: dict[str, float],
-                    callbacks) -> None:
-    """Validation, summaries, checkpoint, callbacks and history of an epoch."""
+                    callbacks, at: tuple[int, int]) -> None:
+    """Validation, summaries, checkpoint, callbacks and history of an epoch.
+
+    `at`: the position to save, `(epochs done, steps done in the next)`.
+    """
     epoch_logs = dict(logs)
     if self.o.validate is not None:
       epoch_logs.update(self.o.validate())
@@ -468,7 +479,7 @@ class Controller:
         for k, v in epoch_logs.items():
           tf.summary.scalar(f"epoch/{k}", v)
     if self.o.checkpointer is not None:
-      self.last_checkpoint = self._save(epoch + 1)
+      self.last_checkpoint = self._save(*at)
     if not self.o.verbose:
       logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
           f"{k}={v:.4g}" for k, v in epoch_logs.items()))
