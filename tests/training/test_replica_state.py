@@ -52,3 +52,63 @@ def test_replicas_serve_the_first_replicas_batchnorm_statistics(trained_by):
   np.testing.assert_array_equal(first, second)
   assert replica_state.diverging(model)  # The statistics, by their kind.
   assert not replica_state.diverging(saved)  # Not mirrored.
+
+
+def _hybrid(devices):
+  """`_bn_model` with named layers (checkpoints' portable view keys them),
+  as 2 data copies of 2 stages."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((6,))
+  hidden = keras.layers.BatchNormalization(name="bn")(
+      keras.layers.Dense(16, name="d1")(inputs))
+  model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(
+      keras.layers.Activation("relu", name="relu")(hidden)))
+  return hybrid.build_layout(model, hybrid.Layout(
+      data=2, stages=2, micro_batches=1), devices=devices)
+
+
+class _Killed(BaseException):
+  """Stands for SIGKILL: nothing after it runs."""
+
+
+class _KillAt(keras.callbacks.Callback):
+  def __init__(self, step):
+    super().__init__()
+    self.step, self.done = step, 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.done += 1
+    if self.done == self.step:
+      raise _Killed(self.step)
+
+
+def test_data_copies_of_a_placed_model_serve_the_first_copys_statistics(
+    cpu_devices, tmp_path):
+  """A hybrid (data 2 x stages 2) model's copies kept their own BatchNorm
+  statistics: predict and evaluate served half of each batch with the
+  second copy's (0.05 off `to_unsplit()`), and a resume (whose checkpoint
+  gives every copy the first's) ended elsewhere than an uninterrupted run.
+  """
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 6)).astype("float32")
+  x[32:] += 1.0  # The copies' halves differ.
+  y = rng.integers(0, 3, 64)
+  fit = dict(epochs=2, global_batch_size=16, steps_per_epoch=4, shuffle=False)
+
+  def trainer(model, model_dir, **kwargs):
+    return Trainer(model, optimizer="sgd", learning_rate=0.05, verbose=0,
+                   model_dir=str(model_dir), steps_per_execution=1, **kwargs)
+
+  whole = _hybrid(cpu_devices)
+  trainer(whole, tmp_path / "whole").fit(x, y, **fit)
+  unsplit = whole.to_unsplit()
+  np.testing.assert_array_equal(tfmgpu.predict(whole, x, batch_size=16),
+                                unsplit.predict(x, verbose=0))
+  with pytest.raises(_Killed):  # Mid-epoch 2, after the epoch-1 checkpoint.
+    trainer(_hybrid(cpu_devices), tmp_path / "run",
+            callbacks=[_KillAt(6)]).fit(x, y, **fit)
+  resumed = _hybrid(cpu_devices)
+  trainer(resumed, tmp_path / "run").fit(x, y, **fit)
+  for a, b in zip(resumed.variables, whole.variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)

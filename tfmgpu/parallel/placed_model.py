@@ -53,6 +53,17 @@ class UnsplitForm(Protocol):
     """Copies an unsplit model's weights into this one."""
 
 
+@runtime_checkable
+class DataCopies(Protocol):
+  """A placed model holding data-parallel copies of each weight."""
+
+  def agree_copies(self) -> int:
+    """Sets every copy's non-trainable state (BatchNorm's moving
+    statistics, which each copy updates from its own rows) to the first
+    copy's, the values `to_unsplit` and checkpoints give; returns how many
+    variables it set."""
+
+
 def is_placed(model: Any) -> bool:
   """Whether `model` is a placed model (`PlacedModel`) that says so."""
   return isinstance(model, PlacedModel) and model.places_itself is True
@@ -74,3 +85,10 @@ def data_copies(model: Any) -> int:
   `ReplicatedModel`'s `data_parallel` (each copy's variables are its own,
   updated with the same summed gradients), else 1."""
   return int(getattr(model, "data_parallel", 1) or 1) if is_placed(model) else 1
+
+
+def agree_copies(model: Any) -> int:
+  """`model.agree_copies()` for a placed model with data copies
+  (`DataCopies`), so that every copy serves as the model saves; else 0."""
+  return (model.agree_copies()
+          if is_placed(model) and isinstance(model, DataCopies) else 0)

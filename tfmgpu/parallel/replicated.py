@@ -318,6 +318,25 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
     """The unsplit model holding the weights (see the copies' `to_unsplit`)."""
     return self.replicas[0].to_unsplit(**kwargs)
 
+  def agree_copies(self) -> int:
+    """Sets every copy's non-trainable weights to the first copy's.
+
+    Each copy updates its BatchNorm moving statistics from its own slice of
+    the batch, so after training they differ; `to_unsplit`, `model.save`
+    and checkpoints give the first copy's, while `predict` and `evaluate`
+    served each slice with its copy's own (0.05 off `to_unsplit()` in a
+    trial). Training is unchanged: a copy's moving statistics never enter
+    its gradients. Returns how many variables it set.
+    """
+    first = self.replicas[0].non_trainable_weights
+    count = 0
+    for replica in self.replicas[1:]:
+      for mine, theirs in zip(replica.non_trainable_weights, first):
+        if mine is not theirs:
+          mine.assign(theirs.value)
+          count += 1
+    return count
+
   def weighted_layers(self) -> dict[str, Any]:
     """`{name: layer}`, each layer's weights in unsplit form: read from the
     first copy, written into every copy (the copies stay equal)."""

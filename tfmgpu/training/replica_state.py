@@ -11,7 +11,10 @@ replica's own, so rows served by replica 1 disagreed with the saved model
 changed the predictions. Keras `fit` + `predict` do the same.
 
 `agree` sets every replica's copy to the first replica's: the model then
-predicts everywhere as it saves. Training is unchanged (a replica's own
+predicts everywhere as it saves. A placed model's data-parallel copies
+(`ReplicatedModel`: data copies x stages) keep such statistics per copy
+too; `agree` sets them to the first copy's likewise, through the placed
+model's contract (`placed_model.agree_copies`). Training is unchanged (a replica's own
 statistics never enter its gradients, and the first replica's never see
 the others), so weights stay equal to Keras'. Across workers each
 worker's first replica is kept (workers' copies are not exchanged).
@@ -22,6 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import tensorflow as tf
+
+from tfmgpu.parallel import placed_model
 
 
 def diverging(model: Any) -> list[tf.Variable]:
@@ -42,9 +47,10 @@ def diverging(model: Any) -> list[tf.Variable]:
 
 def agree(model: Any) -> int:
   """Sets each replica's copy of `model`'s diverging weights (`diverging`)
-  to the first replica's, the value `get_weights` and `model.save` give.
-  Returns how many weights it set."""
+  to the first replica's, the value `get_weights` and `model.save` give,
+  and a placed model's data copies' non-trainable weights to the first
+  copy's. Returns how many weights it set."""
   found = diverging(model)
   for value in found:
     value.assign(value.values[0].read_value())  # Cross-replica: every copy.
-  return len(found)
+  return len(found) + placed_model.agree_copies(model)
