@@ -301,11 +301,23 @@ def test_a_placed_models_checkpoint_from_before_the_portable_view_resumes(
       optimizer=optimizer)
   assert checkpointer.restore_latest() == 1
   assert checkpointer.progress.step == 5
+  assert checkpointer.epoch_sums == ""  # Nor the epoch's sums then.
   assert portable.has_view(checkpointer.save(2, step=6))
   again = checkpoints.Checkpointer(
       str(tmp_path), tf.distribute.get_strategy(), model=split,
       optimizer=optimizer)
   assert again.restore_latest() == 2
+
+
+def test_the_epochs_sums_round_trip_and_an_epoch_end_holds_none(tmp_path):
+  saver = _checkpointer(tmp_path, seed=1)
+  saver.save(0, step=2, epoch_step=2, epoch_sums='{"steps": 2}')
+  restored = _checkpointer(tmp_path)
+  restored.restore_latest()
+  assert restored.epoch_sums == '{"steps": 2}'
+  saver.save(1, step=4)
+  restored.restore_latest()
+  assert restored.epoch_sums == ""
 
 
 def test_a_relative_model_dir_names_each_checkpoint_once(

@@ -169,6 +169,23 @@ def test_checkpoint_every_steps_saves_mid_epoch_and_a_kill_resumes_exactly(
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_resumed_epoch_reports_the_loss_and_metrics_of_all_its_steps(
+    digits, tmp_path):
+  """The epoch resumed at step 2 reported the mean of its steps 3..6 only
+  (2.2770 / 0.164 against 2.2397 / 0.148 in the trial): the mid-epoch
+  checkpoint now holds the epoch's running sums."""
+  whole = make_trainer(tmp_path / "whole").fit(*digits, **FIT)
+  run_dir = tmp_path / "run"
+  with pytest.raises(_Killed):
+    make_trainer(run_dir, checkpoint_every_steps=4,
+                 callbacks=[KillAt(9, FIT["steps_per_epoch"])]).fit(
+                     *digits, **FIT)
+  result = make_trainer(run_dir).fit(*digits, **FIT)
+  assert (result.initial_epoch, result.initial_step) == (1, 8)
+  assert result.history["loss"] == whole.history["loss"][1:]
+  assert result.history["accuracy"] == whole.history["accuracy"][1:]
+
+
 def test_a_callback_stopping_mid_epoch_saves_where_it_stopped(
     digits, tmp_path, caplog):
   """A callback's `stop_training` after step 2 of epoch 2 saved the

@@ -125,6 +125,7 @@ class UnreadableCheckpointError(RuntimeError):
     self.reasons = tuple(reasons)
 
 
+_SUMS = "epoch_sums"  # The epoch's running sums in a checkpoint.
 _STATE = "checkpoint"  # TF's state file: which checkpoints a directory holds.
 _FILE = re.compile(r"^ckpt-(\d+)(?:\.|_temp)")  # A checkpoint's file or temp.
 
@@ -247,6 +248,10 @@ class Checkpointer:
     self.epoch_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                   name="epoch_step")
     self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    # The epoch's loss and metric sums so far (mid-epoch; the controller's
+    # `StepSums.to_text`), so that a resumed epoch reports all its steps.
+    self._epoch_sums = tf.Variable("", dtype=tf.string, trainable=False,
+                                   name="epoch_sums")
     # A placed model's weights are also saved by layer name in unsplit form,
     # so the checkpoint restores into any layout (`portable`).
     view = ({portable.VIEW: portable.PortableView(model)}
@@ -259,8 +264,9 @@ class Checkpointer:
     # it a resumed run replays the masks of the first steps.
     seeds = seed_states.SeedStates(model)
     self._seeds = {seed_states.KEY: seeds} if seeds else {}
+    self._sums = {_SUMS: self._epoch_sums}
     self.checkpoint = tf.train.Checkpoint(**self._objects, **view,
-                                          **self._seeds)
+                                          **self._seeds, **self._sums)
     # Saves counted as `tf.train.CheckpointManager` did, so that checkpoints
     # of either kind restore with every object matched.
     self._saves = self.checkpoint.save_counter
@@ -275,6 +281,12 @@ class Checkpointer:
     file names.
     """
     return self._latest or tf.train.latest_checkpoint(self.chief_directory)
+
+  @property
+  def epoch_sums(self) -> str:
+    """The running sums of the epoch saved mid-epoch (`""` at an epoch's
+    end, or in a checkpoint of an older tfmgpu)."""
+    return self._epoch_sums.numpy().decode("utf-8")
 
   @property
   def progress(self) -> Progress:
@@ -334,16 +346,19 @@ class Checkpointer:
     """Restores checkpoint `path`; returns the restore's status.
 
     A checkpoint without the portable view (saved before tfmgpu wrote one),
-    or without some layers' seed states (saved by an older tfmgpu, or by a
-    layout without them) is read without them, so that every object it
-    holds is still matched; the seed states it lacks stay as they are.
+    without some layers' seed states (saved by an older tfmgpu, or by a
+    layout without them) or without the epoch's sums (an older tfmgpu) is
+    read without them, so that every object it holds is still matched; the
+    seed states it lacks stay as they are.
     """
     names = tf.train.load_checkpoint(path).get_variable_to_shape_map()
     view = self._has_view and portable.has_view(path)
     seeds = self._seeds_held(path, seed_states.held_in(names))
-    if view == self._has_view and seeds is self._seeds:
+    sums = self._sums if f"{_SUMS}/.ATTRIBUTES/VARIABLE_VALUE" in names else {}
+    self._epoch_sums.assign("")
+    if view == self._has_view and seeds is self._seeds and sums:
       return self.checkpoint.restore(path)
-    partial = tf.train.Checkpoint(**self._objects, **seeds,
+    partial = tf.train.Checkpoint(**self._objects, **seeds, **sums,
                                   **(self._view if view else {}))
     status = partial.restore(path)
     self._saves.assign(partial.save_counter)
@@ -395,7 +410,7 @@ class Checkpointer:
         "it aside to start a new run.", skipped)
 
   def save(self, epoch: int, *, step: int | None = None,
-           epoch_step: int = 0) -> str:
+           epoch_step: int = 0, epoch_sums: str = "") -> str:
     """Saves the position under a new number; returns the path.
 
     The path is the chief's, or a temporary one on other workers. The files
@@ -408,9 +423,12 @@ class Checkpointer:
         `0` at an epoch end. The number is that of the epoch the save belongs
         to (`epoch`, or `epoch + 1` mid-epoch) unless a save already used it
         or a higher one; then the next free one.
+      epoch_sums: the loss and metric sums of those `epoch_step` steps
+        (opaque text, read back as `epoch_sums`).
     """
     self.epoch.assign(epoch)
     self.epoch_step.assign(epoch_step)
+    self._epoch_sums.assign(epoch_sums)
     if step is not None:
       self.step.assign(step)
     if self._last_number is None:

@@ -13,6 +13,7 @@ once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -22,6 +23,7 @@ from typing import Any, Callable, Protocol
 
 from absl import logging
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmgpu import rundir
@@ -91,6 +93,24 @@ class StepSums:
     if self.count:
       return self.loss_rows / self.count
     return self.loss / max(self.steps, 1)
+
+  def to_text(self) -> str:
+    """The sums as JSON, exactly (floats as Python writes them, each
+    metric state with its dtype and shape): saved in mid-epoch checkpoints
+    so that a resumed epoch reports all its steps."""
+    metrics = {k: [str(np.asarray(v).dtype), np.asarray(v).tolist()]
+               for k, v in self.metrics.items()}
+    return json.dumps(dict(steps=self.steps, loss=self.loss,
+                           count=self.count, loss_rows=self.loss_rows,
+                           non_finite=self.non_finite, metrics=metrics))
+
+  @classmethod
+  def from_text(cls, text: str) -> "StepSums":
+    """The sums `to_text` wrote."""
+    saved = json.loads(text)
+    saved["metrics"] = {k: np.asarray(v, dtype=dtype)
+                        for k, (dtype, v) in saved["metrics"].items()}
+    return cls(**saved)
 
   def __add__(self, other: "StepSums") -> "StepSums":
     keys = set(self.metrics) | set(other.metrics)
@@ -258,6 +278,8 @@ class Controller:
     self.last_checkpoint: str | None = None
     self.watcher: preemption_lib.PreemptionWatcher | None = None
     self._saved_at = (0, time.monotonic())  # Global step and time of a save.
+    # The running sums of the epoch (saved with a mid-epoch checkpoint).
+    self._epoch_sums = StepSums(steps=0, loss=0.0, count=0.0)
 
   def run(self, *, epochs: int, steps_per_epoch: int,
           watcher: preemption_lib.PreemptionWatcher | None = None
@@ -338,7 +360,7 @@ class Controller:
     bar = (progress_lib.EpochProgress(epoch + 1, epochs, steps_per_epoch)
            if self.o.verbose else None)
     per_call = bar is not None or bool(self.o.callbacks)
-    done, total = first, StepSums(steps=0, loss=0.0, count=0.0)
+    done, total = first, self._resumed_sums(first, steps_per_epoch)
     while done < steps_per_epoch:
       if per_call:
         callbacks.on_train_batch_begin(done)
@@ -347,7 +369,7 @@ class Controller:
       elapsed = time.perf_counter() - start
       self._check_finite(sums, epoch)
       self.clock.add(int(sums.count), elapsed, sums.steps)
-      total = total + sums
+      total = self._epoch_sums = total + sums
       done += sums.steps
       self.total_steps += sums.steps
       self.global_step += sums.steps
@@ -365,6 +387,22 @@ class Controller:
     if bar is not None:
       bar.end()
     return (self._logs(total) if total.steps else {}), done
+
+  def _resumed_sums(self, first: int, steps_per_epoch: int) -> StepSums:
+    """The sums of the epoch's first `first` steps, saved with the
+    checkpoint it resumes from (none at an epoch's start)."""
+    self._epoch_sums = StepSums(steps=0, loss=0.0, count=0.0)
+    if not first:
+      return self._epoch_sums
+    text = self.o.checkpointer.epoch_sums if self.o.checkpointer else ""
+    saved = StepSums.from_text(text) if text else None
+    if saved is not None and saved.steps == first:
+      self._epoch_sums = saved
+    else:  # A checkpoint of an older tfmgpu.
+      logging.info("The checkpoint holds no loss or metric sums of the "
+                   "epoch's first %d steps: this epoch's figures cover its "
+                   "steps %d..%d only.", first, first + 1, steps_per_epoch)
+    return self._epoch_sums
 
   def _run_steps(self, done: int, limit: int) -> StepSums:
     """The runner's next call; TF's errors of a batch the user can fix
@@ -404,8 +442,9 @@ class Controller:
 
   def _save(self, epoch: int, epoch_step: int = 0) -> str:
     """Saves the position: `epoch` epochs and `epoch_step` steps done."""
-    path = self.o.checkpointer.save(epoch, step=self.global_step,
-                                    epoch_step=epoch_step)
+    path = self.o.checkpointer.save(
+        epoch, step=self.global_step, epoch_step=epoch_step,
+        epoch_sums=self._epoch_sums.to_text() if epoch_step else "")
     self._saved_at = (self.global_step, time.monotonic())
     return path
 
