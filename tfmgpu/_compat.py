@@ -492,6 +492,24 @@ def trackable_children(obj: Any, save_type: str = "checkpoint",
   return obj._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
 
 
+def optimizer_checkpoint_keys(optimizer: keras.optimizers.Optimizer,
+                              prefix: str = "optimizer"
+                              ) -> dict[str, tuple[tuple[int, ...], str]]:
+  """`{checkpoint key: (shape, path)}` of what a Keras optimizer saved as
+  `prefix` writes: the variables it was built for (the model's trainable
+  ones) and its own (iterations, learning rate, slots), by position."""
+  own = {id(optimizer.iterations), id(learning_rate_variable(optimizer))}
+  keys = {}
+  for attribute, variables in (
+      ("_trainable_variables", optimizer._trainable_variables),  # pylint: disable=protected-access
+      ("_variables", optimizer._variables)):  # pylint: disable=protected-access
+    for i, v in enumerate(variables):
+      if id(v) not in own:  # Saved under their own names.
+        keys[f"{prefix}/{attribute}/{i}/.ATTRIBUTES/VARIABLE_VALUE"] = (
+            tuple(v.shape), str(getattr(v, "path", v.name)))
+  return keys
+
+
 def variable_index(optimizer: keras.optimizers.Optimizer, variable: Any
                    ) -> int:
   """The index of `variable` in the optimizer's slot lists."""

@@ -320,6 +320,36 @@ def test_the_epochs_sums_round_trip_and_an_epoch_end_holds_none(tmp_path):
   assert restored.epoch_sums == ""
 
 
+def _named(model_dir, units, optimizer):
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+      units, name="h"), keras.layers.Dense(2, name="out")])
+  optimizer.build(model.trainable_variables)
+  return checkpoints.Checkpointer(
+      str(model_dir), tf.distribute.get_strategy(), model=model,
+      optimizer=optimizer)
+
+
+@pytest.mark.parametrize("units,optimizer,differs", [
+    (4, lambda: keras.optimizers.SGD(momentum=0.9),
+     r"'sgd\w*/\w*h_bias_momentum' is \(4,\) here, \(3, 4\) there"),
+    (5, keras.optimizers.Adam,
+     r"'\w+/h/kernel' is \(3, 5\) here, \(3, 4\) there"),
+])
+def test_checkpoints_of_another_optimizer_or_model_are_said_to_be_so(
+    tmp_path, units, optimizer, differs):
+  """Resumed with SGD over an Adam run (or a wider model) it said "No
+  checkpoint reads back ... restore the directory from a copy", as if the
+  files were damaged."""
+  _named(tmp_path, 4, keras.optimizers.Adam()).save(1, step=3)
+  with pytest.raises(checkpoints.OtherRunCheckpointError, match=(
+      r"are of another model or optimizer than this run's: ckpt-1 reads "
+      r"back whole, but its variables do not match \(" + differs
+      + r".*give another model_dir to start a new run \(the checkpoints "
+      r"are left as they are\)")):
+    _named(tmp_path, units, optimizer()).restore_latest()
+  assert _saved_numbers(tmp_path) == [1]
+
+
 def test_a_relative_model_dir_names_each_checkpoint_once(
     tmp_path, monkeypatch, caplog):
   """Issue 29 item 7: TF joins the state file's names to the directory

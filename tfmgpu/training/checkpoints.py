@@ -63,6 +63,7 @@ import tensorflow as tf
 from tfmgpu import _compat
 from tfmgpu import files
 from tfmgpu.parallel import placed_model
+from tfmgpu.training import checkpoint_match
 from tfmgpu.training import portable
 from tfmgpu.training import seed_states
 from tfmgpu.training import slot_order
@@ -123,6 +124,11 @@ class UnreadableCheckpointError(RuntimeError):
   def __init__(self, message: str, reasons: Sequence[str] = ()):
     super().__init__(message)
     self.reasons = tuple(reasons)
+
+
+class OtherRunCheckpointError(UnreadableCheckpointError):
+  """The checkpoints read back whole but hold another model's weights or
+  another optimizer's variables (`checkpoint_match`)."""
 
 
 _SUMS = "epoch_sums"  # The epoch's running sums in a checkpoint.
@@ -334,7 +340,8 @@ class Checkpointer:
       try:
         status.assert_existing_objects_matched()
       except AssertionError as e:
-        raise self._moved_error() or e
+        raise self._moved_error() or self._other_run_error(
+            path, str(e).splitlines()[0]) from e
       _keep_learning_rate(optimizer, given, path)
       self._latest = path
       logging.info("Resumed from %s: %s.", path, _position(self.progress))
@@ -398,6 +405,10 @@ class Checkpointer:
       raise moved
     files = sorted(f for f in os.listdir(self.chief_directory)
                    if _FILE.match(f))
+    newest = next((p for p in self.candidates()
+                   if os.path.exists(p + ".index")), None)
+    if newest and checkpoint_match.reads_back_whole(newest):
+      raise self._other_run_error(newest, skipped[0].split(" (", 1)[-1][:-1])
     if not files:
       logging.warning("The state file in %s names %s, but no checkpoint file "
                       "exists: starting from scratch.", self.chief_directory,
@@ -408,6 +419,20 @@ class Checkpointer:
         f"{'; '.join(skipped)} (files: {', '.join(files)}). Not training "
         "from scratch over them: restore the directory from a copy, or move "
         "it aside to start a new run.", skipped)
+
+  def _other_run_error(self, path: str, why: str
+                       ) -> "OtherRunCheckpointError":
+    """The error of checkpoints that read back whole but do not restore
+    into this run's model or optimizer, naming what differs."""
+    found = checkpoint_match.differences(path, self.checkpoint.optimizer)
+    return OtherRunCheckpointError(
+        f"The checkpoints in {self.chief_directory} are of another model or "
+        f"optimizer than this run's: {os.path.basename(path)} reads back "
+        "whole, but its variables do not match"
+        + (f" ({'; '.join(found)})" if found else "") + f". TF: {why} Resume "
+        "with the model and optimizer that wrote them, or give another "
+        "model_dir to start a new run (the checkpoints are left as they "
+        "are).", [f"{os.path.basename(path)} ({why})"])
 
   def save(self, epoch: int, *, step: int | None = None,
            epoch_step: int = 0, epoch_sums: str = "") -> str:
