@@ -281,6 +281,26 @@ def test_the_nan_message_names_the_checkpoint_state_of_a_model_dir(
     make_trainer().fit(np.full_like(x, np.nan), y, **FIT)
 
 
+def test_an_inf_batchnorm_statistic_stops_training_naming_it(tmp_path):
+  """A row of 1e30 made BatchNorm's moving_variance inf with finite
+  weights and loss: training finished and the checkpoints and the model
+  kept it. Non-trainable weights are checked too now."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 8)).astype("float32")
+  x[5] = 1e30
+  y = rng.integers(0, 3, 64)
+  keras.utils.set_random_seed(1)
+  inputs = keras.Input((8,))
+  hidden = keras.layers.BatchNormalization(name="bn")(
+      keras.layers.Dense(8, activation="relu", name="d1")(inputs))
+  model = keras.Model(inputs, keras.layers.Dense(3, name="out")(hidden))
+  trainer = Trainer(model, verbose=0, steps_per_execution=1,
+                    model_dir=str(tmp_path))
+  with pytest.raises(NonFiniteLossError,
+                     match=r"NaN/inf weights: bn/moving_variance\) at step 1 "):
+    trainer.fit(x, y, epochs=1, global_batch_size=16, shuffle=False)
+
+
 # ---------------------------------------------------------- bad labels
 
 

@@ -140,10 +140,14 @@ class StepRunner(Protocol):
 
 
 def non_finite_message(sums: StepSums, *, first_step: int, epoch: int,
-                       last_checkpoint: str | None, has_model_dir: bool) -> str:
-  """The one wording of a non-finite loss (names the steps and the rescue)."""
+                       last_checkpoint: str | None, has_model_dir: bool,
+                       weights: Sequence[str] = ()) -> str:
+  """The one wording of a non-finite loss (names the steps, the weights
+  that hold NaN/inf, and the rescue)."""
+  named = (": " + ", ".join(weights[:3]) + (" ..." if len(weights) > 3
+                                            else "")) if weights else ""
   what = (sums.loss if not math.isfinite(sums.loss) else
-          f"non-finite (loss {sums.loss:.4g} but NaN/inf weights)")
+          f"non-finite (loss {sums.loss:.4g} but NaN/inf weights{named})")
   steps = (f"{first_step}-{first_step + sums.steps - 1}" if sums.steps > 1
            else f"{first_step}")
   kept = last_checkpoint or ("none yet" if has_model_dir
@@ -482,7 +486,10 @@ class Controller:
     raise NonFiniteLossError(non_finite_message(
         sums, first_step=self.global_step + 1, epoch=epoch,
         last_checkpoint=self.last_checkpoint,
-        has_model_dir=self.o.checkpointer is not None))
+        has_model_dir=self.o.checkpointer is not None,
+        weights=[v.path for v in self.o.model.weights
+                 if v.dtype.startswith(("float", "bfloat"))
+                 and not np.isfinite(np.asarray(v.numpy())).all()]))
 
   def _write_step_summaries(self, sums: StepSums, rate: float) -> None:
     if not self.o.writes_summaries:  # Python per call: skip without a writer.

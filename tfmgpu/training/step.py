@@ -193,14 +193,20 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 
 
 def non_finite_weights(model: keras.Model) -> tf.Tensor:
-  """Number of trainable variables holding a NaN or inf (0 when healthy).
+  """Number of weights holding a NaN or inf (0 when healthy): trainable
+  ones, and floating non-trainable ones (BatchNorm's moving statistics: a
+  batch with a 1e30 row made `moving_variance` inf while training went on,
+  and the checkpoints and the saved model kept it).
 
   Checked once per `tf.function` call because a finite loss can hide a
   diverged model: on CPU, graph-mode ReLU maps NaN to 0, so NaN weights can
   still give finite logits and loss.
   """
+  weights = list(model.trainable_variables) + [
+      v for v in model.non_trainable_variables
+      if v.dtype in ("float16", "bfloat16", "float32", "float64")]
   return tf.add_n([tf.cast(~tf.reduce_all(tf.math.is_finite(v)), tf.float32)
-                   for v in model.trainable_variables])
+                   for v in weights])
 
 
 def make_eval_step(model: keras.Model, *, loss: Any = None
