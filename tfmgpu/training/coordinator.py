@@ -105,6 +105,7 @@ class CoordinatorExecution(execution.SyncExecution):
   and gradients go to the variables' servers (the strategy's)."""
   owns_allreduce = False
   streams = True
+  coordinated = True
 
   def __init__(self, *args: Any, **kwargs: Any):
     super().__init__(*args, **kwargs)

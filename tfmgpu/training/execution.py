@@ -37,12 +37,25 @@ class SyncExecution:
       the sum); `False` leaves the gradients to the strategy.
     streams: each worker streams the input on its own (see
       `feeds.plan_input`).
+    coordinated: a coordinator schedules the steps (parameter servers).
   """
   owns_allreduce = True
   streams = False
+  coordinated = False
 
   def __init__(self, strategy: tf.distribute.Strategy, model: keras.Model,
                objective: objectives.Objective, options: TrainerOptions):
+    if not self.coordinated and isinstance(
+        strategy, tf.distribute.experimental.ParameterServerStrategy):
+      # Its steps are scheduled by a coordinator: TF failed at the first
+      # step ("use this dataset in ClusterCoordinator.create_per_worker_
+      # dataset"), which names neither the cause nor tfmgpu's fix.
+      raise ValueError(
+          "strategy=ParameterServerStrategy needs "
+          "tfmgpu.ParameterServerTrainer(model, strategy=strategy, ...), "
+          "which schedules the steps on the workers from the coordinator; "
+          "Trainer runs synchronous steps under every other strategy. Make "
+          "the trainer with tfmgpu.ParameterServerTrainer instead.")
     self.strategy = strategy
     self.model = model
     self.objective = objective
