@@ -7,6 +7,7 @@ import pytest
 import tfmgpu
 from tfmgpu.training import replica_state
 from tfmgpu.training.loop import Trainer
+from tests.training import faults
 
 
 def _bn_model():
@@ -68,21 +69,6 @@ def _hybrid(devices):
       data=2, stages=2, micro_batches=1), devices=devices)
 
 
-class _Killed(BaseException):
-  """Stands for SIGKILL: nothing after it runs."""
-
-
-class _KillAt(keras.callbacks.Callback):
-  def __init__(self, step):
-    super().__init__()
-    self.step, self.done = step, 0
-
-  def on_train_batch_end(self, batch, logs=None):
-    self.done += 1
-    if self.done == self.step:
-      raise _Killed(self.step)
-
-
 def test_data_copies_of_a_placed_model_serve_the_first_copys_statistics(
     cpu_devices, tmp_path):
   """A hybrid (data 2 x stages 2) model's copies kept their own BatchNorm
@@ -105,9 +91,9 @@ def test_data_copies_of_a_placed_model_serve_the_first_copys_statistics(
   unsplit = whole.to_unsplit()
   np.testing.assert_array_equal(tfmgpu.predict(whole, x, batch_size=16),
                                 unsplit.predict(x, verbose=0))
-  with pytest.raises(_Killed):  # Mid-epoch 2, after the epoch-1 checkpoint.
+  with pytest.raises(faults.Killed):  # Mid-epoch 2, after the epoch-1 checkpoint.
     trainer(_hybrid(cpu_devices), tmp_path / "run",
-            callbacks=[_KillAt(6)]).fit(x, y, **fit)
+            callbacks=[faults.KillAt(6)]).fit(x, y, **fit)
   resumed = _hybrid(cpu_devices)
   trainer(resumed, tmp_path / "run").fit(x, y, **fit)
   for a, b in zip(resumed.variables, whole.variables):

@@ -14,6 +14,7 @@ from tfmgpu.parallel import staged
 from tfmgpu.training import checkpoints
 from tfmgpu.training import seed_states
 from tfmgpu.training.loop import Trainer
+from tests.training import faults
 
 FIT = dict(epochs=2, global_batch_size=16, steps_per_epoch=4)
 _ROWS = np.random.default_rng(0)
@@ -44,23 +45,6 @@ def _model(layout, devices):
       _unsplit(), num_stages=2, micro_batches=4, devices=devices[:2])
 
 
-class _Killed(BaseException):
-  """Stands for SIGKILL: nothing after it runs."""
-
-
-class _KillAt(keras.callbacks.Callback):
-  """Raises `_Killed` after global step `step` (1-based)."""
-
-  def __init__(self, step):
-    super().__init__()
-    self.step, self.done = step, 0
-
-  def on_train_batch_end(self, batch, logs=None):
-    self.done += 1
-    if self.done == self.step:
-      raise _Killed(self.step)
-
-
 def _trainer(model, model_dir, **kwargs):
   return Trainer(model, strategy=tf.distribute.get_strategy(), verbose=0,
                  steps_per_execution=1, optimizer="adam", learning_rate=1e-2,
@@ -79,9 +63,9 @@ def test_a_resumed_dropout_model_ends_as_the_uninterrupted_one(
   of the first steps: 0.03..0.1 away after 8 steps, silently."""
   whole = _model(layout, cpu_devices)
   _trainer(whole, tmp_path / "whole").fit(X, Y, **FIT)
-  with pytest.raises(_Killed):  # After the epoch-1 checkpoint, mid-epoch 2.
+  with pytest.raises(faults.Killed):  # After the epoch-1 checkpoint, mid-epoch 2.
     _trainer(_model(layout, cpu_devices), tmp_path / "run",
-             callbacks=[_KillAt(6)]).fit(X, Y, **FIT)
+             callbacks=[faults.KillAt(6)]).fit(X, Y, **FIT)
   resumed = _model(layout, cpu_devices)
   result = _trainer(resumed, tmp_path / "run").fit(X, Y, **FIT)
   assert (result.initial_epoch, result.steps) == (1, 4)
