@@ -63,8 +63,7 @@ def make_gradients_fn(model: keras.Model,
     y_true, sample_weight = target
     return tf.nn.compute_average_loss(
         objective.per_example_loss(y_true, y_pred, sample_weight),
-        global_batch_size=(batch if global_batch_size is None
-                           else global_batch_size))
+        global_batch_size=global_batch_size or batch)  # None: the step's.
 
   def placed_grads(x, y, sw=None, batch=None):  # Parts on their devices.
     # Micro-batches share the whole batch's denominator (`batch`: a
@@ -82,11 +81,11 @@ def make_gradients_fn(model: keras.Model,
   def tape_grads(x, y, sw=None, batch=None):
     with tf.GradientTape() as tape:
       y_pred = model(x, training=True)
-      loss_value = (scaled_loss((y, sw), y_pred, batch)
-                    + _regularization(model, objective.loss_dtype))
+      loss_value = scaled_loss((y, sw), y_pred, batch) + _regularization(
+          model, objective.loss_dtype)
       target = optimizer.scale_loss(loss_value) if scaling else loss_value
-    return loss_value, y_pred, tape.gradient(
-        target, sharded.trainable_parts(model))
+    parts = sharded.trainable_parts(model)  # Split over servers: parts.
+    return loss_value, y_pred, tape.gradient(target, parts)
 
   if brings_own_backward(model):
     if jit_compile:
