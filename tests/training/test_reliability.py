@@ -301,6 +301,31 @@ def test_an_inf_batchnorm_statistic_stops_training_naming_it(tmp_path):
     trainer.fit(x, y, epochs=1, global_batch_size=16, shuffle=False)
 
 
+class _MaskedLogits(keras.layers.Layer):
+  """Adds a fixed mask to the logits: class 2 is never predicted (-inf)."""
+
+  def build(self, input_shape):
+    self.mask = self.add_weight(
+        shape=(3,), trainable=False, name="mask",
+        initializer=keras.initializers.Constant([0.0, 0.0, -np.inf]))
+
+  def call(self, logits):
+    return logits + self.mask
+
+
+def test_a_weight_non_finite_by_design_does_not_stop_training():
+  """A -inf mask kept as a weight is not a diverged model: only weights
+  finite when the step was traced are checked (it stopped at step 1)."""
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 2, 32)
+  inputs = keras.Input((4,))
+  model = keras.Model(inputs, _MaskedLogits(name="masked")(
+      keras.layers.Dense(3)(inputs)))
+  result = Trainer(model, verbose=0, steps_per_execution=1).fit(
+      x, y, epochs=1, global_batch_size=8, shuffle=False)
+  assert np.isfinite(result.history["loss"][0])
+
+
 # ---------------------------------------------------------- bad labels
 
 

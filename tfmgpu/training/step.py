@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmgpu.parallel import placed_model
@@ -203,9 +204,18 @@ def non_finite_weights(model: keras.Model) -> tf.Tensor:
   """
   weights = list(model.trainable_variables) + [
       v for v in model.non_trainable_variables
-      if v.dtype in ("float16", "bfloat16", "float32", "float64")]
+      if v.dtype in ("float16", "bfloat16", "float32", "float64")
+      and _finite_now(v)]
   return tf.add_n([tf.cast(~tf.reduce_all(tf.math.is_finite(v)), tf.float32)
                    for v in weights])
+
+
+def _finite_now(variable: Any) -> bool:
+  """Whether a non-trainable variable holds no NaN/inf when the step is
+  traced: one that does by design (a running max from -inf, a -inf mask)
+  is not a diverged model."""
+  with tf.init_scope():  # Its value now, also while tracing.
+    return bool(np.isfinite(np.asarray(variable.numpy(), np.float64)).all())
 
 
 def make_eval_step(model: keras.Model, *, loss: Any = None
