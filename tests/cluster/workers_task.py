@@ -1,7 +1,8 @@
 """One worker of test_workers: `python workers_task.py MODE` under a
 2-worker multi_worker_mirrored cluster (one replica per worker).
 
-stop: a callback on worker 0 alone sets `stop_training` after batch 4.
+stop: a callback that worker 0 alone has sets `stop_training` after batch 4
+(worker 1 has no callbacks at all, as when only the chief logs).
 mismatch: worker 1's fit is called with another global batch and seed.
 """
 
@@ -30,7 +31,8 @@ class StopOnChief(keras.callbacks.Callback):
 
 
 trainer = tfmgpu.Trainer(model, strategy=strategy, verbose=0,
-                         callbacks=[StopOnChief()] if MODE == "stop" else [])
+                         callbacks=([StopOnChief()] if MODE == "stop"
+                                    and ME == 0 else []))
 other = MODE == "mismatch" and ME == 1
 try:
   result = trainer.fit(x, y, epochs=2, steps_per_epoch=8,

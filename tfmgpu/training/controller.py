@@ -424,8 +424,11 @@ class Controller:
   def _callback_stopped(self) -> bool:
     """Whether a callback set `model.stop_training` on any worker; then
     it is set on every one, so that all stop after the same step (a
-    worker stopping alone crashed the others in their next collective)."""
-    if not self.o.callbacks:
+    worker stopping alone crashed the others in their next collective).
+    Asked of every worker of a multi-worker run even where it has no
+    callbacks: the chief alone may have some (a logger)."""
+    if not (self.o.callbacks or getattr(self.o.any_worker, "collective",
+                                        False)):
       return bool(self.o.model.stop_training)
     stop = self.o.any_worker(bool(self.o.model.stop_training))
     self.o.model.stop_training = stop
