@@ -193,6 +193,11 @@ def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
   return list(layer._flatten_layers())  # pylint: disable=protected-access
 
 
+def child_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+  """The layers `layer` holds directly (not theirs), in tracking order."""
+  return list(layer._flatten_layers(include_self=False, recursive=False))  # pylint: disable=protected-access
+
+
 def own_seed_generators(layer: keras.layers.Layer) -> list[Any]:
   """The Keras `SeedGenerator`s `layer` itself holds (a `Dropout`'s), not
   those of its nested layers; each keeps its state in `.state`."""

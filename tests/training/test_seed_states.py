@@ -145,3 +145,42 @@ def test_a_checkpoint_without_seed_states_restores_and_says_so(
   assert seed_states.held_in(
       tf.train.load_checkpoint(path).get_variable_to_shape_map()) == {
           "drop", "drop2"}
+
+
+class _Block(keras.layers.Layer):
+  """A block whose Dropout has the same name in every block (keras_hub's
+  `self_attention_dropout`)."""
+
+  def build(self, input_shape):
+    self.dense = keras.layers.Dense(8, name="dense")
+    self.drop = keras.layers.Dropout(0.2, name="drop")
+
+  def call(self, x, training=False):
+    return self.drop(self.dense(x), training=training)
+
+
+def test_blocks_with_alike_named_dropouts_keep_their_own_states(
+    tmp_path, cpu_devices):
+  """Keyed by the layer's name alone, the four `drop`s' states were one
+  list whose order follows the models around the blocks: a pipeline's
+  checkpoint gave each block of the unsplit model another block's."""
+  def unsplit():
+    inputs = keras.Input((8,))
+    h = inputs
+    for i in range(4):
+      h = _Block(name=f"block{i}")(h)
+    return keras.Model(inputs, h)
+
+  saved = pipeline.PipelinedModel.from_model(
+      unsplit(), num_stages=2, micro_batches=2, devices=cpu_devices[:2])
+  for i, (key, states) in enumerate(sorted(
+      seed_states.by_layer_name(saved).items())):
+    assert key == f"block{i}>drop"
+    states[0].assign(states[0].numpy() + np.array([0, 10 + i], "uint32"))
+  path = tf.train.Checkpoint(**{seed_states.KEY: seed_states.SeedStates(
+      saved)}).write(str(tmp_path / "seeds"))
+  for other in (unsplit(), staged.StagedModel.from_model(
+      unsplit(), num_stages=4, devices=cpu_devices[:4])):
+    tf.train.Checkpoint(**{seed_states.KEY: seed_states.SeedStates(
+        other)}).read(path).assert_existing_objects_matched()
+    assert _states(other) == _states(saved)

@@ -1,4 +1,4 @@
-"""Dropout's random state in checkpoints: Keras seed generators by layer name.
+"""Dropout's random state in checkpoints: Keras seed generators by layer.
 
 A Keras layer that draws random numbers while training (`Dropout`,
 `GaussianNoise`, ...) holds a `SeedGenerator` whose state variable (seed and
@@ -6,10 +6,11 @@ counter) advances every step. Keras does not track it for TF checkpoints, so
 a checkpoint of the model alone resumes with the state of a new model and
 replays the masks of the first steps: the resumed run ends elsewhere than an
 uninterrupted one, silently. `SeedStates` puts every generator's state in
-the checkpoint, one tensor per layer name (`[n, 2]`: the n generators of the
-layers of that name, in the model's layer order: a layer's own, then each
-data-parallel copy's), so that it restores into any layout of the same model:
-a layout with other copies takes the states it holds (the first n), and
+the checkpoint, one tensor per layer key (`[n, 2]`: the n generators of the
+layers of that key, their name after those of the layers holding them, in
+the model's layer order: a layer's own, then each data-parallel copy's), so
+that it restores into any layout of the same model: a layout with other
+copies takes the states it holds (the first n), and
 leaves the rest as they are.
 """
 
@@ -29,15 +30,25 @@ _ATTRIBUTES = f"{KEY}/.ATTRIBUTES/"  # How a checkpoint's keys spell them.
 
 
 def by_layer_name(model: keras.Model) -> dict[str, list[Any]]:
-  """`{layer name: [seed state variables]}` of every layer of `model`
-  (placed models' clones and copies included) that holds seed generators."""
+  """`{layer key: [seed state variables]}` of every layer of `model`
+  (placed models' clones and copies included) that holds seed generators.
+  A layer's key is its name after those of the layers (not models) holding
+  it, `block_3>dropout`: keras_hub names every block's dropout alike, and
+  the models around a block differ by layout (a stage, the backbone)."""
   found: dict[str, list[Any]] = {}
   seen: set[int] = set()
-  for layer in _compat.flatten_layers(model):
+
+  def visit(layer, held_in: tuple[str, ...]):
+    key = held_in + (layer.name,)
     for generator in _compat.own_seed_generators(layer):
       if id(generator.state) not in seen:
         seen.add(id(generator.state))
-        found.setdefault(layer.name, []).append(generator.state)
+        found.setdefault(">".join(key), []).append(generator.state)
+    inner = held_in if isinstance(layer, keras.Model) else key
+    for child in _compat.child_layers(layer):
+      visit(child, inner)
+
+  visit(model, ())
   return found
 
 
