@@ -349,6 +349,15 @@ def test_a_compiled_optimizer_that_does_not_copy_exactly_is_not_changed():
   with pytest.raises(ValueError, match=r"outside this strategy's scope and "
                      r"could not be re-created: its copy from config differs"):
     Trainer(model, strategy=strategy, verbose=0)
+  # A split's Trainer would have trained the source model's own optimizer.
+  source = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                             keras.layers.Dense(1)])
+  source.compile(optimizer=Scaled(0.1, scale=3.0), loss="mse")
+  split = tfmgpu.StagedModel.from_model(
+      source, num_stages=2, devices=tfmgpu.list_devices("CPU")[:2])
+  with pytest.raises(ValueError, match=r"must copy \(it belongs to the "
+                     r"model a split was made from\)"):
+    Trainer(split, verbose=0)
 
 
 def test_multi_optimizer_copies_and_rates():

@@ -177,12 +177,12 @@ _FROM_COMPILE = ("optimizer", "loss", "loss_weights", "metrics",
 
 
 def _compiled_value(model: keras.Model, name: str,
-                    settings: dict[str, Any]) -> Any:
+                    settings: dict[str, Any], own: bool = True) -> Any:
   """The model's compiled `name`: the optimizer (`_compiled_optimizer`),
   the loss, or what the compile config holds (metrics as new objects)."""
   if name == "optimizer":
     return (None if model.optimizer is None else
-            _compiled_optimizer(model, settings))
+            _compiled_optimizer(model, settings, own))
   if name == "loss":
     return _plain(model.loss)
   value = (model.get_compile_config() or {}).get(name)
@@ -250,12 +250,14 @@ def _rebuilt_metrics(given: Any, config: Any, dropped: list[str]) -> Any:
   return fresh
 
 
-def _compiled_optimizer(model: keras.Model, settings: dict[str, Any]
-                        ) -> Any:
+def _compiled_optimizer(model: keras.Model, settings: dict[str, Any],
+                        own: bool = True) -> Any:
   """A copy of `model.optimizer` (its slots fresh; the Trainer adapts the
   one it trains to its strategy, and the model's own stays as it was) at
   the `learning_rate` given, fused with `fused_optimizer=True`. An unbuilt
-  one that does not copy exactly is trained itself, with a warning.
+  one that does not copy exactly is trained itself, with a warning,
+  unless it is another model's (`own=False`: the model a split was made
+  from keeps its optimizer).
 
   Raises:
     ValueError: a `learning_rate` it cannot take, or one that must be
@@ -265,8 +267,10 @@ def _compiled_optimizer(model: keras.Model, settings: dict[str, Any]
   try:
     copy = optimizers_lib.copy_of(optimizer)
   except ValueError as e:
-    if optimizer.built or rate is not None:
-      why = "its slots exist" if optimizer.built else "to set learning_rate="
+    if optimizer.built or rate is not None or not own:
+      why = ("its slots exist" if optimizer.built else
+             "to set learning_rate=" if rate is not None else
+             "it belongs to the model a split was made from")
       raise ValueError(
           f"Model {model.name!r} was compiled with "
           f"{type(optimizer).__name__}(...), which the Trainer must copy "
@@ -378,7 +382,8 @@ def compiled_settings(model: keras.Model, options: Any,
   if compiled is None:
     return settings
   names = [n for n in _FROM_COMPILE if n not in given]
-  taken = {name: _compiled_value(compiled, name, given) for name in names}
+  taken = {name: _compiled_value(compiled, name, given, compiled is model)
+           for name in names}
   taken = {k: v for k, v in taken.items() if v is not None}
   if taken:
     source = ("" if compiled is model else

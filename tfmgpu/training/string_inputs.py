@@ -87,5 +87,5 @@ def _is_string(leaf: Any) -> bool:
   if isinstance(dtype, np.dtype):
     return dtype.kind in "US" or (
         dtype.kind == "O" and leaf.size > 0
-        and isinstance(leaf.flat[0], (str, bytes)))
+        and isinstance(np.asarray(leaf).flat[0], (str, bytes)))  # pandas
   return dtype == tf.string
