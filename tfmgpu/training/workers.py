@@ -110,8 +110,8 @@ def _encode(value: Any) -> tuple[int, int]:
     return _NONE, 0
   if isinstance(value, (bool, int, np.integer)) and abs(int(value)) < 2**62:
     return _INT, int(value)
-  if isinstance(value, float):
-    return _FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]
+  if isinstance(value, (float, np.floating)):
+    return _FLOAT, struct.unpack("<q", struct.pack("<d", float(value)))[0]
   digest = hashlib.blake2b(_describe(value).encode(), digest_size=8).digest()
   return _TEXT, struct.unpack("<q", digest)[0]
 
@@ -176,6 +176,10 @@ def require_same_run(any_worker: AnyWorker, settings: dict[str, Any]) -> None:
     if any(row[i][0] == _TEXT for row in rows):
       values += f"; this worker's: {_describe(settings[name])[:200]}"
     differ.append(f"{name} ({values})")
+  if any(d.startswith("steps_per_epoch ") for d in differ):
+    differ.append("(without steps_per_epoch= each worker counts the "
+                  "batches of its own input, and they differ: pass "
+                  "steps_per_epoch=N)")
   if differ:
     raise WorkersDisagreeError(
         "The workers of this multi_worker_mirrored run were given different "
