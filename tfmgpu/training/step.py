@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import batch_splits as batch_splits_lib
@@ -194,26 +195,35 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer,
 
 def non_finite_weights(model: keras.Model) -> tf.Tensor:
   """Number of weights holding a NaN or inf (0 when healthy): trainable
-  ones, and floating non-trainable ones (BatchNorm's moving statistics: a
-  batch with a 1e30 row made `moving_variance` inf while training went on,
-  and the checkpoints and the saved model kept it).
+  ones, and BatchNorm's moving statistics (a batch with a 1e30 row made
+  `moving_variance` inf while training went on, and the checkpoints and
+  the saved model kept it). Other non-trainable weights are left out: a
+  frozen base (LoRA) never changes, and reading it every call would cost
+  a pass over the model.
 
   Checked once per `tf.function` call because a finite loss can hide a
   diverged model: on CPU, graph-mode ReLU maps NaN to 0, so NaN weights can
   still give finite logits and loss.
   """
   weights = list(model.trainable_variables) + [
-      v for v in model.non_trainable_variables
-      if v.dtype in ("float16", "bfloat16", "float32", "float64")
-      and _finite_now(v)]
+      v for v in _running_statistics(model) if _finite_now(v)]
   return tf.add_n([tf.cast(~tf.reduce_all(tf.math.is_finite(v)), tf.float32)
                    for v in weights])
 
 
+def _running_statistics(model: keras.Model) -> list[Any]:
+  """The moving statistics of `model`'s BatchNormalization layers (and
+  their subclasses'), each once."""
+  found: dict[int, Any] = {}
+  for layer in _compat.flatten_layers(model):
+    if isinstance(layer, keras.layers.BatchNormalization):
+      found.update((id(v), v) for v in layer.non_trainable_weights)
+  return list(found.values())
+
+
 def _finite_now(variable: Any) -> bool:
-  """Whether a non-trainable variable holds no NaN/inf when the step is
-  traced: one that does by design (a running max from -inf, a -inf mask)
-  is not a diverged model."""
+  """Whether a statistic holds no NaN/inf when the step is traced: one
+  that does already (restored so) is not this run's divergence."""
   with tf.init_scope():  # Its value now, also while tracing.
     return bool(np.isfinite(np.asarray(variable.numpy(), np.float64)).all())
 
