@@ -122,10 +122,11 @@ def _layers_by_name(models: Sequence[keras.Model],
 
 
 def seed_states(layer: keras.layers.Layer) -> list[Any]:
-  """The seed generators' states of `layer` and its sublayers: its state
-  beyond its weights (Keras' `Layer.variables`: weights and seeds)."""
-  weights = {id(w) for w in layer.weights}
-  return [v for v in layer.variables if id(v) not in weights]
+  """The seed generators' states of `layer` and its sublayers (a
+  `Dropout`'s), which `get_weights` leaves out; the checkpoint's reading
+  too (`training/seed_states.py`)."""
+  return [g.state for l in _compat.flatten_layers(layer)
+          for g in _compat.own_seed_generators(l)]
 
 
 def copy_seed_states(src: dict[str, Any], dst: dict[str, Any]) -> None:
