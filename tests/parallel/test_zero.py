@@ -503,3 +503,32 @@ def test_enable_lora_after_sharding_is_refused():
   assert "seq/a/lora_kernel_b" in {
       v.path for v in again.trainable_variables}
   np.testing.assert_array_equal(kernel.numpy(), base)
+
+
+def _seeded_dropout_net():
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((4,))
+  h = keras.layers.Dense(8, name="d1")(inputs)
+  h = keras.layers.Dropout(0.5, seed=7, name="drop")(h)
+  return keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+
+
+def test_seed_states_travel_with_the_weights():
+  """`copy_weights_to` and `load_from` of a ShardedModel moved the weights
+  only: a seeded Dropout copied out (or in) drew the config's first masks
+  again, while the other layouts carry the seed states along."""
+  devices = tfmgpu.list_devices("CPU")[:2]
+  x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+  sharded = zero.ShardedModel(_seeded_dropout_net(), devices, stage=1)
+  sharded.compile(optimizer="sgd", loss="mse")
+  sharded.fit(x, np.zeros((8, 2), np.float32), batch_size=4, verbose=0)
+  out = _seeded_dropout_net()
+  sharded.copy_weights_to(out)
+  np.testing.assert_array_equal(
+      out(x, training=True), sharded.unsplit(x, training=True))
+  source = _seeded_dropout_net()
+  source(x, training=True)  # Its Dropout draws its first masks.
+  again = zero.ShardedModel(_seeded_dropout_net(), devices, stage=1)
+  again.load_from(source)
+  np.testing.assert_array_equal(
+      again.unsplit(x, training=True), source(x, training=True))

@@ -47,10 +47,11 @@ class UnsplitForm(Protocol):
     """A new unsplit model holding this one's weights."""
 
   def copy_weights_to(self, unsplit: Any) -> None:
-    """Copies this model's weights into an unsplit model."""
+    """Copies this model's weights (and its layers' seed states: a
+    Dropout's next masks) into an unsplit model."""
 
   def load_from(self, unsplit: Any) -> None:
-    """Copies an unsplit model's weights into this one."""
+    """Copies an unsplit model's weights (and seed states) into this one."""
 
 
 @runtime_checkable

@@ -368,12 +368,19 @@ class ShardedModel(placed.PerDeviceGradientModel):
             for d in self._devices}
 
   def load_from(self, unsplit: keras.Model) -> None:
-    """Copies the unsplit model's weights into the owners' variables."""
+    """Copies the unsplit model's weights into the owners' variables (and
+    its layers' seed states: dropout continues where the unsplit's
+    stopped, as `cloning.UnsplitWeights.load_from`)."""
     self.unsplit.set_weights(unsplit.get_weights())
+    cloning.copy_seed_states(cloning.seeded_layers([unsplit]),
+                             cloning.seeded_layers([self.unsplit]))
 
   def copy_weights_to(self, unsplit: keras.Model) -> None:
-    """Copies the weights into an unsplit model."""
+    """Copies the weights into an unsplit model (and the layers' seed
+    states: its dropout continues where this model's stopped)."""
     unsplit.set_weights(self.unsplit.get_weights())
+    cloning.copy_seed_states(cloning.seeded_layers([self.unsplit]),
+                             cloning.seeded_layers([unsplit]))
 
   def to_unsplit(self, **kwargs) -> keras.Model:
     """The unsplit model, which holds the weights (on their owners)."""
