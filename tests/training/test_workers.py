@@ -29,3 +29,69 @@ def test_numpy_floats_and_uncounted_steps_are_named():
       r"worker counts the batches of its own input")):
     workers.require_same_run(_TwoWorkers(theirs), mine)
   workers.require_same_run(_TwoWorkers(dict(mine)), mine)  # Agreeing: fine.
+
+
+class _TwoWorkerVotes(workers.AnyWorker):
+  """`AnyWorker` as in a 2-worker run: the all-reduce adds the other
+  worker's flags (`other(votes so far, flags)`) to this one's, and logs how
+  many flags each all-reduce carried (shared by every instance)."""
+
+  def __init__(self, strategy, other, log):
+    super().__init__(strategy)
+    self.collective, self._agree = True, self._sum
+    self._other, self._log = other, log
+
+  def _sum(self, flags):
+    mine = np.asarray(flags, float)
+    self._log.append(mine.size)
+    theirs = np.asarray(self._other(len(self._log), mine.size), float)
+    return mine + theirs.reshape(mine.shape)
+
+
+def _calm(vote, n):
+  del vote
+  return [0] * n
+
+
+def _sigterm_from_vote_2(vote, n):  # (SIGTERM, stop_training) after a step.
+  return [int(vote >= 2 and n == 2)] + [0] * (n - 1)
+
+
+def _stops_at_vote_2(vote, n):  # stop_training: always the last flag.
+  return [0] * (n - 1) + [int(vote >= 2)]
+
+
+@pytest.mark.parametrize("other", [_calm, _sigterm_from_vote_2,
+                                   _stops_at_vote_2])
+def test_one_all_reduce_per_call_carries_stop_training_and_sigterm(
+    other, tmp_path, monkeypatch):
+  """A multi-worker run all-reduced a callback's `stop_training` and then,
+  in a second all-reduce, SIGTERM after every call (two collectives per
+  step); one now carries both, and either flag of the other worker still
+  stops this one after the same step."""
+  import keras  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfmgpu.training import checkpoints  # pylint: disable=import-outside-toplevel
+  from tfmgpu.training.loop import Trainer  # pylint: disable=import-outside-toplevel
+  log = []
+  monkeypatch.setattr(workers, "AnyWorker",
+                      lambda s: _TwoWorkerVotes(s, other, log))
+  monkeypatch.setattr(workers, "require_same_run", lambda *args: None)
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+  trainer = Trainer(model, strategy=tf.distribute.get_strategy(), verbose=0,
+                    steps_per_execution=1, model_dir=str(tmp_path))
+  x = np.ones((24, 4), np.float32)
+  fit = lambda: trainer.fit(x, np.zeros(24, np.int32), epochs=1,
+                            global_batch_size=8, steps_per_epoch=3)
+  if other is _sigterm_from_vote_2:
+    with pytest.raises(checkpoints.PreemptedError, match=(
+        "SIGTERM reached another worker. Saved .* at global step 2")):
+      fit()
+    assert log == [2, 2]
+  elif other is _stops_at_vote_2:
+    assert fit().steps == 2 and model.stop_training
+    assert log == [2, 2, 2]  # Step 1, step 2 (stop), the epoch's end.
+  else:
+    assert fit().steps == 3
+    assert log == [2, 2, 1, 2]  # The last step asks stop_training alone.

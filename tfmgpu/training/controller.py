@@ -321,12 +321,12 @@ class Controller:
       # done), so that a rerun trains the rest of it.
       at = (epoch + 1, 0) if done >= steps_per_epoch else (epoch, done)
       self._finish_epoch(epoch, epochs, logs, callbacks, at)
-      # Also after the last epoch: "saving a checkpoint ..., then stopping"
-      # was logged, so the run stops (42) rather than going on to evaluate.
-      if watcher and watcher.stop_requested():
+      # SIGTERM stops (42) after the last epoch too: its log line said so.
+      stopped, preempted = self._agree(sigterm=True)
+      if preempted:
         self._preempt(*at, steps_per_epoch, self.last_checkpoint,
                       last=epoch + 1 >= epochs and not at[1])
-      if self._callback_stopped():
+      if stopped:
         logging.info("A callback stopped training in epoch %d%s.", epoch + 1,
                      f", after step {done} of {steps_per_epoch}; a rerun "
                      "resumes there" if at[1] else "")
@@ -384,10 +384,11 @@ class Controller:
           bar.update(done, logs, rate)
         callbacks.on_train_batch_end(done - 1, logs)
       self._write_step_summaries(sums, rate)
-      if self._callback_stopped():  # A callback: Keras stops here too.
+      stopped, preempted = self._agree(sigterm=done < steps_per_epoch)
+      if stopped:  # A callback: Keras stops here too.
         break
       if done < steps_per_epoch:
-        self._mid_epoch_saves(epoch, done, steps_per_epoch)
+        self._mid_epoch_saves(epoch, done, steps_per_epoch, preempted)
     if bar is not None:
       bar.end()
     return (self._logs(total) if total.steps else {}), done
@@ -421,28 +422,33 @@ class Controller:
         raise
       raise better from e
 
-  def _callback_stopped(self) -> bool:
-    """Whether a callback set `model.stop_training` on any worker; then
-    it is set on every one, so that all stop after the same step (a
-    worker stopping alone crashed the others in their next collective).
-    Asked of every worker of a multi-worker run even where it has no
-    callbacks: the chief alone may have some (a logger)."""
-    if not (self.o.callbacks or getattr(self.o.any_worker, "collective",
-                                        False)):
-      return bool(self.o.model.stop_training)
-    stop = self.o.any_worker(bool(self.o.model.stop_training))
+  def _agree(self, *, sigterm: bool) -> tuple[bool, bool]:
+    """`(stopped, preempted)`: whether a callback set `model.stop_training`
+    and (`sigterm`, with a watcher) whether SIGTERM reached a process, each
+    on any worker: one all-reduce for both under multi-worker mirrored.
+
+    A stop is then every worker's `stop_training`, so that all stop after
+    the same step (a worker stopping alone crashed the others in their
+    next collective). Asked of every worker as often, even where it has
+    no callbacks: the chief alone may have some (a logger)."""
+    stop = bool(self.o.model.stop_training)
+    if sigterm and self.watcher is not None:
+      preempted, stop = self.watcher.stop_requested_and(stop)
+    else:
+      preempted, stop = False, bool(self.o.any_worker(stop))
     self.o.model.stop_training = stop
-    return stop
+    return stop, preempted
 
   # ------------------------------------------ checkpoints (reliability)
 
-  def _mid_epoch_saves(self, epoch: int, done: int,
-                       steps_per_epoch: int) -> None:
-    """The periodic checkpoint, then the preemption save (reusing it)."""
+  def _mid_epoch_saves(self, epoch: int, done: int, steps_per_epoch: int,
+                       preempted: bool) -> None:
+    """The periodic checkpoint, then the preemption save (reusing it) when
+    a worker got SIGTERM (`preempted`, agreed by `_agree`)."""
     saved = None
     if self._save_due():
       saved = self.last_checkpoint = self._save(epoch, done)
-    if self.watcher and self.watcher.stop_requested():
+    if preempted:
       self.o.summary_writer.flush()
       saved = saved or self._save(epoch, done)
       self._preempt(epoch, done, steps_per_epoch, saved)

@@ -8,8 +8,9 @@ saves) after the same step even though only one received the signal.
 Why not `tf.distribute.experimental.PreemptionCheckpointHandler`: it counts
 its own `run` calls rather than steps, restores through a CheckpointManager
 of its own, does nothing on GCP CPU VMs and refuses parameter-server
-clusters. One tiny all-reduce per `tf.function` call does the same job
-through the existing `Checkpointer`.
+clusters. One tiny all-reduce per `tf.function` call (which also carries
+a callback's `stop_training`) does the same job through the existing
+`Checkpointer`.
 
 Exit 42 stays 42: SIGTERM is only recorded from the moment training stops
 for it (and saves) until the watcher exits. A process that then exits with
@@ -155,12 +156,18 @@ class PreemptionWatcher:
   def stop_requested(self) -> bool:
     """Whether any worker received SIGTERM (collective under multi-worker;
     in-graph, a task this one drives: `tfmgpu.in_graph`)."""
-    stop = self.any_worker(self.received)
+    return self.stop_requested_and()[0]
+
+  def stop_requested_and(self, *flags: bool) -> tuple[bool, ...]:
+    """`(stop_requested(), *flags on any worker)`: one all-reduce for them
+    all under multi-worker mirrored (the controller's vote after a step
+    carries a callback's `stop_training` along)."""
+    stop, *others = self._any_worker.each(self.received, *flags)
     if not stop and in_graph.driving():
       self.sender = self.sender or in_graph.preempted_task()
       stop = self.sender is not None
     self._stopping = self._stopping or stop
-    return stop
+    return (stop, *others)
 
   @property
   def who(self) -> str:

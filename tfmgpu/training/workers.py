@@ -3,8 +3,8 @@
 Under `MultiWorkerMirroredStrategy` every worker runs the same collectives
 in the same order; a decision one worker takes alone (stop after this
 batch, save now) leaves the others waiting in a collective it never joins,
-or crashes them. `AnyWorker` turns a flag of one worker into the answer of
-all: one tiny all-reduce, and none at all outside a multi-worker run.
+or crashes them. `AnyWorker` turns flags of one worker into the answers of
+all: one tiny all-reduce for them all, and none outside a multi-worker run.
 
 Workers started by hand with different settings (another `--seed` or
 `--global_batch_size`) trained, silently, weights that no one command asks
@@ -34,10 +34,12 @@ def is_collective_multi_worker(strategy: tf.distribute.Strategy) -> bool:
 
 
 class AnyWorker:
-  """`any_worker(flag)`: whether `flag` holds on any worker.
+  """`any_worker(flag)`: whether `flag` holds on any worker (`each`: of
+  several flags at once).
 
   Under multi-worker mirrored it is one all-reduce, so every worker must
-  call it as often and at the same point; elsewhere it is `bool(flag)`.
+  call it as often, at the same point and with as many flags; elsewhere it
+  is `bool(flag)`.
 
   Args:
     strategy: the run's strategy.
@@ -57,9 +59,16 @@ class AnyWorker:
     self._strategy, self._gather = strategy, None
 
   def __call__(self, flag: bool) -> bool:
+    return self.each(flag)[0]
+
+  def each(self, *flags: bool) -> tuple[bool, ...]:
+    """Whether each of `flags` holds on any worker: one all-reduce of them
+    all (a callback's `stop_training` and SIGTERM after a step), none
+    outside a multi-worker run."""
     if self._agree is None:
-      return bool(flag)
-    return float(self._agree(tf.constant(1.0 if flag else 0.0))) > 0
+      return tuple(bool(f) for f in flags)
+    summed = self._agree(tf.constant([1.0 if f else 0.0 for f in flags]))
+    return tuple(bool(v > 0) for v in np.asarray(summed))
 
   def rows(self, values: np.ndarray) -> np.ndarray:
     """Every worker's `values` (int64), one row per worker in task order:
