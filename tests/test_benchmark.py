@@ -97,6 +97,36 @@ def test_compare_builds_each_path_once_then_interleaves_its_rounds(
   assert best["tfmgpu"].rounds_ms == (3.0, 2.0, 4.0)
   assert best["keras_fit"].ms_per_step == 4.5
 
+@pytest.mark.parametrize("same_kernels", [False, True])
+def test_the_floor_computes_the_loss_as_the_trainer_does(monkeypatch,
+                                                         same_kernels):
+  """The floor called `objectives.default_loss` on the logits as they come
+  (float32), while the Trainer computes its loss in Keras' floatx: under
+  float64 the bench timed another loss than the one it compared."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfmgpu import data  # pylint: disable=g-import-not-at-top
+  from tfmgpu.benchmarks import training  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import objectives  # pylint: disable=g-import-not-at-top
+  dtypes = []
+  trainers = objectives.Objective.per_example_loss
+
+  def spy(self, *args, **kwargs):
+    out = trainers(self, *args, **kwargs)
+    dtypes.append(out.dtype.name)
+    return out
+
+  monkeypatch.setattr(objectives.Objective, "per_example_loss", spy)
+  floatx = keras.config.floatx()
+  keras.config.set_floatx("float64")
+  try:
+    training.prepare_floor("mlp", data.load_dataset("digits8x8"),
+                           global_batch_size=8, steps=2, warmup=0,
+                           same_kernels=same_kernels)()
+  finally:
+    keras.config.set_floatx(floatx)
+  assert dtypes and set(dtypes) == {"float64"}
+
+
 def _run_csv(path, cpu, fit_ms, tfmgpu_ms):
   report = report_lib.Report(out=lambda s: None, cpu=cpu,
                              machine=f"{cpu}; 2 cores")

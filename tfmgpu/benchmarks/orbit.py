@@ -155,10 +155,11 @@ def orbit_runner(strategy, model_name, arrays, dataset, *, steps: int,
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(model.trainable_variables)
   batch = _batch(dataset)
+  trainers_loss = objectives.Objective(model, metrics=[]).per_example_loss
 
   def replica_step(x, y):
-    with tf.GradientTape() as tape:
-      per_example = objectives.default_loss(y, model(x, training=True))
+    with tf.GradientTape() as tape:  # The loss as the Trainer computes it.
+      per_example = trainers_loss(y, model(x, training=True))
       loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))

@@ -206,7 +206,9 @@ def prepare_floor(model_name, arrays, *, global_batch_size: int, steps: int,
   if same_kernels:
     optimizer = fused_lib.fuse(optimizer)
   optimizer.build(model.trainable_variables)
-  per_example = objectives.default_loss
+  # The Trainer's loss (its default, in Keras' floatx), so the floor
+  # computes what the Trainer computes.
+  per_example = objectives.Objective(model, metrics=[]).per_example_loss
   if same_kernels:  # Held in memory, as tfmgpu's device-resident data.
     x_all, y_all = tf.constant(arrays.x_train), tf.constant(arrays.y_train)
     rows = tf.constant(np.resize(
@@ -217,7 +219,7 @@ def prepare_floor(model_name, arrays, *, global_batch_size: int, steps: int,
 
   @tf.function
   def train(iterator, first_step, num_steps):
-    total = tf.constant(0.0)
+    total = tf.constant(0.0, objectives.loss_dtype())
     for i in tf.range(num_steps):
       if same_kernels:
         x = tf.gather(x_all, rows[first_step + i])
