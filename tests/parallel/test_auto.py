@@ -269,3 +269,30 @@ def test_zero_stages_are_weighed_and_chosen_when_whole_copies_do_not_fit(gpt):
   assert not by_label(tight, "mirrored n=4").fits
   assert tight.chosen.label == "mirrored n=4 zero 3"
   assert tight.chosen.options() == {"num_replicas": 4, "zero_stage": 3}
+
+
+def _bn_mlp(frozen):
+  import keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  x = inputs = keras.Input((784,))
+  for k in range(6):
+    x = keras.layers.Dense(256, name=f"dense_{k}")(x)
+    if k in (1, 4):
+      x = keras.layers.BatchNormalization(name=f"bn_{k}",
+                                          trainable=not frozen)(x)
+  return keras.Model(inputs, keras.layers.Dense(10, name="logits")(x))
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_pipeline_chosen_says_its_micro_batches_change_batchnorm(frozen):
+  """The plan chose a pipeline of 4 micro-batches for a model with
+  BatchNormalization and said nothing of it: each micro-batch normalises
+  its own rows (the pipeline warned only later, when built). A frozen
+  BatchNormalization uses its moving statistics: nothing to say."""
+  plan = auto.plan_layout(_bn_mlp(frozen), hardware(link_bytes_per_s=1e8),
+                          global_batch_size=64)
+  assert plan.chosen.label == "pipeline K=2 M=4 gpipe"
+  note = ("note: its 4 micro-batches change BatchNormalization's statistics "
+          "(bn_1, bn_4 normalise each micro-batch's rows by their own), so "
+          "training differs from the unsplit model's.")
+  assert (plan.table().splitlines()[-1] == note) != frozen

@@ -198,6 +198,7 @@ class AutoPlan:
     hardware: what was planned for.
     global_batch_size: examples per step.
     optimizer: the optimizer whose slots were counted.
+    notes: what the chosen layout changes in training, a line each.
   """
   candidates: tuple[Candidate, ...]
   chosen: Candidate
@@ -205,6 +206,7 @@ class AutoPlan:
   hardware: Hardware
   global_batch_size: int
   optimizer: str | int = "adam"
+  notes: tuple[str, ...] = ()
 
   def shown(self) -> list[Candidate]:
     """The candidates a table lists by default: none that another beats in
@@ -247,7 +249,7 @@ class AutoPlan:
       out.append(f"(+ {hidden} more weighed, each slower than a listed one "
                  "and using no less memory)")
     out.append(f"chosen: {self.chosen.label}. {self.reason}")
-    return "\n".join(out)
+    return "\n".join(out + list(self.notes))
 
   def __str__(self) -> str:
     return self.table()
@@ -442,4 +444,20 @@ def plan_layout(model: Any, hardware: Hardware, *, global_batch_size: int,
   chosen = candidates[0]
   return AutoPlan(tuple(candidates), chosen,
                   _reason(chosen, candidates, hardware), hardware,
-                  global_batch_size, optimizer)
+                  global_batch_size, optimizer, _notes(model, chosen))
+
+
+def _notes(model: Any, chosen: Candidate) -> tuple[str, ...]:
+  """What `chosen` changes in training: a pipeline's micro-batches each
+  normalise their own rows in a training BatchNormalization (the pipeline
+  warns again when it is built)."""
+  if chosen.micro_batches <= 1:
+    return ()
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  norms = pipeline.training_norms([model])
+  if not norms:
+    return ()
+  return (f"note: its {chosen.micro_batches} micro-batches change "
+          f"BatchNormalization's statistics ({', '.join(norms)} normalise "
+          "each micro-batch's rows by their own), so training differs from "
+          "the unsplit model's.",)
