@@ -712,3 +712,52 @@ def test_a_lookup_every_row_shares_trains_with_adam_as_one_device(
     placed.copy_weights_to(unsplit)
   for got, want in zip(unsplit.get_weights(), reference.get_weights()):
     np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+class RouterLoss(keras.layers.Layer):
+  """Adds a loss (a router's load balancing) in call()."""
+
+  def call(self, x):
+    self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+    return x
+
+
+@keras.saving.register_keras_serializable("tests")
+class _MoeLike(keras.layers.Layer):
+  """As keras_hub's MoE decoder: its sublayer, named by Keras, adds the
+  load-balancing loss."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.router = RouterLoss()  # Named by Keras: router_loss, _1, ...
+
+  def call(self, x):
+    return self.router(x)
+
+
+def test_losses_added_in_call_are_said_by_the_users_layer_names(caplog,
+                                                                cpu_devices):
+  """The warning named the stage model (which bore the name of its last
+  layer: 'moe', 'out') and the copies' sublayers, named by Keras anew
+  (Mixtral: 'mixtral_sparse_moe_block_2' for the user's
+  'mixtral_sparse_moe_block'); and it said nothing of a second model whose
+  stages bore the same names."""
+  def build():
+    x = keras.Input((6,))
+    h = keras.layers.Dense(6, name="reg", activity_regularizer="l2")(x)
+    h = keras.layers.Dense(6, name="mid")(_MoeLike(name="moe")(h))
+    return keras.Model(x, keras.layers.Dense(2, name="out")(h), name="user")
+
+  x = np.ones((8, 6), np.float32)
+  for _ in range(2):
+    caplog.clear()
+    model = PipelinedModel.from_model(
+        build(), num_stages=2, micro_batches=2, devices=cpu_devices[:2],
+        split_points=["mid"])
+    assert [s.name for s in model.stages] == ["user_stage_0", "user_stage_1"]
+    model.compute_loss_and_gradients(  # Eager: one step's forward.
+        x, np.zeros((8, 2), np.float32),
+        lambda y, y_pred: tf.reduce_mean(tf.square(y_pred - y)))
+    assert "Pipeline stage 0: losses added in call() by layers reg, moe are " \
+           "computed per micro-batch and averaged over the 2" in caplog.text
+    assert "Pipeline stage 1" not in caplog.text  # It adds none.

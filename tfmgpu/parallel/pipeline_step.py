@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -35,7 +36,6 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfmgpu import _compat
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import schedule as schedule_lib
@@ -206,7 +206,7 @@ class PipelineStep:
       objective = None
       calls = microbatch.call_losses(stage)
       if calls and self.micro_batches > 1:
-        _warn_call_losses(stage, self.micro_batches)
+        _warn_call_losses(stage, k, self.micro_batches)
       if calls:
         total = tf.add_n([tf.cast(tf.reduce_sum(l), keras.config.floatx())
                           for l in calls])
@@ -322,25 +322,27 @@ class PipelineStep:
     return shared.sum_by_variable(pairs)
 
 
-_WARNED: set[str] = set()
+_WARNED: "weakref.WeakSet[keras.Model]" = weakref.WeakSet()
 
 
-def _warn_call_losses(stage: keras.Model, micro_batches: int) -> None:
+def _warn_call_losses(stage: keras.Model, k: int, micro_batches: int) -> None:
   """Says once per stage (at trace time) that its call losses are averaged
   over micro-batches: exact for per-example means, not for a batch
-  statistic (a mixture-of-experts load-balancing loss)."""
-  if stage.name in _WARNED:
+  statistic (a mixture-of-experts load-balancing loss). Names the stage's
+  own layers that add them, copies named as the user's layers (a sublayer
+  of a copy bears a name of Keras' making: `mixtral_sparse_moe_block_2`
+  for the user's `mixtral_sparse_moe_block`)."""
+  if stage in _WARNED:
     return
-  _WARNED.add(stage.name)
-  adders = sorted({l.name for l in _compat.flatten_layers(stage)[1:]
-                   if l.losses and not any(
-                       s.losses for s in _compat.flatten_layers(l)[1:])})
+  _WARNED.add(stage)
+  adders = [l.name for l in stage.layers if microbatch.call_losses(l)]
   logging.warning(
-      "%s: losses added in call() (%s) are computed per micro-batch and "
-      "averaged over the %d micro-batches. That equals the whole batch's "
-      "loss when each is a mean over examples; a batch statistic (a "
-      "mixture-of-experts load-balancing loss) trains differently from the "
-      "unsplit model. Use micro_batches=1 (model parallelism) to train it "
-      "exactly.", stage.name, ", ".join(adders) or "activity regularisers",
+      "Pipeline stage %d: losses added in call() by %s are computed per "
+      "micro-batch and averaged over the %d micro-batches. That equals the "
+      "whole batch's loss when each is a mean over examples; a batch "
+      "statistic (a mixture-of-experts load-balancing loss) trains "
+      "differently from the unsplit model. Use micro_batches=1 (model "
+      "parallelism) to train it exactly.", k,
+      f"layers {', '.join(adders)}" if adders else "activity regularisers",
       micro_batches)
 

@@ -63,7 +63,7 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
   inputs, tensors = cloning.stage_inputs(graph, start, k)
   mine: dict[int, keras.layers.Layer] = {}  # A layer called twice: one copy.
   fresh: dict[int, keras.Model] = {}
-  for name, node in zip(graph.names[start:end], graph.nodes[start:end]):
+  for node_name, node in zip(graph.names[start:end], graph.nodes[start:end]):
     args, kwargs = node.arguments.fill_in(tensors)
     clone = mine.get(id(node.operation))
     first = clone is None
@@ -71,7 +71,7 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
       clone = mine[id(node.operation)] = cloning.copy_layer(
           graph, node.operation, fresh)
     if clones is not None:
-      clones[name] = clone
+      clones[node_name] = clone
     outputs = clone(*args, **kwargs)
     if first and isinstance(clone, keras.layers.Layer):  # Built now.
       cloning.settle(node.operation, clone)
