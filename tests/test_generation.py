@@ -3,6 +3,8 @@ keras_hub's own `generate`; seeded sampling repeats; data parallelism gives
 the unplaced tokens; the decode step traces once. Placed models:
 `test_generation_placed.py`."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -413,6 +415,33 @@ def test_cli_needs_a_prompt(byte_gpt_path, parsed_flags):
   with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt=None,
                            prompt_ids=None):
     with pytest.raises(app.UsageError, match="--prompt"):
+      generate.main(["generate"])
+
+
+@pytest.mark.parametrize("ids,match", [
+    # Said "bytes must be in range(0, 256)", naming no flag.
+    (["1", "300"], r"--prompt_ids=1,300 holds 300, but the model's "
+     r"vocabulary has 256 tokens \(ids 0\.\.255\)"),
+    (["1", "-5"], r"--prompt_ids=1,-5 holds -5; token ids are >= 0 "
+     r"\(indices into the vocabulary: 0\.\.255\)")])
+def test_cli_names_prompt_ids_outside_the_vocabulary(
+    byte_gpt_path, parsed_flags, capsys, ids, match):
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt=None,
+                           prompt_ids=ids, max_new_tokens=2):
+    assert generate.main(["generate"]) == 1
+  assert re.search("error: " + match, capsys.readouterr().err)
+
+
+def test_cli_takes_only_one_of_prompt_and_prompt_ids(byte_gpt_path,
+                                                     parsed_flags):
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt="x",
+                           prompt_ids=["1", "2"]):
+    with pytest.raises(app.UsageError, match="Give only one of --prompt"):
       generate.main(["generate"])
 
 

@@ -81,8 +81,10 @@ def main(argv: list[str]) -> int:
                          "runs/X/model.keras from python -m tfmgpu.train "
                          "--model_dir=runs/X.")
   planning = _MEMORY_PLAN.value or _SERVE.value
-  if _PROMPT.value is not None and _PROMPT_IDS.value is not None or (
-      not planning and _PROMPT.value is None and _PROMPT_IDS.value is None):
+  if _PROMPT.value is not None and _PROMPT_IDS.value is not None:
+    raise app.UsageError('Give only one of --prompt="text" or '
+                         '--prompt_ids=1,2,3, not both.')
+  if not planning and _PROMPT.value is None and _PROMPT_IDS.value is None:
     raise app.UsageError('Give one of --prompt="text" or --prompt_ids=1,2,3.')
   flags_lib.quiet_tensorflow()
   try:
@@ -90,7 +92,7 @@ def main(argv: list[str]) -> int:
       print(_serving_plan() if _SERVE.value else _memory_plan())
       return 0
     generator, as_text = _prepare()
-    prompt = _prompt_tokens(as_text)
+    prompt = _prompt_tokens(as_text, generator.adapter.vocab)
     return _write(generator, prompt, as_text)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -166,13 +168,17 @@ def _serving_plan() -> str:
                                    context=context)
 
 
-def _prompt_tokens(as_text: bool) -> list[int]:
+def _prompt_tokens(as_text: bool, vocab: int) -> list[int]:
+  """The prompt's token ids, each checked against the model's `vocab`."""
   if _PROMPT_IDS.value is not None:
+    from tfmgpu.generation import prompts  # pylint: disable=g-import-not-at-top
+    given = f"--prompt_ids={','.join(_PROMPT_IDS.value)}"
     try:
-      return [int(t) for t in _PROMPT_IDS.value]
+      ids = [int(t) for t in _PROMPT_IDS.value]
     except ValueError as e:
-      raise ValueError(f"--prompt_ids={','.join(_PROMPT_IDS.value)} must be "
-                       "integer token ids, e.g. 1,5,9.") from e
+      raise ValueError(f"{given} must be integer token ids, e.g. 1,5,9.") from e
+    prompts.check_ids(ids, vocab, given)
+    return ids
   if not as_text:
     raise ValueError("--prompt is text, and this model's vocabulary is not "
                      f"bytes ({BYTE_VOCAB} tokens): give --prompt_ids.")

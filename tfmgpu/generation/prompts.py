@@ -51,10 +51,22 @@ def _arrays(inputs: Any) -> tuple[np.ndarray, np.ndarray]:
   if not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"inputs token_ids has dtype {ids.dtype}; give integer "
                      "token ids.")
-  if (ids[mask] < 0).any():
-    raise ValueError(f"inputs token_ids holds {int(ids[mask].min())}; token "
-                     "ids are >= 0 (indices into the vocabulary).")
-  return ids.astype(np.int32), mask
+  return ids, mask
+
+
+def check_ids(ids: np.ndarray, vocab: int | None, what: str) -> None:
+  """Raises `ValueError` naming `what` if a token id in `ids` is negative or,
+  when `vocab` is given, not below it (a GPU's gather would read zeros)."""
+  ids = np.asarray(ids)
+  if not ids.size:
+    return
+  ids_range = f": 0..{vocab - 1}" if vocab else ""
+  if ids.min() < 0:
+    raise ValueError(f"{what} holds {int(ids.min())}; token ids are >= 0 "
+                     f"(indices into the vocabulary{ids_range}).")
+  if vocab and ids.max() >= vocab:
+    raise ValueError(f"{what} holds {int(ids.max())}, but the model's "
+                     f"vocabulary has {vocab} tokens (ids 0..{vocab - 1}).")
 
 
 def read(inputs: Any, max_new_tokens: int, max_positions: int | None,
@@ -71,10 +83,8 @@ def read(inputs: Any, max_new_tokens: int, max_positions: int | None,
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive "
                      "int, e.g. 32.")
   ids, mask = _arrays(inputs)
-  if vocab and (ids[mask] >= vocab).any():  # A GPU's gather reads zeros.
-    raise ValueError(f"inputs token_ids holds {int(ids[mask].max())}, but "
-                     f"the model's vocabulary has {vocab} tokens (ids "
-                     f"0..{vocab - 1}).")
+  check_ids(ids[mask], vocab, "inputs token_ids")
+  ids = ids.astype(np.int32)
   lengths = mask.sum(axis=1).astype(np.int32)
   right_padded = np.arange(mask.shape[1])[None, :] < lengths[:, None]
   bad = np.flatnonzero((mask != right_padded).any(axis=1) | (lengths == 0))
