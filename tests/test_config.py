@@ -132,6 +132,18 @@ def test_another_strategys_options_are_said_to_be_ignored(caplog,
       "strategy='mirrored': this run ignores it."], said
 
 
+def test_zero_stage_a_strategy_cannot_shard_is_refused_not_ignored(
+    caplog, monkeypatch):
+  """`--strategy=pipeline --zero_stage=1` warned that the run ignores it,
+  then refused it."""
+  from tfmgpu import config as config_lib  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(config_lib, "_SAID_UNUSED", set())
+  with pytest.raises(ValueError, match=r"zero_stage=1 is not supported by "
+                     r"strategy='pipeline'"):
+    TrainConfig(strategy="pipeline", zero_stage=1)
+  assert not [r for r in caplog.records if "zero_stage" in r.getMessage()]
+
+
 def test_layout_sizes_belong_to_the_layouts_that_take_them():
   with pytest.raises(ValueError, match=(
       r"tensor_parallel=2 is not an option of strategy='mirrored'; it shapes "

@@ -226,8 +226,9 @@ class RunSettings:
                             spec.choice_list())
     self._check_numbers()
     self._check_layout_sizes(distribution)
-    self._warn_unused_options(distribution)
+    # Refused before the warning that the run would ignore it.
     self._check_zero_stage(distribution)
+    self._warn_unused_options(distribution)
     # The run's distribution checks its options and cross-field rules.
     object.__setattr__(self, "_options", distribution.options_of(
         self.values_of(distribution.Options)))
