@@ -1,6 +1,7 @@
 """The training loop: resume, non-finite loss, callbacks, evaluation, summaries."""
 
 import glob
+import inspect
 import os
 
 import keras
@@ -268,6 +269,25 @@ def test_bad_arguments(digits):
   with pytest.raises(ValueError, match=r"BackupAndRestore.*Pass model_dir"):
     make_trainer(tfmgpu.get_strategy("default"), callbacks=[
         keras.callbacks.BackupAndRestore("unused_backup_dir")])
+
+
+def test_keras_argument_names_say_what_the_trainer_takes(digits):
+  """`fit(x, y, batch_size=32)` was Python's bare "unexpected keyword
+  argument"; Keras users type it first."""
+  trainer = make_trainer(tfmgpu.get_strategy("default"))
+  with pytest.raises(TypeError, match=r"Trainer\.fit\(\) got batch_size=32, "
+                     r"Keras' name: tfmgpu's Trainer takes "
+                     r"global_batch_size=32 \(examples per step over all "
+                     r"replicas\)"):
+    trainer.fit(*digits, epochs=1, batch_size=32)
+  with pytest.raises(TypeError, match=r"Trainer\.evaluate\(\) got "
+                     r"batch_size=16, .* global_batch_size=16"):
+    trainer.evaluate(*digits, batch_size=16)
+  with pytest.raises(TypeError, match=r"takes Trainer\(model, verbose=0, "):
+    trainer.fit(*digits, verbose=0)
+  with pytest.raises(TypeError, match=r"unexpected keyword argument 'epoch'"):
+    trainer.fit(*digits, epoch=1)
+  assert "global_batch_size" in inspect.signature(Trainer.fit).parameters
 
 
 @pytest.mark.parametrize("kind", ["dataset", "function", "unknown_length"])

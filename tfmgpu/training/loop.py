@@ -28,6 +28,7 @@ from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import coordinator
 from tfmgpu.training import execution as execution_lib
 from tfmgpu.training import inputs
+from tfmgpu.training import keras_names
 from tfmgpu.training import model_checks
 from tfmgpu.training import objectives
 from tfmgpu.training import optimizers
@@ -53,6 +54,7 @@ EXECUTIONS: dict[str, type[execution_lib.SyncExecution]] = {
 }
 
 
+@keras_names.explain_keras_names  # fit(batch_size=...) says global_batch_size.
 class Trainer:
   """Trains a Keras model with `strategy.run` steps, on any strategy: a thin
   front over one `TrainerOptions`, an execution's runner and evaluator
