@@ -1,5 +1,5 @@
-"""`workers.require_same_run` on a stand-in for the all-gather (the real
-one, two workers: tests/cluster/test_workers.py)."""
+"""`workers.require_same_run` and `require_same_start` on a stand-in for
+the all-gather (the real one, two workers: tests/cluster/test_workers.py)."""
 
 import numpy as np
 import pytest
@@ -77,6 +77,7 @@ def test_one_all_reduce_per_call_carries_stop_training_and_sigterm(
   monkeypatch.setattr(workers, "AnyWorker",
                       lambda s: _TwoWorkerVotes(s, other, log))
   monkeypatch.setattr(workers, "require_same_run", lambda *args: None)
+  monkeypatch.setattr(workers, "require_same_start", lambda *args: None)
   keras.utils.set_random_seed(0)
   model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
   trainer = Trainer(model, strategy=tf.distribute.get_strategy(), verbose=0,
@@ -95,3 +96,45 @@ def test_one_all_reduce_per_call_carries_stop_training_and_sigterm(
   else:
     assert fit().steps == 3
     assert log == [2, 2, 1, 2]  # The last step asks stop_training alone.
+
+
+class _OtherStart(workers.AnyWorker):
+  """`AnyWorker` as in a 2-worker run whose worker 1 restored nothing (its
+  own empty model_dir): its settings agree, its start is a fresh one."""
+
+  def __init__(self, strategy):
+    super().__init__(strategy)
+    self.collective = True
+
+  def rows(self, values):
+    fresh = np.array([-1, 0, 0, 0], np.int64)
+    return np.stack([values, fresh if len(values) == 4 else values])
+
+
+def test_a_worker_that_restored_another_checkpoint_stops_every_worker(
+    tmp_path, monkeypatch):
+  """The chief resumed at epoch 2 from ckpt-1 while worker 1, on its own
+  empty model_dir, started afresh: both trained in lock-step, silently,
+  mixed weights. Now every worker refuses after the restore, before any
+  step, naming each start and the shared model_dir it needs."""
+  import keras  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfmgpu.training.loop import Trainer  # pylint: disable=import-outside-toplevel
+  x, y = np.ones((16, 4), np.float32), np.zeros(16, np.int32)
+
+  def trainer():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    return Trainer(model, strategy=tf.distribute.get_strategy(), verbose=0,
+                   model_dir=str(tmp_path))
+  trainer().fit(x, y, epochs=1, global_batch_size=8)  # ckpt-1: 2 steps.
+  monkeypatch.setattr(workers, "AnyWorker", _OtherStart)
+  resumed = trainer()
+  with pytest.raises(workers.WorkersDisagreeError, match=(
+      r"resumed from different checkpoints: worker 0: ckpt-1 \(after 1 "
+      r"whole epoch, global step 2\); worker 1: no checkpoint \(a fresh "
+      r"start\)\. .* Every worker must see the chief's --model_dir: .*"
+      r"this worker read .*checkpoints\)")):
+    resumed.fit(x, y, epochs=2, global_batch_size=8)
+  assert int(resumed.optimizer.iterations.numpy()) == 2  # No step run.
+  assert not (tmp_path / "checkpoints" / "ckpt-2.index").exists()

@@ -37,7 +37,9 @@ same command to resume from the saved step. A worker killed without notice
 (SIGKILL, a crashed host) leaves the last checkpoint written.
 
 Multi-worker: every worker restores from the chief's directory
-(`model_dir/checkpoints`, which must be on a filesystem all workers see) and
+(`model_dir/checkpoints`, which must be on a filesystem all workers see:
+`workers.require_same_start` refuses a resume where they read different
+ones) and
 takes part in saving, but only the chief's files are kept: the others write
 to a temporary directory that `close()` removes, or else the garbage
 collector or the interpreter's exit (a finalizer: a Python run that never
@@ -136,7 +138,8 @@ _STATE = "checkpoint"  # TF's state file: which checkpoints a directory holds.
 _FILE = re.compile(r"^ckpt-(\d+)(?:\.|_temp)")  # A checkpoint's file or temp.
 
 
-def _number(path: str) -> int:
+def number_of(path: str) -> int:
+  """The number of checkpoint `path` (`ckpt-3` -> 3; -1 if not one)."""
   match = _FILE.match(os.path.basename(path) + ".")
   return int(match.group(1)) if match else -1
 
@@ -153,7 +156,7 @@ def _complete(directory: str) -> list[str]:
   """Prefixes of the checkpoints with an `.index` file, oldest first."""
   prefixes = [p[:-len(".index")] for p in
               glob.glob(os.path.join(glob.escape(directory), "ckpt-*.index"))]
-  return sorted((p for p in prefixes if _number(p) >= 0), key=_number)
+  return sorted((p for p in prefixes if number_of(p) >= 0), key=number_of)
 
 
 def _named_in_state(directory: str) -> list[str]:
@@ -215,7 +218,7 @@ def _keep_learning_rate(optimizer, given, path: str) -> None:
                  "to this run.", path, restored, given)
 
 
-def _position(p: Progress) -> str:
+def describe_position(p: Progress) -> str:
   """Where a checkpoint stands, in words (`after 4 whole epochs, ...`)."""
   if not p.epoch_step:
     whole = "epoch" if p.epoch == 1 else "epochs"
@@ -277,6 +280,7 @@ class Checkpointer:
     # of either kind restore with every object matched.
     self._saves = self.checkpoint.save_counter
     self._latest: str | None = None  # Restored or saved (the chief's name).
+    self.restored: str | None = None  # What `restore_latest` read, if any.
     self._last_number: int | None = None  # Highest number seen or used.
 
   @property
@@ -305,7 +309,7 @@ class Checkpointer:
     and named by its state file (which may name deleted ones)."""
     found = set(_complete(self.chief_directory))
     found.update(_named_in_state(self.chief_directory))
-    return sorted(found, key=_number, reverse=True)
+    return sorted(found, key=number_of, reverse=True)
 
   def restore_latest(self) -> int:
     """Restores the chief's newest checkpoint that reads back.
@@ -321,6 +325,7 @@ class Checkpointer:
       UnreadableCheckpointError: checkpoint files exist but none reads back.
     """
     self._last_number = max(_used_numbers(self.chief_directory), default=0)
+    self.restored = None
     slot_order.check(self.chief_directory, slot_order.order_of(self._model))
     optimizer = self.checkpoint.optimizer
     lr = _learning_rate_variable(optimizer)
@@ -343,8 +348,9 @@ class Checkpointer:
         raise self._moved_error() or self._other_run_error(
             path, str(e).splitlines()[0]) from e
       _keep_learning_rate(optimizer, given, path)
-      self._latest = path
-      logging.info("Resumed from %s: %s.", path, _position(self.progress))
+      self._latest = self.restored = path
+      logging.info("Resumed from %s: %s.", path,
+                   describe_position(self.progress))
       return self.progress.epoch
     self._check_nothing_left(skipped)
     return 0

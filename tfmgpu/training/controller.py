@@ -32,6 +32,7 @@ from tfmgpu.training import preemption as preemption_lib
 from tfmgpu.training import progress as progress_lib
 from tfmgpu.training import replica_state
 from tfmgpu.training import step_errors
+from tfmgpu.training import workers
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -250,14 +251,16 @@ class LoopOptions:
   any_worker: Callable[[bool], bool] = bool
 
 
-def _restore(ckpt: ckpt_lib.Checkpointer) -> int:
-  """`ckpt.restore_latest()`; then the run directory's record, if it waited
-  for a checkpoint to restore (`rundir.confirm_record`), is written."""
+def _restore(ckpt: ckpt_lib.Checkpointer, any_worker: Any) -> int:
+  """`ckpt.restore_latest()`, the same checkpoint on every worker
+  (`workers.require_same_start`); then the run directory's record, if it
+  waited for a checkpoint to restore (`rundir.confirm_record`), is written."""
   model_dir = os.path.dirname(ckpt.chief_directory)
   try:
     epoch = ckpt.restore_latest()
   except ckpt_lib.UnreadableCheckpointError as e:
     raise rundir.unconfirmed_error(model_dir, e) from e
+  workers.require_same_start(any_worker, ckpt)
   if ckpt.chief:
     rundir.confirm_record(model_dir)
   return epoch
@@ -292,12 +295,12 @@ class Controller:
 
     Raises:
       ValueError: a checkpoint saved further into an epoch than
-        `steps_per_epoch` allows.
+        `steps_per_epoch` allows; workers resumed from different ones.
       NonFiniteLossError: the loss or the weights became NaN/inf.
       PreemptedError: SIGTERM arrived (`watcher`); a checkpoint was saved.
     """
     ckpt = self.o.checkpointer
-    initial_epoch = _restore(ckpt) if ckpt else 0
+    initial_epoch = _restore(ckpt, self.o.any_worker) if ckpt else 0
     progress = ckpt.progress if ckpt else ckpt_lib.Progress()
     self._check_resume_point(progress, initial_epoch, steps_per_epoch)
     if initial_epoch >= epochs:

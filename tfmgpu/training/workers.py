@@ -11,7 +11,10 @@ Workers started by hand with different settings (another `--seed` or
 for, or hung (another `--epochs`). `require_same_run` gathers each worker's
 settings that change what trains (a number each: the value, or a hash of
 it) in one all-gather before the first step, and every worker refuses,
-naming the settings and each worker's value.
+naming the settings and each worker's value. `require_same_start` then
+checks, after the restore, that every worker resumed from the same
+checkpoint: a worker that cannot see the chief's `model_dir` started
+afresh beside a resumed chief, and the two trained mixed weights.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import strategies as strategies_lib
+from tfmgpu.training import checkpoints as ckpt_lib
 
 
 def is_collective_multi_worker(strategy: tf.distribute.Strategy) -> bool:
@@ -197,3 +201,47 @@ def require_same_run(any_worker: AnyWorker, settings: dict[str, Any]) -> None:
         "each other), so every worker stops before the first step. Start "
         "every worker with the same command and arguments, differing only "
         "in TF_CONFIG's task (python -m tfmgpu.launch does so).")
+
+
+def _start_words(row: np.ndarray) -> str:
+  """A worker's start (`start_row`) in words."""
+  number, epoch, epoch_step, step = (int(v) for v in row)
+  if number < 0:
+    return "no checkpoint (a fresh start)"
+  where = ckpt_lib.Progress(epoch, epoch_step, step)
+  return f"ckpt-{number} ({ckpt_lib.describe_position(where)})"
+
+
+def require_same_start(any_worker: Any, checkpointer: ckpt_lib.Checkpointer
+                       ) -> None:
+  """Every worker restored the same checkpoint (`checkpointer.restored`, at
+  the same position), or every worker raises. Nothing outside a
+  multi-worker run (`any_worker` an `AnyWorker` there).
+
+  A worker that cannot see the chief's `model_dir` (its own disk) starts
+  afresh while the chief resumes: they trained in lock-step, silently,
+  weights mixed of both, or crashed in a collective of another shape.
+
+  Raises:
+    WorkersDisagreeError: naming each worker's checkpoint and position.
+  """
+  if not getattr(any_worker, "collective", False):  # `bool` off a run.
+    return
+  restored = checkpointer.restored
+  p = checkpointer.progress if restored else ckpt_lib.Progress()
+  mine = [ckpt_lib.number_of(restored) if restored else -1, p.epoch,
+          p.epoch_step, p.step]
+  rows = any_worker.rows(np.array(mine, np.int64))
+  if (rows == rows[0]).all():
+    return
+  starts = "; ".join(f"worker {w}: {_start_words(row)}"
+                     for w, row in enumerate(rows))
+  raise WorkersDisagreeError(
+      "The workers of this multi_worker_mirrored run resumed from different "
+      f"checkpoints: {starts}. Trained so, they would mix the weights of "
+      "both starts (or crash in a collective), so every worker stops before "
+      "the first step. Every worker must see the chief's --model_dir: put "
+      "it on a filesystem every host shares (NFS, a cloud bucket), at a path "
+      "each worker is given (this worker read "
+      f"{checkpointer.chief_directory}), then run the same command again: "
+      "the checkpoints are left as they are.")
