@@ -172,7 +172,8 @@ class RunSettings:
       "runs/<time>-<strategy>.")
   checkpoint_every_steps: int | None = setting(
       None, "Also save a checkpoint every N global steps, not only per "
-      "epoch (a kill then loses < N steps).", lower_bound=1)
+      "epoch: where the first call of --steps_per_execution steps reaching "
+      "each multiple of N ends (parameter_server too).", lower_bound=1)
   checkpoint_every_s: float | None = setting(
       None, "Also save a checkpoint every N seconds of training, not only "
       "per epoch.", lower_bound=0.001)

@@ -169,6 +169,53 @@ def test_checkpoint_every_steps_saves_mid_epoch_and_a_kill_resumes_exactly(
     np.testing.assert_array_equal(a, b)
 
 
+class _Scheduled:
+  """A stand-in for `ClusterCoordinator`: each scheduled call's result."""
+
+  def __init__(self):
+    self.joins = []  # The steps of each call scheduled, per join.
+    self._calls = []
+
+  def schedule(self, fn, args):
+    del fn
+    n = int(args[1])
+    self._calls.append(n)
+    out = dict(loss=np.float32(n), count=np.float32(n),
+               loss_rows=np.float32(n), non_finite=np.float32(0))
+    return type("Result", (), {"fetch": lambda self: out})()
+
+  def join(self):
+    self.joins.append(self._calls)
+    self._calls = []
+
+
+def test_checkpoint_every_steps_is_kept_under_parameter_servers(tmp_path):
+  """The coordinator joined 4 calls per worker (80 steps with 2 workers and
+  steps_per_execution=10) and saves fall only between joins: a 40-step
+  epoch asked to save every 5 steps saved none mid-epoch. A join now ends
+  at the call reaching the next multiple, as a one-device run saves, its
+  steps split so that both workers run one call."""
+  from tfmgpu.training import coordinator  # pylint: disable=import-outside-toplevel
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  optimizer = keras.optimizers.SGD()
+  optimizer.build(model.trainable_variables)
+  scheduled = _Scheduled()
+  runner = coordinator.CoordinatorRunner(
+      scheduled, None, None, steps_per_execution=10,
+      calls_per_join=coordinator.CALLS_PER_WORKER_PER_JOIN * 2, workers=2)
+  ckpt = checkpoints.Checkpointer(str(tmp_path), tf.distribute.get_strategy(),
+                                  model=model, optimizer=optimizer,
+                                  max_to_keep=10)
+  controller_lib.Controller(runner, controller_lib.LoopOptions(
+      model=model, verbose=0, checkpointer=ckpt, checkpoint_every_steps=5,
+      summary_writer=tf.summary.create_noop_writer())).run(
+          epochs=1, steps_per_epoch=40)
+  assert scheduled.joins == [[5, 5]] * 4
+  assert [_position(str(tmp_path / "checkpoints" / f"ckpt-{n}"))
+          for n in _numbers(tmp_path)] == [
+              [0, 10, 10], [0, 20, 20], [0, 30, 30], [1, 0, 40]]
+
+
 def test_a_resumed_epoch_reports_the_loss_and_metrics_of_all_its_steps(
     digits, tmp_path):
   """The epoch resumed at step 2 reported the mean of its steps 3..6 only

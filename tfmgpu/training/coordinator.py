@@ -47,18 +47,23 @@ class CoordinatorRunner:
 
   One `run` schedules up to `calls_per_join` functions of
   `steps_per_execution` steps, waits for all of them (so step counts and
-  checkpoints are exact) and returns their sums.
+  checkpoints are exact) and returns their sums. A `run` of fewer steps
+  than one call per worker (the controller stops a join at a periodic
+  checkpoint) splits them into shorter calls, one per worker, so that no
+  worker idles through the join.
   """
 
   coordinator_only = True  # Only the coordinator catches SIGTERM.
 
   def __init__(self, coordinator, train_fn, iterator, *,
-               steps_per_execution: int, calls_per_join: int):
+               steps_per_execution: int, calls_per_join: int,
+               workers: int = 1):
     self.coordinator = coordinator
     self.train_fn = train_fn
     self.iterator = iterator
     self.steps_per_execution = steps_per_execution
     self.calls_per_join = calls_per_join
+    self.workers = max(workers, 1)
 
   def start_epoch(self, epoch: int, first_step: int) -> None:
     del epoch, first_step  # Workers read endless streams of their own.
@@ -66,8 +71,9 @@ class CoordinatorRunner:
   def run(self, done: int, limit: int) -> StepSums:
     del done
     scheduled, results = 0, []
+    per_call = min(self.steps_per_execution, -(-limit // self.workers))
     while len(results) < self.calls_per_join and scheduled < limit:
-      n = min(self.steps_per_execution, limit - scheduled)
+      n = min(per_call, limit - scheduled)
       results.append((n, self.coordinator.schedule(
           self.train_fn, args=(self.iterator, tf.constant(n)))))
       scheduled += n
@@ -136,7 +142,8 @@ class CoordinatorExecution(execution.SyncExecution):
         self._per_worker_iterator(plan.source, plan.global_batch_size,
                                   shuffle),
         steps_per_execution=self.options.steps_per_execution,
-        calls_per_join=CALLS_PER_WORKER_PER_JOIN * self.num_workers)
+        calls_per_join=CALLS_PER_WORKER_PER_JOIN * self.num_workers,
+        workers=self.num_workers)
 
   def evaluator(self) -> CoordinatorEvaluator:
     return CoordinatorEvaluator(self.strategy, self.model, self.objective,
