@@ -94,18 +94,28 @@ def _process_start(pid: int) -> float | None:
   return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
+def writer_is_gone(pid: int, mtime: float) -> bool:
+  """Whether process `pid`, which wrote something last changed at `mtime`,
+  is gone: it does not run, or runs but started after that (a reused PID).
+  `False` where processes cannot be asked about (no `/proc`)."""
+  if not os.path.isdir("/proc/self"):
+    return False
+  started = _process_start(pid)
+  return started is None or mtime < started - 1.0
+
+
 def _is_stale(name: str, mtime: float) -> bool:
-  """A temporary file whose writer is gone: its PID does not run, or runs
-  but started after the file was written (a reused PID). A name without a
-  PID (an older tfmgpu's) is stale when it is older than this process."""
+  """A temporary file whose writer is gone (`writer_is_gone`). A name
+  without a PID (an older tfmgpu's) is stale when it is older than this
+  process."""
   match = _TEMPORARY.match(name)
-  if not match or not os.path.isdir("/proc/self"):
-    return False  # Not ours, or no way to ask about processes here.
+  if not match:
+    return False  # Not ours.
   pid = match.group("pid") or match.group("kpid")
-  started = _process_start(int(pid) if pid else os.getpid())
-  if started is None:
-    return pid is not None  # Its writer no longer runs.
-  return mtime < started - 1.0
+  if pid is not None:
+    return writer_is_gone(int(pid), mtime)
+  started = _process_start(os.getpid())
+  return started is not None and mtime < started - 1.0
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:

@@ -4,6 +4,7 @@ import gc
 import glob
 import os
 import re
+import socket
 import types
 
 import keras
@@ -425,3 +426,39 @@ def test_a_workers_temporary_directory_goes_without_close(tmp_path):
   gc.collect()
   assert not os.path.exists(directory)
   assert not os.path.exists(tmp_path / "checkpoints" / "ckpt-1.index")
+
+
+def test_a_killed_workers_temporary_directory_goes_at_the_next_start(
+    tmp_path, monkeypatch):
+  """A non-chief worker SIGKILLed (no finalizer runs) left its
+  /tmp/tfmgpu-ckpt-* (a whole checkpoint copy) for good. Its name now
+  carries its PID and host; the next Checkpointer removes those whose
+  process is gone, and nothing else."""
+  monkeypatch.setattr(checkpoints.tempfile, "tempdir", str(tmp_path))
+  with open("/proc/sys/kernel/pid_max") as f:
+    dead = int(f.read()) + 1  # A PID no process can have.
+  host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+  names = {"stale": f"tfmgpu-ckpt-{dead}-{host}-k3j_x9a1",
+           "live": f"tfmgpu-ckpt-{os.getpid()}-{host}-abcdefgh",
+           "other host": f"tfmgpu-ckpt-{dead}-elsewhere-abcdefgh",
+           "older tfmgpu": "tfmgpu-ckpt-abcdefgh",
+           "not ours": f"other-{dead}-{host}-abcdefgh"}
+  for name in names.values():
+    os.makedirs(tmp_path / name)
+    open(tmp_path / name / "ckpt-1.index", "wb").close()
+  a_file = tmp_path / f"tfmgpu-ckpt-{dead}-{host}-afile123"
+  a_file.write_bytes(b"")
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec({"worker": ["a:1", "b:1"]}), task_type="worker",
+      task_id=1)
+  model, optimizer = _model_and_optimizer(0)
+  worker = checkpoints.Checkpointer(
+      str(tmp_path / "run"), types.SimpleNamespace(cluster_resolver=resolver),
+      model=model, optimizer=optimizer)
+  assert not (tmp_path / names.pop("stale")).exists()
+  assert all((tmp_path / name).is_dir() for name in names.values())
+  assert a_file.exists()
+  # Its own directory tells its PID and host the same way.
+  assert os.path.basename(worker.directory).startswith(
+      f"tfmgpu-ckpt-{os.getpid()}-{host}-")
+  worker.close()

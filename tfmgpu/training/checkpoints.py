@@ -43,7 +43,10 @@ ones) and
 takes part in saving, but only the chief's files are kept: the others write
 to a temporary directory that `close()` removes, or else the garbage
 collector or the interpreter's exit (a finalizer: a Python run that never
-called `Trainer.close()` left one per run in /tmp).
+called `Trainer.close()` left one per run in /tmp). A worker killed by
+SIGKILL runs neither: its directory (`tfmgpu-ckpt-PID-HOST-...`, a whole
+checkpoint copy) is removed by the next `Checkpointer` made on that host
+(`remove_stale_worker_copies`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ import glob
 import os
 import re
 import shutil
+import socket
+import stat
 import tempfile
 import weakref
 from collections.abc import Sequence
@@ -227,6 +232,53 @@ def describe_position(p: Progress) -> str:
           f"global step {p.step}")
 
 
+# A non-chief worker's copies: `tfmgpu-ckpt-PID-HOST-XXXXXXXX` in the
+# temporary directory (`mkdtemp`'s suffix has no "-").
+_WORKER_COPY = re.compile(r"^tfmgpu-ckpt-(?P<pid>\d+)-(?P<host>.+)-[^-]+$")
+
+
+def _host() -> str:
+  return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def _worker_copy_prefix() -> str:
+  """Names the worker's directory by its PID and host, so that a later
+  run can tell when it is left by a killed process."""
+  return f"tfmgpu-ckpt-{os.getpid()}-{_host()}-"
+
+
+def remove_stale_worker_copies(parent: str | None = None) -> list[str]:
+  """Deletes the temporary directories of non-chief workers that were
+  killed (SIGKILL runs no finalizer) in `parent` (the temporary directory):
+  only ours by name, made on this host and owned by this user, whose
+  process is gone (`files.writer_is_gone`). Logs and returns them; never
+  raises."""
+  parent = parent or tempfile.gettempdir()
+  removed = []
+  try:
+    names = os.listdir(parent)
+  except OSError:
+    return removed
+  for name in names:
+    match = _WORKER_COPY.match(name)
+    if not match or match.group("host") != _host():
+      continue
+    path = os.path.join(parent, name)
+    try:
+      info = os.lstat(path)
+    except OSError:
+      continue
+    if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+        and files.writer_is_gone(int(match.group("pid")), info.st_mtime)):
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(path)
+  if removed:
+    logging.warning("Removed %d temporary checkpoint director%s left by "
+                    "killed non-chief workers: %s.", len(removed),
+                    "y" if len(removed) == 1 else "ies", ", ".join(removed))
+  return removed
+
+
 class Checkpointer:
   """Saves and restores the model, optimizer and position of a run.
 
@@ -246,7 +298,9 @@ class Checkpointer:
     # from its own working directory (a relative runs/x failed there).
     self.chief_directory = os.path.join(os.path.abspath(model_dir),
                                         "checkpoints")
-    self._tmp = None if self.chief else tempfile.mkdtemp(prefix="tfmgpu-ckpt-")
+    remove_stale_worker_copies()
+    self._tmp = None if self.chief else tempfile.mkdtemp(
+        prefix=_worker_copy_prefix())
     self.directory = self.chief_directory if self.chief else self._tmp
     # Removed by `close()`, else when collected or at the interpreter's exit.
     self._remove_tmp = (weakref.finalize(self, shutil.rmtree, self._tmp,
