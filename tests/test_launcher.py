@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -69,6 +70,12 @@ for action in plan.get(name, plan.get("*", [])):
       except (ProcessLookupError, OSError, ValueError):
         break
       time.sleep(0.02)
+  elif what == "why":  # On SIGTERM, print the launcher's note, then exit.
+    def on_why(signum, frame):
+      with open(os.environ["TFMGPU_STOP_NOTE"]) as f:
+        print("WHY=" + f.read(), flush=True)
+      os._exit(143)
+    signal.signal(signal.SIGTERM, on_why)
   elif what == "trap":  # trap:FILE:CODE:DELAY -- log SIGTERM, wait, exit.
     log, code, delay = arg.rsplit(":", 2)
     def on_term(signum, frame, log=log, code=int(code), delay=float(delay)):
@@ -239,6 +246,22 @@ def test_failed_task_stops_the_others(tmp_path, action, task_code, exit_code,
   children = _child_pids(output)
   assert len(children) == 1
   assert all(_gone(pid) for pid in [*result.pids.values(), *children])
+
+
+@pytest.mark.parametrize("plan,why", [
+    ({"worker:1": ["wait:{ready}", "exit:3"]}, "worker:1 exited with code 3"),
+    ({"worker:1": ["why", _SLEEP]}, "its timeout_s=3 elapsed")])
+def test_stopped_tasks_are_told_why(tmp_path, plan, why):
+  """A task stopped after a peer failed logged "SIGTERM received" as for a
+  preemption notice; the launcher now writes why (`tfmgpu.stop_notes`)
+  before its SIGTERM, and removes the note at the end."""
+  ready = str(tmp_path / "ready")
+  plan["worker:1"] = [a.replace("{ready}", ready) for a in plan["worker:1"]]
+  _, output = _launch({"worker:0": ["why", f"touch:{ready}", _SLEEP], **plan},
+                      timeout_s=3)
+  assert f"[worker:0] WHY={why}\n" in output
+  assert not list(pathlib.Path(tempfile.gettempdir()).glob(
+      f"tfmgpu-stop-{os.getpid()}-*"))
 
 
 def test_task_ignoring_sigterm_is_killed_after_grace(tmp_path):

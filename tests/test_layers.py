@@ -37,6 +37,7 @@ LAYERS = {
     "tfmgpu/ports": 0,
     "tfmgpu/rundir": 0,
     "tfmgpu/settings": 0,
+    "tfmgpu/stop_notes": 0,
     "tfmgpu/tf_logs": 0,
     "tfmgpu/user_code": 0,
     # 1 registries

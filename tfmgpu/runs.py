@@ -30,6 +30,7 @@ from tfmgpu.parallel import placed_model
 from tfmgpu.placements import base as placements_base
 from tfmgpu.placements import model_parallel
 from tfmgpu.training import checkpoints as ckpt_lib
+from tfmgpu.training import lost_tasks
 from tfmgpu.training.loop import Trainer
 from tfmgpu.training.loop import TrainResult
 from tfmgpu.training.trainer_options import TrainerOptions
@@ -354,13 +355,18 @@ def _fit_and_test(trainer: Trainer, config: TrainConfig,
                   data: "data_lib.Arrays | data_lib.StreamedDataset | "
                   "data_lib.UserDatasets"
                   ) -> tuple[TrainResult, dict[str, float]]:
-  """`_fit_and_test_once`; a damaged file of a streamed dataset is named."""
+  """`_fit_and_test_once`; a damaged file of a streamed dataset is named,
+  and so is a task of the cluster that was lost (`lost_tasks`)."""
   try:
     return _fit_and_test_once(trainer, config, data)
   except tf.errors.DataLossError as e:
     if isinstance(data, data_lib.Arrays):
       raise
     raise data.explain_read_error(e) from None
+  except tf.errors.UnavailableError as e:
+    if not config.distribution.joins_cluster:
+      raise
+    raise lost_tasks.lost_task_error(e.message, trainer.checkpointer) from e
 
 
 def _fit_and_test_once(trainer: Trainer, config: TrainConfig,

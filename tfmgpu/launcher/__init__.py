@@ -16,8 +16,10 @@ Contract with the command:
   `TF_CONFIG`, the JSON TensorFlow's `TFConfigClusterResolver` reads
   (`{"cluster": {"chief": [...], "worker": [...], "ps": [...]},
   "task": {"type": "worker", "index": 0}}`), `TFMGPU_TASK` (the same task as
-  `"worker:0"`, for logs) and `PYTHONUNBUFFERED=1` (unless already set) so that
-  Python output streams live.
+  `"worker:0"`, for logs), `TFMGPU_STOP_NOTE` (the file where the launcher
+  says why it stops the tasks, before it does: `tfmgpu.stop_notes`) and
+  `PYTHONUNBUFFERED=1` (unless already set) so that Python output streams
+  live.
 * Multi-worker mirrored (`num_ps=0`): every task trains and must exit 0.
   `chief=True` adds a "chief" task, which TF treats as worker 0.
 * Parameter server (`num_ps>0`): the command reads its task type from

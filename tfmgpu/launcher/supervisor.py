@@ -26,7 +26,10 @@ TF_CONFIG contract) and waits:
   alive at the end is stopped, so no task or child of a task outlives the
   launcher -- unless the launcher itself is killed with SIGKILL.
 
-The launcher's own messages start with `[launcher] `.
+The launcher's own messages start with `[launcher] `. Before it stops the
+tasks it writes why (`worker:1 exited with code 1`, `its timeout_s=120
+elapsed`) to a note each task can read (`tfmgpu.stop_notes`), so that a
+task's SIGTERM says what it is.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TextIO
 
+from tfmgpu import stop_notes
 from tfmgpu.launcher import cluster_spec
 from tfmgpu.launcher import processes
 from tfmgpu.launcher.processes import Task
@@ -112,6 +116,7 @@ class _Run:
     self.first_failure: str | None = None
     self.coordinated = False  # Parameter servers with a coordinator.
     self.lost: list[str] = []  # Workers lost and tolerated.
+    self.note = stop_notes.new_path()  # Why tasks were stopped, for them.
     self._lock = threading.Lock()
 
   def write(self, text: str) -> None:
@@ -136,6 +141,7 @@ class _Run:
       task_env["TF_CONFIG"] = cluster_spec.tf_config_for(cluster, task_type,
                                                          index)
       task_env["TFMGPU_TASK"] = name
+      task_env[stop_notes.NOTE_ENV] = self.note
       task_env.setdefault("PYTHONUNBUFFERED", "1")
       self.tasks.append(
           Task.start(name, task_type, command, task_env, self.write))
@@ -169,6 +175,7 @@ class _Run:
         self.say(f"Timed out: timeout_s={timeout_s:g} elapsed with "
                  f"{len(running)} task(s) still running: "
                  f"{processes.names(running)}. Stopping them.")
+        stop_notes.write(self.note, f"its timeout_s={timeout_s:g} elapsed")
         self.stop(running)
         return Outcome.TIMED_OUT, EXIT_TIMEOUT
       time.sleep(_POLL_S)
@@ -177,6 +184,7 @@ class _Run:
     """Stops every task after a signal; 42 if the work all saved and left."""
     sig = self.signals[0]
     self.say(f"Received {signal.Signals(sig).name}; stopping all tasks.")
+    stop_notes.write(self.note, f"it received {signal.Signals(sig).name}")
     self.stop(self.running())
     if primaries and all(t.proc.returncode == _EXIT_PREEMPTED
                          for t in primaries):
@@ -210,6 +218,8 @@ class _Run:
         what += " No worker is left to run the coordinator's steps."
       self.say(what + (f" Stopping the other tasks: {processes.names(others)}."
                        if others else ""))
+      stop_notes.write(self.note,
+                       f"{task.name} {processes.describe_exit(code)}")
       self.stop(others)
       return code if code > 0 else 128 - code
     return None
@@ -266,6 +276,7 @@ class _Run:
       self.stop(leftovers)
     for task in self.tasks:
       task.reader.join(_DRAIN_S)
+    stop_notes.remove(self.note)
 
   def result(self, outcome: Outcome, exit_code: int,
              cluster: dict[str, list[str]], started: float) -> LaunchResult:

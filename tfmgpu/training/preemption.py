@@ -17,7 +17,12 @@ for it (and saves) until the watcher exits. A process that then exits with
 `EXIT_PREEMPTED` (the CLI) calls `hold_sigterm_after_preemption()` first, so
 that a second SIGTERM (a scheduler resending it, a launcher stopping the
 other tasks) is logged and ignored instead of killing it with 143 ("killed
-without saving") after the checkpoint was saved.
+without saving") after the checkpoint was saved. Likewise after training
+stopped because a peer task was lost (`tf.errors.UnavailableError`): the
+launcher's SIGTERM to the survivors no longer kills one before it said so
+(`tfmgpu.training.lost_tasks`). A SIGTERM that the launcher sent says why
+(`tfmgpu.stop_notes`: "SIGTERM from the launcher, which stops every task
+because worker:1 exited with code 1").
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfmgpu import in_graph
+from tfmgpu import stop_notes
 from tfmgpu.training import checkpoints as ckpt_lib
 from tfmgpu.training import workers
 
@@ -37,7 +43,8 @@ _HOLD_AFTER_PREEMPTION = False
 
 
 def hold_sigterm_after_preemption(hold: bool = True) -> None:
-  """Keeps SIGTERM ignored after a preemption save, until the process exits.
+  """Keeps SIGTERM ignored after a preemption save (or training stopped by a
+  lost peer task), until the process exits.
 
   For a process that exits with `EXIT_PREEMPTED` when `PreemptedError`
   reaches it (`python -m tfmgpu.train`): a watcher that stopped training for
@@ -91,6 +98,24 @@ def _ignore_after_save(signum, frame) -> None:
                   "ignored; exiting with code %d.", ckpt_lib.EXIT_PREEMPTED)
 
 
+def _ignore_after_loss(signum, frame) -> None:
+  del signum, frame
+  logging.warning("SIGTERM again after a peer task was lost: ignored while "
+                  "this process says so and exits.")
+
+
+def sigterm_words(note: str | None) -> str:
+  """What a SIGTERM to a training process means: a launcher's, with why it
+  stops the tasks (`note`, `tfmgpu.stop_notes`: another task ended), or
+  one from elsewhere (a scheduler's preemption notice)."""
+  if not note:
+    return ("SIGTERM received: saving a checkpoint at the next step "
+            "boundary, then stopping.")
+  return (f"SIGTERM from the launcher, which stops every task because "
+          f"{note}: saving a checkpoint at the next step boundary if the "
+          "tasks still answer, then stopping.")
+
+
 class PreemptionWatcher:
   """A context manager that turns SIGTERM into a flag checked between steps.
 
@@ -123,8 +148,7 @@ class PreemptionWatcher:
   def _on_sigterm(self, signum, frame) -> None:
     del signum, frame
     if not self._received.is_set() and not _INTERRUPTED.is_set():
-      logging.warning("SIGTERM received: saving a checkpoint at the next step "
-                      "boundary, then stopping.")
+      logging.warning("%s", sigterm_words(stop_notes.read()))
     self._received.set()
 
   def __enter__(self) -> "PreemptionWatcher":
@@ -143,8 +167,12 @@ class PreemptionWatcher:
     _WATCHING.remove(self)
     preempted = (self._stopping and exc_type is not None
                  and issubclass(exc_type, ckpt_lib.PreemptedError))
-    if preempted and _HOLD_AFTER_PREEMPTION:
-      signal.signal(signal.SIGTERM, _ignore_after_save)
+    # A lost peer: the launcher stops every task; this one says so first.
+    lost = exc_type is not None and issubclass(exc_type,
+                                               tf.errors.UnavailableError)
+    if (preempted or lost) and _HOLD_AFTER_PREEMPTION:
+      signal.signal(signal.SIGTERM,
+                    _ignore_after_save if preempted else _ignore_after_loss)
     else:
       signal.signal(signal.SIGTERM, self._previous)
 
