@@ -454,3 +454,63 @@ def test_a_compiled_metric_that_rebuilds_otherwise_is_not_reported(caplog):
   assert "threshold=-5.0 (copy: 0.5)" in caplog.text
   for name in ("_doubled_error", "mae"):
     np.testing.assert_allclose(result.history[name], want[name], rtol=1e-6)
+
+
+def _tiny_mse(y_true, y_pred):
+  """A loss whose float16 gradients underflow unless the loss is scaled."""
+  error = y_true - keras.ops.cast(y_pred, "float32")
+  return 1e-6 * keras.ops.mean(keras.ops.square(error), axis=-1)
+
+
+def _float16_mlp():
+  """A mixed_float16 MLP built as `models.build_model` builds one: the
+  policy set only while building, then restored to float32."""
+  keras.utils.set_random_seed(0)
+  with models.dtype_policy("mixed_float16"):
+    inputs = keras.Input((12,), name="x")
+    h = keras.layers.Dense(16, activation="tanh", name="d1")(inputs)
+    h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
+    return keras.Model(inputs, keras.layers.Dense(
+        1, name="head", dtype="float32")(h))
+
+
+@pytest.fixture(scope="module")
+def float16_reference():
+  """`(x, y, weights)`: Keras' compile and fit of `_float16_mlp` (a
+  LossScaleOptimizer), 2 steps of 16 rows."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 12)).astype("float32")
+  y = rng.normal(size=(32, 1)).astype("float32")
+  reference = _float16_mlp()
+  reference.compile(optimizer=keras.optimizers.SGD(1e4), loss=_tiny_mse)
+  reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  return x, y, reference.get_weights()
+
+
+@pytest.mark.parametrize("layout", ["staged", "pipelined", "data2_stages2"])
+def test_a_float16_model_split_over_devices_scales_its_loss(
+    layout, float16_reference):
+  """A placed model's own layers are its stage models, built under the
+  global float32 policy: the float16 check read only those, and the split
+  trained with a bare SGD whose float16 gradients underflowed. Now it
+  reads the layers they hold."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  x, y, expected = float16_reference
+  model = _float16_mlp()
+  cut = lambda: tfmgpu.plan_stages(model, 2, split_points=["d2"])
+  placed = {
+      "staged": lambda: tfmgpu.StagedModel(model, cut()),
+      "pipelined": lambda: tfmgpu.PipelinedModel(model, cut(),
+                                                 micro_batches=2),
+      "data2_stages2": lambda: hybrid.build_layout(
+          model, hybrid.Layout(data=2, stages=2), split_points=["d2"]),
+  }[layout]()
+  trainer = Trainer(placed, optimizer=keras.optimizers.SGD(1e4),
+                    loss=_tiny_mse, verbose=0, metrics=[])
+  assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+  trainer.fit(x, y, global_batch_size=16, epochs=1, shuffle=False)
+  placed.copy_weights_to(model)
+  # The weights move by 1e-2; unscaled they ended 4e-3 off, scaled 7e-6
+  # (micro-batches round otherwise in float16).
+  for a, b in zip(model.get_weights(), expected):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)

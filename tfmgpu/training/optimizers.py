@@ -201,8 +201,17 @@ def _whole_variable_use_of(optimizer: Any) -> str | None:
 
 
 def _uses_float16(model: "keras.Model") -> bool:
+  """Whether `model`, or any layer it holds at any depth, computes under
+  `mixed_float16` (Keras' `compile` asks the model's own policy).
+
+  At any depth: a placed model's own layers are the stage or shard models
+  it made, built under the global policy (float32 once a builder restored
+  it, as `models.build_model(mixed_precision=...)` does); the layers they
+  hold are the split model's, with its policies.
+  """
   return any(getattr(l, "dtype_policy", None) is not None
-             and l.dtype_policy.name == "mixed_float16" for l in model.layers)
+             and l.dtype_policy.name == "mixed_float16"
+             for l in _compat.flatten_layers(model))
 
 
 def _strategies_of(optimizer: Any) -> list[Any]:
