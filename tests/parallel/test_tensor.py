@@ -283,6 +283,37 @@ def test_split_attention_reads_the_inputs_keras_masks(cpu_devices):
                              build().predict(rows, verbose=0), atol=1e-6)
 
 
+def test_split_attention_clears_its_inputs_masks_as_keras_does(cpu_devices):
+  """Keras' MultiHeadAttention clears the Keras masks of its inputs, so the
+  residual `Add([h, attention(h)])` carries none and a second attention
+  applies only its `attention_mask`; the head-split copy kept them, and
+  the second one masked the padding too (0.066 off)."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+
+  def build():
+    keras.utils.set_random_seed(1)
+    ids = keras.Input((6,), dtype="int32", name="ids")
+    allowed = keras.Input((6, 6), dtype="bool", name="allowed")
+    h = keras.layers.Embedding(20, 8, mask_zero=True, name="emb")(ids)
+    h = keras.layers.Add()([h, keras.layers.MultiHeadAttention(
+        2, 4, name="a1")(h, h, use_causal_mask=True)])
+    h = keras.layers.Add()([h, keras.layers.MultiHeadAttention(
+        2, 4, name="a2")(h, h, attention_mask=allowed)])
+    return keras.Model({"ids": ids, "allowed": allowed}, h)
+
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, 20, (8, 6)).astype("int32")
+  for i, length in enumerate(rng.integers(2, 7, 8)):
+    ids[i, length:] = 0
+  allowed = rng.uniform(size=(8, 6, 6)) > 0.3
+  allowed[:, np.arange(6), np.arange(6)] = True
+  x = {"ids": ids, "allowed": allowed}
+  split = hybrid.build_layout(build(), hybrid.Layout(tensor=2),
+                              rules={"a1|a2": "heads"})
+  np.testing.assert_allclose(split.predict(x, verbose=0),
+                             build().predict(x, verbose=0), atol=1e-6)
+
+
 def test_heads_not_divisible_names_the_layer(cpu_devices):
   with pytest.raises(ValueError, match=(
       r"layer 'block0_attention' \(MultiHeadAttention, num_heads=2, "

@@ -16,6 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmgpu import _compat
 from tfmgpu.parallel.on_device import on_device
 from tfmgpu.parallel.shards import ShardedLayer
 from tfmgpu.parallel.shards import sliced_initializer
@@ -33,8 +34,8 @@ class HeadParallelAttention(ShardedLayer):
   partial outputs are summed on `devices[0]` with the output bias. Inputs
   of shape `(B, T, d)`; masks as `MultiHeadAttention`'s: the Keras masks
   of the inputs (`Embedding(mask_zero=True)`), `attention_mask` and
-  `use_causal_mask`, combined as it does; the output keeps the query's
-  mask. No dropout.
+  `use_causal_mask`, combined as it does; the inputs' masks cleared and
+  the output given the query's, as it does. No dropout.
   """
 
   def __init__(self, num_heads: int, key_dim: int, devices: Sequence[str],
@@ -109,9 +110,16 @@ class HeadParallelAttention(ShardedLayer):
   def call(self, query, value, key=None, query_mask=None, value_mask=None,
            key_mask=None, attention_mask=None, use_causal_mask=False,
            training=None):
-    # Keras fills `query_mask`, `value_mask`, `key_mask` from the inputs.
-    del training  # No dropout.
+    # Keras fills `value_mask` and `key_mask` from the inputs' Keras masks.
+    # As `MultiHeadAttention.call`: the query's mask is its tensor's (an
+    # argument is ignored), and the inputs' masks are cleared, so a later
+    # layer reading the same tensors (the residual `Add([x, attention(x)])`)
+    # sees none; the output takes the query's.
+    del query_mask, training  # No dropout.
     key = value if key is None else key
+    query_mask = _compat.get_keras_mask(query)
+    for x in (query, value, key):
+      _compat.set_keras_mask(x, None)
     mask = _attention_mask(query, value, attention_mask, use_causal_mask,
                            (query_mask, value_mask, key_mask))
     is_causal = bool(use_causal_mask) and mask is None
@@ -120,8 +128,11 @@ class HeadParallelAttention(ShardedLayer):
         t, q, k, v, *m, is_causal=is_causal), query, key, value, *extra,
                        name=f"{self.name}_shard{t}")
              for t, d in enumerate(self.devices)]
-    return on_device(self.devices[0], self._reduce, *parts,
-                     name=f"{self.name}_reduce")
+    output = on_device(self.devices[0], self._reduce, *parts,
+                       name=f"{self.name}_reduce")
+    if query_mask is not None:
+      _compat.set_keras_mask(output, query_mask)
+    return output
 
   def compute_output_spec(self, query, value, key=None, query_mask=None,
                           value_mask=None, key_mask=None, attention_mask=None,
