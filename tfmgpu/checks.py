@@ -173,3 +173,54 @@ def refuse_custom_steps(model: Any, label: str = "model") -> None:
         "tfmgpu.get_strategy('mirrored').scope(). To only serve it split, "
         "split a plain functional view of it: keras.Model(model.input, "
         "model.output).")
+
+
+def stateful_layers(model: Any) -> list[str]:
+  """The names of `model`'s stateful layers (`stateful=True`: Keras' RNNs,
+  a `Bidirectional` of them, `ConvLSTM2D`), at any depth; the layers
+  inside a stateful one are not named again."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
+  if not isinstance(model, keras.layers.Layer):
+    return []  # A SavedModel's serving function, say.
+  found, level = [], _compat.child_layers(model)
+  while level:
+    found += [l.name for l in level if getattr(l, "stateful", None) is True]
+    level = [c for l in level if getattr(l, "stateful", None) is not True
+             for c in _compat.child_layers(l)]
+  return found
+
+
+def refuse_stateful_layers(model: Any, layout: str,
+                           label: str = "model") -> None:
+  """Raises when `model` holds stateful RNN layers (`stateful_layers`)
+  and is to run `layout` (over several devices), which cannot keep their
+  state: Keras keeps it in variables of the layer's fixed batch size,
+  carried from each batch to the next; replicas would run their different
+  rows against the one state, and splits and shards run the layer without
+  it (or fail deep in Keras).
+
+  Args:
+    model: the Keras model to be placed, sharded or replicated.
+    layout: how it would run, after "cannot run", e.g. `"split by
+      StagedModel"` or `"under MirroredStrategy (2 replicas)"`.
+    label: what the user called it in the error (e.g. `"branches[1]"`).
+
+  Raises:
+    ValueError: naming the stateful layers, and what runs them.
+  """
+  names = stateful_layers(model)
+  if not names:
+    return
+  shown = ", ".join(repr(n) for n in names[:4]) + (
+      ", ..." if len(names) > 4 else "")
+  raise ValueError(
+      f"{label} {getattr(model, 'name', '')!r} has stateful RNN layers "
+      f"({shown}: stateful=True), which cannot run {layout}: Keras keeps "
+      "their state in variables of the layer's fixed batch size, carried "
+      "row by row from one batch to the next; replicas would run their "
+      "different rows against the one state, and splits and shards run "
+      "the layer without it. Stateful RNNs run on one device "
+      "(tfmgpu.Trainer(model) or tfmgpu.predict(model, x) with no strategy "
+      "of several replicas); or make them stateless (stateful=False) and "
+      "pass the state in with initial_state=...")

@@ -38,6 +38,7 @@ from tfmgpu.strategies import collective_keys
 from tfmgpu.training import replica_state
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
+from tfmgpu.training import model_checks
 from tfmgpu.training import resident
 from tfmgpu.training import string_inputs
 
@@ -159,6 +160,7 @@ class Predictor:
     self.model = model
     self.runner, self.strategy = _prepare_model(
         model, _resolve_strategy(model, strategy), precision)
+    model_checks.refuse_stateful_replicas(model, self.strategy)
     if self.runner is model:  # A copy took the first replica's values.
       replica_state.agree(model)
     self._handles = _handles(self.runner)

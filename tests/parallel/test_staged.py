@@ -739,6 +739,38 @@ def test_a_model_with_its_own_keras_step_is_refused_by_every_split(
   assert checks.overridden_steps(_mlp()) == []
 
 
+def test_a_model_with_stateful_rnns_is_refused_by_every_split(cpu_devices):
+  """Keras keeps a stateful RNN's state outside its weights: ZeRO ran the
+  model without it (weights 3.4e-3 off Keras on one device, predict 0.4
+  off), the splits failed deep in Keras ("the batch size must be
+  static"). Refused when made, naming the layer and what runs it."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import zero  # pylint: disable=g-import-not-at-top
+  x = keras.Input(batch_shape=(8, 5, 4))
+  h = keras.layers.Dense(6, name="pre")(x)
+  h = keras.layers.Bidirectional(keras.layers.LSTM(
+      6, stateful=True, name="lstm"), name="both_ways")(h)
+  model = keras.Model(x, keras.layers.Dense(3, name="head")(h), name="rnn")
+  splits = {
+      "StagedModel": lambda: StagedModel.from_model(model, num_stages=2),
+      "PipelinedModel": lambda: pipeline.PipelinedModel.from_model(
+          model, num_stages=2, micro_batches=2),
+      "TensorParallelModel": lambda: tensor.TensorParallelModel(
+          model, cpu_devices[:2]),
+      "the layout data 2": lambda: hybrid.build_layout(
+          model, hybrid.Layout(data=2, stages=2), devices=cpu_devices),
+      r"ZeRO \(ShardedModel, stage 1": lambda: zero.ShardedModel(
+          model, cpu_devices[:1], stage=1)}
+  for layout, split in splits.items():
+    with pytest.raises(ValueError, match=(
+        r"model 'rnn' has stateful RNN layers \('both_ways': stateful=True"
+        rf"\), which cannot run .*{layout}.*run on one device.*"
+        "initial_state")):
+      split()
+
+
 def test_weight_files_move_between_layouts_and_the_unsplit_model(
     tmp_path, cpu_devices):
   """A layout's `save_weights` (what Keras' ModelCheckpoint with

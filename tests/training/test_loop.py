@@ -501,3 +501,44 @@ def test_rows_no_global_batch_holds_are_named(caplog):
   assert said[0][1].startswith(
       "100 examples make 3 global batches of 32: each epoch trains 96 and "
       "leaves 4 out, always the last ones (shuffle=False)")
+
+
+def _stateful_rnn():
+  keras.utils.set_random_seed(0)
+  x = keras.Input(batch_shape=(8, 5, 4))
+  h = keras.layers.LSTM(6, stateful=True, name="lstm")(x)
+  return keras.Model(x, keras.layers.Dense(3, name="head")(h), name="rnn")
+
+
+def test_a_stateful_rnn_trains_as_keras_on_one_device_only():
+  """One device carries the state as Keras' fit and predict do; under
+  two replicas each ran its own rows against the one state (trained with
+  no error), and predict failed deep in Keras: refused up front."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 5, 4)).astype("float32")
+  y = rng.integers(0, 3, 32).astype("int32")
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  reference, model = _stateful_rnn(), _stateful_rnn()
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+  reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+  Trainer(model, optimizer=keras.optimizers.SGD(0.1), loss=loss, verbose=0,
+          metrics=[]).fit(x, y, global_batch_size=8, shuffle=False)
+  for a, b in zip(model.get_weights() + model.get_layer("lstm").states,
+                  reference.get_weights() + reference.get_layer("lstm").states):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(tfmgpu.predict(model, x, batch_size=8),
+                             reference.predict(x, batch_size=8, verbose=0),
+                             rtol=1e-6, atol=1e-7)
+  refused = r"model 'rnn' has stateful RNN layers \('lstm'.*cannot run {}"
+  with pytest.raises(ValueError, match=refused.format("under Mirrored")):
+    tfmgpu.predict(_stateful_rnn(), x, batch_size=16, strategy=tfmgpu
+                   .get_strategy("mirrored", num_replicas=2))
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+  with strategy.scope():
+    replicated = _stateful_rnn()
+  with pytest.raises(ValueError, match=refused.format(
+      r"under MirroredStrategy \(2 replicas\)")):
+    Trainer(replicated, strategy=strategy, loss=loss)
+  with pytest.raises(ValueError, match=r"batch_splits=2 cannot train model "
+                     r"'rnn' exactly: its stateful RNN layers \(lstm\)"):
+    Trainer(_stateful_rnn(), loss=loss, batch_splits=2)

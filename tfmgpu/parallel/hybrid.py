@@ -209,6 +209,7 @@ def build_layout(model: keras.Model, layout: Layout, *,
       split model would not call it).
   """
   checks.refuse_custom_steps(model)  # Before planning: fail fast.
+  checks.refuse_stateful_layers(model, f"in the layout {layout.label}")
   layout_maps.warn_if_keras_distribution("build_layout")
   if devices is None and plan is not None and layout.num_devices == \
       layout.stages:  # Stages alone: where the plan puts them.

@@ -189,7 +189,9 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
       ValueError: the plan does not match the model, or names a device that
         does not exist.
     """
-    checks.refuse_custom_steps(model if unsplit is None else unsplit)
+    source = model if unsplit is None else unsplit
+    checks.refuse_custom_steps(source)
+    checks.refuse_stateful_layers(source, f"split by {type(self).__name__}")
     super().__init__(name=name or f"{model.name}_staged", **kwargs)
     if not isinstance(plan, plan_lib.StagePlan):
       raise TypeError(f"plan={plan!r} is not a StagePlan; make one with "

@@ -293,6 +293,7 @@ class TensorParallelModel(cloning.UnsplitWeights,
       ValueError: see `tensor_parallel`.
     """
     checks.refuse_custom_steps(model)
+    checks.refuse_stateful_layers(model, "split by TensorParallelModel")
     super().__init__(name=name or f"{model.name}_tensor_parallel", **kwargs)
     if isinstance(devices, str) or not devices:
       raise ValueError(f"devices={devices!r} must be a non-empty list of "

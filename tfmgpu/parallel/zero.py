@@ -124,6 +124,8 @@ class ShardedModel(placed.PerDeviceGradientModel):
       raise ValueError(f"model {model.name!r} has no weights: build it (give "
                        "it a keras.Input or call it once) before sharding.")
     checks.refuse_custom_steps(model)
+    checks.refuse_stateful_layers(model, f"sharded by ZeRO (ShardedModel, "
+                                  f"stage {stage})")
     super().__init__(name=name or f"{model.name}_zero{stage}", **kwargs)
     self.unsplit = model
     self.stage = stage

@@ -48,6 +48,11 @@ def problem(model: keras.Model) -> str | None:
                          for l in _compat.flatten_layers(model)):
     return ("it adds losses of its own (regularizers or add_loss), which "
             "each slice would count again")
+  stateful = checks.stateful_layers(model)
+  if stateful:
+    return (f"its stateful RNN layers ({', '.join(stateful[:3])}) carry "
+            "the state of the whole batch's rows, which a slice does not "
+            "have")
   return None
 
 

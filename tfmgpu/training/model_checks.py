@@ -24,10 +24,12 @@ from tfmgpu.training import step as step_lib
 def check_model(model: keras.Model, strategy: tf.distribute.Strategy,
                 options: Any) -> None:
   """The checks of a `Trainer`'s model before its first step: built in
-  the strategy's scope, custom steps it will not call (a warning), and
-  `options.batch_splits` it can train with; a global Keras distribution,
-  which it ignores, said (a warning)."""
+  the strategy's scope, custom steps it will not call (a warning),
+  stateful RNNs only on one device, and `options.batch_splits` it can
+  train with; a global Keras distribution, which it ignores, said (a
+  warning)."""
   layout_maps.warn_if_keras_distribution("tfmgpu's Trainer")
+  refuse_stateful_replicas(model, strategy)
   check_built_in_scope(model, strategy)
   warn_about_custom_steps(model, options.loss)
   batch_splits_lib.check(model, options.batch_splits)
@@ -139,6 +141,19 @@ def check_built_in_scope(model: keras.Model,
         f"({type(strategy).__name__}, {strategy.num_replicas_in_sync} "
         "replicas): its variables would not be mirrored. Build it under "
         "`with strategy.scope():` (tfmgpu.build_model does this for you).")
+
+
+def refuse_stateful_replicas(model: keras.Model,
+                             strategy: tf.distribute.Strategy) -> None:
+  """Refuses stateful RNN layers (`checks.refuse_stateful_layers`) under a
+  strategy of several replicas, workers or parameter servers: each replica
+  would run its own rows against the one state (placed models refuse them
+  when they are made)."""
+  replicas = strategy.num_replicas_in_sync
+  if (replicas > 1 or strategies_lib.in_multi_worker_mode(strategy)
+      or isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)):
+    checks.refuse_stateful_layers(
+        model, f"under {type(strategy).__name__} ({replicas} replicas)")
 
 
 def warn_about_custom_steps(model: keras.Model, loss: Any = None) -> None:
