@@ -77,6 +77,27 @@ def test_an_output_with_a_keras_mask_is_refused_in_the_step():
     objective.per_example_loss(x, model(x))
 
 
+@pytest.mark.parametrize("layout", ["staged", "pipelined"])
+def test_a_split_models_output_is_named_as_the_users_layer(layout):
+  """A staged or pipelined model's one output was named 'output': the
+  masked-loss refusal named no layer of the user's, and a loss keyed by the
+  output layer's name (as Keras keys it) did not match."""
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  from tfmgpu.parallel import staged  # pylint: disable=g-import-not-at-top
+  inputs = keras.Input((4,))
+  h = keras.layers.Embedding(5, 3, mask_zero=True)(inputs)
+  h = keras.layers.Dense(4, name="hidden")(h)
+  model = keras.Model(inputs, keras.layers.Dense(5, name="tags")(h))
+  split = (staged.StagedModel.from_model(model, num_stages=2)
+           if layout == "staged" else pipeline.PipelinedModel.from_model(
+               model, num_stages=2, micro_batches=2))
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  objective = objectives.Objective(split, {"tags": loss})
+  x = np.array([[1, 2, 0, 0], [3, 0, 0, 0]])
+  with pytest.raises(ValueError, match="output 'tags' carries a Keras mask"):
+    objective.per_example_loss(x, model(x))
+
+
 def test_evaluation_loss_includes_regularisation_like_keras():
   keras.utils.set_random_seed(0)
   model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(

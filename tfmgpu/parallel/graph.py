@@ -60,11 +60,13 @@ def output_names(model: keras.Model) -> tuple[str, ...]:
   The dict's keys for a model returning a dict (a keras_hub `BertBackbone`
   returns `{"sequence_output": ..., "pooled_output": ...}`; Keras'
   `output_names` would name the layers that make them instead), the output
-  layers' names for a list, and `()` for a single output.
+  layers' names for a list, and a functional model's single output's (the
+  layer that makes it: the name a Trainer of the unsplit model gives it;
+  `()` for a Sequential's, which has no `output_names`).
   """
   flat = tf.nest.flatten(model.outputs)
   if len(flat) < 2:
-    return ()
+    return tuple(getattr(model, "output_names", None) or ())[:1]
   try:
     output = model.output
   except (AttributeError, ValueError):  # Sequential before its first call.
