@@ -319,8 +319,26 @@ def test_heads_not_divisible_names_the_layer(cpu_devices):
       r"layer 'block0_attention' \(MultiHeadAttention, num_heads=2, "
       r"key_dim=16\) matches a 'heads' tensor-parallel rule but cannot be "
       r"split over T=4 devices: num_heads=2 is not divisible by T=4\. "
-      r"Change the rules")):
+      r"Change the rules so they skip it, or use a T that divides its "
+      r"sizes\.")):
     tensor.tensor_parallel(_gpt(num_heads=2), cpu_devices[:4])
+
+
+@pytest.mark.parametrize("argument", [
+    dict(sliding_window=2), dict(use_gate=True), dict(output_shape=(6,)),
+    dict(kernel_regularizer="l2"), dict(kernel_constraint="max_norm")])
+def test_an_attention_argument_no_split_keeps_is_refused_without_another_t(
+    argument, cpu_devices):
+  """The refusal ended "or use a T that divides its sizes", which no T
+  helps with when the argument is what cannot split."""
+  inputs = keras.Input((8, 8))
+  h = keras.layers.MultiHeadAttention(2, 4, name="att", **argument)(
+      inputs, inputs)
+  with pytest.raises(ValueError, match=(
+      rf"split layers do not support {next(iter(argument))}\. Change the "
+      r"rules so they skip it\.$")):
+    tensor.tensor_parallel(keras.Model(inputs, h), cpu_devices[:2],
+                           rules={"att": "heads"})
 
 
 def test_rule_on_a_layer_norm_names_the_layer(cpu_devices):

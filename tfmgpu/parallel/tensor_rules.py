@@ -81,13 +81,15 @@ def rule_for(name: str, rules: Mapping[str, str]) -> str | None:
   return None
 
 
-def _cannot_split(layer, kind: str, T: int) -> str | None:
-  """Why `layer` cannot be split as `kind` over `T` devices, or `None`."""
+def _cannot_split(layer, kind: str, T: int) -> tuple[str, bool] | None:
+  """Why `layer` cannot be split as `kind` over `T` devices, and whether
+  another `T` could (only a size that `T` does not divide is in the way);
+  `None` when it can."""
   want = (keras.layers.MultiHeadAttention if kind == "heads"
           else keras.layers.Dense)
   if type(layer) is not want:  # pylint: disable=unidiomatic-typecheck
     return f"a {kind!r} rule splits a {want.__name__}, not a " + (
-        type(layer).__name__)
+        type(layer).__name__), False
   config = layer.get_config()
   extras = [k for k in ("kernel_regularizer", "bias_regularizer",
                         "activity_regularizer", "kernel_constraint",
@@ -98,14 +100,15 @@ def _cannot_split(layer, kind: str, T: int) -> str | None:
     extras += [k for k in ("use_gate", "dropout") if config.get(k)]
     if tuple(config.get("attention_axes") or (1,)) != (1,):
       extras.append("attention_axes")
-    if layer.num_heads % T:
-      return f"num_heads={layer.num_heads} is not divisible by T={T}"
-  elif kind == "column" and layer.units % T:
-    return f"units={layer.units} is not divisible by T={T}"
-  elif kind == "row" and layer.kernel.shape[0] % T:
-    return f"its input dim {layer.kernel.shape[0]} is not divisible by T={T}"
   if extras:
-    return f"split layers do not support {', '.join(extras)}"
+    return f"split layers do not support {', '.join(extras)}", False
+  if kind == "heads" and layer.num_heads % T:
+    return f"num_heads={layer.num_heads} is not divisible by T={T}", True
+  if kind == "column" and layer.units % T:
+    return f"units={layer.units} is not divisible by T={T}", True
+  if kind == "row" and layer.kernel.shape[0] % T:
+    return (f"its input dim {layer.kernel.shape[0]} is not divisible by "
+            f"T={T}", True)
   return None
 
 
@@ -128,13 +131,14 @@ def split_kinds(graph: graph_lib.ModelGraph, rules: Mapping[str, str],
     if kind is None:
       continue
     T = len(devices_of(layer.name))
-    why = _cannot_split(layer, kind, T)
-    if why:
+    cannot = _cannot_split(layer, kind, T)
+    if cannot:
+      why, by_size = cannot
       raise ValueError(
           f"layer {layer.name!r} ({type(layer).__name__}, {_sizes(layer)}) "
           f"matches a {kind!r} tensor-parallel rule but cannot be split over "
-          f"T={T} devices: {why}. Change the rules so they skip it, or use a "
-          "T that divides its sizes.")
+          f"T={T} devices: {why}. Change the rules so they skip it"
+          f"{', or use a T that divides its sizes' if by_size else ''}.")
     kinds[layer.name] = kind
   if not kinds:
     raise ValueError(
