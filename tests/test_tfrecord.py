@@ -424,3 +424,33 @@ def test_an_old_sidecar_without_sizes_is_checked_by_counting(tmp_path):
       rf"{re.escape(str(shard))} is damaged: it holds 5 records, "
       r"tfrecord.json lists 6")):
     tfrecord.open_source(str(tmp_path / "s")).to_arrays()
+
+
+def test_a_shard_cut_after_the_start_up_check_is_not_read_short(tmp_path):
+  """Cut (or a record appended) after `open_source` checked its size, as
+  while a run trains: each pass counts the records against the sidecar, in
+  the training stream (per shard) and in evaluation, and the error names
+  the shard (the stream read it short, with no warning)."""
+  tfrecord.write_shards(small_arrays(), str(tmp_path / "s"), num_shards=4)
+  source = tfrecord.open_source(str(tmp_path / "s"))
+  for split, records, how in (("train", 10, "cut"), ("test", 3, "grown")):
+    shard = tmp_path / "s" / f"{split}-00001-of-00004.tfrecord"
+    intact = shard.read_bytes()
+    if how == "grown":
+      shard.write_bytes(intact + intact[:len(intact) // records])
+    else:
+      _damage(shard, "cut at a record boundary", records=records)
+    fn = (source.train_dataset_fn(4) if split == "train"
+          else source.test_dataset_fn(4))
+    with pytest.raises(tf.errors.FailedPreconditionError) as short:
+      list(fn(None).take(20))  # Two data epochs of 40 rows (test: 12).
+    explained = source.explain_read_error(short.value)
+    assert isinstance(explained, tfrecord.DamagedShardError)
+    assert str(explained).startswith(
+        f"TFRecord shard {shard} is damaged: it holds "
+        f"{records + (1 if how == 'grown' else -1)} records, tfrecord.json "
+        f"lists {records}: it was cut or changed.")
+    shard.write_bytes(intact)
+  assert len(list(source.train_dataset_fn(4)(None).take(20))) == 20
+  other = tf.errors.FailedPreconditionError(None, None, "something else")
+  assert source.explain_read_error(other) is other

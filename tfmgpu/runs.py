@@ -355,13 +355,14 @@ def _fit_and_test(trainer: Trainer, config: TrainConfig,
                   data: "data_lib.Arrays | data_lib.StreamedDataset | "
                   "data_lib.UserDatasets"
                   ) -> tuple[TrainResult, dict[str, float]]:
-  """`_fit_and_test_once`; a damaged file of a streamed dataset is named,
-  and so is a task of the cluster that was lost (`lost_tasks`)."""
+  """`_fit_and_test_once`; a damaged file of a streamed dataset is named
+  (one that fails its checksums, or is read short or long), and so is a
+  task of the cluster that was lost (`lost_tasks`)."""
   try:
     return _fit_and_test_once(trainer, config, data)
-  except tf.errors.DataLossError as e:
-    if isinstance(data, data_lib.Arrays):
-      raise
+  except (tf.errors.DataLossError, tf.errors.FailedPreconditionError) as e:
+    if isinstance(data, (data_lib.Arrays, data_lib.UserDatasets)):
+      raise  # Nothing to explain it by (a user's dataset has no method).
     raise data.explain_read_error(e) from None
   except tf.errors.UnavailableError as e:
     if not config.distribution.joins_cluster:
