@@ -350,28 +350,34 @@ def test_training_on_flipped_bytes_names_the_shard_and_skips_it_if_asked(
   assert "Reading 3 train files (3000 examples), 4 test files" in caplog.text
 
 
-@pytest.mark.parametrize("how", ["cut at a record boundary"])
+@pytest.mark.parametrize("how", ["cut at a record boundary", "deleted"])
 def test_a_shard_damaged_while_training_is_named(shards, tmp_path, capsys,
                                                   monkeypatch, how):
   """Damaged after the start-up check (here: as the Trainer is made): a
   shard cut at a record boundary was read short, exit 0 with other
-  weights (fault trial n, repro_tfr_cut_midrun.sh)."""
+  weights; one deleted gave a 92-line NotFoundError traceback (fault trial
+  n, repro_tfr_cut_midrun.sh, repro_tfr_rm_midrun.sh)."""
   from tfmgpu import runs  # pylint: disable=g-import-not-at-top
   shard = _damaged_copy(shards, tmp_path, "train-00001-of-00004.tfrecord",
                         lambda data: data)
   record = os.path.getsize(shard) // 1000
 
   def damage_then_make(*args, make=runs.make_trainer, **kwargs):
-    with open(shard, "r+b") as f:
-      f.truncate(999 * record)
+    if how == "deleted":
+      os.remove(shard)
+    else:
+      with open(shard, "r+b") as f:
+        f.truncate(999 * record)
     return make(*args, **kwargs)
   monkeypatch.setattr(runs, "make_trainer", damage_then_make)
   with flagsaver.flagsaver(**TINY, dataset="tfrecord", model_dir=str(
       tmp_path / "run"), data_path=f"{tmp_path}/shards/*.tfrecord"):
     assert train.main(["train"]) == 1
+  why = ("it is missing (tfrecord.json lists it with 1000 examples)"
+         if how == "deleted" else "it holds 999 records, tfrecord.json lists "
+         "1000: it was cut or changed")
   assert _error_line(capsys) == (
-      f"error: TFRecord shard {shard} is damaged: it holds 999 records, "
-      "tfrecord.json lists 1000: it was cut or changed. Restore it, or "
+      f"error: TFRecord shard {shard} is damaged: {why}. Restore it, or "
       "rewrite the shards with python scripts/write_tfrecords.py; or train "
       "without it: --skip_damaged_shards (TFRecordSource("
       "skip_damaged_shards=True)).")

@@ -452,5 +452,6 @@ def test_a_shard_cut_after_the_start_up_check_is_not_read_short(tmp_path):
         f"lists {records}: it was cut or changed.")
     shard.write_bytes(intact)
   assert len(list(source.train_dataset_fn(4)(None).take(20))) == 20
-  other = tf.errors.FailedPreconditionError(None, None, "something else")
-  assert source.explain_read_error(other) is other
+  for other in (tf.errors.FailedPreconditionError(None, None, "other"),
+                tf.errors.NotFoundError(None, None, "No OpKernel ...")):
+    assert source.explain_read_error(other) is other  # Not a shard's.

@@ -363,6 +363,21 @@ def test_a_loader_may_return_a_tf_data_dataset_or_a_dataset_function(
     data.load_dataset(f"{path}:shapeless")
 
 
+def test_a_read_error_of_a_users_dataset_is_raised_as_it_is():
+  """A shard named by a streamed dataset's `explain_read_error`; a user's
+  `tf.data` has no such method (an AttributeError hid the error)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfmgpu import runs  # pylint: disable=g-import-not-at-top
+
+  class Fails:  # A stand-in Trainer whose data fails to read.
+    def fit(self, *args, **kwargs):
+      raise tf.errors.NotFoundError(None, None, "/data/part-3: gone")
+  user = data.UserDatasets("mine:fn", tf.data.Dataset.from_tensors(
+      (tf.zeros([2, 3]), tf.constant([0, 1]))))
+  with pytest.raises(tf.errors.NotFoundError, match="part-3: gone"):
+    runs._fit_and_test(Fails(), TrainConfig(), user)  # pylint: disable=protected-access
+
+
 @pytest.mark.slow
 def test_the_readme_command_trains_the_example_module(tmp_path, parsed_flags,
                                                       capsys, monkeypatch):

@@ -356,11 +356,12 @@ def _fit_and_test(trainer: Trainer, config: TrainConfig,
                   "data_lib.UserDatasets"
                   ) -> tuple[TrainResult, dict[str, float]]:
   """`_fit_and_test_once`; a damaged file of a streamed dataset is named
-  (one that fails its checksums, or is read short or long), and so is a
-  task of the cluster that was lost (`lost_tasks`)."""
+  (one that fails its checksums, is read short or long, or is deleted),
+  and so is a task of the cluster that was lost (`lost_tasks`)."""
   try:
     return _fit_and_test_once(trainer, config, data)
-  except (tf.errors.DataLossError, tf.errors.FailedPreconditionError) as e:
+  except (tf.errors.DataLossError, tf.errors.FailedPreconditionError,
+          tf.errors.NotFoundError) as e:
     if isinstance(data, (data_lib.Arrays, data_lib.UserDatasets)):
       raise  # Nothing to explain it by (a user's dataset has no method).
     raise data.explain_read_error(e) from None

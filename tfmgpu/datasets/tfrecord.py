@@ -218,8 +218,7 @@ class DamagedShardError(ValueError):
 def _size_problem(path: str, entry: dict[str, Any]) -> str | None:
   """Why `path` cannot be the shard `entry` lists, from its size alone."""
   if not os.path.exists(path):
-    return (f"it is missing ({SIDECAR} lists it with {entry['examples']} "
-            "examples)")
+    return _missing(entry["examples"])
   size, listed = os.path.getsize(path), entry.get("bytes")
   if listed is not None and size != listed:
     return (f"it is {size} bytes, {SIDECAR} lists {listed} bytes "
@@ -227,6 +226,10 @@ def _size_problem(path: str, entry: dict[str, Any]) -> str | None:
   if size == 0 and entry["examples"]:
     return f"it is empty ({SIDECAR} lists {entry['examples']} examples)"
   return None
+
+
+def _missing(examples: int) -> str:
+  return f"it is missing ({SIDECAR} lists it with {examples} examples)"
 
 
 def _data_loss_why(error: Exception) -> str:
@@ -266,9 +269,12 @@ def _shard_tensors(files: tuple[str, ...], counts: tuple[int, ...]
   return tf.constant(files), tf.constant(counts, tf.int64)
 
 
-def _is_read_error(error: Exception) -> bool:
-  """Whether `error` may come from a shard damaged while it was read: a
-  failed checksum, or another number of records than the sidecar lists."""
+def _is_read_error(error: Exception, paths: list[str]) -> bool:
+  """Whether `error` may come from one of the shards `paths` damaged while
+  it was read: a failed checksum, another number of records than the
+  sidecar lists, or a shard deleted (TF names it)."""
+  if isinstance(error, tf.errors.NotFoundError):
+    return any(p in str(error) for p in paths)
   return isinstance(error, tf.errors.DataLossError) or (
       isinstance(error, tf.errors.FailedPreconditionError)
       and _COUNT_MISMATCH.search(str(error)) is not None)
@@ -283,6 +289,8 @@ def scan_shard(path: str, expected: int) -> str | None:
       count += int(batch.shape[0])
   except tf.errors.DataLossError as e:
     return _data_loss_why(e)
+  except tf.errors.NotFoundError:
+    return _missing(expected)
   return _count_problem(count, expected)
 
 
@@ -535,11 +543,11 @@ class TFRecordSource:
     return np.concatenate(xs), np.concatenate(ys)
 
   def explain_read_error(self, error: Exception) -> Exception:
-    """A `DataLossError` of training or evaluation, or a shard that held
-    another number of records than the sidecar lists (`_is_read_error`), as
-    the damaged shard: reads each file through to find it (`error` itself
-    if none is, or for other errors)."""
-    if not _is_read_error(error):
+    """A `DataLossError` of training or evaluation, a shard that held
+    another number of records than the sidecar lists, or one deleted
+    (`_is_read_error`), as the damaged shard: reads each file through to
+    find it (`error` itself if none is, or for other errors)."""
+    if not _is_read_error(error, [*self.train.files, *self.test.files]):
       return error
     for part in (self.train, self.test):
       for path, expected in zip(part.files, part.counts):
