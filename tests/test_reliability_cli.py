@@ -182,6 +182,45 @@ def test_only_the_chief_takes_the_lock_and_writes_the_record():
 # -------------------------------------------------------------- predict
 
 
+def test_sigterm_in_the_final_evaluation_says_what_is_kept_and_exits_42(
+    tmp_path, capsys, monkeypatch):
+  """SIGTERM after training (the final evaluation; likewise the save of
+  model.keras) killed the CLI with 143, no word, and left run.lock (fault
+  trial n, repro_term_after_training.sh)."""
+  import signal  # pylint: disable=g-import-not-at-top
+  from tfmgpu.training import loop  # pylint: disable=g-import-not-at-top
+  evaluate = loop.Trainer.evaluate
+
+  def terminated(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return evaluate(self, *args, **kwargs)
+  monkeypatch.setattr(loop.Trainer, "evaluate", terminated)
+  model_dir = tmp_path / "run"
+
+  def killed(signum, frame):  # What SIGTERM did: kill (not the test).
+    pytest.fail("SIGTERM reached the default handler: exit 143")
+  previous = signal.signal(signal.SIGTERM, killed)
+  try:
+    with flagsaver.flagsaver(**TINY, model_dir=str(model_dir)):
+      assert train.main(["train"]) == 42
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert _error_line(capsys) == (
+      "error: Preempted: SIGTERM reached this process outside the training "
+      "steps (before them, in the final evaluation or while model.keras was "
+      f"saved) and stopped it at once. The checkpoints in {model_dir} are "
+      "kept, the latest with the weights trained so far (model.keras is "
+      "written whole or not at all). Run the same command again to resume; "
+      "once training is done it evaluates and saves the model (python -m "
+      "tfmgpu.train exits with code 42).")
+  assert sorted(os.listdir(model_dir)) == [
+      "checkpoints", "run.json", "summaries"]  # No run.lock.
+  monkeypatch.setattr(loop.Trainer, "evaluate", evaluate)
+  with flagsaver.flagsaver(**TINY, model_dir=str(model_dir)):
+    assert train.main(["train"]) == 0  # Nothing to train: evaluates, saves.
+  assert (model_dir / "model.keras").exists()
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("model") / "m.keras")

@@ -19,7 +19,9 @@ In a cluster (TF_CONFIG), every task runs the same command; the "ps" and
 
 Exit codes: 0 done; 1 bad input or a training error (the message says which);
 42 (`checkpoints.EXIT_PREEMPTED`) stopped by SIGTERM or Ctrl-C after
-saving a checkpoint: run the same command again to resume; 130 a second
+saving a checkpoint (or by SIGTERM outside the training steps, e.g. in the
+final evaluation, keeping the checkpoints): run the same command again to
+resume; 130 a second
 Ctrl-C (stopped at once; the checkpoints saved before are kept).
 """
 
@@ -242,10 +244,14 @@ def _train_once(config: config_lib.TrainConfig) -> tuple[int, str]:
   # leaves SIGTERM ignored until this process exits (only for this call).
   preemption.hold_sigterm_after_preemption()
   preemption.interrupt_saves()  # Ctrl-C saves as SIGTERM does.
+  preemption.sigterm_stops_at_once()  # Outside the steps: 42, not 143.
   try:
     summary = runs.run_training(config)
   except checkpoints.PreemptedError as e:
     return _failed(checkpoints.EXIT_PREEMPTED, str(e))
+  except preemption.SigtermOutsideSteps:
+    return _failed(checkpoints.EXIT_PREEMPTED, _stopped_outside_steps(
+        config.model_dir))
   except KeyboardInterrupt:
     return _failed(130, "interrupted (Ctrl-C) at once: the checkpoints "
                    f"already in {config.model_dir or 'the run directory'} "
@@ -257,8 +263,19 @@ def _train_once(config: config_lib.TrainConfig) -> tuple[int, str]:
   finally:
     preemption.hold_sigterm_after_preemption(False)
     preemption.interrupt_saves(False)
+    preemption.sigterm_stops_at_once(False)
   print("\n" + str(summary), flush=True)
   return 0, "The chief's run finished (its summary is in the chief's log)."
+
+
+def _stopped_outside_steps(model_dir: str) -> str:
+  return ("Preempted: SIGTERM reached this process outside the training "
+          "steps (before them, in the final evaluation or while model.keras "
+          f"was saved) and stopped it at once. The checkpoints in {model_dir} "
+          "are kept, the latest with the weights trained so far (model.keras "
+          "is written whole or not at all). Run the same command again to "
+          "resume; once training is done it evaluates and saves the model "
+          "(python -m tfmgpu.train exits with code 42).")
 
 
 def _failed(code: int, message: str) -> tuple[int, str]:

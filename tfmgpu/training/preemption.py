@@ -12,6 +12,10 @@ clusters. One tiny all-reduce per `tf.function` call (which also carries
 a callback's `stop_training`) does the same job through the existing
 `Checkpointer`.
 
+Outside the training steps (before them, in the final evaluation, while
+the model is saved) the CLI stops at once on SIGTERM and exits 42 too
+(`sigterm_stops_at_once`): the checkpoints hold what was trained.
+
 Exit 42 stays 42: SIGTERM is only recorded from the moment training stops
 for it (and saves) until the watcher exits. A process that then exits with
 `EXIT_PREEMPTED` (the CLI) calls `hold_sigterm_after_preemption()` first, so
@@ -90,6 +94,41 @@ def _interrupt_as_sigterm(signum, frame) -> None:
                   "then stopping (Ctrl-C again stops at once).")
   _INTERRUPTED.set()
   os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SigtermOutsideSteps(BaseException):
+  """SIGTERM reached a CLI run outside its training steps (before them, in
+  the final evaluation, while `model.keras` was saved): it stopped at once,
+  as Ctrl-C does (`sigterm_stops_at_once`). A `BaseException`, like
+  `KeyboardInterrupt`, so that no `except Exception` swallows it."""
+
+
+def sigterm_stops_at_once(on: bool = True) -> None:
+  """For a process that exits with `EXIT_PREEMPTED` (the train CLI):
+  SIGTERM outside a `PreemptionWatcher` (which saves at a step boundary)
+  raises `SigtermOutsideSteps` in the main thread instead of killing the
+  process with 143 and no word; the checkpoints already saved are kept. A
+  second SIGTERM while it stops is logged and ignored. Main thread only;
+  `False` restores the default handler (unless it fired: then SIGTERM
+  stays ignored until the process exits)."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  if on:
+    signal.signal(signal.SIGTERM, _stop_at_once)
+  elif signal.getsignal(signal.SIGTERM) is _stop_at_once:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _stop_at_once(signum, frame) -> None:
+  del signum, frame
+  signal.signal(signal.SIGTERM, _ignore_while_stopping)
+  raise SigtermOutsideSteps()
+
+
+def _ignore_while_stopping(signum, frame) -> None:
+  del signum, frame
+  logging.warning("SIGTERM again while stopping for the first: ignored; "
+                  "exiting with code %d.", ckpt_lib.EXIT_PREEMPTED)
 
 
 def _ignore_after_save(signum, frame) -> None:
