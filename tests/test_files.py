@@ -73,6 +73,27 @@ def test_a_full_disk_says_disk_full_and_names_the_path(error):
       "same command again.")
 
 
+@pytest.mark.parametrize("error,said", [
+    (OSError(errno.EFBIG, "File too large"),
+     "file-size limit reached while writing /data/p.npy (File too large): "
+     "raise the limit (ulimit -f shows it) or write to another filesystem, "
+     "and run the same command again."),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"),
+     "disk quota exceeded while writing /data/p.npy (Disk quota exceeded): "
+     "free space within your quota (or write elsewhere) and run the same "
+     "command again."),
+])
+def test_a_file_size_limit_or_a_quota_says_which(error, said):
+  """`ulimit -f`: a raw 'File too large' traceback from a checkpoint write
+  (TF's errors carry the words only, no errno)."""
+  assert files.describe_os_error(error, "/data/p.npy") == said
+  for words, code in (("ckpt-1_temp/part-0; File too large", errno.EFBIG),
+                      ("x.tempstate1; Disk quota exceeded", errno.EDQUOT),
+                      ("y; No space left on device", errno.ENOSPC),
+                      ("Permission denied", None)):
+    assert files.no_room(RuntimeError(words)) == code  # TF's OpError.
+
+
 def test_other_os_errors_name_the_path_and_reason():
   error = PermissionError(errno.EACCES, "Permission denied", "/x/y")
   assert files.describe_os_error(error) == (

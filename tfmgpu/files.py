@@ -13,7 +13,8 @@ directory, and for a run directory when a run opens it) deletes those
 whose writer is gone.
 
 `describe_os_error` turns an `OSError` into one sentence naming the path
-and what to do; a full disk says "disk full".
+and what to do; a full disk says "disk full", a quota or a file-size limit
+(`ulimit -f`) says which (`no_room`).
 
 Importing this module imports nothing heavy.
 """
@@ -28,8 +29,19 @@ from typing import Any, BinaryIO, Callable
 
 from absl import logging
 
-# errnos that mean "no room": a full filesystem or an exhausted quota.
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# The limits a write runs into ("no room"): errno -> (what it is, what to
+# do). TF's errors carry only the text (strerror), matched in `_NO_ROOM_TEXT`.
+_NO_ROOM = {
+    errno.ENOSPC: ("disk full", "free space on that filesystem (or write "
+                   "elsewhere)"),
+    errno.EDQUOT: ("disk quota exceeded", "free space within your quota (or "
+                   "write elsewhere)"),
+    errno.EFBIG: ("file-size limit reached", "raise the limit (ulimit -f "
+                  "shows it) or write to another filesystem,"),
+}
+_NO_ROOM_TEXT = {"No space left on device": errno.ENOSPC,
+                 "Disk quota exceeded": errno.EDQUOT,
+                 "File too large": errno.EFBIG}
 
 
 def fsync_path(path: str) -> None:
@@ -44,17 +56,26 @@ def fsync_path(path: str) -> None:
 fsync_directory = fsync_path
 
 
-def is_disk_full(error: BaseException) -> bool:
-  """Whether `error` means the disk (or quota) is full.
-
-  Also a short write without an errno (numpy's "10000 requested and 4064
-  written"), which on a regular file means the same.
+def no_room(error: BaseException) -> int | None:
+  """The limit `error` ran into, as an errno: `ENOSPC` (the disk is full),
+  `EDQUOT` (the quota), `EFBIG` (a file-size limit: `ulimit -f`); `None`
+  for other errors. By errno, or by its words (TF's errors carry no
+  errno). A short write without an errno (numpy's "10000 requested and
+  4064 written") is `ENOSPC`: on a regular file it means the same.
   """
-  if isinstance(error, OSError) and error.errno in _NO_SPACE:
-    return True
+  if isinstance(error, OSError) and error.errno in _NO_ROOM:
+    return error.errno
   text = str(error)
-  return ("requested and" in text and "written" in text) or (
-      "No space left on device" in text)
+  if "requested and" in text and "written" in text:
+    return errno.ENOSPC
+  return next((code for words, code in _NO_ROOM_TEXT.items()
+               if words in text), None)
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether `error` means there is no room to write: the disk or the quota
+  is full, or a file-size limit is reached (`no_room`)."""
+  return no_room(error) is not None
 
 
 def describe_os_error(error: OSError, path: str | None = None) -> str:
@@ -66,10 +87,12 @@ def describe_os_error(error: OSError, path: str | None = None) -> str:
       `filename`.
   """
   path = path or error.filename or "?"
-  if is_disk_full(error):
+  limit = no_room(error)
+  if limit is not None:
+    what, fix = _NO_ROOM[limit]
     why = f" ({error.strerror})" if error.strerror else ""
-    return (f"disk full while writing {path}{why}: free space on that "
-            "filesystem (or write elsewhere) and run the same command again.")
+    return (f"{what} while writing {path}{why}: {fix} and run the same "
+            "command again.")
   why = error.strerror or str(error) or type(error).__name__
   return f"cannot write {path} ({why}): check the path and its permissions."
 

@@ -310,6 +310,20 @@ def test_a_full_disk_while_saving_names_the_directory_and_keeps_the_rest(
       str(full.value))
   assert _numbers(tmp_path) == [1]
   assert not glob.glob(str(tmp_path / "checkpoints" / "ckpt-2*"))  # Freed.
+  # A file-size limit (ulimit -f) or a quota: TF says so in words only (a
+  # raw OutOfRangeError 'File too large' traceback before).
+  for error, code in ((tf.errors.OutOfRangeError, errno.EFBIG),
+                      (tf.errors.UnknownError, errno.EDQUOT)):
+    def limited(self, prefix, *args, error=error, code=code, **kwargs):
+      raise error(None, None, f"{prefix}_temp/part; {os.strerror(code)}")
+    monkeypatch.setattr(tf.train.Checkpoint, "write", limited)
+    with pytest.raises(OSError) as full:
+      trainer.checkpointer.save(2)
+    assert (full.value.errno, full.value.filename) == (
+        code, str(tmp_path / "checkpoints"))
+    assert re.fullmatch(rf"{os.strerror(code)}; ckpt-\d+ was not saved, "
+                        "the checkpoints before it are intact",
+                        full.value.strerror)
   monkeypatch.setattr(tf.train.Checkpoint, "write", real_write)
   assert make_trainer(tmp_path).checkpointer.restore_latest() == 1
 

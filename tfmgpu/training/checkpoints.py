@@ -533,15 +533,18 @@ class Checkpointer:
     """Writes checkpoint `prefix`; on failure deletes what it wrote.
 
     Raises:
-      OSError: the write failed; `errno.ENOSPC` when the disk is full.
+      OSError: the write failed; `errno.ENOSPC` when the disk is full,
+        `EDQUOT` / `EFBIG` at a quota / file-size limit (`files.no_room`).
     """
     try:
       return self.checkpoint.write(prefix)
     except (tf.errors.OpError, OSError) as e:
       _delete(prefix)  # Never named: its partial files only take space.
-      if isinstance(e, tf.errors.ResourceExhaustedError) or files.is_disk_full(
-          e):
-        raise OSError(errno.ENOSPC, "No space left on device; "
+      limit = files.no_room(e) or (
+          errno.ENOSPC if isinstance(e, tf.errors.ResourceExhaustedError)
+          else None)
+      if limit is not None:
+        raise OSError(limit, f"{os.strerror(limit)}; "
                       f"{os.path.basename(prefix)} was not saved, the "
                       "checkpoints before it are intact", self.directory
                       ) from e
