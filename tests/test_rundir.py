@@ -282,6 +282,39 @@ def test_a_portable_run_may_resume_in_another_portable_layout(tmp_path):
                                               zero_stage=3, seed=1))
 
 
+def test_a_model_dir_deleted_while_its_run_lives_gets_lock_and_record_back(
+    tmp_path, caplog):
+  """The whole model_dir deleted mid-run: the checkpoints recreated it
+  without run.lock and run.json, silently, and a second run could take it
+  (fault trial n)."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  model_dir = tmp_path / "run"
+  rundir.open_run(str(model_dir), _record()).release()
+  _with_checkpoint(model_dir)
+  recorded = (model_dir / rundir.RECORD_NAME).read_text()
+  lock = rundir.open_run(str(model_dir), _record())  # A resume.
+  assert not rundir.keep_run_dir(str(model_dir))  # All there: nothing.
+  shutil.rmtree(model_dir)
+  assert rundir.keep_run_dir(str(model_dir))
+  assert f"{model_dir} lost its run.lock and run.json while this run " in (
+      caplog.text)
+  assert (model_dir / rundir.RECORD_NAME).read_text() == recorded
+  info = json.loads((model_dir / rundir.LOCK_NAME).read_text())
+  assert info["pid"] == os.getpid()
+  fd = os.open(model_dir / rundir.LOCK_NAME, os.O_RDWR)
+  try:  # Held again: a second run refuses.
+    with pytest.raises(BlockingIOError):
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  finally:
+    os.close(fd)
+  assert not rundir.keep_run_dir(str(model_dir))  # Warned once.
+  assert caplog.text.count("lost its") == 1
+  lock.release()
+  assert not (model_dir / rundir.LOCK_NAME).exists()
+  assert not rundir.keep_run_dir(str(model_dir))  # Not held: nothing.
+
+
 @pytest.mark.parametrize("content", [None, ""])
 def test_a_missing_record_is_written_only_after_a_restore(tmp_path, caplog,
                                                           content):

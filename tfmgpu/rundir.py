@@ -10,7 +10,9 @@ lock is free cannot be checked from here: the run refuses and says which
 file to delete if that run is gone. The lock is reentrant within a process
 (`python -m tfmgpu.train` holds it around `Trainer.fit`, which takes it
 too) and released when the run ends, also on `PreemptedError` (exit 42).
-In a cluster only the chief takes it.
+In a cluster only the chief takes it. If the directory is deleted while the
+run lives, the next checkpoint save puts the lock and the record back
+(`keep_run_dir`), with a warning.
 
 **Record.** `run.json` records what a run is: model, optimizer, global
 batch, seed, dataset, placement (and a pipeline's micro-batches), learning
@@ -67,6 +69,9 @@ MOVABLE = ("placement", "micro_batches")
 # real path of the model_dir -> the record to write then.
 _UNCONFIRMED: dict[str, dict[str, Any]] = {}
 _CHECKPOINT = re.compile(r"^ckpt-\d+[._]")
+# The record of each model_dir this process runs in, as it stands (real
+# path -> record): put back by `keep_run_dir` if the file is deleted.
+_RECORDS: dict[str, dict[str, Any]] = {}
 
 
 class RunDirError(ValueError):
@@ -330,6 +335,55 @@ class RunLock:
     self.release()
 
 
+def _is_file_of(fd: int, path: str) -> bool:
+  """Whether `path` is the file open as `fd` (not deleted, not replaced)."""
+  try:
+    now, held = os.stat(path), os.fstat(fd)
+  except FileNotFoundError:
+    return False
+  return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def keep_run_dir(model_dir: str) -> bool:
+  """Puts back `run.lock` and `run.json` of the run this process holds in
+  `model_dir` when they were deleted while it runs (the whole directory
+  removed: saving a checkpoint recreates it without them, and a second run
+  could take it). Warns, naming the directory, takes the lock anew and
+  rewrites the record; nothing is stopped, so nothing more is lost.
+  Called before each checkpoint save: a `stat` when all is well.
+
+  Returns:
+    Whether anything was put back (`False` too where this process holds no
+    lock on `model_dir`: another task of a cluster, a lockless caller).
+  """
+  path = os.path.join(model_dir, LOCK_NAME)
+  held = _HELD.get(os.path.realpath(path))
+  if held is None or _is_file_of(held[0], path):
+    return False
+  try:
+    prepare_model_dir(model_dir)
+    fd = _take(path)
+  except (RunDirError, OSError) as e:  # Another run took it meanwhile, ...
+    logging.warning("%s no longer holds this run's %s (deleted with the "
+                    "directory?) and it cannot be put back: %s", model_dir,
+                    LOCK_NAME, e)
+    return False
+  os.close(held[0])
+  held[0] = fd
+  lost = [LOCK_NAME]
+  record = _RECORDS.get(os.path.realpath(model_dir))
+  if record is not None and not os.path.exists(
+      os.path.join(model_dir, RECORD_NAME)):
+    write_record(model_dir, record)
+    lost.append(RECORD_NAME)
+  logging.warning("%s lost its %s while this run trains in it (deleted with "
+                  "the directory?): put back, so that a second run on it "
+                  "refuses again. What else it held before is gone "
+                  "(checkpoints, summaries); the checkpoints from now on are "
+                  "saved in it.", model_dir, " and ".join(lost))
+  return True
+
+
 # -------------------------------------------------------------- record
 
 
@@ -443,8 +497,10 @@ def read_record(model_dir: str) -> dict[str, Any] | None:
 def write_record(model_dir: str, record: Mapping[str, Any]) -> str:
   """Writes `run.json` whole or not at all; returns its path."""
   text = json.dumps(dict(record), indent=2, sort_keys=True) + "\n"
-  return files.write_atomically(os.path.join(model_dir, RECORD_NAME),
+  path = files.write_atomically(os.path.join(model_dir, RECORD_NAME),
                                 lambda f: f.write(text.encode("utf-8")))
+  _RECORDS[os.path.realpath(model_dir)] = dict(record)
+  return path
 
 
 def _mismatch(model_dir: str, old: Mapping[str, Any],
@@ -509,6 +565,8 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
                  model_dir, record.get("versions"), old.get("versions"))
   if write and (changed or old.get("versions") != record.get("versions")):
     write_record(model_dir, {**old, **record, "updated": now})
+  elif write:
+    _RECORDS[os.path.realpath(model_dir)] = dict(old)
   return changed
 
 

@@ -86,6 +86,34 @@ def test_fit_holds_the_run_dir_lock_and_releases_it(digits, tmp_path):
   assert not (tmp_path / rundir.LOCK_NAME).exists()
 
 
+def test_a_model_dir_deleted_mid_run_is_locked_again_at_the_next_save(
+    digits, tmp_path):
+  """`rmtree(model_dir)` at step 1: the epoch's checkpoint recreated the
+  directory without run.lock and run.json, silently (fault trial n)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  model_dir = tmp_path / "run"
+  seen = []
+
+  class DeleteAtStep1(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      if not seen:
+        shutil.rmtree(model_dir)
+        seen.append("deleted")
+
+    def on_epoch_end(self, epoch, logs=None):  # After its checkpoint.
+      seen.append(sorted(os.listdir(model_dir)))
+
+  lock = rundir.open_run(str(model_dir), {"model": "mlp"})  # As the CLI.
+  try:
+    make_trainer(model_dir, callbacks=[DeleteAtStep1()]).fit(
+        *digits, epochs=1, global_batch_size=32, steps_per_epoch=2)
+  finally:
+    lock.release()
+  assert seen == ["deleted", ["checkpoints", "run.json", "run.lock"]]
+  assert json.loads((model_dir / rundir.RECORD_NAME).read_text())[
+      "model"] == "mlp"
+
+
 def test_the_lock_is_released_after_a_preemption(digits, tmp_path):
   class SigtermAt2(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):

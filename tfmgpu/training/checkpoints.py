@@ -69,6 +69,7 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu import files
+from tfmgpu import rundir
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import checkpoint_match
 from tfmgpu.training import portable
@@ -520,6 +521,8 @@ class Checkpointer:
       self._last_number = max(_used_numbers(self.chief_directory), default=0)
     number = max(epoch + (1 if epoch_step else 0), self._last_number + 1)
     self._last_number = number
+    if self.chief:  # The model_dir deleted meanwhile: its lock put back.
+      rundir.keep_run_dir(os.path.dirname(self.chief_directory))
     os.makedirs(self.directory, exist_ok=True)
     self._saves.assign_add(1)
     path = self._write(os.path.join(self.directory, f"ckpt-{number}"))
