@@ -229,6 +229,30 @@ def model_path(tmp_path_factory):
   return path
 
 
+def test_ctrl_c_in_predict_is_one_line_and_keeps_the_output(
+    tmp_path, capsys, monkeypatch):
+  """Ctrl-C while predicting printed a KeyboardInterrupt traceback."""
+  class Interrupted:  # A stand-in predictor: Ctrl-C while it predicts.
+    def predict(self, x):
+      raise KeyboardInterrupt
+
+  monkeypatch.setattr(predict, "_prepare", lambda: (
+      Interrupted(), np.zeros((4, 3), np.float32), None))
+  (tmp_path / "m.keras").write_text("a model")
+  out = tmp_path / "p.npy"
+  out.write_bytes(b"the previous predictions")
+  with flagsaver.flagsaver(model_path=[str(tmp_path / "m.keras")],
+                           output=str(out)):
+    try:
+      assert predict.main(["predict"]) == 130
+    except KeyboardInterrupt:
+      pytest.fail("Ctrl-C reached the caller: a traceback")
+  assert _error_line(capsys) == (
+      f"error: interrupted (Ctrl-C): --output={out} was not written (a file "
+      "there before is unchanged).")
+  assert out.read_bytes() == b"the previous predictions"
+
+
 def test_predict_output_that_is_a_directory_fails_before_predicting(
     tmp_path, capsys, monkeypatch, model_path):
   monkeypatch.setattr(predict, "_prepare", lambda: pytest.fail("predicted"))

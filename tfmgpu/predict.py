@@ -8,6 +8,9 @@ Examples:
 
 Prints throughput (examples/s) and, when the dataset has labels, accuracy.
 Nothing is written to --output unless every row was predicted.
+
+Exit codes: 0 done; 1 bad input or an error (the message says which); 130
+Ctrl-C (--output not written: a file there before is unchanged).
 """
 
 from __future__ import annotations
@@ -78,6 +81,17 @@ def main(argv: list[str]) -> int:
           "DIR/model.keras).", file=sys.stderr)
     return 1
   flags_lib.quiet_tensorflow()
+  try:
+    return _predict_and_report()
+  except KeyboardInterrupt:  # One line, as train says it: no traceback.
+    kept = (f"--output={_OUTPUT.value} was not written (a file there before "
+            "is unchanged)" if _OUTPUT.value else "nothing was written")
+    print(f"error: interrupted (Ctrl-C): {kept}.", file=sys.stderr)
+    return 130
+
+
+def _predict_and_report() -> int:
+  """Loads, predicts every row, reports (and writes `--output`)."""
   try:
     predictor, x, y = _prepare()
     first = predictor.predict(_first_rows(x, _BATCH_SIZE.value))  # Trace.
