@@ -132,6 +132,26 @@ def test_ema_weights_are_put_into_the_model_after_fit(digits):
     np.testing.assert_array_equal(v.numpy(), average.numpy())
 
 
+def test_a_rerun_with_nothing_to_train_ends_with_the_ema_weights(
+    digits, tmp_path):
+  """A rerun that finds the run done (say after a SIGTERM in the final
+  evaluation) puts the averages into the model, as the run that trained
+  did: its checkpoint holds the trained weights and their averages."""
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+
+  def run():
+    with strategy.scope():
+      optimizer = keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5)
+    trainer = make_trainer(strategy, optimizer=optimizer,
+                           model_dir=str(tmp_path))
+    trainer.fit(*digits, epochs=1, global_batch_size=32, steps_per_epoch=3)
+    return trainer.model.get_weights()
+
+  trained, rerun = run(), run()
+  for a, b in zip(rerun, trained):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_a_custom_train_step_is_named_in_a_warning(caplog):
   """The Trainer runs its own step; a model's `train_step` is not called
   (a warning names it; with no loss to train instead, an error)."""

@@ -269,6 +269,17 @@ def _restore(ckpt: ckpt_lib.Checkpointer, any_worker: Any) -> int:
   return epoch
 
 
+def _finalize(optimizer: Any, model: keras.Model, steps_run: int) -> None:
+  """`optimizer.finalize_variable_values`, as Keras `fit` ends (`use_ema`
+  puts the averages into the weights) once the optimizer has stepped: in
+  this run, or in the one whose checkpoint this run restored with nothing
+  left to train (its weights are the trained ones, not the averages)."""
+  if optimizer is None:
+    return
+  if steps_run or int(optimizer.iterations.numpy()) > 0:
+    optimizer.finalize_variable_values(model.trainable_weights)
+
+
 class Controller:
   """Runs epochs of a `StepRunner` with every loop feature, once.
 
@@ -337,9 +348,7 @@ class Controller:
                      f", after step {done} of {steps_per_epoch}; a rerun "
                      "resumes there" if at[1] else "")
         break
-    if self.o.optimizer is not None and self.total_steps:
-      self.o.optimizer.finalize_variable_values(
-          self.o.model.trainable_weights)
+    _finalize(self.o.optimizer, self.o.model, self.total_steps)
     replica_state.agree(self.o.model)  # Replicas predict as the model saves.
     callbacks.on_train_end(self.history)
     self.o.summary_writer.flush()
