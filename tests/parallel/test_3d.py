@@ -4,7 +4,7 @@ layout names; its checkpoint restores unsplit and as T=4 with the same
 predictions; `predict` equals the unsplit model's.
 
 The suite's process has 4 logical CPUs, so these tests skip there;
-`test_hybrid.test_2x2x2_on_eight_devices` runs this file in a process of
+`test_3d_process.test_2x2x2_on_eight_devices` runs this file in a process of
 its own with 8 (`TFMGPU_TEST_DEVICES=8`).
 """
 

@@ -322,24 +322,6 @@ def test_tensor_composes_with_pipeline_and_data(data, cpu_devices, layout,
   assert_shards_on_the_mesh(model, layout, cpu_devices, step)
 
 
-def test_2x2x2_on_eight_devices():
-  """Runs `test_3d.py` in a process with 8 logical CPUs; every test in it
-  must pass (none skipped)."""
-  import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  here = os.path.dirname(__file__)
-  env = dict(os.environ, TFMGPU_TEST_DEVICES="8")
-  run = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       os.path.join(here, "test_3d.py")], env=env, capture_output=True,
-      text=True, timeout=900, check=False)
-  tail = run.stdout[-3000:] + run.stderr[-2000:]
-  assert run.returncode == 0, tail
-  assert re.search(r"\b3 passed\b", run.stdout), tail
-  assert "skipped" not in run.stdout, tail
-
-
 def test_keras_fit_trains_copies_as_unsplit(data, cpu_devices):
   """`fit` (its loss averages each copy's rows, so shares are 1/R) trains
   data 2 x pipeline 2 (1F1B) to unsplit `fit`'s weights."""
