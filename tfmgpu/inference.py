@@ -33,6 +33,7 @@ from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.parallel import cloning
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import placed_model
 from tfmgpu.strategies import collective_keys
 from tfmgpu.training import replica_state
@@ -179,7 +180,7 @@ class Predictor:
     before every call, so a model trained on since predicts with its latest
     weights, on every replica as it saves."""
     if self.runner is not self.model and isinstance(self.model, keras.Model):
-      self.runner.set_weights(self.model.get_weights())
+      layer_state.set_weights(self.runner, self.model.get_weights())
       return
     replica_state.agree(self.runner)
     if _handles(self.runner) != self._handles:  # ZeRO moved its variables:

@@ -825,6 +825,42 @@ def test_lookup_layers_keep_their_vocabulary_in_every_copy(cpu_devices):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_adapted_statistics_hold_in_every_copy(cpu_devices, tmp_path):
+  """An adapted Normalization divides by constants Keras computes from its
+  weights in `finalize_state()`, which `set_weights` never calls: every
+  copy (a split, `to_unsplit`, mirrored serving's copy, the exported
+  SavedModel) kept the zero mean it was built with (predictions 6.8 off).
+  A Discretization's boundaries (its config's) stay as adapted: calling
+  its `finalize_state()` on a copy would empty them."""
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = [(rng.normal(size=(10, 4)) * 3 + 5).astype("float32"),
+       rng.normal(size=(10, 1)).astype("float32")]
+  keras.utils.set_random_seed(0)
+  norm = keras.layers.Normalization(name="norm")
+  norm.adapt(x[0])
+  bins = keras.layers.Discretization(num_bins=4, output_mode="one_hot",
+                                     name="bins")
+  bins.adapt(x[1])
+  a, b = keras.Input((4,), name="a"), keras.Input((1,), name="b")
+  h = keras.layers.Concatenate(name="join")([norm(a), bins(b)])
+  model = keras.Model([a, b], keras.layers.Dense(2, name="out")(
+      keras.layers.Dense(8, activation="relu", name="hidden")(h)))
+  want = model.predict(x, verbose=0)
+  staged = StagedModel.from_model(model, num_stages=2)
+  copied_back = keras.models.clone_model(model)
+  staged.copy_weights_to(copied_back)
+  served = tf.saved_model.load(inference.export_saved_model(
+      model, str(tmp_path / "sm")))
+  for got in (staged.predict(x, verbose=0),
+              staged.to_unsplit().predict(x, verbose=0),
+              copied_back.predict(x, verbose=0),
+              inference.predict(model, [v.copy() for v in x],
+                                strategy="mirrored"),
+              served.serve(x).numpy()):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _dropout_mlp():
   keras.utils.set_random_seed(0)
   x = keras.Input((8,))

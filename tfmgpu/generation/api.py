@@ -26,6 +26,7 @@ from tfmgpu.generation import placed as placed_lib
 from tfmgpu.generation import prompts as prompts_lib
 from tfmgpu.generation import samplers
 from tfmgpu.parallel import cloning
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import placed_model
 
 
@@ -138,7 +139,7 @@ class Generator:
     made none. `tfmgpu.generate` does it before every request, so a model
     trained on since still generates with its latest weights."""
     if self._source is not None:
-      self.model.set_weights(self._source.get_weights())
+      layer_state.set_weights(self.model, self._source.get_weights())
 
   @property
   def traces(self) -> int:

@@ -118,7 +118,7 @@ def _place(spec: BranchSpec, device: str, index: int) -> keras.Model:
   shared_lib.tie({l.name: l for l in clone.layers},
                  shared_lib.find_shared(model.layers), f"branches[{index}]")
   layer_state.mirror(model, clone)
-  clone.set_weights(model.get_weights())
+  layer_state.set_weights(clone, model.get_weights())
   return clone
 
 

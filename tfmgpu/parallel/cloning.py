@@ -144,7 +144,8 @@ def copy_seed_states(src: dict[str, Any], dst: dict[str, Any]) -> None:
 
 def copy_weights(src: dict[str, Any], dst: dict[str, Any],
                  names: Sequence[str], what: str) -> None:
-  """`dst[name].set_weights(src[name].get_weights())` for each of `names`.
+  """`dst[name].set_weights(src[name].get_weights())` for each of `names`
+  (`layer_state.set_weights`: adapted statistics recomputed).
 
   Raises:
     ValueError: a layer missing from either side, or weights that do not
@@ -156,7 +157,7 @@ def copy_weights(src: dict[str, Any], dst: dict[str, Any],
           f"layer {name!r} with weights is missing from the {what} model; "
           "both models must have the same architecture and layer names.")
     try:
-      dst[name].set_weights(src[name].get_weights())
+      layer_state.set_weights(dst[name], src[name].get_weights())
     except ValueError as e:
       raise ValueError(f"cannot copy the weights of layer {name!r}: {e} Are "
                        "both models the same architecture?") from e
@@ -518,7 +519,7 @@ def copy_model(model: keras.Model,
     shared_lib.tie({l.name: l for l in clone.layers},
                    shared_lib.find_shared(model.layers), "copy")
     layer_state.mirror(model, clone)
-    clone.set_weights(weights)
+    layer_state.set_weights(clone, weights)
   return clone
 
 

@@ -18,6 +18,11 @@ takes the original's as it is, and its layers are no state to compare
 
 * `capture(layer)` records it; `apply(state, copy)` sets it on a built copy
   of the same structure; `mirror(layer, copy)` does both.
+* `set_weights(target, weights)`: every copy of weights goes through it.
+  An adapted `Normalization` divides by constants it computes from its
+  weights in `finalize_state()`, which Keras' load calls and `set_weights`
+  does not: a copy kept the zero mean and unit variance it was built with
+  (predictions 6.8 off the model's), so `set_weights` finalizes them.
 * `variable(layer, name)`: a layer's kernel variable, LoRA or not.
 * `refuse_split(layer, path)`: tensor parallelism makes new variables for
   a layer's shards, so it splits only a layer whose weights are all
@@ -27,6 +32,7 @@ takes the original's as it is, and its layers are no state to compare
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -162,6 +168,31 @@ def _set_vocabulary(layer: keras.layers.Layer, record: LayerRecord) -> None:
 def mirror(layer: keras.layers.Layer, copy: keras.layers.Layer) -> None:
   """`apply(capture(layer), copy)`: `copy` frozen and LoRA'd as `layer`."""
   apply(capture(layer), copy)
+
+
+def set_weights(target: Any, weights: Sequence[Any]) -> None:
+  """`target.set_weights(weights)`, then the adapted statistics its layers
+  compute from their weights recomputed (`finalize`), as Keras' own load
+  does. Every copy of weights between a model and its copies or splits
+  goes through here."""
+  target.set_weights(weights)
+  finalize(target)
+
+
+def finalize(target: Any) -> None:
+  """Calls `finalize_state()` on each adapted `Normalization` in `target`
+  (a layer or model; anything else is left alone): its mean and variance
+  are constants computed from its `adapt_mean` / `adapt_variance` weights,
+  stale after `set_weights`. Keras' other layers with `finalize_state`
+  are not called: a `Discretization` recomputes its bin boundaries from
+  the data `adapt` saw, which a copy never saw (its boundaries, from its
+  config, would be emptied), and a lookup layer's vocabulary is set by
+  `apply`."""
+  if not isinstance(target, keras.layers.Layer):
+    return
+  for layer in _compat.flatten_layers(target):
+    if isinstance(layer, keras.layers.Normalization) and layer.built:
+      layer.finalize_state()
 
 
 def _mismatch(copy: keras.layers.Layer, what: str) -> ValueError:

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu.parallel import graph as graph_lib
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import placed_model
@@ -127,6 +128,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
     for r in replicas[1:]:
       for v, w in zip(r.weights, first):
         v.assign(w)
+      layer_state.finalize(r)  # An adapted Normalization's statistics.
     # The first copy's output names key per-output losses and metrics.
     self.unsplit_output_names = getattr(replicas[0], "unsplit_output_names",
                                         ())
@@ -358,7 +360,7 @@ class _EveryCopy:
 
   def set_weights(self, weights: Sequence[Any]) -> None:
     for layer in self.layers:
-      layer.set_weights(weights)
+      layer_state.set_weights(layer, weights)
 
 
 def sum_on_device(parts: Sequence[Any], sources: Sequence[str], device: str,

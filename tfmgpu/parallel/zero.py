@@ -68,6 +68,7 @@ from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed
 from tfmgpu.parallel import replicated
@@ -373,14 +374,14 @@ class ShardedModel(placed.PerDeviceGradientModel):
     """Copies the unsplit model's weights into the owners' variables (and
     its layers' seed states: dropout continues where the unsplit's
     stopped, as `cloning.UnsplitWeights.load_from`)."""
-    self.unsplit.set_weights(unsplit.get_weights())
+    layer_state.set_weights(self.unsplit, unsplit.get_weights())
     cloning.copy_seed_states(cloning.seeded_layers([unsplit]),
                              cloning.seeded_layers([self.unsplit]))
 
   def copy_weights_to(self, unsplit: keras.Model) -> None:
     """Copies the weights into an unsplit model (and the layers' seed
     states: its dropout continues where this model's stopped)."""
-    unsplit.set_weights(self.unsplit.get_weights())
+    layer_state.set_weights(unsplit, self.unsplit.get_weights())
     cloning.copy_seed_states(cloning.seeded_layers([self.unsplit]),
                              cloning.seeded_layers([unsplit]))
 

@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import placed_model
 
 VIEW = "layout_weights"  # The view's name in a tfmgpu checkpoint.
@@ -62,7 +63,7 @@ class _LayerWeights(_compat.Trackable):
               for i in range(len(restored_tensors))]
     self.restored = True
     if tf.executing_eagerly():
-      self._layer.set_weights([v.numpy() for v in values])
+      layer_state.set_weights(self._layer, [v.numpy() for v in values])
       return tf.no_op()
     # TF restores in a tf.function when the variables are on several hosts
     # (an in-graph run's `ShardedModel`): a layer whose weights are its
