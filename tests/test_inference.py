@@ -167,6 +167,25 @@ def test_copies_serve_todays_weights_ids_and_integer_outputs():
   np.testing.assert_array_equal(got["value"].ravel(), [20, 40, 60])
 
 
+def test_predict_leaves_the_callers_arrays_as_they_were():
+  """Found by a new user: a mirrored predict over several batches wrote
+  the model's first op's result (here x - 3) over the caller's `x`: TF
+  takes an aligned numpy array a generator yields without copying it, and
+  the batches were views of `x`. 64-byte aligned here, as a quarter of
+  small numpy arrays happen to be."""
+  raw = np.zeros(64 * 16 * 4 + 64, np.uint8)
+  start = (-raw.ctypes.data) % 64
+  x = raw[start:start + 64 * 16 * 4].view(np.float32).reshape(64, 16)
+  x[:] = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+  given = x.copy()
+  inputs = keras.Input((16,))
+  model = keras.Model(inputs, keras.layers.Lambda(lambda t: t - 3.0)(inputs))
+  got = inference.predict(model, x, strategy=tfmgpu.get_strategy(
+      "mirrored", num_replicas=2), batch_size=8)
+  np.testing.assert_array_equal(x, given)
+  np.testing.assert_array_equal(got, given - 3.0)
+
+
 def test_train_split_serve_unsplit_and_the_reverse(tmp_path, rows):
   x, y = rows[:128], np.arange(128) % 10
   unsplit = models.build_model("deep_mlp", input_shape=(28, 28, 1),

@@ -316,13 +316,22 @@ def _rows_of(v: Any) -> int:
 def _streamed_batches(x: Any, batch: int) -> tf.data.Dataset:
   """`x`'s rows as batches of exactly `batch` rows (the last one padded with
   zero rows), sliced from the arrays as they are needed: no copy of the
-  whole input is made (`from_tensor_slices` would hold one)."""
+  whole input is made (`from_tensor_slices` would hold one).
+
+  Each batch is a copy, never a view of the user's array: TF takes an
+  aligned array a generator yields without copying it, and a model's
+  first op may then write its result over it (a mirrored predict
+  overwrote the caller's `x` with its normalized rows)."""
   n = len(tf.nest.flatten(x)[0])
+
+  def rows(a: np.ndarray, start: int) -> np.ndarray:
+    part = a[start:start + batch]
+    return part.copy() if len(part) == batch else inputs_lib.pad_rows(
+        part, batch)
 
   def batches():
     for start in range(0, n, batch):
-      yield tf.nest.map_structure(
-          lambda a: inputs_lib.pad_rows(a[start:start + batch], batch), x)
+      yield tf.nest.map_structure(lambda a: rows(a, start), x)
 
   spec = tf.nest.map_structure(
       lambda a: tf.TensorSpec((batch, *a.shape[1:]), tf.as_dtype(a.dtype)), x)
