@@ -37,12 +37,42 @@ def test_digits8x8_and_synthetic():
 def test_npz_round_trip(tmp_path):
   path = tmp_path / "d.npz"
   rng = np.random.default_rng(0)
-  np.savez(path, x_train=rng.integers(0, 255, (10, 5, 5)),
-           y_train=np.arange(10) % 2, x_test=rng.integers(0, 255, (4, 5, 5)),
-           y_test=np.arange(4) % 2)
+  images = [rng.integers(0, 256, (n, 5, 5)).astype(np.uint8) for n in (10, 4)]
+  np.savez(path, x_train=images[0], y_train=np.arange(10) % 2,
+           x_test=images[1], y_test=np.arange(4) % 2)
   arrays = data.load_dataset("npz", path=str(path))
   assert arrays.input_shape == (5, 5, 1) and arrays.num_classes == 2
-  assert arrays.x_train.max() <= 1.0
+  np.testing.assert_array_equal(arrays.x_train[..., 0],
+                                images[0].astype(np.float32) / 255)
+  np.testing.assert_array_equal(arrays.x_test[..., 0],
+                                images[1].astype(np.float32) / 255)
+
+
+def test_npz_features_are_used_as_given(tmp_path):
+  """Found by a new user: x was divided by 255 whenever its max was above
+  1, each split on its own (x_train scaled, x_test kept), so the model
+  trained and predicted on other numbers than the file holds. Token ids
+  (int32) are not images either."""
+  rng = np.random.default_rng(0)
+  x_train = (rng.normal(size=(20, 6)) * 3 + 4).astype(np.float32)
+  x_test = rng.uniform(0, 0.9, size=(8, 6)).astype(np.float32)
+  np.savez(tmp_path / "d.npz", x_train=x_train, y_train=np.zeros(20, int),
+           x_test=x_test, y_test=np.zeros(8, int))
+  arrays = data.load_dataset("npz", path=str(tmp_path / "d.npz"))
+  np.testing.assert_array_equal(arrays.x_train, x_train)
+  np.testing.assert_array_equal(arrays.x_test, x_test)
+  ids = rng.integers(0, 5000, (8, 6)).astype(np.int32)
+  np.savez(tmp_path / "ids.npz", x_train=ids, y_train=np.zeros(8, int),
+           x_test=ids, y_test=np.zeros(8, int))
+  arrays = data.load_dataset("npz", path=str(tmp_path / "ids.npz"))
+  assert arrays.x_train.dtype == np.float32
+  np.testing.assert_array_equal(arrays.x_test, ids)
+  np.savez(tmp_path / "mixed.npz", x_train=ids.astype(np.uint8),
+           y_train=np.zeros(8, int), x_test=x_test, y_test=np.zeros(8, int))
+  with pytest.raises(ValueError, match=r"dataset '.*mixed.npz': x_train is "
+                     r"uint8 but x_test is float32; .* Save both with the "
+                     r"same dtype."):
+    data.load_dataset("npz", path=str(tmp_path / "mixed.npz"))
 
 
 def test_npz_errors(tmp_path):

@@ -107,7 +107,8 @@ class RunSettings:
   dataset: str | None = setting(None, _dataset_help)
   data_path: str | None = setting(
       None, ".npz file (x_train, y_train, x_test, y_test) for "
-      "--dataset=npz, a glob of TFRecord shards for --dataset=tfrecord "
+      "--dataset=npz (x used as it is, as float32; uint8 arrays, images "
+      "0..255, divided by 255 in both splits), a glob of TFRecord shards for --dataset=tfrecord "
       "(quoted: 'DIR/*.tfrecord'), or a local copy of a downloadable "
       "dataset.")
   loss: str | None = setting(

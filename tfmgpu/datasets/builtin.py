@@ -87,7 +87,8 @@ def _synthetic(num_examples: int = 4096, input_shape: tuple[int, ...] = (28, 28,
 
 
 @register_dataset("npz", "Your own .npz file with x_train, y_train, x_test, "
-                  "y_test (pass path=...).", options=("path",))
+                  "y_test (pass path=...): x as it is (float32), uint8 "
+                  "images divided by 255.", options=("path",))
 def npz(path: str | None = None) -> Arrays:
   """The `npz` dataset: the arrays of the `.npz` file at `path`."""
   if not path:
@@ -107,7 +108,7 @@ def npz(path: str | None = None) -> Arrays:
       raise ValueError(f"dataset 'npz': {name} in {path!r} holds non-integer "
                        "labels; labels must be integer class indices "
                        "0..num_classes-1.")
-  x_train, x_test = (as_features(a) for a in (x_train, x_test))
+  x_train, x_test = as_features(x_train, x_test, repr(path))
   y_train, y_test = y_train.astype(np.int32), y_test.astype(np.int32)
   arrays = Arrays("npz", x_train, y_train, x_test, y_test,
                   int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1)
@@ -145,11 +146,28 @@ def _read_npz(path: str) -> tuple[np.ndarray, ...]:
                     else type(e).__name__) from e
 
 
-def as_features(x: np.ndarray) -> np.ndarray:
-  """float32 in [0, 1], with a channel axis added to 2-D images."""
-  x = x.astype(np.float32)
-  if x.max(initial=0.0) > 1.0:
-    x = x / 255.0
-  if x.ndim == 3:
-    x = x[..., None]
-  return x
+def as_features(x_train: np.ndarray, x_test: np.ndarray,
+                source: str) -> tuple[np.ndarray, np.ndarray]:
+  """Both splits' features as float32, with a channel axis added to 2-D
+  images: uint8 arrays (images, 0..255) divided by 255, any other dtype
+  used as it is. Decided by dtype, the same for both splits: by the
+  values, each split on its own, a float x_train above 1 was divided by
+  255 while an x_test below 1 was not.
+
+  Raises:
+    ValueError: one split uint8 and the other not (`source` names the
+      file), which would scale them differently.
+  """
+  images = [x.dtype == np.uint8 for x in (x_train, x_test)]
+  if images[0] != images[1]:
+    raise ValueError(
+        f"dataset {source}: x_train is {x_train.dtype} but x_test is "
+        f"{x_test.dtype}; uint8 arrays (images 0..255) are divided by 255 "
+        "and others used as they are, so the two splits would be scaled "
+        "differently. Save both with the same dtype.")
+  return tuple(_features(x, images[0]) for x in (x_train, x_test))
+
+
+def _features(x: np.ndarray, image: bool) -> np.ndarray:
+  x = x.astype(np.float32) / (255.0 if image else 1.0)
+  return x[..., None] if x.ndim == 3 else x

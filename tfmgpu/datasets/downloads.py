@@ -34,7 +34,7 @@ def _keras_dataset(name: str) -> Callable[..., Arrays]:
           f"save it as an .npz with x_train, y_train, x_test, y_test and pass "
           f"path=... (CLI: --dataset={name} --data_path=FILE.npz), or use the "
           "offline dataset 'digits'.") from e
-    x_train, x_test = (builtin.as_features(a) for a in (x_train, x_test))
+    x_train, x_test = builtin.as_features(x_train, x_test, repr(name))
     y_train = y_train.reshape(-1).astype(np.int32)
     y_test = y_test.reshape(-1).astype(np.int32)
     return Arrays(name, x_train, y_train, x_test, y_test, int(y_train.max()) + 1)
