@@ -186,6 +186,32 @@ def test_predict_leaves_the_callers_arrays_as_they_were():
   np.testing.assert_array_equal(got, given - 3.0)
 
 
+def test_zero_rows_give_every_output_with_zero_rows():
+  """Found by a new user: 0 rows gave a dict-output model a bare array, a
+  two-output model a TypeError, and a StagedModel or PipelinedModel an
+  AttributeError ('output_shape'). Keras' own predict fails on 0 rows;
+  the structure, shapes and dtypes are those of a predict on rows."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((4,), name="x")
+  h = keras.layers.Dense(5, name="h")(inputs)
+  scores = keras.layers.Dense(3, name="scores")(h)
+  ids = keras.layers.Lambda(lambda t: keras.ops.argmax(t, -1), name="ids")(
+      scores)
+  single = keras.Model(inputs, scores)
+  models_ = [single, keras.Model(inputs, {"o": scores}),
+             keras.Model(inputs, [scores, keras.layers.Dense(1)(h), ids]),
+             staged.StagedModel(single, partition.plan_stages(single, 2)),
+             tfmgpu.PipelinedModel(single, partition.plan_stages(single, 2),
+                                   micro_batches=2)]
+  for model in models_:
+    want = inference.predict(model, np.ones((2, 4), "float32"))
+    got = inference.predict(model, np.zeros((0, 4), "float32"))
+    tf.nest.assert_same_structure(got, want)
+    assert [(type(a), a.shape, a.dtype) for a in tf.nest.flatten(got)] == [
+        (np.ndarray, (0, *a.shape[1:]), a.dtype)
+        for a in tf.nest.flatten(want)], model.name
+
+
 def test_train_split_serve_unsplit_and_the_reverse(tmp_path, rows):
   x, y = rows[:128], np.arange(128) % 10
   unsplit = models.build_model("deep_mlp", input_shape=(28, 28, 1),

@@ -230,8 +230,9 @@ class Predictor:
     if not isinstance(x, (dict, tuple)):
       check_input_shape(self.model, x)
     n = len(tf.nest.flatten(x)[0])
-    if n == 0:
-      return np.zeros((0,) + tuple(self.model.output_shape[1:]), np.float32)
+    if n == 0:  # One zero row gives every output's structure, shape, dtype.
+      one = tf.nest.map_structure(lambda a: inputs_lib.pad_rows(a, 1), x)
+      return tf.nest.map_structure(lambda a: a[:0], self._predict(one))
     replicas = self.strategy.num_replicas_in_sync
     # No bigger than needed, so small inputs are not padded to a huge batch.
     batch = min(self.batch_size, -(-n // replicas) * replicas)
@@ -445,8 +446,9 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
 
   Returns:
     A float32 numpy array (an integer output keeps its dtype) with a row
-    per input row (a list or dict of them
-    for a model with several outputs).
+    per input row (a list or dict of them for a model with several
+    outputs); 0 input rows give the same with 0 rows (Keras' own
+    `predict` fails on them).
 
   Raises:
     ValueError: rows that do not fit the model's input, or bad options.
