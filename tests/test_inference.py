@@ -1,5 +1,6 @@
 """Multi-device inference: every placement gives single-device predictions."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -305,6 +306,23 @@ def test_ragged_and_sparse_inputs_predict_as_in_keras(strategy):
 
 def _tiny_model():
   return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def test_verbose_is_taken_as_keras_takes_it(capsys):
+  """Found by a new user: `tfmgpu.predict(model, x, verbose=0)`, as they
+  call Keras' predict, was a TypeError."""
+  tiny, x = _tiny_model(), np.ones((10, 3), "float32")
+  want = tiny.predict(x, verbose=0)
+  for verbose in (0, 1, 2, "auto"):
+    capsys.readouterr()
+    got = inference.predict(tiny, x, batch_size=4, verbose=verbose)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    out = capsys.readouterr().out  # Not a terminal: one line at the end.
+    assert (re.fullmatch(r"Predict: 10/10 - \d+s - examples/s: [\d,]+\n", out)
+            if verbose else out == ""), (verbose, out)
+  with pytest.raises(ValueError, match=r"verbose=3 is unknown. Choose one of "
+                     r"0, 1, 2, auto."):
+    inference.predict(tiny, x, verbose=3)
 
 
 def test_run_directory_loads_its_model_keras(tmp_path, caplog):

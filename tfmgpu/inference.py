@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import time
 import weakref
 import zipfile
 from typing import Any, Callable
@@ -40,6 +41,7 @@ from tfmgpu.training import replica_state
 from tfmgpu.training import distributed
 from tfmgpu.training import inputs as inputs_lib
 from tfmgpu.training import model_checks
+from tfmgpu.training import progress as progress_lib
 from tfmgpu.training import resident
 from tfmgpu.training import string_inputs
 
@@ -188,7 +190,8 @@ class Predictor:
       self._fn_one = self._fn.one  # function read the old ones.
       self._handles = _handles(self.runner)
 
-  def predict(self, x: Any, *, output_kind: str = "logits") -> Any:
+  def predict(self, x: Any, *, output_kind: str = "logits",
+              verbose: int | str = 0) -> Any:
     """Predictions for every row of `x`, in input order (numpy).
 
     Args:
@@ -198,6 +201,10 @@ class Predictor:
         `(x, y, sample_weight)` whose targets are ignored, as in Keras).
       output_kind: `logits` (the model's outputs), `probabilities` or
         `classes` (see `convert_outputs`). Defaults to `logits`.
+      verbose: as Keras': `0` silent, `1` or `"auto"` a progress line of
+        rows done (rewritten in place on a terminal, printed once at the
+        end elsewhere, as `Trainer`'s), `2` that line once at the end.
+        Defaults to `0` (Keras' `"auto"` prints).
 
     Returns:
       One array with a row per input row (float32; int32 classes), or a
@@ -208,18 +215,19 @@ class Predictor:
         that do not fit the model's input, or an unknown `output_kind`.
     """
     checks.check_choice("output_kind", output_kind, OUTPUT_KINDS)
-    return convert_outputs(self._predict(x), output_kind)
+    checks.check_choice("verbose", verbose, VERBOSE)
+    return convert_outputs(self._predict(x, verbose), output_kind)
 
-  def _predict(self, x: Any) -> Any:
+  def _predict(self, x: Any, verbose: int | str = 0) -> Any:
     """The model's float32 outputs for every row of `x`, in input order."""
     string_inputs.check(self.model, x)
     if isinstance(x, tf.data.Dataset):
-      return self._predict_dataset(x)
+      return self._predict_dataset(x, verbose=verbose)
     if _has_composite(x):  # Ragged or sparse rows: tf.data slices them.
       n, padded = _padded_composite(
           x, self.strategy.num_replicas_in_sync)
       return self._predict_dataset(tf.data.Dataset.from_tensor_slices(
-          padded).batch(self.batch_size), n)
+          padded).batch(self.batch_size), n, verbose)
     source = inputs_lib.from_user(x, what="x", needs_targets=False)
     if not isinstance(source, inputs_lib.ArrayData):
       raise TypeError("x is a dataset function; predict takes arrays (any "
@@ -237,7 +245,7 @@ class Predictor:
     # No bigger than needed, so small inputs are not padded to a huge batch.
     batch = min(self.batch_size, -(-n // replicas) * replicas)
     if n <= batch and resident.supports(self.strategy):
-      return self._predict_one_batch(x, n, batch)
+      return self._predict_one_batch(x, n, batch, verbose)
     steps = -(-n // batch)
     dataset = _streamed_batches(x, batch)
     options = None
@@ -247,32 +255,33 @@ class Predictor:
       options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
     iterator = iter(self.strategy.experimental_distribute_dataset(
         dataset, options=options))
-    out, done = _Rows(n), 0
+    out, done = _Rows(n, verbose), 0
     while done < steps:
       k = min(self.steps_per_execution, steps - done)
       out.add(self._fn(iterator, tf.constant(k)))
       done += k
     return out.result()
 
-  def _predict_one_batch(self, x: Any, n: int, batch: int) -> Any:
+  def _predict_one_batch(self, x: Any, n: int, batch: int,
+                         verbose: int | str) -> Any:
     """One call on `x` padded to `batch` rows, split over the replicas."""
     padded = tf.nest.map_structure(lambda a: inputs_lib.pad_rows(a, batch), x)
     rows = batch // self.strategy.num_replicas_in_sync
     inputs = resident.on_each_device(  # Each slice copied once, to its replica.
         self.strategy, lambda r: tf.nest.map_structure(
             lambda a: a[r * rows:(r + 1) * rows], padded))
-    out = _Rows(n)
+    out = _Rows(n, verbose)
     out.add(self._fn_one(inputs))
     return out.result()
 
-  def _predict_dataset(self, dataset: tf.data.Dataset,
-                       n: int | None = None) -> Any:
+  def _predict_dataset(self, dataset: tf.data.Dataset, n: int | None = None,
+                       verbose: int | str = 0) -> Any:
     """Batch by batch over a dataset (the last batch may be short); only
     its first `n` rows if given."""
     spec = dataset.element_spec
     if isinstance(spec, tuple) and 1 <= len(spec) <= 3:
       dataset = dataset.map(lambda *parts: parts[0])
-    out = _Rows(n)
+    out = _Rows(n, verbose)
     for batch in self.strategy.experimental_distribute_dataset(dataset):
       out.add(self._fn_one(batch))
     return out.result()
@@ -343,15 +352,21 @@ class _Rows:
   """Output chunks written into arrays allocated once (`n` rows if known),
   so the predictions are held once, not once per chunk plus a copy."""
 
-  def __init__(self, n: int | None):
+  def __init__(self, n: int | None, verbose: int | str = 0):
     self.n = n
     self.done = 0
     self.chunks: list[Any] = []
     self.arrays: list[np.ndarray] | None = None
     self.structure = None
+    self.progress = progress_lib.EpochProgress(
+        1, 1, n, title="Predict", interactive=None if verbose != 2 else False
+    ) if verbose else None
+    self.shown, self.start = 0, time.perf_counter()
 
   def add(self, chunk: Any) -> None:
     flat = [np.asarray(t) for t in tf.nest.flatten(chunk)]
+    if self.progress is not None:
+      self._show(len(flat[0]))
     if self.n is None:
       self.chunks.append(flat)
       self.structure = chunk
@@ -365,7 +380,16 @@ class _Rows:
       array[self.done:self.done + take] = f[:take]
     self.done += take
 
+  def _show(self, rows: int) -> None:
+    """The progress line: rows done (a padded last batch counts only the
+    input's) and rows per second."""
+    self.shown += rows if self.n is None else min(rows, self.n - self.shown)
+    seconds = max(time.perf_counter() - self.start, 1e-9)
+    self.progress.update(self.shown, {}, self.shown / seconds)
+
   def result(self) -> Any:
+    if self.progress is not None:
+      self.progress.end()
     if self.n is None:
       if not self.chunks:
         raise ValueError("x is an empty dataset: nothing to predict.")
@@ -426,7 +450,7 @@ _PREDICTORS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary(
 def predict(model: Any, x: Any, *, strategy: Any = None,
             batch_size: int = 1024, steps_per_execution: int = 4,
             precision: str = "float32", prefetch: bool = True,
-            output_kind: str = "logits") -> Any:
+            output_kind: str = "logits", verbose: int | str = 0) -> Any:
   """Predictions for every row of `x`, in input order, on any placement.
 
   A final partial batch is padded and trimmed, so no row is dropped or
@@ -443,6 +467,8 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
       `Predictor`.
     output_kind: `logits`, `probabilities` or `classes` (see
       `convert_outputs`). Defaults to `logits`.
+    verbose: `0` silent, `1` or `"auto"` a progress line of rows done, `2`
+      it once at the end (see `Predictor.predict`). Defaults to `0`.
 
   Returns:
     A float32 numpy array (an integer output keeps its dtype) with a row
@@ -464,7 +490,7 @@ def predict(model: Any, x: Any, *, strategy: Any = None,
                            precision=precision, prefetch=prefetch)
   else:  # Its copy (mirrored, another precision) takes today's weights.
     cache[key].refresh()
-  return cache[key].predict(x, output_kind=output_kind)
+  return cache[key].predict(x, output_kind=output_kind, verbose=verbose)
 
 
 # ------------------------------------------------------- load and export
@@ -702,6 +728,7 @@ def place_for_serving(models: list, strategy: str, **options) -> tuple:
 
 
 OUTPUT_KINDS = ("logits", "probabilities", "classes")
+VERBOSE = (0, 1, 2, "auto")  # Keras' `predict(verbose=...)` values.
 
 
 def convert_outputs(predictions: Any, kind: str = "logits") -> Any:

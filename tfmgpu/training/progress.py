@@ -43,46 +43,55 @@ class EpochProgress:
   """Progress of epoch `epoch` (1-based) of `epochs`, `steps` steps long.
 
   Args:
-    epoch, epochs, steps: where the run is.
+    epoch, epochs, steps: where the run is (`steps` `None`: not known,
+      shown as `?`).
     stream: where to write. Defaults to `sys.stdout`.
     interactive: rewrite a line in place; `None`: when `stream` is a
       terminal or a notebook (`is_interactive`).
+    title: what the line is of. Defaults to `Epoch {epoch}/{epochs}`
+      (predict's: `Predict`, counting rows).
   """
 
-  def __init__(self, epoch: int, epochs: int, steps: int, *,
+  def __init__(self, epoch: int, epochs: int, steps: int | None, *,
                stream: IO[str] | None = None,
-               interactive: bool | None = None):
+               interactive: bool | None = None, title: str | None = None):
     self.stream = stream or sys.stdout
     self.interactive = (is_interactive(self.stream) if interactive is None
                         else interactive)
     self.epoch, self.epochs, self.steps = epoch, epochs, steps
+    self.title = title or f"Epoch {epoch}/{epochs}"
     self._start = time.perf_counter()
     self._written = 0.0
     self._width = 0
     self._line = ""
     if self.interactive:
-      self._write(f"Epoch {epoch}/{epochs}\n")
+      self._write(f"{self.title}\n")
 
   def update(self, done: int, logs: Mapping[str, float], rate: float) -> None:
     """`done` steps of the epoch, with the running `logs` and examples/s."""
-    width = len(str(self.steps))
+    steps = "?" if self.steps is None else self.steps
     seconds = time.perf_counter() - self._start
-    self._line = (f"{done:>{width}}/{self.steps} - {seconds:.0f}s - "
+    self._line = (f"{done:>{len(str(steps))}}/{steps} - {seconds:.0f}s - "
                   f"{format_logs(logs, rate)}")
     now = time.perf_counter()
-    if self.interactive and (now - self._written >= _INTERVAL_S
-                             or done >= self.steps):
+    last = self.steps is not None and done >= self.steps
+    if self.interactive and (now - self._written >= _INTERVAL_S or last):
       self._written = now
-      pad = " " * max(0, self._width - len(self._line))
-      self._write(f"\r{self._line}{pad}")
-      self._width = len(self._line)
+      self._rewrite()
+
+  def _rewrite(self) -> None:
+    pad = " " * max(0, self._width - len(self._line))
+    self._write(f"\r{self._line}{pad}")
+    self._width = len(self._line)
 
   def end(self) -> None:
     """Ends the epoch's line (off a terminal: prints it, once)."""
     if self.interactive:
+      if self.steps is None and self._line:  # Its last update, if skipped.
+        self._rewrite()
       self._write("\n")
     elif self._line:
-      self._write(f"Epoch {self.epoch}/{self.epochs}: {self._line}\n")
+      self._write(f"{self.title}: {self._line}\n")
 
   def _write(self, text: str) -> None:
     self.stream.write(text)
