@@ -325,6 +325,28 @@ def test_verbose_is_taken_as_keras_takes_it(capsys):
     inference.predict(tiny, x, verbose=3)
 
 
+def test_a_missing_dict_input_is_named_before_anything_runs():
+  """Found by a new user: a dict x without one of the model's inputs
+  failed inside the traced step (12 lines; 18 for a StagedModel, ending
+  in "training=False"). Keys the model does not take are ignored, as in
+  Keras."""
+  a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+  model = keras.Model({"a": a, "b": b}, keras.layers.Dense(2, name="out")(
+      keras.layers.Concatenate()([a, b])))
+  x = {"a": np.zeros((4, 3), "float32"), "b": np.ones((4, 2), "float32")}
+  split = staged.StagedModel(model, partition.plan_stages(model, 2))
+  for served in (model, split):
+    for given in ({"a": x["a"]},
+                  tf.data.Dataset.from_tensor_slices({"a": x["a"]}).batch(2)):
+      with pytest.raises(ValueError, match=(
+          r"^x is missing input\(s\) 'b' of model '\w+': x has keys \['a'\], "
+          r"the model takes \['a', 'b'\]. Give x one array per input name.$")):
+        inference.predict(served, given)
+    np.testing.assert_allclose(
+        inference.predict(served, dict(x, c=np.zeros((4, 1), "float32"))),
+        model.predict(x, verbose=0), rtol=1e-6)
+
+
 def test_run_directory_loads_its_model_keras(tmp_path, caplog):
   tiny = _tiny_model()
   tiny.save(str(tmp_path / "model.keras"))

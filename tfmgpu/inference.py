@@ -21,6 +21,7 @@ import re
 import time
 import weakref
 import zipfile
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from absl import logging
@@ -34,6 +35,7 @@ from tfmgpu import files
 from tfmgpu import models as models_lib
 from tfmgpu import strategies as strategies_lib
 from tfmgpu.parallel import cloning
+from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import placed_model
 from tfmgpu.strategies import collective_keys
@@ -61,6 +63,19 @@ def check_input_shape(model: Any, x: np.ndarray) -> None:
         f"data rows have shape {got} but model {getattr(model, 'name', '')!r} "
         f"expects {want} (input_shape={tuple(expected)}). Reshape the data "
         "or pick the dataset the model was trained on.")
+
+
+def check_input_keys(model: Any, x: Mapping[str, Any]) -> None:
+  """Raises a clear error when dict `x` lacks an input the model takes
+  by name (Keras' own error came from inside the traced step, 12 lines
+  deep; keys the model does not take are ignored, as in Keras)."""
+  wanted = graph_lib.input_keys(model)
+  missing = [k for k in wanted or () if k not in x]
+  if missing:
+    raise ValueError(
+        f"x is missing input(s) {', '.join(map(repr, missing))} of model "
+        f"{getattr(model, 'name', '')!r}: x has keys {sorted(x)}, the model "
+        f"takes {sorted(wanted)}. Give x one array per input name.")
 
 
 def _resolve_strategy(model, strategy) -> tf.distribute.Strategy:
@@ -235,7 +250,9 @@ class Predictor:
     x = source.x
     if hasattr(self.model, "check_inputs"):
       self.model.check_inputs(x)
-    if not isinstance(x, (dict, tuple)):
+    if isinstance(x, dict):
+      check_input_keys(self.model, x)
+    elif not isinstance(x, tuple):
       check_input_shape(self.model, x)
     n = len(tf.nest.flatten(x)[0])
     if n == 0:  # One zero row gives every output's structure, shape, dtype.
@@ -281,6 +298,8 @@ class Predictor:
     spec = dataset.element_spec
     if isinstance(spec, tuple) and 1 <= len(spec) <= 3:
       dataset = dataset.map(lambda *parts: parts[0])
+    if isinstance(dataset.element_spec, dict):
+      check_input_keys(self.model, dataset.element_spec)
     out = _Rows(n, verbose)
     for batch in self.strategy.experimental_distribute_dataset(dataset):
       out.add(self._fn_one(batch))

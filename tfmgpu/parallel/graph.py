@@ -105,6 +105,21 @@ def input_dtypes(model: Any) -> tuple[str, ...]:
                for t in tf.nest.flatten(inputs or []))
 
 
+def input_keys(model: Any) -> tuple[str, ...] | None:
+  """The keys of the dict a model takes as its inputs, or `None` when it
+  takes no dict (one tensor, a list) or its inputs are not known (a
+  subclassed model); a placed model answers for the model it was made
+  from (`unsplit_input_keys`)."""
+  keys = getattr(model, "unsplit_input_keys", None)
+  if keys is not None:
+    return tuple(keys)
+  try:
+    structure = model.input
+  except (AttributeError, ValueError):  # Subclassed, or not yet called.
+    return None
+  return tuple(structure) if isinstance(structure, Mapping) else None
+
+
 def _producer(tensor: keras.KerasTensor):
   # Keras 3 has no public graph-walking API (see `_compat.producer_node`).
   return _compat.producer_node(tensor)

@@ -134,6 +134,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
                                         ())
     self.unsplit_output_shapes = graph_lib.output_shapes(replicas[0])
     self.unsplit_input_dtypes = graph_lib.input_dtypes(replicas[0])
+    self.unsplit_input_keys = graph_lib.input_keys(replicas[0])
     self.built = True
 
   @property

@@ -212,6 +212,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
     self.unsplit_output_names = graph_lib.output_names(source)
     self.unsplit_output_shapes = graph_lib.output_shapes(source)
     self.unsplit_input_dtypes = graph_lib.input_dtypes(source)
+    self.unsplit_input_keys = graph_lib.input_keys(source)
     self.load_from(model)
     self.built = True
 

@@ -308,6 +308,7 @@ class TensorParallelModel(cloning.UnsplitWeights,
     self.unsplit_output_names = graph_lib.output_names(model)
     self.unsplit_output_shapes = graph_lib.output_shapes(model)
     self.unsplit_input_dtypes = graph_lib.input_dtypes(model)
+    self.unsplit_input_keys = graph_lib.input_keys(model)
     self.built = True
 
   def call(self, inputs, training=None):

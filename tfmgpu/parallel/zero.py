@@ -149,6 +149,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
     self.unsplit_output_names = tuple(getattr(model, "output_names", ()) or ())
     self.unsplit_output_shapes = graph_lib.output_shapes(model)
     self.unsplit_input_dtypes = graph_lib.input_dtypes(model)
+    self.unsplit_input_keys = graph_lib.input_keys(model)
     self.built = True
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
