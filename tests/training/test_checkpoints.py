@@ -432,21 +432,26 @@ def test_a_killed_workers_temporary_directory_goes_at_the_next_start(
     tmp_path, monkeypatch):
   """A non-chief worker SIGKILLed (no finalizer runs) left its
   /tmp/tfmgpu-ckpt-* (a whole checkpoint copy) for good. Its name now
-  carries its PID and host; the next Checkpointer removes those whose
-  process is gone, and nothing else."""
+  carries its PID, PID namespace and host; the next Checkpointer removes
+  those of its namespace whose process is gone, and nothing else: a
+  container sharing /tmp and the host name (another PID namespace) sees
+  a live worker's PID as gone, and removed its copy."""
   monkeypatch.setattr(checkpoints.tempfile, "tempdir", str(tmp_path))
   with open("/proc/sys/kernel/pid_max") as f:
     dead = int(f.read()) + 1  # A PID no process can have.
   host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-  names = {"stale": f"tfmgpu-ckpt-{dead}-{host}-k3j_x9a1",
-           "live": f"tfmgpu-ckpt-{os.getpid()}-{host}-abcdefgh",
-           "other host": f"tfmgpu-ckpt-{dead}-elsewhere-abcdefgh",
+  ns = f"pidns{os.stat('/proc/self/ns/pid').st_ino}"
+  names = {"stale": f"tfmgpu-ckpt-{dead}-{ns}-{host}-k3j_x9a1",
+           "live": f"tfmgpu-ckpt-{os.getpid()}-{ns}-{host}-abcdefgh",
+           "other namespace": f"tfmgpu-ckpt-{dead}-pidns1-{host}-abcdefgh",
+           "no namespace": f"tfmgpu-ckpt-{dead}-{host}-abcdefgh",
+           "other host": f"tfmgpu-ckpt-{dead}-{ns}-elsewhere-abcdefgh",
            "older tfmgpu": "tfmgpu-ckpt-abcdefgh",
-           "not ours": f"other-{dead}-{host}-abcdefgh"}
+           "not ours": f"other-{dead}-{ns}-{host}-abcdefgh"}
   for name in names.values():
     os.makedirs(tmp_path / name)
     open(tmp_path / name / "ckpt-1.index", "wb").close()
-  a_file = tmp_path / f"tfmgpu-ckpt-{dead}-{host}-afile123"
+  a_file = tmp_path / f"tfmgpu-ckpt-{dead}-{ns}-{host}-afile123"
   a_file.write_bytes(b"")
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
       tf.train.ClusterSpec({"worker": ["a:1", "b:1"]}), task_type="worker",
@@ -458,7 +463,7 @@ def test_a_killed_workers_temporary_directory_goes_at_the_next_start(
   assert not (tmp_path / names.pop("stale")).exists()
   assert all((tmp_path / name).is_dir() for name in names.values())
   assert a_file.exists()
-  # Its own directory tells its PID and host the same way.
+  # Its own directory tells its PID, namespace and host the same way.
   assert os.path.basename(worker.directory).startswith(
-      f"tfmgpu-ckpt-{os.getpid()}-{host}-")
+      f"tfmgpu-ckpt-{os.getpid()}-{ns}-{host}-")
   worker.close()

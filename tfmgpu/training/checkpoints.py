@@ -44,9 +44,9 @@ takes part in saving, but only the chief's files are kept: the others write
 to a temporary directory that `close()` removes, or else the garbage
 collector or the interpreter's exit (a finalizer: a Python run that never
 called `Trainer.close()` left one per run in /tmp). A worker killed by
-SIGKILL runs neither: its directory (`tfmgpu-ckpt-PID-HOST-...`, a whole
+SIGKILL runs neither: its directory (`tfmgpu-ckpt-PID-NS-HOST-...`, a whole
 checkpoint copy) is removed by the next `Checkpointer` made on that host
-(`remove_stale_worker_copies`).
+(`remove_stale_worker_copies`) in the same PID namespace.
 """
 
 from __future__ import annotations
@@ -233,36 +233,57 @@ def describe_position(p: Progress) -> str:
           f"global step {p.step}")
 
 
-# A non-chief worker's copies: `tfmgpu-ckpt-PID-HOST-XXXXXXXX` in the
-# temporary directory (`mkdtemp`'s suffix has no "-").
-_WORKER_COPY = re.compile(r"^tfmgpu-ckpt-(?P<pid>\d+)-(?P<host>.+)-[^-]+$")
+# A non-chief worker's copies: `tfmgpu-ckpt-PID-NS-HOST-XXXXXXXX` in the
+# temporary directory (NS: `_pid_namespace`; `mkdtemp`'s suffix has no "-").
+_WORKER_COPY = re.compile(
+    r"^tfmgpu-ckpt-(?P<pid>\d+)-(?P<ns>[A-Za-z0-9]+)-(?P<host>[^-]+)-[^-]+$")
 
 
 def _host() -> str:
   return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 
 
+def _pid_namespace() -> str | None:
+  """What PIDs are numbered in: `pidns` + the inode of /proc/self/ns/pid
+  (containers sharing /tmp and a host name see each other's live PIDs as
+  gone), else `boot` + the kernel's boot id; `None` if neither reads."""
+  try:
+    return f"pidns{os.stat('/proc/self/ns/pid').st_ino}"
+  except OSError:
+    pass
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot = re.sub(r"[^A-Za-z0-9]", "", f.read())
+  except OSError:
+    return None
+  return f"boot{boot}" if boot else None
+
+
 def _worker_copy_prefix() -> str:
-  """Names the worker's directory by its PID and host, so that a later
-  run can tell when it is left by a killed process."""
-  return f"tfmgpu-ckpt-{os.getpid()}-{_host()}-"
+  """Names the worker's directory by its PID, PID namespace and host, so
+  that a later run can tell when it is left by a killed process."""
+  return (f"tfmgpu-ckpt-{os.getpid()}-{_pid_namespace() or 'unknown'}-"
+          f"{_host()}-")
 
 
 def remove_stale_worker_copies(parent: str | None = None) -> list[str]:
   """Deletes the temporary directories of non-chief workers that were
   killed (SIGKILL runs no finalizer) in `parent` (the temporary directory):
-  only ours by name, made on this host and owned by this user, whose
+  only ours by name, made on this host in this PID namespace (another
+  container's live PID can look gone here) and owned by this user, whose
   process is gone (`files.writer_is_gone`). Logs and returns them; never
   raises."""
   parent = parent or tempfile.gettempdir()
   removed = []
+  namespace = _pid_namespace()
   try:
     names = os.listdir(parent)
   except OSError:
     return removed
   for name in names:
     match = _WORKER_COPY.match(name)
-    if not match or match.group("host") != _host():
+    if (not match or match.group("host") != _host()
+        or namespace is None or match.group("ns") != namespace):
       continue
     path = os.path.join(parent, name)
     try:
