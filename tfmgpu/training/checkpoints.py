@@ -244,19 +244,14 @@ def _host() -> str:
 
 
 def _pid_namespace() -> str | None:
-  """What PIDs are numbered in: `pidns` + the inode of /proc/self/ns/pid
-  (containers sharing /tmp and a host name see each other's live PIDs as
-  gone), else `boot` + the kernel's boot id; `None` if neither reads."""
+  """What PIDs are numbered in: `pidns` + the inode of /proc/self/ns/pid;
+  `None` where it cannot be read. Containers sharing /tmp and a host name
+  see each other's live PIDs as gone, and they share the kernel's boot id
+  too, so nothing else tells them apart: without it nothing is swept."""
   try:
     return f"pidns{os.stat('/proc/self/ns/pid').st_ino}"
   except OSError:
-    pass
-  try:
-    with open("/proc/sys/kernel/random/boot_id") as f:
-      boot = re.sub(r"[^A-Za-z0-9]", "", f.read())
-  except OSError:
     return None
-  return f"boot{boot}" if boot else None
 
 
 def _worker_copy_prefix() -> str:
