@@ -66,7 +66,8 @@ def test_config_hands_each_distribution_its_own_options():
 _PROBED = {"places_itself", "to_unsplit", "compute_loss_and_gradients",
            "branches", "hybrid", "micro_batches", "micro_batches_of",
            "stages", "schedule", "recompute", "num_stages", "split_points",
-           "partition", "data_parallel", "tensor_parallel", "tensor_rules"}
+           "partition", "data_parallel", "tensor_parallel", "tensor_rules",
+           "source_dtype_policy"}
 # Where they are declared, and the benchmarks, which drive the engines' own
 # classes.
 _DECLARING = ("placements/", "parallel/", "strategies/registry.py",

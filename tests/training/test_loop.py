@@ -423,10 +423,11 @@ def test_clip_norm_under_float16_clips_the_unscaled_gradient(digits,
 
   def build():  # No dropout: the two runs see the same arithmetic.
     keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input(x.shape[1:]),
-        keras.layers.Dense(32, activation="relu", dtype="mixed_float16"),
-        keras.layers.Dense(10, activation="softmax", dtype="float32")])
+    with models.dtype_policy("mixed_float16"):  # The model's own policy:
+      return keras.Sequential([  # Keras' compile reads it to scale.
+          keras.Input(x.shape[1:]),
+          keras.layers.Dense(32, activation="relu"),
+          keras.layers.Dense(10, activation="softmax", dtype="float32")])
 
   reference = build()
   reference.compile(optimizer=keras.optimizers.LossScaleOptimizer(

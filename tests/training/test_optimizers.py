@@ -514,3 +514,33 @@ def test_a_float16_model_split_over_devices_scales_its_loss(
   # (micro-batches round otherwise in float16).
   for a, b in zip(model.get_weights(), expected):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def _float32_wrapper():
+  """A float32 functional model around `_float16_mlp` (a keras_hub backbone
+  in a float32 task model): Keras' compile reads the wrapper's policy."""
+  inner = _float16_mlp()
+  inputs = keras.Input((12,), name="x")
+  return keras.Model(inputs, keras.layers.Dense(1, name="out")(inner(inputs)))
+
+
+def test_a_float32_model_around_a_float16_one_is_not_loss_scaled(
+    float16_reference):
+  """The float16 check read every layer at any depth, so a float32 wrapper
+  around a mixed_float16 sub-model got a LossScaleOptimizer that Keras'
+  compile does not give it (its weights drifted from Keras'). Now it reads
+  the model's own policy, as Keras does."""
+  x, y, _ = float16_reference
+  reference = _float32_wrapper()
+  reference.compile(optimizer=keras.optimizers.SGD(1e4), loss=_tiny_mse)
+  assert not isinstance(reference.optimizer,
+                        keras.optimizers.LossScaleOptimizer)
+  reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  model = _float32_wrapper()
+  trainer = Trainer(model, optimizer=keras.optimizers.SGD(1e4),
+                    loss=_tiny_mse, verbose=0, metrics=[])
+  assert not isinstance(trainer.optimizer,
+                        keras.optimizers.LossScaleOptimizer)
+  trainer.fit(x, y, global_batch_size=16, epochs=1, shuffle=False)
+  for a, b in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

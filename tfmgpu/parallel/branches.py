@@ -228,6 +228,7 @@ class BranchParallel(placed_lib.PerDeviceGradientModel):
     self.combine_device = devices_lib.resolve_devices(
         [combine_device or devices[0]])[0]
     self.branches = placed
+    self.record_source_policy(*placed)
     self._combine_fn, self.combiner = self._make_combine(combine, placed)
     if weights_paths is not None:
       if len(weights_paths) != len(placed):

@@ -138,9 +138,22 @@ class PerDeviceGradientModel(keras.Model):
     places_itself: `True`: the model routes its own work to its devices;
       callers (e.g. `tfmgpu.inference`) call it as is, outside any
       data-parallel strategy.
+    source_dtype_policy: the dtype policy name of the model(s) it was made
+      from (`record_source_policy`; `placed_model.dtype_policy_of` reads
+      it), `None` until recorded.
   """
 
   places_itself = True
+  source_dtype_policy: str | None = None
+
+  def record_source_policy(self, *sources: keras.Model) -> None:
+    """Records the dtype policy of the model(s) this one was made from, as
+    Keras' `compile` of them would read it: `"mixed_float16"` when one of
+    them computes in it (a `BranchParallel`'s branches), else the first's.
+    Subclasses call it when placed: the source may not outlive them."""
+    names = [placed_model.dtype_policy_of(s) for s in sources]
+    self.source_dtype_policy = ("mixed_float16" if "mixed_float16" in names
+                                else next(iter(names), None))
 
   def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
                                  scale_regularization=None):

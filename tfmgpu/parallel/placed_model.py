@@ -12,7 +12,9 @@ A placed model whose layers keep the unsplit model's names also has an
 unsplit form (`UnsplitForm`: `to_unsplit`, `copy_weights_to`,
 `load_from`); `unsplit_of` gives the model to save, export or restore a
 plain checkpoint into, and `source_of` the model it was made from (whose
-`compile()` a `Trainer` of the placed model takes).
+`compile()` a `Trainer` of the placed model takes). `dtype_policy_of`
+gives the dtype policy Keras' `compile` would ask (whether to scale the
+loss): a placed model's source's, recorded when it was placed.
 
 Imports neither TensorFlow nor Keras: any layer can ask.
 """
@@ -79,6 +81,19 @@ def source_of(model: Any) -> Any:
   """The model a placed model was made from (split or sharded), while it
   lives: its `source_model`; `None` for any other model."""
   return getattr(model, "source_model", None) if is_placed(model) else None
+
+
+def dtype_policy_of(model: Any) -> str | None:
+  """The name of the dtype policy Keras' `compile` reads to wrap the
+  optimizer in a `LossScaleOptimizer`: a placed model's
+  `source_dtype_policy` (its source's, recorded when placed: it holds the
+  source only while it lives, and its own policy is the global one it was
+  built under), else `model.dtype_policy`'s; `None` without one."""
+  recorded = (getattr(model, "source_dtype_policy", None)
+              if is_placed(model) else None)
+  if recorded is not None:
+    return recorded
+  return getattr(getattr(model, "dtype_policy", None), "name", None)
 
 
 def data_copies(model: Any) -> int:

@@ -119,6 +119,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
                      **kwargs)
     self.replicas = replicas
     self.data_parallel = len(replicas)
+    self.record_source_policy(replicas[0])
     warn_unsynchronized_norms(replicas[0], len(replicas), self.name)
     mine = [id(v) for v in self.trainable_variables]
     if mine != [id(v) for r in replicas for v in r.trainable_variables]:

@@ -208,6 +208,7 @@ class StagedModel(UnsplitWeights, placed.PerDeviceGradientModel):
     self.stages = stages
     source = model if unsplit is None else unsplit
     self._unsplit_spec = cloning.ModelSpec.of(source)
+    self.record_source_policy(source)
     # The unsplit model's output names key per-output losses and metrics.
     self.unsplit_output_names = graph_lib.output_names(source)
     self.unsplit_output_shapes = graph_lib.output_shapes(source)

@@ -304,6 +304,7 @@ class TensorParallelModel(cloning.UnsplitWeights,
       self.model = tensor_parallel(model, self.devices, rules=rules,
                                    transform=transform)
     self._unsplit_spec = cloning.ModelSpec.of(model)
+    self.record_source_policy(model)
     # The unsplit model's output names (a dict's keys) key per-output losses.
     self.unsplit_output_names = graph_lib.output_names(model)
     self.unsplit_output_shapes = graph_lib.output_shapes(model)

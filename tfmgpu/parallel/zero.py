@@ -129,6 +129,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
                                   f"stage {stage})")
     super().__init__(name=name or f"{model.name}_zero{stage}", **kwargs)
     self.unsplit = model
+    self.record_source_policy(model)
     self.stage = stage
     self._devices = tuple(devices)
     replicated.warn_unsynchronized_norms(model, len(devices), self.name)

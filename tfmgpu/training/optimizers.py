@@ -201,17 +201,11 @@ def _whole_variable_use_of(optimizer: Any) -> str | None:
 
 
 def _uses_float16(model: "keras.Model") -> bool:
-  """Whether `model`, or any layer it holds at any depth, computes under
-  `mixed_float16` (Keras' `compile` asks the model's own policy).
-
-  At any depth: a placed model's own layers are the stage or shard models
-  it made, built under the global policy (float32 once a builder restored
-  it, as `models.build_model(mixed_precision=...)` does); the layers they
-  hold are the split model's, with its policies.
-  """
-  return any(getattr(l, "dtype_policy", None) is not None
-             and l.dtype_policy.name == "mixed_float16"
-             for l in _compat.flatten_layers(model))
+  """Whether Keras' `compile` would scale `model`'s loss: its own dtype
+  policy (a placed model's source's) is `mixed_float16`. Not its layers':
+  a float32 model around a float16 sub-model gets no `LossScaleOptimizer`
+  from Keras either."""
+  return placed_model.dtype_policy_of(model) == "mixed_float16"
 
 
 def _strategies_of(optimizer: Any) -> list[Any]:
