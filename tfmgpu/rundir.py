@@ -12,7 +12,8 @@ file to delete if that run is gone. The lock is reentrant within a process
 too) and released when the run ends, also on `PreemptedError` (exit 42).
 In a cluster only the chief takes it. If the directory is deleted while the
 run lives, the next checkpoint save puts the lock and the record back
-(`keep_run_dir`), with a warning.
+(`keep_run_dir`), with a warning; if another run has taken the
+directory meanwhile, the save refuses (`RunDirLockedError`).
 
 **Record.** `run.json` records what a run is: model, optimizer, global
 batch, seed, dataset, placement (and a pipeline's micro-batches), learning
@@ -322,10 +323,11 @@ class RunLock:
     if entry[1]:
       return
     del _HELD[key]
-    try:
-      os.remove(self.path)  # Still under the flock: nobody takes it half-way.
-    except FileNotFoundError:
-      pass
+    if _is_file_of(entry[0], self.path):  # Not another run's, taken since.
+      try:
+        os.remove(self.path)  # Still under the flock: nobody takes it now.
+      except FileNotFoundError:
+        pass
     os.close(entry[0])
 
   def __enter__(self) -> "RunLock":
@@ -355,6 +357,10 @@ def keep_run_dir(model_dir: str) -> bool:
   Returns:
     Whether anything was put back (`False` too where this process holds no
     lock on `model_dir`: another task of a cluster, a lockless caller).
+
+  Raises:
+    RunDirLockedError: another run has taken the recreated directory since:
+      this run's checkpoints must not go into that run's.
   """
   path = os.path.join(model_dir, LOCK_NAME)
   held = _HELD.get(os.path.realpath(path))
@@ -363,7 +369,9 @@ def keep_run_dir(model_dir: str) -> bool:
   try:
     prepare_model_dir(model_dir)
     fd = _take(path)
-  except (RunDirError, OSError) as e:  # Another run took it meanwhile, ...
+  except RunDirLockedError:
+    raise _taken_since(model_dir, path) from None
+  except (RunDirError, OSError) as e:  # No write permission, ...
     logging.warning("%s no longer holds this run's %s (deleted with the "
                     "directory?) and it cannot be put back: %s", model_dir,
                     LOCK_NAME, e)
@@ -382,6 +390,24 @@ def keep_run_dir(model_dir: str) -> bool:
                   "(checkpoints, summaries); the checkpoints from now on are "
                   "saved in it.", model_dir, " and ".join(lost))
   return True
+
+
+def _taken_since(model_dir: str, path: str) -> RunDirLockedError:
+  """The error for a run whose deleted `model_dir` another run now holds."""
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+  except OSError:
+    info = {}
+  else:
+    info = _read_info(fd)
+    os.close(fd)
+  holder = _describe(info) if info else "one that has not written who it is"
+  return RunDirLockedError(
+      f"model_dir={model_dir!r} was deleted while this run trained in it, "
+      f"and another run has taken it since: {holder} (lock {path}). This "
+      "run's checkpoint is not saved there (it would go among that run's "
+      "checkpoints) and this run stops; its earlier checkpoints went with "
+      "the directory. Train again with another --model_dir.")
 
 
 # -------------------------------------------------------------- record

@@ -114,6 +114,40 @@ def test_a_model_dir_deleted_mid_run_is_locked_again_at_the_next_save(
       "model"] == "mlp"
 
 
+def test_a_deleted_model_dir_taken_by_another_run_gets_no_checkpoint(
+    digits, tmp_path):
+  """Deleted mid-run, then taken by a second run: the save wrote this run's
+  ckpt-1 among that run's checkpoints with only a warning (at each save),
+  and the release at the end deleted that run's run.lock (review r3)."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  model_dir, other = tmp_path / "run", []
+
+  class OtherRunTakesItAtStep1(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      if not other:
+        shutil.rmtree(model_dir)
+        os.makedirs(model_dir / "checkpoints")
+        other.append(os.open(model_dir / rundir.LOCK_NAME,
+                             os.O_RDWR | os.O_CREAT))
+        fcntl.flock(other[0], fcntl.LOCK_EX | fcntl.LOCK_NB)  # Its flock.
+        os.write(other[0], json.dumps({"pid": 4242, "host": "h"}).encode())
+
+  lock = rundir.open_run(str(model_dir), {"model": "mlp"})  # As the CLI.
+  try:
+    with pytest.raises(rundir.RunDirLockedError, match=(
+        r"'.*run' was deleted while this run trained in it, and another run "
+        r"has taken it since: PID 4242 on host h.*This run's checkpoint is "
+        "not saved there")):
+      make_trainer(model_dir, callbacks=[OtherRunTakesItAtStep1()]).fit(
+          *digits, epochs=1, global_batch_size=32, steps_per_epoch=2)
+  finally:
+    lock.release()
+    os.close(other[0])
+  assert os.listdir(model_dir / "checkpoints") == []
+  assert json.loads((model_dir / rundir.LOCK_NAME).read_text())["pid"] == 4242
+
+
 def test_the_lock_is_released_after_a_preemption(digits, tmp_path):
   class SigtermAt2(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):

@@ -527,6 +527,11 @@ class Checkpointer:
         or a higher one; then the next free one.
       epoch_sums: the loss and metric sums of those `epoch_step` steps
         (opaque text, read back as `epoch_sums`).
+
+    Raises:
+      rundir.RunDirLockedError: the model_dir was deleted and another run
+        has taken it since (`rundir.keep_run_dir`): nothing is written.
+      OSError: the write failed (`_write`).
     """
     self.epoch.assign(epoch)
     self.epoch_step.assign(epoch_step)
