@@ -244,7 +244,8 @@ def _train_once(config: config_lib.TrainConfig) -> tuple[int, str]:
   # leaves SIGTERM ignored until this process exits (only for this call).
   preemption.hold_sigterm_after_preemption()
   preemption.interrupt_saves()  # Ctrl-C saves as SIGTERM does.
-  preemption.sigterm_stops_at_once()  # Outside the steps: 42, not 143.
+  preemption.sigterm_stops_at_once(  # Outside the steps: 42, not 143.
+      said=f"error: {_stopped_outside_steps(config.model_dir)}")
   try:
     summary = runs.run_training(config)
   except checkpoints.PreemptedError as e:

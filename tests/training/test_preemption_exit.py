@@ -132,3 +132,40 @@ def test_ctrl_c_in_a_cli_run_saves_as_sigterm_does(tmp_path):
   assert lines[2] == "Preempted: Ctrl-C reached this process", out.stdout
   assert "Ctrl-C: saving a checkpoint at the next step boundary" in out.stderr
   assert "SIGTERM received" not in out.stderr  # One line says what happens.
+
+
+BLOCKED_CHILD = r"""
+import os, signal, sys, threading
+import tensorflow as tf
+from tfmgpu.training import preemption
+preemption.STOP_AT_ONCE_WAIT_S = 0.5
+preemption.sigterm_stops_at_once(said="error: stopped (what is kept).")
+queue = tf.queue.FIFOQueue(1, tf.int32)
+queue.enqueue(0)
+queue.dequeue()  # Its kernels made: the next dequeue blocks at once.
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+threading.Timer(20, queue.enqueue, (1,)).start()  # Unblocks it at last.
+try:
+  queue.dequeue()  # Inside TensorFlow: Python runs no signal handler here.
+except preemption.SigtermOutsideSteps:
+  print("stopped after the call returned", flush=True)
+os._exit(1)
+"""
+
+
+def test_sigterm_inside_a_blocked_tensorflow_call_exits_42_soon():
+  """SIGTERM outside the steps while the main thread waits in TensorFlow
+  (a collective on a lost peer, a long evaluation): the handler ran only
+  when the call returned (87 s later in review r2, or never), so the
+  launcher's SIGKILL came first. Now a watchdog thread says what is kept
+  and exits 42 once `STOP_AT_ONCE_WAIT_S` passed (here the call would
+  return after 20 s, with exit 1)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  out = subprocess.run([sys.executable, "-c", BLOCKED_CHILD],
+                       capture_output=True, text=True, env=env,
+                       timeout=TIMEOUT_S, check=False)
+  assert out.returncode == checkpoints.EXIT_PREEMPTED, (out.stdout,
+                                                        out.stderr[-3000:])
+  assert out.stderr.splitlines()[-1] == "error: stopped (what is kept)."
+  assert "did not stop within 0.5s (inside a TensorFlow call)" in out.stderr
+  assert out.stdout == ""

@@ -14,7 +14,9 @@ a callback's `stop_training`) does the same job through the existing
 
 Outside the training steps (before them, in the final evaluation, while
 the model is saved) the CLI stops at once on SIGTERM and exits 42 too
-(`sigterm_stops_at_once`): the checkpoints hold what was trained.
+(`sigterm_stops_at_once`): the checkpoints hold what was trained. Inside
+a long TensorFlow call, where Python runs no signal handler, a watchdog
+thread exits 42 a few seconds after the SIGTERM instead.
 
 Exit 42 stays 42: SIGTERM is only recorded from the moment training stops
 for it (and saves) until the watcher exits. A process that then exits with
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 from absl import logging
@@ -103,20 +106,75 @@ class SigtermOutsideSteps(BaseException):
   `KeyboardInterrupt`, so that no `except Exception` swallows it."""
 
 
-def sigterm_stops_at_once(on: bool = True) -> None:
+# Seconds the main thread has, after SIGTERM outside the steps, to stop;
+# then the watchdog exits. Python runs a signal handler only between
+# bytecodes: in a long or hung TensorFlow call (a collective waiting on a
+# lost peer, a long evaluation) it would wait, and the launcher SIGKILL.
+STOP_AT_ONCE_WAIT_S = 5.0
+_STOPPED = threading.Event()  # The main thread has stopped (or turned off).
+_WAKEUP: list[int] = []  # The wakeup pipe's write end and the previous fd.
+
+
+def sigterm_stops_at_once(on: bool = True, *, said: str = "") -> None:
   """For a process that exits with `EXIT_PREEMPTED` (the train CLI):
   SIGTERM outside a `PreemptionWatcher` (which saves at a step boundary)
   raises `SigtermOutsideSteps` in the main thread instead of killing the
   process with 143 and no word; the checkpoints already saved are kept. A
-  second SIGTERM while it stops is logged and ignored. Main thread only;
-  `False` restores the default handler (unless it fired: then SIGTERM
-  stays ignored until the process exits)."""
+  second SIGTERM while it stops is logged and ignored. If the main thread
+  has not stopped `STOP_AT_ONCE_WAIT_S` after the SIGTERM (it is inside a
+  TensorFlow call, where Python runs no handler), a watchdog thread prints
+  `said` and exits the process with `EXIT_PREEMPTED` itself. Main thread
+  only; `False` (called once the CLI has stopped) ends the watchdog and
+  restores the default handler (unless it fired: then SIGTERM stays ignored
+  until the process exits)."""
   if threading.current_thread() is not threading.main_thread():
     return
   if on:
+    _STOPPED.clear()
     signal.signal(signal.SIGTERM, _stop_at_once)
-  elif signal.getsignal(signal.SIGTERM) is _stop_at_once:
+    _watch_sigterm(said)
+    return
+  _STOPPED.set()
+  if signal.getsignal(signal.SIGTERM) is _stop_at_once:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  if _WAKEUP:
+    write_end, previous = _WAKEUP
+    _WAKEUP.clear()
+    signal.set_wakeup_fd(previous)
+    os.close(write_end)  # The watchdog reads the end of the pipe and ends.
+
+
+def _watch_sigterm(said: str) -> None:
+  """Starts the watchdog: the C-level signal handler writes each signal's
+  number to a wakeup pipe at once, whatever the main thread is doing."""
+  if _WAKEUP:
+    return
+  read_end, write_end = os.pipe()
+  os.set_blocking(write_end, False)
+  _WAKEUP[:] = [write_end, signal.set_wakeup_fd(
+      write_end, warn_on_full_buffer=False)]
+  threading.Thread(target=_watchdog, args=(read_end, said), daemon=True,
+                   name="sigterm-watchdog").start()
+
+
+def _watchdog(read_end: int, said: str) -> None:
+  try:
+    while numbers := os.read(read_end, 64):
+      if signal.SIGTERM in numbers and signal.getsignal(signal.SIGTERM) in (
+          _stop_at_once, _ignore_while_stopping):
+        break
+    else:
+      return  # Turned off.
+  finally:
+    os.close(read_end)
+  if _STOPPED.wait(STOP_AT_ONCE_WAIT_S):
+    return
+  logging.warning("SIGTERM: the main thread did not stop within %gs (inside "
+                  "a TensorFlow call); exiting now.", STOP_AT_ONCE_WAIT_S)
+  if said:
+    print(said, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(ckpt_lib.EXIT_PREEMPTED)  # The main thread cannot be reached.
 
 
 def _stop_at_once(signum, frame) -> None:
