@@ -231,7 +231,8 @@ def test_mwms_names_a_peer_that_never_comes_up_within_the_timeout(tmp_path):
 @pytest.mark.slow
 def test_sigterm_stops_a_mwms_worker_waiting_for_its_peer(tmp_path):
   """TF's C++ start-up took SIGTERM and went on waiting; the wait for the
-  peers is Python's, which SIGTERM ends."""
+  peers is Python's, which SIGTERM ends: exit 42 as any SIGTERM outside the
+  training steps (a rerun resumes), with one line saying so."""
   proc, own, _ = _missing_peer_run(300, tmp_path / "run")
   try:
     deadline = time.monotonic() + 90
@@ -243,7 +244,9 @@ def test_sigterm_stops_a_mwms_worker_waiting_for_its_peer(tmp_path):
         time.sleep(0.2)
     time.sleep(1)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=15)
+    _, err = proc.communicate(timeout=15)
   finally:
     proc.kill()
-  assert proc.returncode == -signal.SIGTERM
+  assert proc.returncode == 42, err[-3000:]
+  assert "SIGTERM reached this process outside the training steps" in err, (
+      err[-3000:])
