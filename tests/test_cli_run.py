@@ -47,3 +47,22 @@ def test_a_bad_setting_is_one_error_line_not_the_whole_help(capsys,
   err = capsys.readouterr().err
   assert err.startswith("error: zero_stage=2 is not supported")
   assert len(err.strip().splitlines()) == 2, err
+
+
+def test_ctrl_c_a_cli_does_not_handle_is_one_line_exit_130(capsys,
+                                                           monkeypatch):
+  """Ctrl-C in `generate`'s token stream or a `bench` section printed a
+  KeyboardInterrupt traceback (train and predict say what they kept)."""
+
+  def main(argv):
+    del argv
+    print("def f(", end="")  # A streamed line left open.
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(sys, "argv", ["tfmgpu-generate"])
+  with pytest.raises(SystemExit) as exit_:
+    cli.run(main, "tfmgpu.generate")
+  assert exit_.value.code == 130
+  captured = capsys.readouterr()
+  assert captured.out == "def f("
+  assert captured.err == "\nerror: interrupted (Ctrl-C).\n"

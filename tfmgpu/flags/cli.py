@@ -78,21 +78,31 @@ def adopt_for_main(module_name: str) -> None:
 
 def run(main: Callable[[list[str]], int | None], module_name: str) -> None:
   """`absl.app.run(main)` for the CLI module `module_name` (its `__name__`),
-  with a full `--help` that exits 0 however it was started, and a bad
-  setting `main` reports (`app.UsageError`) said in one `error:` line (absl
-  would print the module's whole help before it)."""
+  with a full `--help` that exits 0 however it was started, a bad setting
+  `main` reports (`app.UsageError`) said in one `error:` line (absl would
+  print the module's whole help before it), and a Ctrl-C that `main` does
+  not handle itself said in one line, exit 130 (Python would print a
+  traceback)."""
   adopt_for_main(module_name)
   define_help_flags()
-  app.run(functools.partial(_one_line_usage_errors, main))
+  app.run(functools.partial(_one_line_errors, main))
 
 
-def _one_line_usage_errors(main: Callable[[list[str]], int | None],
-                           argv: list[str]) -> int | None:
-  """`main(argv)`, a `UsageError` printed as `error: ...` and a pointer to
-  the flags' help, exiting with its exit code."""
+# The shell's exit status for a process stopped by SIGINT (128 + 2).
+INTERRUPTED_EXIT_CODE = 130
+
+
+def _one_line_errors(main: Callable[[list[str]], int | None],
+                     argv: list[str]) -> int | None:
+  """`main(argv)`; a `UsageError` printed as `error: ...` and a pointer to
+  the flags' help, exiting with its exit code; a Ctrl-C as one line."""
   try:
     return main(argv)
   except app.UsageError as e:
     print(f"error: {e}\nTry --helpshort (this CLI's flags) or --helpfull.",
           file=sys.stderr)
     return e.exitcode
+  except KeyboardInterrupt:  # E.g. generate's stream or a bench section.
+    sys.stdout.flush()  # A line left open (streamed tokens) ends first.
+    print("\nerror: interrupted (Ctrl-C).", file=sys.stderr)
+    return INTERRUPTED_EXIT_CODE
