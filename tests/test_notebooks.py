@@ -1,5 +1,5 @@
-"""The notebooks in notebooks/: executed top to bottom (the first one twice
-in one kernel, as a reader re-runs it).
+"""The notebooks in notebooks/: executed top to bottom (04_existing_pipeline
+twice in one kernel, as a reader re-runs it).
 
 Each notebook runs in a real Jupyter kernel started from this interpreter
 (nbclient; ipykernel's "python3" kernelspec launches `sys.executable`, so a
@@ -154,13 +154,15 @@ def test_notebook_uses_the_library_not_flags(path):
 # ------------------------------------------------------- executing them
 
 
-# Re-run top to bottom in the same kernel: the data-parallel notebook, whose
-# second pass makes new strategies, Trainers and Keras `fit` runs in a
-# process that already ran them (what each notebook's first cell promises;
-# the parts are tested in a process that reuses them too:
-# test_collective_keys.py, test_devices.py, test_generation.py). The
-# others run once: a second pass costs 80% of the first.
-RUN_TWICE = ("01_data_parallel",)
+# Re-run top to bottom in the same kernel: the existing-pipeline notebook,
+# whose second pass calls configure_devices again and makes new strategies
+# (mirrored, default, one_device, central_storage), models and Keras `fit`
+# runs in a process that already ran them (what each notebook's first cell
+# promises; the parts are tested in a process that reuses them too:
+# test_collective_keys.py, test_devices.py, test_generation.py). It is the
+# cheapest notebook that rebuilds strategies; the others run once: a second
+# pass costs 80% of the first.
+RUN_TWICE = ("04_existing_pipeline",)
 
 
 def check_runs(path: pathlib.Path, cwd: pathlib.Path = NOTEBOOK_DIR,
@@ -203,10 +205,14 @@ def test_the_second_run_shares_the_kernel_of_the_first(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_cell_fails_the_run(tmp_path):
-  """A broken copy of a real notebook fails the check the notebooks go through."""
+  """A broken copy of a real notebook fails the check the notebooks go through.
+
+  Its first code cell is the broken one, so the kernel fails before it loads
+  TensorFlow (a later cell fails the same way: nbclient stops at any error).
+  """
   broken = nbformat.read(NOTEBOOKS[0], as_version=4)  # Needs no files.
   code_cells = [c for c in broken.cells if c.cell_type == "code"]
-  code_cells[1].source = "raise ValueError('deliberately broken cell')"
+  code_cells[0].source = "raise ValueError('deliberately broken cell')"
   path = tmp_path / "broken.ipynb"
   nbformat.write(broken, path)
   with pytest.raises(CellExecutionError, match="deliberately broken cell"):
