@@ -381,25 +381,24 @@ def test_a_read_error_of_a_users_dataset_is_raised_as_it_is():
 @pytest.mark.slow
 def test_the_readme_command_trains_the_example_module(tmp_path, parsed_flags,
                                                       capsys, monkeypatch):
-  """Acceptance: the README's command, from the checkout's root; then
-  `python -m tfmgpu.predict` (in-process) serves the model it saved on the
-  same dict-fed test rows, to the same accuracy."""
-  out = subprocess.run(
-      [sys.executable, "-m", "tfmgpu.train", f"--model={EXAMPLE}:build",
-       f"--dataset={EXAMPLE}:load", "--strategy=mirrored",
-       "--virtual_devices=2", f"--model_dir={tmp_path}", "--verbose=0"],
-      capture_output=True, text=True, timeout=300, env=ENV, check=False,
-      cwd=ROOT)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert re.search(rf"model\s+{EXAMPLE}:build\ndataset\s+{EXAMPLE}:load",
-                   out.stdout), out.stdout
-  assert "2 on /device:CPU:0, /device:CPU:1" in out.stdout
-  accuracy = float(re.search(r"test loss / accuracy\s+[\d.]+ / ([\d.]+)",
-                             out.stdout).group(1))
-  assert accuracy >= 0.93, out.stdout
+  """Acceptance: the README's command (2 replicas), in-process from the
+  checkout's root; then `python -m tfmgpu.predict` (in-process) serves the
+  model it saved on the same dict-fed test rows, to the same accuracy.
+  tests/test_readme_blocks.py runs the command as written in a subprocess."""
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
-  from tfmgpu import predict  # pylint: disable=g-import-not-at-top
+  from tfmgpu import predict, train  # pylint: disable=g-import-not-at-top
   monkeypatch.chdir(ROOT)
+  with flagsaver.flagsaver(model=f"{EXAMPLE}:build", dataset=f"{EXAMPLE}:load",
+                           strategy="mirrored", num_replicas=2,
+                           model_dir=str(tmp_path), verbose=0):
+    assert train.main(["train"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(rf"model\s+{EXAMPLE}:build\ndataset\s+{EXAMPLE}:load",
+                   out), out
+  assert "2 on /device:CPU:0, /device:CPU:1" in out
+  accuracy = float(re.search(r"test loss / accuracy\s+[\d.]+ / ([\d.]+)",
+                             out).group(1))
+  assert accuracy >= 0.93, out
   with flagsaver.flagsaver(model_path=[str(tmp_path / "model.keras")],
                            dataset=f"{EXAMPLE}:load", strategy="mirrored",
                            num_replicas=2):
