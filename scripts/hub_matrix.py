@@ -131,20 +131,30 @@ def _placed(family: str, layout: str, devices: list[str]):
   return placed, weights, model
 
 
-def run_case(family: str, layout: str, devices: list[str],
-             optimizer: str = "sgd") -> tuple[float, float]:
-  """`(max |predict - unsplit predict|, max |weights - one-device fit's|)`,
-  both trained with `optimizer` (a key of `OPTIMIZERS`)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+def reference_weights(family: str, optimizer: str = "sgd") -> list:
+  """The weights of `family` after one-device Keras `fit` with `optimizer`."""
   x, y, sw = data(family)
   reference = build(family)
   fit(reference, x, y, sw, optimizer)
+  return reference.get_weights()
+
+
+def run_case(family: str, layout: str, devices: list[str],
+             optimizer: str = "sgd",
+             reference: list | None = None) -> tuple[float, float]:
+  """`(max |predict - unsplit predict|, max |weights - one-device fit's|)`,
+  both trained with `optimizer` (a key of `OPTIMIZERS`); `reference`: the
+  one-device weights if already trained (`reference_weights`)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  x, y, sw = data(family)
+  if reference is None:
+    reference = reference_weights(family, optimizer)
   placed, weights, unsplit = _placed(family, layout, devices)
   predicted = np.abs(placed.predict(x, batch_size=BATCH, verbose=0) -
                      unsplit.predict(x, batch_size=BATCH, verbose=0)).max()
   fit(placed, x, y, sw, optimizer)
   diff = max(float(np.abs(a - b).max())
-             for a, b in zip(weights(), reference.get_weights()))
+             for a, b in zip(weights(), reference))
   return float(predicted), diff
 
 
