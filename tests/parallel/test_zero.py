@@ -106,11 +106,12 @@ def _assert_equal(sharded, want, optimizer):
                                err_msg=v.path)
 
 
+# GPT at stage 3 trains in ("gpt", 4, 3, ...), SGD at stage 3 in
+# ("bn", 4, 3, "sgd", ...): a ("gpt", 2, 3, "sgd") case took both paths.
 CASES = [  # model, replicas, stage, optimizer, clip_norm
     ("bn", 2, 1, "sgd", None), ("bn", 2, 2, "adam", 0.5),
     ("bn", 2, 3, "adam", None), ("bn", 4, 3, "sgd", 0.5),
-    ("gpt", 2, 1, "adam", 1.0), ("gpt", 2, 3, "sgd", None),
-    ("gpt", 4, 3, "adam", 1.0),
+    ("gpt", 2, 1, "adam", 1.0), ("gpt", 4, 3, "adam", 1.0),
 ]
 
 
@@ -284,12 +285,13 @@ def _fit_dir(sharded, x, y, model_dir, epochs):
 
 
 def test_stage3_checkpoint_restores_into_any_layout_and_resumes(tmp_path):
-  """A stage-3 run on 4 devices: its checkpoint restores unsplit, as
+  """A stage-3 run on 2 devices: its checkpoint restores unsplit, as
   mirrored x2 and as a 2-stage pipeline (same predictions); its .keras
-  loads; a stage-1 run resumes from it exactly where it stopped."""
+  loads; a stage-1 run resumes from it exactly where it stopped. (Stage 3
+  over 4 devices trains in `test_trains_equal_to_mirrored`.)"""
   from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
   from tfmgpu.training import portable  # pylint: disable=g-import-not-at-top
-  devices = tfmgpu.list_devices("CPU")[:4]
+  devices = tfmgpu.list_devices("CPU")[:2]
   x, y = _data("gpt", 64)
   whole = zero.ShardedModel(_gpt(), devices, stage=3)
   _fit_dir(whole, x, y, str(tmp_path / "whole"), epochs=2)
@@ -304,7 +306,7 @@ def test_stage3_checkpoint_restores_into_any_layout_and_resumes(tmp_path):
   np.testing.assert_allclose(unsplit.predict(x[:16], verbose=0), expected,
                              rtol=1e-5, atol=1e-5)
   strategy = tf.distribute.MirroredStrategy(
-      devices[:2], cross_device_ops=tf.distribute.ReductionToOneDevice())
+      devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
   with strategy.scope():
     mirrored = portable.restore_weights(_gpt(seed=7), path)
     plain = _gpt(seed=7)  # Read as a plain model's checkpoint (its keys).
@@ -376,12 +378,13 @@ def test_cli_trains_mirrored_zero_stage_3_and_resumes_as_a_pipeline(
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from tfmgpu import train  # pylint: disable=g-import-not-at-top
   with flagsaver.flagsaver(strategy="mirrored", zero_stage=3, model="gpt",
+                           num_replicas=2,
                            model_size="tiny", epochs=1, steps_per_epoch=2,
                            steps_per_execution=2, model_dir=str(tmp_path),
                            verbose=0):
     assert train.main(["train"]) == 0
   out = capsys.readouterr().out
-  assert re.search(r"^replicas\s+4 on /device:CPU:0, .*CPU:3$", out, re.M)
+  assert re.search(r"^replicas\s+2 on /device:CPU:0, .*CPU:1$", out, re.M)
   assert re.search(r"^zero\s+stage 3: weights, gradients and optimizer "
                    r"slots sharded", out, re.M)
   assert (tmp_path / "model.keras").exists()
