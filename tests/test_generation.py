@@ -17,6 +17,11 @@ from tfmgpu.parallel import cloning
 
 VOCAB = 50
 CONTEXT = 24
+# New tokens of the tests that decode `gpt` on `_prompts()`: one request
+# shape, so they share its compiled decode loops (one per sampler; each
+# new shape or sampler compiles again, ~2 s).
+NEW = 6
+TOP_K = {"sampler": "top_k", "k": 5}
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +62,16 @@ def _rows(out):
 
 def test_gpt_greedy_equals_a_loop_without_cache(gpt):
   prompts = _prompts()
-  out = tfmgpu.generate(gpt, prompts, max_new_tokens=7)
-  assert out["token_ids"].shape == (3, 8 + 7)
-  assert _rows(out) == _no_cache_loop(gpt, prompts, 7)
-  assert out["padding_mask"].sum(axis=1).tolist() == [5 + 7, 2 + 7, 8 + 7]
+  out = tfmgpu.generate(gpt, prompts, max_new_tokens=NEW)
+  assert out["token_ids"].shape == (3, 8 + NEW)
+  assert _rows(out) == _no_cache_loop(gpt, prompts, NEW)
+  assert out["padding_mask"].sum(axis=1).tolist() == [
+      5 + NEW, 2 + NEW, 8 + NEW]
 
 
 def test_token_array_is_all_prompt(gpt):
-  ids = _prompts(lengths=(8, 8))["token_ids"]
-  out = tfmgpu.generate(gpt, ids, max_new_tokens=3)
+  ids = _prompts(lengths=(8, 8, 8))["token_ids"]
+  out = tfmgpu.generate(gpt, ids, max_new_tokens=NEW)
   np.testing.assert_array_equal(out["token_ids"][:, :8], ids)
   assert out["padding_mask"].all()
 
@@ -82,48 +88,44 @@ def test_decode_step_traces_once_for_a_whole_generation(gpt):
 
 def test_stop_token_ends_a_row_and_is_kept(gpt):
   prompts = _prompts()
-  free = tfmgpu.generate(gpt, prompts, max_new_tokens=6)
+  free = tfmgpu.generate(gpt, prompts, max_new_tokens=NEW)
   stop = int(free["token_ids"][0, 5 + 2])  # Row 0's third new token.
-  out = tfmgpu.generate(gpt, prompts, max_new_tokens=6, stop_token_ids=[stop])
+  out = tfmgpu.generate(gpt, prompts, max_new_tokens=NEW,
+                        stop_token_ids=[stop])
   row = _rows(out)[0]
   assert row == _rows(free)[0][:row.index(stop, 5) + 1]
   assert not out["token_ids"][0, len(row):].any()
 
 
 @pytest.mark.parametrize("sampler,options", [
-    ("top_k", {"k": 5}), ("top_p", {"p": 0.8}),
+    ("top_k", {"k": TOP_K["k"]}), ("top_p", {"p": 0.8}),
     ("random", {"temperature": 0.7})])
 def test_a_seed_gives_the_same_tokens_twice(gpt, sampler, options):
   prompts = _prompts()
-  first = tfmgpu.generate(gpt, prompts, max_new_tokens=8, sampler=sampler,
-                          seed=11, **options)
-  again = tfmgpu.generate(gpt, prompts, max_new_tokens=8, sampler=sampler,
-                          seed=11, **options)
-  other = tfmgpu.generate(gpt, prompts, max_new_tokens=8, sampler=sampler,
-                          seed=12, **options)
+  first = tfmgpu.generate(gpt, prompts, max_new_tokens=NEW,
+                          sampler=sampler, seed=11, **options)
+  again = tfmgpu.generate(gpt, prompts, max_new_tokens=NEW,
+                          sampler=sampler, seed=11, **options)
+  other = tfmgpu.generate(gpt, prompts, max_new_tokens=NEW,
+                          sampler=sampler, seed=12, **options)
   np.testing.assert_array_equal(first["token_ids"], again["token_ids"])
   assert (first["token_ids"] != other["token_ids"]).any()
-  greedy = tfmgpu.generate(gpt, prompts, max_new_tokens=8)
+  greedy = tfmgpu.generate(gpt, prompts, max_new_tokens=NEW)
   assert (first["token_ids"] != greedy["token_ids"]).any()
 
 
 def test_top_k_draws_only_among_the_k_most_likely(gpt):
-  prompts = _prompts(lengths=(8,))
-  out = tfmgpu.generate(gpt, prompts, max_new_tokens=1, sampler="top_k", k=3,
-                        seed=0, temperature=5.0)
-  logits = np.asarray(gpt(np.pad(prompts["token_ids"], [(0, 0), (0, 16)])))
-  assert out["token_ids"][0, 8] in np.argsort(logits[0, 7])[-3:]
-
-
-def test_mirrored_x2_equals_unplaced_greedy_and_seeded(gpt):
-  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
-  prompts = _prompts()  # 3 rows over 2 replicas: one padded row.
-  for options in ({}, {"sampler": "top_k", "k": 5, "seed": 4}):
-    alone = tfmgpu.generate(gpt, prompts, max_new_tokens=6, **options)
-    spread = tfmgpu.generate(gpt, prompts, max_new_tokens=6,
-                             strategy=strategy, **options)
-    for key in ("token_ids", "padding_mask"):
-      np.testing.assert_array_equal(spread[key], alone[key])
+  """Every new token of every row (18 draws) is among the k most likely
+  after the tokens before it (the gpt is causal: one call on the output
+  gives each position's logits)."""
+  out = tfmgpu.generate(gpt, _prompts(), max_new_tokens=NEW, seed=0, **TOP_K)
+  ids = out["token_ids"]
+  logits = np.asarray(gpt(np.pad(ids, [(0, 0), (0, CONTEXT - ids.shape[1])])))
+  prompt = np.pad(_prompts()["padding_mask"], [(0, 0), (0, NEW)])
+  draws = list(zip(*np.nonzero(out["padding_mask"] & ~prompt)))
+  assert len(draws) == 3 * NEW
+  for r, j in draws:
+    assert ids[r, j] in np.argsort(logits[r, j - 1])[-TOP_K["k"]:], (r, j)
 
 
 def test_a_model_built_in_the_mirrored_scope_generates_under_xla(gpt):
@@ -137,8 +139,8 @@ def test_a_model_built_in_the_mirrored_scope_generates_under_xla(gpt):
                                   num_classes=VOCAB, seed=3)
   generator = generation.Generator(mirrored, strategy=strategy)
   assert generator._runner.jit_compile  # pylint: disable=protected-access
-  spread = generator.generate(_prompts(), max_new_tokens=4)
-  alone = tfmgpu.generate(gpt, _prompts(), max_new_tokens=4)
+  spread = generator.generate(_prompts(), max_new_tokens=NEW)
+  alone = tfmgpu.generate(gpt, _prompts(), max_new_tokens=NEW)
   np.testing.assert_array_equal(spread["token_ids"], alone["token_ids"])
   assert generator.traces == 2  # One compiled loop per replica.
   assert generator.model is mirrored  # No copy.
@@ -152,7 +154,9 @@ def test_a_model_from_outside_the_scope_decodes_on_each_replica_from_a_copy(
   """Weights made outside the strategy's scope are copied into it once:
   each replica's compiled loop reads its own replica's weights (before,
   under XLA, every replica's rows decoded as one call on the first
-  device), and the user's model is left as it was."""
+  device), and the user's model is left as it was. Its greedy and seeded
+  top-k tokens are the unplaced ones (3 rows over 2 replicas: one padded
+  row)."""
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
   before = [w.copy() for w in gpt.get_weights()]
   generator = generation.Generator(gpt, strategy=strategy)
@@ -160,11 +164,15 @@ def test_a_model_from_outside_the_scope_decodes_on_each_replica_from_a_copy(
   assert cloning.built_in_scope(generator.model, strategy)
   assert not cloning.built_in_scope(gpt, strategy)
   assert "a copy made in it" in caplog.text
-  spread = generator.generate(_prompts(), max_new_tokens=4)
-  alone = tfmgpu.generate(gpt, _prompts(), max_new_tokens=4)
-  np.testing.assert_array_equal(spread["token_ids"], alone["token_ids"])
-  assert generator.traces == 2  # One compiled loop per replica.
-  read = [_weight_devices(g) for g in generator.graphs]
+  for options in ({}, dict(TOP_K, seed=4)):
+    spread = generator.generate(_prompts(), max_new_tokens=NEW,
+                                sampling=generation.Sampling(**options))
+    alone = tfmgpu.generate(gpt, _prompts(), max_new_tokens=NEW, **options)
+    for key in ("token_ids", "padding_mask"):
+      np.testing.assert_array_equal(spread[key], alone[key], err_msg=options)
+    if not options:
+      assert generator.traces == 2  # One compiled loop per replica.
+  read = [_weight_devices(g) for g in generator.graphs[:2]]
   replicas = [devices_lib.canonical_device(d)
               for d in strategy.extended.worker_devices]
   assert read == [{replicas[0]}, {replicas[1]}]
@@ -175,7 +183,8 @@ def test_a_model_from_outside_the_scope_decodes_on_each_replica_from_a_copy(
 def test_generate_with_a_copy_follows_the_models_later_weights():
   """`tfmgpu.generate` keeps its generator (and the copy it made in the
   strategy's scope) per model: a model trained on since the last request
-  generates with its new weights (the copy's were kept)."""
+  generates with its new weights (the copy's were kept): the tokens of a
+  loop without a cache on them."""
   model = models.build_model("gpt", input_shape=(CONTEXT,),
                              num_classes=VOCAB, seed=5)
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
@@ -185,8 +194,7 @@ def test_generate_with_a_copy_follows_the_models_later_weights():
       "gpt", input_shape=(CONTEXT,), num_classes=VOCAB, seed=6).get_weights())
   again = tfmgpu.generate(model, _prompts(), max_new_tokens=4,
                           strategy=strategy)
-  alone = tfmgpu.generate(model, _prompts(), max_new_tokens=4)
-  np.testing.assert_array_equal(again["token_ids"], alone["token_ids"])
+  assert _rows(again) == _no_cache_loop(model, _prompts(), 4)
   assert (first["token_ids"] != again["token_ids"]).any()
 
 
@@ -210,13 +218,12 @@ def test_a_gpt_with_a_padding_mask_input_and_one_device():
 
 def test_rows_split_differently_get_the_same_seeded_tokens(gpt):
   prompts = _prompts()
-  whole = tfmgpu.generate(gpt, prompts, max_new_tokens=6, sampler="top_k",
-                          k=8, seed=5)
+  whole = tfmgpu.generate(gpt, prompts, max_new_tokens=NEW, seed=5, **TOP_K)
   # Row 1 alone has index 0: seeds are keyed by the request's row index,
   # so compare a request whose row order is kept (rows 0-1 of the three).
   first_two = {k: v[:2] for k, v in prompts.items()}
-  part = tfmgpu.generate(gpt, first_two, max_new_tokens=6, sampler="top_k",
-                         k=8, seed=5)
+  part = tfmgpu.generate(gpt, first_two, max_new_tokens=NEW, seed=5,
+                         **TOP_K)
   assert _rows(part) == _rows(whole)[:2]
 
 
@@ -309,26 +316,40 @@ def _hub_lm(name):
   return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
+@pytest.fixture(scope="module")
+def hub_greedy():
+  """`name -> (lm, each row's prompt and first 8 new tokens by keras_hub's
+  own greedy generate)`, made once per name (llama decodes twice)."""
+  made = {}
+
+  def get(name):
+    if name not in made:
+      lm = _hub_lm(name)
+      prompts = _prompts(vocab=64)
+      # keras_hub fills every position after each prompt up to the input's
+      # width: give it room, keep each row's first 8 new tokens.
+      wide = {k: np.pad(v, [(0, 0), (0, 16)]) for k, v in prompts.items()}
+      lm.compile(sampler="greedy")
+      theirs = lm.generate(wide, stop_token_ids=None)["token_ids"]
+      lengths = prompts["padding_mask"].sum(axis=1)
+      made[name] = lm, [list(row[:n + 8]) for row, n in zip(theirs, lengths)]
+    return made[name]
+
+  return get
+
+
 @pytest.mark.parametrize("name,replicas", [
     ("gpt2", None), ("llama", None), ("gemma", None), ("llama", 2),
     ("falcon", None), ("smollm3", None)])
-def test_keras_hub_greedy_equals_its_own_generate(name, replicas):
+def test_keras_hub_greedy_equals_its_own_generate(name, replicas,
+                                                  hub_greedy):
   """One device, and the rows spread over mirrored x2 (3 rows: one
-  padded)."""
-  lm = _hub_lm(name)
-  new = 8
-  prompts = _prompts(vocab=64)
+  padded; the model is copied into the strategy's scope)."""
+  lm, expected = hub_greedy(name)
   strategy = replicas and tfmgpu.get_strategy("mirrored",
                                               num_replicas=replicas)
-  out = tfmgpu.generate(lm, prompts, max_new_tokens=new,
+  out = tfmgpu.generate(lm, _prompts(vocab=64), max_new_tokens=8,
                         strategy=strategy or None)
-  # keras_hub fills every position after each prompt up to the input's
-  # width: give it room, compare each row's first `new` new tokens.
-  wide = {k: np.pad(v, [(0, 0), (0, 16)]) for k, v in prompts.items()}
-  lm.compile(sampler="greedy")
-  theirs = lm.generate(wide, stop_token_ids=None)["token_ids"]
-  lengths = prompts["padding_mask"].sum(axis=1)
-  expected = [list(row[:n + new]) for row, n in zip(theirs, lengths)]
   assert _rows(out) == expected
 
 
@@ -449,8 +470,8 @@ def test_generate_is_the_cli_module_and_the_function(gpt):
   import types  # pylint: disable=g-import-not-at-top
   assert isinstance(tfmgpu.generate, types.ModuleType)
   assert callable(tfmgpu.generate.main)
-  out = tfmgpu.generate(gpt, np.ones((1, 3), np.int32), max_new_tokens=2)
-  assert out["token_ids"].shape == (1, 5)
+  out = tfmgpu.generate(gpt, np.ones((3, 8), np.int32), max_new_tokens=NEW)
+  assert out["token_ids"].shape == (3, 8 + NEW)
 
 
 def test_cli_memory_plan_prints_weights_and_kv_cache_per_device(
