@@ -99,7 +99,8 @@ def _expected(name, cpus):
 def test_each_shard_keeps_its_cache_and_matmuls_on_its_device(
     name, generators, prompts):
   generator = generators[name]
-  generator.generate(prompts, max_new_tokens=2)
+  # The shape of test_placed_tokens_equal_unplaced's: its trace, if run.
+  generator.generate(prompts, max_new_tokens=NEW)
   nodes, functions = _ops(generator.graphs[-1])
   cpus = [devices_lib.canonical_device(d)
           for d in tfmgpu.list_devices("CPU")]
@@ -123,7 +124,8 @@ def test_each_shard_keeps_its_cache_and_matmuls_on_its_device(
 def test_a_stage_decodes_its_blocks_in_one_compiled_call_on_its_device(
     generators, prompts):
   generator = generators["pipeline2"]
-  generator.generate(prompts, max_new_tokens=2)
+  # The shape of test_placed_tokens_equal_unplaced's: its trace, if run.
+  generator.generate(prompts, max_new_tokens=NEW)
   graph_def = generator.graphs[-1].as_graph_def()
   nodes = list(graph_def.node) + [
       n for f in graph_def.library.function for n in f.node_def]

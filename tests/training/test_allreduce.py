@@ -23,15 +23,30 @@ def train(strategy, x, y, **kwargs):
   return model.get_weights()
 
 
+@pytest.fixture(scope="module")
+def one_device_clipped(digits):
+  """`(clipped, unclipped)` single-device weights, shared by both replica
+  counts."""
+  return (train(tfmgpu.get_strategy("one_device"), *digits, clip_norm=0.05),
+          train(tfmgpu.get_strategy("one_device"), *digits))
+
+
+@pytest.fixture(scope="module")
+def mirrored_uncompressed(digits):
+  """Mirrored x2 weights with float32 all-reduces, shared by both
+  compressions."""
+  return train(tfmgpu.get_strategy("mirrored", num_replicas=2), *digits)
+
+
 @pytest.mark.parametrize("replicas", [2, 4])
-def test_clipping_applies_to_the_summed_gradient(digits, replicas):
+def test_clipping_applies_to_the_summed_gradient(digits, replicas,
+                                                 one_device_clipped):
   """Clipped mirrored training equals clipped single-device training.
 
   (Keras 3 optimizers clip before their own all-reduce, i.e. each replica's
   partial gradient; tfmgpu sums first, then clips.)
   """
-  ref = train(tfmgpu.get_strategy("one_device"), *digits, clip_norm=0.05)
-  unclipped = train(tfmgpu.get_strategy("one_device"), *digits)
+  ref, unclipped = one_device_clipped
   got = train(tfmgpu.get_strategy("mirrored", num_replicas=replicas), *digits,
               clip_norm=0.05)
   assert max(np.abs(a - b).max() for a, b in zip(ref, unclipped)) > 1e-3
@@ -40,8 +55,9 @@ def test_clipping_applies_to_the_summed_gradient(digits, replicas):
 
 
 @pytest.mark.parametrize("compression", ["float16", "bfloat16"])
-def test_compressed_all_reduce_halves_bytes_and_stays_close(digits, compression):
-  ref = train(tfmgpu.get_strategy("mirrored", num_replicas=2), *digits)
+def test_compressed_all_reduce_halves_bytes_and_stays_close(
+    digits, compression, mirrored_uncompressed):
+  ref = mirrored_uncompressed
   got = train(tfmgpu.get_strategy("mirrored", num_replicas=2), *digits,
               gradient_compression=compression)
   model = models.build_model("mlp", input_shape=(28, 28, 1), num_classes=10,
