@@ -406,7 +406,9 @@ def byte_gpt_path(tmp_path_factory):
 
 @pytest.mark.parametrize("placement", [
     {"strategy": "default"},
-    {"strategy": "mirrored"},  # The model is copied into its scope.
+    # The model is copied into its scope; 2 replicas (not all 4: each
+    # replica compiles its own loops, the same path).
+    {"strategy": "mirrored", "num_replicas": 2},
     {"strategy": "model_parallel", "num_stages": 2, "tensor_parallel": 2}])
 def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
     byte_gpt_path, parsed_flags, capsys, caplog, placement):
@@ -427,6 +429,7 @@ def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
   assert "20 tokens in" in out.err
   copied = "a copy made in it" in caplog.text
   assert copied == (placement["strategy"] == "mirrored")
+  assert copied == ("each of its 2 replicas" in caplog.text)
 
 
 def test_cli_needs_a_prompt(byte_gpt_path, parsed_flags):
