@@ -1,7 +1,8 @@
 """Generation on placed keras_hub causal LMs: tiny GPT-2, Llama (grouped-
-query, rotary) and Gemma under pipeline 2, tensor 2 and data 2 x tensor 2
-give keras_hub's own greedy tokens; seeded top-k gives the unplaced
-tokens on every layout; each block's cache is written on its device."""
+query, rotary) and Gemma under pipeline 2 and tensor 2, and Llama under
+data 2 x tensor 2, give keras_hub's own greedy tokens; seeded top-k
+gives the unplaced tokens on every layout; each block's cache is written
+on its device."""
 
 import re
 
@@ -93,8 +94,13 @@ def _rows(out):
                                                out["padding_mask"])]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
+# Each family under pipeline 2 and tensor 2 (its own embedding, head split
+# and cache arguments); data 2 x tensor 2 with Llama only: its copies split
+# the rows (`placed.RowGroups`, the same for every family) and each copy
+# runs its family's tensor 2 path, which the tensor2 cases cover.
+@pytest.mark.parametrize("name,layout", [
+    (name, layout) for name in ("gpt2", "llama", "gemma")
+    for layout in ("pipeline2", "tensor2")] + [("llama", "data2_tensor2")])
 def test_placed_greedy_equals_keras_hub_generate(name, layout, generators,
                                                   prompts, keras_hub_greedy):
   out = generators(name, layout).generate(prompts, max_new_tokens=NEW)
