@@ -14,7 +14,8 @@ import tfmgpu
 from tfmgpu.training.loop import Trainer
 
 ROWS, BATCH, EPOCHS, LR = 64, 16, 2, 0.05
-STRATEGIES = ["default", "mirrored x2", "mirrored x4"]
+# Mirrored x4 takes x2's path (it is trained below, in the regression test).
+STRATEGIES = ["default", "mirrored x2"]
 
 
 def _strategy(name):
@@ -90,14 +91,25 @@ def _sources(x, y):
   }
 
 
+@pytest.fixture(scope="module")
+def dict_fed_keras(initial):
+  """Keras' weights after training the one-output model on `_data()`, the
+  reference of every source and strategy."""
+  x, label, _ = _data()
+  return _keras_reference(_class_weights(initial), keras.losses.
+                          SparseCategoricalCrossentropy(from_logits=True),
+                          x, label)
+
+
 @pytest.mark.parametrize("source", ["arrays", "dataset", "dataset_fn"])
 @pytest.mark.parametrize("strategy_name", STRATEGIES)
 def test_a_dict_fed_two_input_model_trains_like_keras(initial, source,
-                                                      strategy_name):
+                                                      strategy_name,
+                                                      dict_fed_keras):
   x, label, _ = _data()
   weights = _class_weights(initial)
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-  expected = _keras_reference(weights, loss, x, label)
+  expected = dict_fed_keras
   strategy = _strategy(strategy_name)
   model = _built(strategy, weights)
   trainer = Trainer(model, strategy=strategy, optimizer="sgd",
@@ -282,7 +294,7 @@ def test_bad_inputs_are_named(initial, call, message):
     call(trainer, x, label)
 
 
-@pytest.mark.parametrize("strategy_name", ["default", "mirrored x4"])
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored x2"])
 def test_predict_on_dicts_and_datasets_returns_every_row_in_order(
     initial, strategy_name):
   x, label, _ = _data(4)
