@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 
 import keras
 import numpy as np
@@ -201,18 +200,3 @@ def test_sigterm_to_a_worker_saves_exits_42_and_resumes(uninterrupted_mwms,
   chief = keras.models.load_model(model_dir / "model.keras")
   for a, b in zip(other.model.get_weights(), chief.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-
-
-def test_a_python_run_leaves_no_temporary_files_without_close(tmp_path):
-  # The trial's leak (#3): worker 1's checkpoint copies stayed in
-  # /tmp/tfmgpu-ckpt-* unless the script called Trainer.close().
-  tmpdir = tmp_path / "worker_tmp"
-  run = helpers.ClusterRun(
-      [sys.executable, "-m", "tests.cluster.trainer_task",
-       str(tmp_path / "run")], num_workers=2, tmpdir=str(tmpdir))
-  result = run.join()
-  assert result.exit_code == 0, run.text[-5000:]
-  assert "[worker:1] trained" in run.text
-  assert sorted(f for f in os.listdir(tmp_path / "run" / "checkpoints")
-                if f.endswith(".index")) == ["ckpt-1.index", "ckpt-2.index"]
-  assert os.listdir(tmpdir) == []
