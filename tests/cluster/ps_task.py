@@ -8,6 +8,9 @@ as on one device; whole passes over the rows, which its stream does not
 restart each epoch), then the same model on one device in this process;
 it prints the largest weight difference, what the checkpoint holds, and
 how far `tfmgpu.predict` on the coordinator is from the one-device model's.
+The model's 1-unit layer gives it variables whose first dimension is 1
+(the next kernel, (1, 3), and its own bias), which stay whole however many
+shards the others are split into: one run has both kinds.
 """
 
 import os
@@ -30,6 +33,7 @@ def trained(strategy, **kwargs):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,)),
                               keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1),
                               keras.layers.Dense(3)])
   trainer_class = (tfmgpu.ParameterServerTrainer if kwargs
                    else tfmgpu.Trainer)

@@ -5,6 +5,10 @@ serve; the launcher stops the servers once the chief is done. The run is
 preempted once (SIGTERM to the coordinator: checkpoint, exit 42) and resumed
 by the same command. Training is asynchronous, so the check is the accuracy,
 against one process trained for the same number of steps.
+
+`ps_task.py` (1 worker, 2 ps, one launch read by two tests) trains a model
+with split and whole variables exactly as one device does, checkpoints and
+saves it, and predicts on the coordinator.
 """
 
 import os
@@ -89,37 +93,41 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
   assert accuracy >= reference.test_accuracy - 0.04
 
 
-def _one_worker_run(model_dir, shards: int, num_ps: int) -> str:
-  """`ps_task.py`'s output (the chief's lines), on 1 worker and `num_ps`."""
+@pytest.fixture(scope="module")
+def one_worker_run(tmp_path_factory) -> str:
+  """`ps_task.py`'s output (the chief's lines) on 1 worker and 2 ps, its
+  variables split in 2 where they can be (`variable_shards=2`)."""
+  model_dir = tmp_path_factory.mktemp("ps_task") / "run"
   run = helpers.ClusterRun(
-      [sys.executable, "-m", "tests.cluster.ps_task", str(model_dir),
-       str(shards)], num_workers=1, num_ps=num_ps, chief=True)
+      [sys.executable, "-m", "tests.cluster.ps_task", str(model_dir), "2"],
+      num_workers=1, num_ps=2, chief=True)
   result = run.join()
   assert result.exit_code == 0, run.text[-5000:]
   return helpers.task_lines(run.text, "chief:0")
 
 
-def test_variables_split_over_two_servers_train_as_on_one_device(tmp_path):
+def test_variables_split_over_two_servers_train_as_on_one_device(
+    one_worker_run):
   # The trial's crash (#1): with --variable_shards=2 the first step failed
   # ("'ShardedVariable' object has no attribute 'handle'"), then the first
   # checkpoint and the model's save. One worker runs its steps in turn.
-  text = _one_worker_run(tmp_path / "run", shards=2, num_ps=2)
-  assert "parts [2, 2, 2, 2]" in text, text[-3000:]
+  # Variables with a first dimension of 1 stay whole: the model has both.
+  text = one_worker_run
+  assert "parts [2, 2, 2, 1, 1, 2]" in text, text[-3000:]
   assert float(re.search(r"^maxdiff (\S+)$", text, re.M).group(1)) < 1e-6
-  # Whole (their parts are saved again under the optimizer, by number).
-  assert ("checkpoint kernels [('model', (6, 8)), ('model', (8, 3))]"
+  # The split kernels whole (their parts are saved again under the
+  # optimizer, by number). The whole (1, 3) kernel is saved once, keyed by
+  # the optimizer's shorter path, as in any Keras checkpoint.
+  assert ("checkpoint kernels [('model', (6, 8)), ('model', (8, 1))]"
           in text), text[-3000:]
   assert "saved equal True" in text
-  # Predictions read the split variables whole.
-  assert float(re.search(r"^predict \(256, 3\) maxdiff (\S+)$", text,
-                         re.M).group(1)) < 1e-5, text[-3000:]
 
 
-def test_predict_runs_on_the_coordinator(tmp_path):
+def test_predict_runs_on_the_coordinator(one_worker_run):
   # The trial's #2: tfmgpu.predict on a model built under parameter_server
   # failed with TF's "you need to pass this dataset to
-  # ClusterCoordinator.create_per_worker_dataset".
-  text = _one_worker_run(tmp_path / "run", shards=0, num_ps=1)
-  assert "parts [1, 1, 1, 1]" in text, text[-3000:]
-  assert float(re.search(r"^predict \(256, 3\) maxdiff (\S+)$", text,
-                         re.M).group(1)) < 1e-5, text[-3000:]
+  # ClusterCoordinator.create_per_worker_dataset". Predictions read the
+  # split variables whole, and the whole ones as they are.
+  assert float(re.search(r"^predict \(256, 3\) maxdiff (\S+)$",
+                         one_worker_run, re.M).group(1)) < 1e-5, (
+                             one_worker_run[-3000:])
