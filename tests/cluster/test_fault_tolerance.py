@@ -1,10 +1,10 @@
-"""Worker death on a 2-worker multi_worker_mirrored cluster, and a parameter
-server job that loses a worker.
+"""Worker death on a 2-worker multi_worker_mirrored cluster.
 
 A worker killed without notice: the launcher stops the rest, names the dead
 worker, and the last checkpoint still loads. (SIGTERM to a worker, saved
 and resumed to the uninterrupted run's weights: `test_multi_worker.py`,
-beside the other tests of that shared run.)
+beside the other tests of that shared run. A parameter-server job that
+loses a worker and goes on: the resumed run of `test_parameter_server.py`.)
 """
 
 import os
@@ -51,25 +51,3 @@ def test_sigkill_of_a_worker_stops_the_job_and_keeps_the_last_checkpoint(
   assert trainer_ckpt.restore_latest() >= 1
   assert trainer_ckpt.progress.step >= 30
   assert os.path.basename(trainer_ckpt.latest).startswith("ckpt-")
-
-
-def test_a_parameter_server_job_goes_on_without_a_lost_worker(tmp_path):
-  # Issue 16 item 6: the launcher used to stop the whole job (and SIGKILL the
-  # coordinator) when one worker died; the coordinator reschedules instead.
-  model_dir = tmp_path / "run"
-  run = helpers.ClusterRun(helpers.train_command(
-      "--strategy=parameter_server", "--model=mlp", "--epochs=3",
-      "--steps_per_epoch=40", "--steps_per_execution=1", "--verbose=0",
-      f"--model_dir={model_dir}"), num_workers=2, num_ps=1, chief=True)
-  run.wait_for(r"\[chief:0\] .*epoch 1/3")
-  run.signal_task("worker:1", signal.SIGKILL)
-  result = run.join()
-
-  assert result.exit_code == 0, run.text[-5000:]
-  assert result.lost == ("worker:1",)
-  assert ("[launcher] Task worker:1 was killed by signal SIGKILL (9). "
-          "Parameter-server training goes on without it") in run.text
-  latest = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
-  assert tf.train.load_variable(latest,
-                                "epoch/.ATTRIBUTES/VARIABLE_VALUE") == 3
-  assert (model_dir / "model.keras").exists()

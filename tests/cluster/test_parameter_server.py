@@ -3,7 +3,8 @@
 The chief coordinates (ClusterCoordinator), the workers and the ps only
 serve; the launcher stops the servers once the chief is done. The run is
 preempted once (SIGTERM to the coordinator: checkpoint, exit 42) and resumed
-by the same command. Training is asynchronous, so the check is the accuracy,
+by the same command, which loses a worker (SIGKILL) in its last epoch and
+goes on without it. Training is asynchronous, so the check is the accuracy,
 against one process trained for the same number of steps.
 
 `ps_task.py` (1 worker, 2 ps, one launch read by two tests) trains a model
@@ -29,9 +30,11 @@ pytestmark = pytest.mark.slow
 EPOCHS = 3  # Full passes over the 4,000 training digits (62 steps of 64).
 
 
-def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
-    tmp_path):
-  model_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def preempted_and_resumed(tmp_path_factory) -> dict:
+  """The run preempted after epoch 1 (SIGTERM to the coordinator), then the
+  same command, which loses worker 1 (SIGKILL) after its next epoch."""
+  model_dir = tmp_path_factory.mktemp("ps") / "run"
   command = helpers.train_command(
       "--strategy=parameter_server", f"--epochs={EPOCHS}", "--verbose=0",
       "--steps_per_execution=2", f"--model_dir={model_dir}")
@@ -39,34 +42,53 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
   run = helpers.ClusterRun(command, **cluster)
   run.wait_for(rf"\[chief:0\] .*epoch 1/{EPOCHS}")
   run.signal_task("chief:0", signal.SIGTERM)
-  result = run.join()
-  assert result.exit_code == checkpoints.EXIT_PREEMPTED, run.text[-5000:]
+  preempted = run.join()
+  resumed = helpers.ClusterRun(command, **cluster)
+  resumed.wait_for(rf"\[chief:0\] .*epoch {EPOCHS - 1}/{EPOCHS}")
+  resumed.signal_task("worker:1", signal.SIGKILL)
+  return {"preempted": preempted, "preempted_text": run.text,
+          "result": resumed.join(), "text": resumed.text,
+          "model_dir": model_dir}
+
+
+def test_sigterm_to_the_coordinator_saves_and_exits_42(
+    preempted_and_resumed):
+  result, text = (preempted_and_resumed["preempted"],
+                  preempted_and_resumed["preempted_text"])
+  assert result.exit_code == checkpoints.EXIT_PREEMPTED, text[-5000:]
   for task in ("worker:0", "worker:1", "ps:0"):
     assert re.search(rf"\[{task}\] .*Task {task} serves at 127\.0\.0\.1:\d+",
-                     run.text), run.text[-3000:]
+                     text), text[-3000:]
   saved = re.search(r"\[chief:0\] error: Preempted: SIGTERM reached the "
-                    r"coordinator\. Saved (\S+) at global step (\d+)", run.text)
-  assert saved, run.text[-5000:]
+                    r"coordinator\. Saved (\S+) at global step (\d+)", text)
+  assert saved, text[-5000:]
   step = int(saved.group(2))
   assert step > 62
   assert tf.train.load_variable(saved.group(1),
                                 "step/.ATTRIBUTES/VARIABLE_VALUE") == step
+  assert re.search(rf"\[chief:0\] .*Resumed from .*global step {step}\.",
+                   preempted_and_resumed["text"])
 
-  resumed = helpers.ClusterRun(command, **cluster)
-  result = resumed.join()
-  text = resumed.text
+
+def test_a_lost_worker_leaves_the_job_going_on_the_other(
+    preempted_and_resumed):
+  """Issue 16 item 6: the launcher used to stop the whole job (and SIGKILL
+  the coordinator) when one worker died; the coordinator reschedules its
+  steps on the other worker instead."""
+  result, text = preempted_and_resumed["result"], preempted_and_resumed["text"]
   assert result.exit_code == 0, text[-5000:]
-  assert set(result.stopped) == {"worker:0", "worker:1", "ps:0"}
-  assert re.search(rf"\[chief:0\] .*Resumed from .*global step {step}\.", text)
-  accuracy = float(helpers.summary_value(
-      text, "chief:0", "test loss / accuracy").split(" / ")[1])
-  # Issue 29 item 16: the summary said "replicas 1 on /device:CPU:0".
-  assert re.fullmatch(r"2 on 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+",
-                      helpers.summary_value(text, "chief:0", "workers"))
-  assert re.fullmatch(r"1 on 127\.0\.0\.1:\d+", helpers.summary_value(
-      text, "chief:0", "parameter servers"))
+  assert result.lost == ("worker:1",)
+  assert ("[launcher] Task worker:1 was killed by signal SIGKILL (9). "
+          "Parameter-server training goes on without it") in text
+  assert set(result.stopped) == {"worker:0", "ps:0"}
+  # Lost within the last epoch's steps (TF's coordinator says so), not after.
+  lost = re.search(r"\[chief:0\] .*Worker /job:worker/replica:0/task:1 "
+                   r"failed", text)
+  last = re.search(rf"\[chief:0\] .*epoch {EPOCHS}/{EPOCHS}", text)
+  assert lost and last and lost.start() < last.start(), text[-5000:]
   # No checkpoint number is saved twice (#16): the preemption's mid-epoch
   # checkpoint keeps its number, so the last one is the last epoch's.
+  model_dir = preempted_and_resumed["model_dir"]
   numbers = sorted(int(f[len("ckpt-"):-len(".index")])
                    for f in os.listdir(model_dir / "checkpoints")
                    if f.endswith(".index"))
@@ -75,6 +97,19 @@ def test_parameter_server_resumes_and_reaches_the_single_process_accuracy(
       str(model_dir / "checkpoints" / f"ckpt-{numbers[-1]}"),
       "epoch/.ATTRIBUTES/VARIABLE_VALUE") == EPOCHS
   assert (model_dir / "model.keras").exists()
+
+
+def test_the_resumed_run_reaches_the_single_process_accuracy(
+    preempted_and_resumed, tmp_path):
+  text = preempted_and_resumed["text"]
+  assert preempted_and_resumed["result"].exit_code == 0, text[-5000:]
+  accuracy = float(helpers.summary_value(
+      text, "chief:0", "test loss / accuracy").split(" / ")[1])
+  # Issue 29 item 16: the summary said "replicas 1 on /device:CPU:0".
+  assert re.fullmatch(r"2 on 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+",
+                      helpers.summary_value(text, "chief:0", "workers"))
+  assert re.fullmatch(r"1 on 127\.0\.0\.1:\d+", helpers.summary_value(
+      text, "chief:0", "parameter servers"))
   # Epoch accuracies are sums over the workers' concurrent calls: each call
   # keeps its own, so none can pass 1 (shared sums once gave 1.006).
   accuracies = [float(a) for a in re.findall(
