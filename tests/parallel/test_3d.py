@@ -1,7 +1,8 @@
 """Data x pipeline x tensor, 2 x 2 x 2 on 8 logical CPUs: `gpt` tiny (4
 heads) trains equal to the unsplit model, every shard on the device the
 layout names; its checkpoint restores unsplit and as T=4 with the same
-predictions; `predict` equals the unsplit model's.
+predictions. `GPT2CausalLM` (keras_hub) trains through Keras `fit` equal to
+one device, and its `predict` equals the unsplit model's.
 
 The suite's process has 4 logical CPUs, so these tests skip there;
 `test_3d_process.test_2x2x2_on_eight_devices` runs this file in a process of
@@ -29,16 +30,33 @@ LAYOUT = hybrid.Layout(data=2, stages=2, tensor=2, micro_batches=2)
 
 @pytest.fixture(scope="module")
 def data():
+  """The `gpt` tokens and targets of `test_gpt_parallel` (3 steps)."""
   return gp._data()  # pylint: disable=protected-access
 
 
-def test_2x2x2_trains_as_unsplit_on_the_mesh(data, cpu_devices):
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+  """`(layout, losses, step, checkpoint)`: the 2x2x2 layout after 3 Adam
+  steps of its own step, and the checkpoint tfmgpu's `Checkpointer` (what
+  the Trainer saves with) wrote of it. One training serves the parity and
+  the checkpoint tests (each took one of its own)."""
+  from tfmgpu.training import checkpoints  # pylint: disable=g-import-not-at-top
+  model = hybrid.build_layout(th._gpt4(), LAYOUT,  # pylint: disable=protected-access
+                              devices=tfmgpu.list_devices("CPU"))
+  optimizer = gp.OPTIMIZERS["adam"][0]()
+  losses, step = th._train(model, *data, lambda: optimizer)  # pylint: disable=protected-access
+  saver = checkpoints.Checkpointer(
+      str(tmp_path_factory.mktemp("run_2x2x2")), tf.distribute.get_strategy(),
+      model=model, optimizer=optimizer)
+  return model, losses, step, saver.save(epoch=1, step=gp.STEPS)
+
+
+def test_2x2x2_trains_as_unsplit_on_the_mesh(data, cpu_devices, trained):
   """Adam, by the layout's own step (SGD on this mesh: the keras_hub case
   below, through Keras fit)."""
+  model, losses, step, _ = trained
   make, tol = gp.OPTIMIZERS["adam"]
-  model = hybrid.build_layout(th._gpt4(), LAYOUT, devices=cpu_devices)  # pylint: disable=protected-access
   assert sorted(model.devices) == sorted(cpu_devices[:8])
-  losses, step = th._train(model, *data, make)  # pylint: disable=protected-access
   want = th._unsplit_train(*data, make, build=th._gpt4)  # pylint: disable=protected-access
   th._assert_same((losses, model.to_unsplit().get_weights()), want, tol,  # pylint: disable=protected-access
                   build=th._gpt4)  # pylint: disable=protected-access
@@ -46,16 +64,12 @@ def test_2x2x2_trains_as_unsplit_on_the_mesh(data, cpu_devices):
 
 
 def test_2x2x2_checkpoint_restores_unsplit_and_as_t4(data, cpu_devices,
-                                                     tmp_path):
-  x, y = data
-  model = hybrid.build_layout(th._gpt4(), LAYOUT, devices=cpu_devices)  # pylint: disable=protected-access
-  th._trainer(model, x, y, model_dir=str(tmp_path))  # pylint: disable=protected-access
-  trained = model.to_unsplit()
-  expected = trained.predict(x, verbose=0)
-  # predict through the layout itself equals the unsplit model's.
-  np.testing.assert_allclose(model.predict(x, batch_size=gp.BATCH, verbose=0),
-                             expected, rtol=1e-5, atol=1e-5)
-  path = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+                                                     trained):
+  """(`predict` through the layout itself: the keras_hub case below.)"""
+  x, _ = data
+  model, _, _, path = trained
+  expected = model.to_unsplit().predict(x, verbose=0)
+  assert portable.has_view(path)
   unsplit = portable.restore_weights(th._gpt4(seed=3), path)  # pylint: disable=protected-access
   np.testing.assert_allclose(unsplit.predict(x, verbose=0), expected,
                              rtol=1e-5, atol=1e-5)
