@@ -113,10 +113,11 @@ def reference():
 
 # ------------------------------------------------------------------ parity
 
-# Full M grid on K=2, a subset on K=4; recomputation on a spread of cases.
-PARITY = ([(2, m, "gpipe", False) for m in (1, 2, 4, 8)] +
-          [(2, m, "1f1b", False) for m in (1, 4, 8)] +
-          [(2, 4, "gpipe", True), (2, 8, "1f1b", True)] +
+# Each schedule at M=1 (no split) and M > K on K=2; on K=4 (middle stages)
+# M < K, M = K and M > K, and recomputation with each schedule. M = 2, 4
+# and 8 take one path (so K=2's M=2 and 8 went: K=2 M=4 and K=4 M=2 / 8
+# cover them), and recomputation's on K=4 covers K=2's.
+PARITY = ([(2, m, s, False) for s in ("gpipe", "1f1b") for m in (1, 4)] +
           [(4, 2, "gpipe", False), (4, 8, "gpipe", True),
            (4, 4, "1f1b", False), (4, 8, "1f1b", True)])
 
@@ -135,14 +136,22 @@ def test_custom_loop_matches_unsplit_training(reference, num_stages,
   _assert_same_weights(pipe.to_unsplit(), want)
 
 
-@pytest.mark.parametrize("name,recompute", [("gpipe", False), ("1f1b", True)])
-def test_regularisation_counts_once_per_step(name, recompute):
+@pytest.fixture(scope="module")
+def regularized_reference():
+  """Losses and final weights of unsplit training of `_regularized`."""
   model = _regularized()
+  return _train_unsplit(model, *_data()), model
+
+
+@pytest.mark.parametrize("name,recompute", [("gpipe", False), ("1f1b", True)])
+def test_regularisation_counts_once_per_step(name, recompute,
+                                             regularized_reference):
+  want, model = regularized_reference
   x, y = _data()
-  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=4,
-                                   schedule=name, recompute=recompute)
+  pipe = PipelinedModel.from_model(_regularized(), num_stages=2,
+                                   micro_batches=4, schedule=name,
+                                   recompute=recompute)
   got = _train_pipelined(pipe, x, y)
-  want = _train_unsplit(model, x, y)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   _assert_same_weights(pipe.to_unsplit(), model)
 
@@ -223,7 +232,7 @@ def _masked_sequence_data(n=STEPS * BATCH):
 def test_gpipe_fit_and_evaluate_keep_the_output_mask():
   model = _masked_sequence_model()
   x, y = _masked_sequence_data()
-  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=4,
+  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=2,
                                    split_points=["rnn"])
   for m in (pipe, model):
     m.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
@@ -249,23 +258,30 @@ def test_1f1b_mean_loss_of_a_masked_output_is_refused():
     pipe.fit(x, y, batch_size=BATCH, verbose=0)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_trainer_matches_unsplit_trainer(name):
-  """The Trainer's loss divides by the global batch: micro-batch losses add."""
+def _trainer_fit(model, x, y):
+  """One epoch of tfmgpu's Trainer (Adam), unshuffled: its `TrainResult`."""
+  trainer = loop.Trainer(model, strategy=strategies.get_strategy("default"),
+                         optimizer="adam", learning_rate=LR, verbose=0)
+  return trainer.fit(x, y, epochs=1, global_batch_size=BATCH, shuffle=False)
+
+
+@pytest.fixture(scope="module")
+def unsplit_trainer():
+  """`(TrainResult, model)` of the Trainer on the unsplit `_mlp`, once."""
   model = _mlp()
-  x, y = _data()
-  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=4,
+  return _trainer_fit(model, *_data()), model
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_trainer_matches_unsplit_trainer(name, unsplit_trainer):
+  """The Trainer's loss divides by the global batch: micro-batch losses add."""
+  want, model = unsplit_trainer
+  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=4,
                                    schedule=name)
-  strategy = strategies.get_strategy("default")
-  results = []
-  for m in (pipe, model):
-    trainer = loop.Trainer(m, strategy=strategy, optimizer="adam",
-                           learning_rate=LR, verbose=0)
-    results.append(trainer.fit(x, y, epochs=1, global_batch_size=BATCH,
-                               shuffle=False))
-  assert results[0].steps == results[1].steps == STEPS
-  np.testing.assert_allclose(results[0].history["loss"],
-                             results[1].history["loss"], rtol=1e-5)
+  got = _trainer_fit(pipe, *_data())
+  assert got.steps == want.steps == STEPS
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
   _assert_same_weights(pipe.to_unsplit(), model)
 
 
@@ -512,12 +528,12 @@ def test_batch_not_divisible_by_micro_batches_names_both():
 
 
 def test_fit_with_a_ragged_last_batch_fails_with_the_rule():
-  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=8)
+  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=2)
   pipe.compile(optimizer="adam", loss=_loss())
-  x, y = _data(20)  # Batches of 8, 8 and 4.
+  x, y = _data(19)  # Batches of 8, 8 and 3.
   with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"(?s)not divisible by micro_batches=8.*"
-                     r"batch size:\] \[4\]"):  # The size, not its remainder.
+                     match=r"(?s)not divisible by micro_batches=2.*"
+                     r"batch size:\] \[3\]"):  # The size, not its remainder.
     pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0)
 
 
