@@ -80,8 +80,9 @@ def _assert_same_weights(a: keras.Model, b: keras.Model):
 # ------------------------------------------------------------------ parity
 
 
-@pytest.mark.parametrize("build,num_stages", [(_mlp, 2), (_mlp, 4),
-                                              (_resnet, 3)])
+# K=2 trains through the same hook in the custom loop below; 4 and 3 stages
+# (middle stages) here.
+@pytest.mark.parametrize("build,num_stages", [(_mlp, 4), (_resnet, 3)])
 def test_fit_matches_unsplit_training(build, num_stages):
   model = build()
   x, y = _data(model)
@@ -128,11 +129,11 @@ def _manual_losses(model, x, y, staged=None):
           for i in range(0, len(x), BATCH)]
 
 
-@pytest.mark.parametrize("num_stages", [2, 4])
-def test_custom_loop_matches_unsplit_training(num_stages):
+def test_custom_loop_matches_unsplit_training():
+  """K=2 (4 stages: `fit` above, through the same hook)."""
   model = _mlp()
   x, y = _data(model)
-  staged = StagedModel.from_model(model, num_stages=num_stages)
+  staged = StagedModel.from_model(model, num_stages=2)
   got = _manual_losses(None, x, y, staged=staged)
   want = _manual_losses(model, x, y)
   np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -875,22 +876,31 @@ def _fit_one_epoch(model, x, y):
   model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
 
 
-@pytest.mark.parametrize("layout", ["staged", "tensor"])
-@pytest.mark.parametrize("path", ["copy_back_and_split_again",
-                                  "to_unsplit", "split_after_training"])
-def test_seeded_dropout_continues_its_masks_across_splits(path, layout,
-                                                          cpu_devices):
-  """A split copied back (`copy_weights_to`, `to_unsplit`) left the
-  original's Dropout seed where it was, and a split started from the
-  config's seed: the next epoch replayed the first one's masks (weights
-  0.05 off Keras training the model throughout). The seed generators'
-  states now travel with the weights."""
+@pytest.fixture(scope="module")
+def dropout_run():
+  """`(x, y, reference)`: the data, and `_dropout_mlp` after two epochs of
+  Keras fit on one device (the same for every split path)."""
   rng = np.random.default_rng(0)
   x = rng.normal(size=(32, 8)).astype("float32")
   y = rng.normal(size=(32, 1)).astype("float32")
   reference = _dropout_mlp()
   _fit_one_epoch(reference, x, y)
   _fit_one_epoch(reference, x, y)
+  return x, y, reference
+
+
+@pytest.mark.parametrize("layout", ["staged", "tensor"])
+@pytest.mark.parametrize("path", ["copy_back_and_split_again",
+                                  "to_unsplit", "split_after_training"])
+def test_seeded_dropout_continues_its_masks_across_splits(path, layout,
+                                                          cpu_devices,
+                                                          dropout_run):
+  """A split copied back (`copy_weights_to`, `to_unsplit`) left the
+  original's Dropout seed where it was, and a split started from the
+  config's seed: the next epoch replayed the first one's masks (weights
+  0.05 off Keras training the model throughout). The seed generators'
+  states now travel with the weights."""
+  x, y, reference = dropout_run
   from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
 
   def split(m):
