@@ -270,8 +270,10 @@ def test_two_input_plans_send_the_late_input_with_the_activations():
     assert all(len(s.sent) >= 2 for s in plan.stages[:-1]), plan.table()
 
 
-@pytest.mark.parametrize("num_stages,options", [
-    (k, o) for k in (2, 3) for o in [None] + [
+# Every schedule and recomputation on K=3, where the late input crosses
+# both cuts (a superset of K=2's one cut); K=2 once, split.
+@pytest.mark.parametrize("num_stages,options", [(2, None)] + [
+    (3, o) for o in [None] + [
         dict(schedule=name, recompute=r) for name in ("gpipe", "1f1b")
         for r in (False, True)]])
 def test_two_input_model_split_trains_as_unsplit(unsplit, num_stages,
