@@ -84,6 +84,23 @@ def _assert_same(got, want, tol, build=None):
     np.testing.assert_allclose(u, v, rtol=tol, atol=tol, err_msg=f"weight {i}")
 
 
+@pytest.fixture(scope="module")
+def unsplit(data):
+  """`unsplit(name, build=None, clip_norm=None)`: `_unsplit_train` with
+  `gp.OPTIMIZERS[name]`, trained once per module (several layouts compare
+  with the same run)."""
+  cache = {}
+
+  def run(name, build=None, clip_norm=None):
+    key = (name, build, clip_norm)
+    if key not in cache:
+      cache[key] = _unsplit_train(*data, gp.OPTIMIZERS[name][0], clip_norm,
+                                  build)
+    return cache[key]
+
+  return run
+
+
 _REPLICA = re.compile(r"^(?:gradient_tape/)?replica_(\d+)/")
 
 
@@ -126,7 +143,7 @@ def _group_sums(concrete):
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
-def test_data_x_pipeline_trains_as_unsplit(data, cpu_devices, name):
+def test_data_x_pipeline_trains_as_unsplit(data, unsplit, cpu_devices, name):
   make, tol = gp.OPTIMIZERS[name]
   layout = hybrid.Layout(data=2, stages=2, micro_batches=gp.MICRO,
                          schedule="1f1b" if name == "adam" else "gpipe")
@@ -136,8 +153,7 @@ def test_data_x_pipeline_trains_as_unsplit(data, cpu_devices, name):
   assert [r.stage_devices for r in model.replicas] == [
       tuple(cpu_devices[0:2]), tuple(cpu_devices[2:4])]
   losses, step = _train(model, *data, make)
-  _assert_same((losses, model.to_unsplit().get_weights()),
-               _unsplit_train(*data, make), tol)
+  _assert_same((losses, model.to_unsplit().get_weights()), unsplit(name), tol)
   for r in model.replicas[1:]:  # The copies stay equal.
     for u, v in zip(r.to_unsplit().get_weights(),
                     model.replicas[0].to_unsplit().get_weights()):
@@ -149,7 +165,8 @@ def test_data_x_pipeline_trains_as_unsplit(data, cpu_devices, name):
   assert set(sums) == set(cpu_devices[:4])
 
 
-def test_data_x_interleaved_pipeline_trains_as_unsplit(data, cpu_devices):
+def test_data_x_interleaved_pipeline_trains_as_unsplit(data, unsplit,
+                                                       cpu_devices):
   """`virtual_stages=2`: each copy cut into 4 stages on its 2 devices
   (stage k on device k % 2), interleaved 1F1B, equal to unsplit SGD."""
   make, tol = gp.OPTIMIZERS["sgd"]
@@ -161,23 +178,21 @@ def test_data_x_interleaved_pipeline_trains_as_unsplit(data, cpu_devices):
       tuple(cpu_devices[2 + k % 2] for k in range(4))]
   assert all(r.virtual_stages == 2 for r in model.replicas)
   losses, step = _train(model, *data, make)
-  _assert_same((losses, model.to_unsplit().get_weights()),
-               _unsplit_train(*data, make), tol)
+  _assert_same((losses, model.to_unsplit().get_weights()), unsplit("sgd"),
+               tol)
   _assert_replica_ops_on_their_devices(model, step)
 
 
-def test_data_x_pipeline_compresses_what_travels(data, cpu_devices):
+def test_data_x_pipeline_compresses_what_travels(data, unsplit, cpu_devices):
   model = hybrid.build_layout(
       gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2),  # pylint: disable=protected-access
       devices=cpu_devices)
-  make = lambda: keras.optimizers.SGD(0.1)
-  losses, step = _train(model, *data, make,
+  losses, step = _train(model, *data, gp.OPTIMIZERS["sgd"][0],
                         allreduce.AllReduceOptions(compression="float16"))
   casts = [p for p in inspection.op_placements(step)
            if "group_all_reduce" in p.name and p.type == "Cast"]
   assert casts  # Each copy's gradient is cast on its own device.
-  want = _unsplit_train(*data, make)
-  np.testing.assert_allclose(losses, want[0], rtol=1e-3)
+  np.testing.assert_allclose(losses, unsplit("sgd")[0], rtol=1e-3)
 
 
 def test_layout_errors(cpu_devices):
@@ -206,7 +221,7 @@ def _trainer(model, x, y, **kwargs):
 
 
 def test_trainer_data_x_pipeline_saves_a_checkpoint_any_layout_reads(
-    data, cpu_devices, tmp_path):
+    data, unsplit, cpu_devices, tmp_path):
   """The Trainer (clipping the summed gradient) trains R=2 x K=2 as the
   unsplit model; its checkpoint restores unsplit and as a 4-stage
   pipeline, with the same predictions."""
@@ -217,15 +232,13 @@ def test_trainer_data_x_pipeline_saves_a_checkpoint_any_layout_reads(
       gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2),  # pylint: disable=protected-access
       devices=cpu_devices)
   result = _trainer(model, x, y, clip_norm=0.05, model_dir=str(tmp_path))
-  want = _unsplit_train(x, y, lambda: keras.optimizers.SGD(0.1),
-                        clip_norm=0.05)
+  want = unsplit("sgd", clip_norm=0.05)  # The Trainer's SGD(0.1).
   np.testing.assert_allclose(result.history["loss"],
                              [np.mean(want[0])], rtol=1e-5)
   trained = model.to_unsplit()
   for u, v in zip(trained.get_weights(), want[1]):
     np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
-  unclipped = _unsplit_train(x, y, lambda: keras.optimizers.SGD(0.1))
-  assert not np.allclose(want[0], unclipped[0], rtol=1e-4)  # It did clip.
+  assert not np.allclose(want[0], unsplit("sgd")[0], rtol=1e-4)  # It did clip.
   path = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   assert portable.has_view(path)
   expected = trained.predict(x, verbose=0)
@@ -310,12 +323,12 @@ def assert_shards_on_the_mesh(model, layout, devices, concrete):
 @pytest.mark.parametrize("layout,name", [
     (hybrid.Layout(stages=2, tensor=2, micro_batches=2), "sgd"),
     (hybrid.Layout(data=2, tensor=2), "adam")])
-def test_tensor_composes_with_pipeline_and_data(data, cpu_devices, layout,
-                                                name):
+def test_tensor_composes_with_pipeline_and_data(data, unsplit, cpu_devices,
+                                                layout, name):
   make, tol = gp.OPTIMIZERS[name]
   model = hybrid.build_layout(_gpt4(), layout, devices=cpu_devices)
   losses, step = _train(model, *data, make)
-  want = _unsplit_train(*data, make, build=_gpt4)
+  want = unsplit(name, build=_gpt4)
   _assert_same((losses, model.to_unsplit().get_weights()), want, tol,
                build=_gpt4)
   assert len(model.to_unsplit().get_weights()) == len(_gpt4().weights)
