@@ -343,8 +343,10 @@ def test_portable_checkpoints_move_the_tied_weight_between_layouts(
                              atol=1e-6)
 
 
-def test_keras_hub_gpt2_unsplit_and_serving_copies_keep_one_embedding(
-    tmp_path):
+def test_keras_hub_gpt2_unsplit_and_serving_copies_keep_one_embedding():
+  """`export_saved_model(placed)` is `to_unsplit` (checked here) and then
+  the plain export: a keras_hub GPT-2's, loaded and compared, is
+  `test_generation_export`'s; a staged model's, `test_staged`'s."""
   model = _gpt2()
   rng = np.random.RandomState(6)
   x = {"token_ids": rng.randint(1, 64, size=(BATCH, 8)).astype("int32"),
@@ -358,7 +360,6 @@ def test_keras_hub_gpt2_unsplit_and_serving_copies_keep_one_embedding(
                              atol=1e-5)
   got = inference.predict(model, x, strategy="mirrored", batch_size=BATCH)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  inference.export_saved_model(placed, str(tmp_path / "saved"))
 
 
 def test_the_run_summary_names_the_shared_weight(cpu_devices):
