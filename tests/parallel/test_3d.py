@@ -1,8 +1,9 @@
 """Data x pipeline x tensor, 2 x 2 x 2 on 8 logical CPUs: `gpt` tiny (4
 heads) trains equal to the unsplit model, every shard on the device the
-layout names; its checkpoint restores unsplit and as T=4 with the same
-predictions. `GPT2CausalLM` (keras_hub) trains through Keras `fit` equal to
-one device, and its `predict` equals the unsplit model's.
+layout names; its checkpoint restores unsplit with the same weights and as
+T=4 with the same predictions. `GPT2CausalLM` (keras_hub) trains through
+Keras `fit` equal to one device, and its `predict` equals the unsplit
+model's.
 
 The suite's process has 4 logical CPUs, so these tests skip there;
 `test_3d_process.test_2x2x2_on_eight_devices` runs this file in a process of
@@ -68,11 +69,13 @@ def test_2x2x2_checkpoint_restores_unsplit_and_as_t4(data, cpu_devices,
   """(`predict` through the layout itself: the keras_hub case below.)"""
   x, _ = data
   model, _, _, path = trained
-  expected = model.to_unsplit().predict(x, verbose=0)
+  whole = model.to_unsplit()
+  expected = whole.predict(x, verbose=0)
   assert portable.has_view(path)
   unsplit = portable.restore_weights(th._gpt4(seed=3), path)  # pylint: disable=protected-access
-  np.testing.assert_allclose(unsplit.predict(x, verbose=0), expected,
-                             rtol=1e-5, atol=1e-5)
+  for got, want in zip(unsplit.get_weights(), whole.get_weights(),
+                       strict=True):  # The same model: its predictions too.
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   t4 = tensor.TensorParallelModel(th._gpt4(seed=3), cpu_devices[4:8])  # pylint: disable=protected-access
   portable.restore_weights(t4, path)
   np.testing.assert_allclose(t4.predict(x, batch_size=gp.BATCH, verbose=0),
