@@ -220,7 +220,8 @@ COMMANDS = {
     "--output_dir=data/digits --num_shards=8": ("run", ""),
     "python -m tfmgpu.train --dataset=tfrecord "
     "--data_path='data/digits/*.tfrecord' --strategy=mirrored "
-    "--virtual_devices=2 --epochs=5": ("run", "--epochs=1 --steps_per_epoch=2"),
+    "--virtual_devices=2 --epochs=5": ("run", ""),  # As written: 5 epochs,
+    # checked by `_check_tfrecord_run` (tests/test_tfrecord.py has no CLI run).
     # The language model.
     "python -m tfmgpu.train --model=gpt --dataset=stdlib_text "
     "--strategy=pipeline --num_stages=4 --micro_batches=8 "
@@ -417,6 +418,32 @@ _SEQUENCES = [
 _IN_SEQUENCE = {c for seq in _SEQUENCES for c in seq}
 
 
+def _check_tfrecord_run(outs: list, cwd) -> None:
+  """The README's TFRecord sequence, run as written: the script writes 8
+  shards per split and prints the `--data_path` to pass; 5 epochs of
+  mirrored x2 training stream them (logged) to a test accuracy >= 0.93."""
+  from tfmgpu.datasets import tfrecord  # pylint: disable=g-import-not-at-top
+  written, trained = outs
+  assert "--data_path='" + str(cwd / "data" / "digits") + "/*.tfrecord'" in (
+      written.stdout), written.stdout[-2000:]
+  source = tfrecord.open_source(str(cwd / "data" / "digits" / "*.tfrecord"))
+  assert (len(source.train.files), len(source.test.files),
+          source.train.num_examples, source.test.num_examples) == (
+              8, 8, 4000, 1000)
+  assert "Data: TFRecordSource('digits': train 4000 examples in 8 files" in (
+      trained.stderr), trained.stderr[-3000:]
+  assert "Training data: the given dataset function" in trained.stderr
+  accuracy = float(re.search(r"test loss / accuracy\s+[\d.]+ / ([\d.]+)",
+                             trained.stdout).group(1))
+  assert accuracy >= 0.93, trained.stdout[-3000:]
+  print(f"tfrecord CLI test accuracy {accuracy:.4f}")
+
+
+# What a sequence's outputs must show besides a clean exit, by its first
+# command: `check(outs, cwd)`, `outs` the commands' `CompletedProcess`es.
+_SEQUENCE_CHECKS = {_SEQUENCES[0][0]: _check_tfrecord_run}
+
+
 def _train_devices(argv: list[str]) -> str | None:
   """For a `tfmgpu.train` command, its `--virtual_devices` (`""`: none);
   else `None`."""
@@ -498,7 +525,7 @@ def test_readme_command_runs(how, sequence, tmp_path):
     assert f"exit codes: {json.dumps([0] * len(args))}" in out.stdout, (
         f"{sequence}: {out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return
-  done = []
+  done, outs = [], []
   for command in sequence:
     argv = _argv(command, COMMANDS[command])
     if argv in done:  # The same --help as the command before: run once.
@@ -511,6 +538,9 @@ def test_readme_command_runs(how, sequence, tmp_path):
     _check_output(command, out,
                   (0, 1) if help_ and "scripts/" in command else (0,))
     assert out.stdout.strip() or not help_, f"{command!r}: empty --help"
+    outs.append(out)
+  if sequence[0] in _SEQUENCE_CHECKS:
+    _SEQUENCE_CHECKS[sequence[0]](outs, tmp_path)
 
 
 def _check_output(command: str, out: subprocess.CompletedProcess,
