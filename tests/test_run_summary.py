@@ -134,7 +134,8 @@ def test_a_keras_hub_model_in_stages_of_shards_lists_and_prices_every_device(
                       lambda devices: seen.append(list(devices)) or fixed)
   summary = runs.run_training(TrainConfig(
       strategy="pipeline", model="llama", model_size="tiny", num_stages=2,
-      tensor_parallel=2, epochs=1, steps_per_epoch=2, verbose=0,
+      tensor_parallel=2, micro_batches=2, epochs=1, steps_per_epoch=2,
+      verbose=0,
       model_dir=str(tmp_path / "run")))
   assert seen == [cpu_devices[:4]]
   assert summary.predicted_step_seconds > 0
