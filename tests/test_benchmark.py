@@ -330,10 +330,15 @@ def test_a_child_process_returns_its_result_or_says_how_it_failed():
   assert "size='huge' is not a gpt size" in str(e.value)
 
 
-def test_the_one_device_language_model_measures_fit_and_tfmgpu_alike():
+def test_the_one_device_language_model_measures_fit_and_tfmgpu_alike(
+    monkeypatch):
   """`measure_one_device` (what the bench's child process runs) times
-  both paths and returns what the parent rebuilds its timings from."""
+  both paths and returns what the parent rebuilds its timings from. Its
+  matmul ceiling runs at n=256 (the same code; the default 1024 took 2 s)."""
   from tfmgpu.benchmarks import language_model  # pylint: disable=g-import-not-at-top
+  real_gflops = ceiling.matmul_gflops
+  monkeypatch.setattr(ceiling, "matmul_gflops",
+                      lambda: real_gflops(n=256))
   result = language_model.measure_one_device(
       size="tiny", seq_len=16, global_batch_size=8, steps=2,
       steps_per_execution=2, rounds=1, autotune=False, cached_only=True)
