@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     kept = (f"--output={_OUTPUT.value} was not written (a file there before "
             "is unchanged)" if _OUTPUT.value else "nothing was written")
     print(f"error: interrupted (Ctrl-C): {kept}.", file=sys.stderr)
-    return 130
+    return cli.INTERRUPTED_EXIT_CODE
 
 
 def _predict_and_report() -> int:

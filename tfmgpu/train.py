@@ -254,9 +254,10 @@ def _train_once(config: config_lib.TrainConfig) -> tuple[int, str]:
     return _failed(checkpoints.EXIT_PREEMPTED, _stopped_outside_steps(
         config.model_dir))
   except KeyboardInterrupt:
-    return _failed(130, "interrupted (Ctrl-C) at once: the checkpoints "
-                   f"already in {config.model_dir or 'the run directory'} "
-                   "are kept; the same command resumes from the latest.")
+    return _failed(cli.INTERRUPTED_EXIT_CODE,
+                   "interrupted (Ctrl-C) at once: the checkpoints already in "
+                   f"{config.model_dir or 'the run directory'} are kept; the "
+                   "same command resumes from the latest.")
   except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
     return _failed(1, str(e))
   except OSError as e:  # A full disk while saving, ...: say so, name it.

@@ -263,12 +263,6 @@ def _shard_records(path, expected) -> "tf.data.Dataset":
       tf.data.experimental.assert_cardinality(tf.cast(expected, tf.int64)))
 
 
-def _shard_tensors(files: tuple[str, ...], counts: tuple[int, ...]
-                   ) -> tuple["tf.Tensor", "tf.Tensor"]:
-  """The files and their listed record counts, for `_shard_records`."""
-  return tf.constant(files), tf.constant(counts, tf.int64)
-
-
 def _is_read_error(error: Exception, paths: list[str]) -> bool:
   """Whether `error` may come from one of the shards `paths` damaged while
   it was read: a failed checksum, another number of records than the
@@ -497,8 +491,9 @@ class TFRecordSource:
     seeds = tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
     order = tf.random.experimental.stateless_shuffle(
         tf.range(len(plan.files)), seed=seeds)
-    files, counts = (tf.gather(t, order) for t in _shard_tensors(
-        plan.files, self._counts_of(plan.files)))
+    files = tf.gather(tf.constant(plan.files), order)
+    counts = tf.gather(tf.constant(self._counts_of(plan.files), tf.int64),
+                       order)
     ds = tf.data.Dataset.from_tensor_slices((files, counts)).interleave(
         _shard_records, cycle_length=min(len(plan.files), 4),
         block_length=1, num_parallel_calls=tf.data.AUTOTUNE,
