@@ -318,16 +318,36 @@ def test_a_child_process_returns_its_result_or_says_how_it_failed():
   from tfmgpu.benchmarks import child  # pylint: disable=g-import-not-at-top
   from tfmgpu.models import gpt  # pylint: disable=g-import-not-at-top
   kwargs = {"size": "tiny", "vocab": 256, "context": 64}
-  assert child.call_in_child("tfmgpu.models.gpt:parameter_count", kwargs,
-                             timeout_s=300, what="the count",
-                             alone="count") == gpt.parameter_count(**kwargs)
-  with pytest.raises(RuntimeError) as e:
-    child.call_in_child("tfmgpu.models.gpt:resolve_size", {"size": "huge"},
-                        timeout_s=300, what="the size check",
-                        alone="python -m size")
-  assert "the size check process failed (exit 1)" in str(e.value)
-  assert "python -m size" in str(e.value)
-  assert "size='huge' is not a gpt size" in str(e.value)
+
+  def count_then_fail(failed: str) -> None:
+    assert child.call_in_child("tfmgpu.models.gpt:parameter_count", kwargs,
+                               timeout_s=300, what="the count",
+                               alone="count") == gpt.parameter_count(**kwargs)
+    with pytest.raises(RuntimeError) as e:
+      child.call_in_child("tfmgpu.models.gpt:resolve_size", {"size": "huge"},
+                          timeout_s=300, what="the size check",
+                          alone="python -m size")
+    assert failed + "; run `python -m size` alone" in str(e.value)
+    assert "size='huge' is not a gpt size" in str(e.value)
+
+  count_then_fail("the size check process failed (exit 1)")  # A process each.
+  # A shared child serves the calls in turn, and goes on after a failure.
+  with child.shared_process(preload=("tfmgpu.models.gpt",)) as shared:
+    child.wait_ready()
+    count_then_fail("the size check process failed")
+    # A call that leaves a line unfinished on stdout still gets its answer.
+    assert child.call_in_child("builtins:print", {"end": "no newline"},
+                               timeout_s=300, what="the print",
+                               alone="print") is None
+    assert child.shared_cpu_seconds() > 0
+    # A child that dies mid-call says so, with its exit code, every time.
+    for _ in range(2):
+      with pytest.raises(RuntimeError, match=r"the exit process failed \(exit "
+                         r"3\); run `exit` alone to see why"):
+        child.call_in_child("os:_exit", {"status": 3}, timeout_s=300,
+                            what="the exit", alone="exit")
+  assert shared._proc.poll() == 3  # pylint: disable=protected-access
+  assert child.shared_cpu_seconds() == 0  # None shared any more.
 
 
 def test_the_one_device_language_model_measures_fit_and_tfmgpu_alike(

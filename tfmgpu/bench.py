@@ -28,6 +28,7 @@ from absl import flags
 from absl import logging
 
 from tfmgpu import flags as flags_lib
+from tfmgpu.benchmarks import child
 from tfmgpu.benchmarks import options as bench_options
 from tfmgpu.flags import autotune as autotune_flags
 from tfmgpu.flags import batch
@@ -41,11 +42,13 @@ for _group in (device_flags, batch, execution, autotune_flags):
 _QUICK = flags.DEFINE_bool(
     "quick", False, "The sections with targets (" + ",".join(
         bench_options.QUICK_SECTIONS) + ", unless --sections says "
-    "otherwise), fewer steps, rounds and paths, the autotune only read "
-    "from its cache: about 2-3.5 minutes on a quiet 2-core machine (the full "
+    "otherwise), the convnet alone unless --models is given, fewer steps, "
+    "rounds and paths, the autotune only read from its cache: about 2.5 "
+    "minutes on a quiet 2-core machine (the full "
     "suite: about 15, 45-50 when its autotune measures). Every run ends "
     "with a verdict line per target.")
-_MODELS = flags.DEFINE_list("models", ["convnet", "mlp"], "Models to train.")
+_MODELS = flags.DEFINE_list("models", ["convnet", "mlp"],
+                            "Models to train (--quick: convnet unless given).")
 _REPLICAS = flags.DEFINE_list("replicas", ["1", "2", "4"],
                               "Replica counts for 'mirrored'.")
 _STEPS = flags.DEFINE_integer(
@@ -124,21 +127,27 @@ def main(argv: list[str]) -> int:
     return _compare(list(_COMPARE.value) + argv[1:])
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  with _quiet_logs(_LOGS.value):
-    return _run_suite(tuple(int(r) for r in _REPLICAS.value))
+  quick = _QUICK.value
+  sections = (_SECTIONS.value if _SECTIONS.present or not quick
+              else list(bench_options.QUICK_SECTIONS))
+  # The sections measured in a child process share one, whose TensorFlow
+  # import runs beside this process's (before it: `_quiet_logs` loads it).
+  with child.shared_process(start=bool(
+      set(sections) & set(bench_options.CHILD_SECTIONS))):
+    with _quiet_logs(_LOGS.value):
+      return _run_suite(tuple(int(r) for r in _REPLICAS.value), sections)
 
 
-def _run_suite(replicas: tuple[int, ...]) -> int:
+def _run_suite(replicas: tuple[int, ...], sections: list[str]) -> int:
   """Configures the devices and runs the chosen sections."""
   from tfmgpu.benchmarks import suite as bench_suite  # pylint: disable=g-import-not-at-top
   from tfmgpu import devices  # pylint: disable=g-import-not-at-top
   devices.configure_virtual_devices(device_flags.VIRTUAL_DEVICES.value or max(replicas),
                                     intra_op_threads=_INTRA_OP_THREADS.value)
   quick = _QUICK.value
-  sections = (_SECTIONS.value if _SECTIONS.present or not quick
-              else list(bench_options.QUICK_SECTIONS))
   options = bench_suite.SuiteOptions(
-      models=tuple(_MODELS.value), replicas=replicas,
+      models=tuple(_MODELS.value) if _MODELS.present or not quick
+      else bench_options.QUICK_MODELS, replicas=replicas,
       steps=8 * execution.STEPS_PER_EXECUTION.value
       if quick else max(_STEPS.value, 8 * execution.STEPS_PER_EXECUTION.value),
       global_batch_size=batch.GLOBAL_BATCH_SIZE.value,

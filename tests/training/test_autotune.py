@@ -354,7 +354,7 @@ def _package(root, files):
 def test_the_code_that_runs_keys_the_cache(tmp_path):
   """Two checkouts (or one before and after an edit) never share a choice;
   the same code in two places does, and so does an edit of the bench's
-  harness alone (`tfmgpu/benchmarks/`)."""
+  harness alone (`tfmgpu/benchmarks/`, `tfmgpu/bench.py`)."""
   files = {"__init__.py": "", "training/autotune.py": "A = 1\n"}
   one = _package(tmp_path / "one" / "tfmgpu", files)
   same = _package(tmp_path / "same" / "tfmgpu", files)
@@ -363,7 +363,8 @@ def test_the_code_that_runs_keys_the_cache(tmp_path):
   moved = _package(tmp_path / "moved" / "tfmgpu",
                    {"__init__.py": "", "autotune.py": "A = 1\n"})
   _package(tmp_path / "same" / "tfmgpu", {"__pycache__/x.py": "junk",
-                                         "benchmarks/suite.py": "B = 2\n"})
+                                         "benchmarks/suite.py": "B = 2\n",
+                                         "bench.py": "C = 3\n"})
   _package(tmp_path / "edited" / "tfmgpu", {"training/benchmarks/x.py": ""})
   versions = [autotune.code_version(p) for p in (one, same, edited, moved)]
   assert versions[0] == versions[1]  # The bench's harness is not keyed.

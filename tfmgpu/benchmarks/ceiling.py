@@ -66,10 +66,12 @@ def training_flops_per_example(model: keras.Model) -> int:
 def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
                     steps: int, steps_per_execution: int,
                     arrays: data_lib.Arrays | None = None,
-                    batches: Sequence[int] | None = None) -> dict[str, Any]:
+                    batches: Sequence[int] | None = None,
+                    rounds: int = 3) -> dict[str, Any]:
   """The matmul ceiling and each model's single-device training FLOP/s,
   through tfmgpu's loop and the bare loop, at each of `batches` (default:
-  `global_batch_size` and 1024).
+  `global_batch_size` and 1024): each path built once, then timed in
+  `rounds` interleaved rounds, its best kept.
 
   Returns:
     `{"gflops": ceiling, "runs": [{"model", "batch", "path", "ms_per_step",
@@ -87,9 +89,10 @@ def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
       kwargs = dict(global_batch_size=batch,
                     steps=max(steps // 4, 8) if big else steps,
                     steps_per_execution=2 if big else steps_per_execution)
-      for t in (training.time_tfmgpu(tf.distribute.get_strategy(),
-                                     model_name, arrays, **kwargs),
-                training.time_floor(model_name, arrays, **kwargs)):
+      built = {"tfmgpu": training.prepare_tfmgpu(
+          tf.distribute.get_strategy(), model_name, arrays, **kwargs),
+               "floor": training.prepare_floor(model_name, arrays, **kwargs)}
+      for t in training.interleaved(built, rounds).values():
         result["runs"].append(dict(
             model=model_name, batch=batch, path=t.path,
             ms_per_step=t.ms_per_step, examples_per_sec=t.examples_per_sec,
@@ -98,7 +101,7 @@ def measure_ceiling(models: Sequence[str], *, global_batch_size: int,
 
 
 def measure_ceiling_in_child(timeout_s: int = 900, **kwargs) -> dict[str, Any]:
-  """`measure_ceiling(**kwargs)` in a fresh process that keeps every core.
+  """`measure_ceiling(**kwargs)` in a child process that keeps every core.
 
   Raises:
     RuntimeError: the child process failed or took over `timeout_s` seconds.

@@ -197,7 +197,7 @@ def measure_one_device(*, size: str, seq_len: int, global_batch_size: int,
 def measure_one_device_in_child(timeout_s: int = 1800, **kwargs: Any
                                 ) -> tuple[dict[str, training_lib.Timing],
                                            dict[str, Any]]:
-  """`measure_one_device(**kwargs)` in a fresh process that keeps
+  """`measure_one_device(**kwargs)` in a child process that keeps
   TensorFlow's threads (every core per op), as a one-device run has them.
 
   Returns:

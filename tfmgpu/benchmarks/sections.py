@@ -183,11 +183,12 @@ def _ceiling(report: report_lib.Report, opts: SuiteOptions,
   kwargs = dict(models=["convnet"] if opts.quick else list(opts.models),
                 global_batch_size=opts.global_batch_size, steps=opts.steps,
                 steps_per_execution=opts.steps_per_execution,
-                batches=[opts.global_batch_size] if opts.quick else None)
+                batches=[opts.global_batch_size] if opts.quick else None,
+                rounds=opts.training_rounds)
   threads = tf.config.threading.get_intra_op_parallelism_threads()
   if threads and threads < devices_lib.cpu_cores():
     report.say(f"  (single-device training gets every core: measured in a "
-               f"fresh process; this one gives each op {threads} thread(s) "
+               f"child process; this one gives each op {threads} thread(s) "
                "so that its logical devices share the cores)")
     result = ceiling_lib.measure_ceiling_in_child(**kwargs)
   else:
@@ -195,7 +196,8 @@ def _ceiling(report: report_lib.Report, opts: SuiteOptions,
   gflops = result["gflops"]
   report.measured["matmul_gflops"] = gflops
   report.say(f"  float32 matmul ceiling: {gflops:,.1f} GFLOP/s "
-             f"({devices_lib.cpu_cores()} cores busy)")
+             f"({devices_lib.cpu_cores()} cores busy); each model's paths "
+             f"built once, best of {opts.training_rounds} interleaved rounds")
   floors = {(r["model"], r["batch"]): r["achieved_gflops"] / gflops
             for r in result["runs"] if r["path"] == "floor"}
   for run in result["runs"]:
@@ -451,12 +453,15 @@ def _language_model(report: report_lib.Report, opts: SuiteOptions,
              if l.strategy != "one_device"}
   runs = {"keras_fit": lm_lib.keras_fit_runner(text, **common)}
   runs.update(_lm_runs(report, opts, text, layouts, common))
-  before = ceiling_lib.matmul_gflops()
-  best = _built_rounds(opts, runs) if layouts else {}
   # The ceiling is what the cores can do: on shared cores each measurement
-  # is low by the load of its moment, so the highest one is kept.
-  ceiling = max(before, ceiling_lib.matmul_gflops(), child["matmul_gflops"],
-                report.measured.get("matmul_gflops", 0.0))
+  # is low by the load of its moment, so the highest one is kept. --quick
+  # after the ceiling section has two (it and the child): none more here.
+  ceilings = [child["matmul_gflops"], report.measured.get("matmul_gflops", 0)]
+  again = not (opts.quick and ceilings[1])
+  ceilings += [ceiling_lib.matmul_gflops()] if again else []
+  best = _built_rounds(opts, runs) if layouts else {}
+  ceilings += [ceiling_lib.matmul_gflops()] if again else []
+  ceiling = max(ceilings)
   flops = lm_lib.flops_per_token(text, size)
   report.say(f"  (each path built once, best of {opts.rounds} interleaved "
              f"rounds; MFU: tokens/s x {flops / 1e6:.2f} MFLOP per token / "

@@ -256,7 +256,6 @@ def _one_round(prepare: Callable[..., Round]) -> Callable[..., Timing]:
 
 
 time_tfmgpu = _one_round(prepare_tfmgpu)
-time_floor = _one_round(prepare_floor)
 
 PATHS: dict[str, Callable[..., Round]] = {
     "tfmgpu": prepare_tfmgpu,

@@ -177,18 +177,18 @@ def model_signature(model: Any) -> str:
   return f"{getattr(model, 'name', 'model')}-{digest}"
 
 
-# Top-level folders of the package left out of `code_version`: the bench's
-# harness (what it times and prints) does not change what a training step
-# does, so editing it keeps the measured choices (a full bench measures
-# them again only when the code that trains changed).
-_HARNESS = ("benchmarks",)
+# What of the package `code_version` leaves out (top-level entries): the
+# bench's harness (what it times and prints, and its CLI) does not change
+# what a training step does, so editing it keeps the measured choices (a
+# full bench measures them again only when the code that trains changed).
+_HARNESS = ("benchmarks", "bench.py")
 
 
 @functools.lru_cache(maxsize=None)
 def code_version(package_dir: str | None = None) -> str:
   """A digest of the tfmgpu code that runs: every `.py` file of the package
   (its path inside the package and its bytes) but the bench's harness
-  (`tfmgpu/benchmarks/`), read once per process.
+  (`tfmgpu/benchmarks/`, `tfmgpu/bench.py`), read once per process.
 
   Args:
     package_dir: the package's directory. Defaults to this module's
@@ -200,7 +200,8 @@ def code_version(package_dir: str | None = None) -> str:
   for root, dirs, names in os.walk(package_dir):
     dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not (
         root == package_dir and d in _HARNESS))
-    for name in sorted(n for n in names if n.endswith(".py")):
+    for name in sorted(n for n in names if n.endswith(".py") and not (
+        root == package_dir and n in _HARNESS)):
       path = os.path.join(root, name)
       digest.update(os.path.relpath(path, package_dir).encode() + b"\0")
       with open(path, "rb") as f:
