@@ -45,7 +45,7 @@ _QUICK = flags.DEFINE_bool(
     "otherwise), the convnet alone unless --models is given, fewer steps, "
     "rounds and paths, the autotune only read from its cache: about 2.5 "
     "minutes on a quiet 2-core machine (the full "
-    "suite: about 15, 45-50 when its autotune measures). Every run ends "
+    "suite: about 15, 45-60 when its autotune measures). Every run ends "
     "with a verdict line per target.")
 _MODELS = flags.DEFINE_list("models", ["convnet", "mlp"],
                             "Models to train (--quick: convnet unless given).")
