@@ -83,6 +83,20 @@ def dithered_digits(digits):
 
 
 @pytest.fixture
+def float64_keras():
+  """`keras.config.floatx()` and the layers' dtype policy float64 for one
+  test, then as they were (the policy, once read, no longer follows
+  floatx: restoring floatx alone leaves later tests' models float64)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+  keras.config.set_floatx("float64")
+  keras.config.set_dtype_policy("float64")
+  yield
+  keras.config.set_floatx(floatx)
+  keras.config.set_dtype_policy(policy)
+
+
+@pytest.fixture
 def parsed_flags():
   """Marks absl's FLAGS parsed, so CLI `main`s can run in-process."""
   if not flags.FLAGS.is_parsed():

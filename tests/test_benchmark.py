@@ -98,12 +98,11 @@ def test_compare_builds_each_path_once_then_interleaves_its_rounds(
   assert best["keras_fit"].ms_per_step == 4.5
 
 @pytest.mark.parametrize("same_kernels", [False, True])
-def test_the_floor_computes_the_loss_as_the_trainer_does(monkeypatch,
-                                                         same_kernels):
+def test_the_floor_computes_the_loss_as_the_trainer_does(
+    monkeypatch, same_kernels, float64_keras):  # pylint: disable=unused-argument
   """The floor called `objectives.default_loss` on the logits as they come
   (float32), while the Trainer computes its loss in Keras' floatx: under
   float64 the bench timed another loss than the one it compared."""
-  import keras  # pylint: disable=g-import-not-at-top
   from tfmgpu import data  # pylint: disable=g-import-not-at-top
   from tfmgpu.benchmarks import training  # pylint: disable=g-import-not-at-top
   from tfmgpu.training import objectives  # pylint: disable=g-import-not-at-top
@@ -116,14 +115,9 @@ def test_the_floor_computes_the_loss_as_the_trainer_does(monkeypatch,
     return out
 
   monkeypatch.setattr(objectives.Objective, "per_example_loss", spy)
-  floatx = keras.config.floatx()
-  keras.config.set_floatx("float64")
-  try:
-    training.prepare_floor("mlp", data.load_dataset("digits8x8"),
-                           global_batch_size=8, steps=2, warmup=0,
-                           same_kernels=same_kernels)()
-  finally:
-    keras.config.set_floatx(floatx)
+  training.prepare_floor("mlp", data.load_dataset("digits8x8"),
+                         global_batch_size=8, steps=2, warmup=0,
+                         same_kernels=same_kernels)()
   assert dtypes and set(dtypes) == {"float64"}
 
 
@@ -197,6 +191,22 @@ def test_bench_compare_prints_without_loading_tensorflow(tmp_path):
       capture_output=True, text=True, timeout=120, check=False)
   assert missing.returncode == 1
   assert "error: --compare file" in missing.stderr
+
+
+def test_bench_cli_says_in_one_line_what_it_cannot_run():
+  """A mistyped section or replica count: one `error:` line naming the flag
+  and the choices, exit 1, before TensorFlow loads (no traceback)."""
+  for args, said in (
+      (["--sections=training,tf-data"], "--sections=training,tf-data: "
+       "tf-data is not a section. Choose from training, ceiling"),
+      (["--replicas=1,two"], "--replicas=1,two must be whole numbers of at "
+       "least 1, e.g. --replicas=1,2,4.")):
+    out = subprocess.run([sys.executable, "-m", "tfmgpu.bench", *args],
+                         capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.startswith(f"error: {said}"), out.stderr
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.slow
@@ -492,7 +502,8 @@ def test_quick_runs_the_sections_with_targets_and_reads_the_autotune(
   the autotune asked for cached choices only."""
   from tfmgpu.benchmarks import options, sections  # pylint: disable=g-import-not-at-top
   assert set(options.QUICK_SECTIONS) <= set(sections.SECTIONS)
-  assert set(options.DEFAULT_SECTIONS) <= set(sections.SECTIONS)
+  assert set(options.DEFAULT_SECTIONS + options.ON_REQUEST_SECTIONS) == set(
+      sections.SECTIONS)
   asked = []
 
   def fake_tune(*args, cached_only=False, **kwargs):

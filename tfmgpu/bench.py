@@ -127,15 +127,46 @@ def main(argv: list[str]) -> int:
     return _compare(list(_COMPARE.value) + argv[1:])
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  quick = _QUICK.value
-  sections = (_SECTIONS.value if _SECTIONS.present or not quick
-              else list(bench_options.QUICK_SECTIONS))
+  sections, replicas = _sections(), _replicas()
   # The sections measured in a child process share one, whose TensorFlow
   # import runs beside this process's (before it: `_quiet_logs` loads it).
   with child.shared_process(start=bool(
       set(sections) & set(bench_options.CHILD_SECTIONS))):
     with _quiet_logs(_LOGS.value):
-      return _run_suite(tuple(int(r) for r in _REPLICAS.value), sections)
+      return _run_suite(replicas, sections)
+
+
+def _sections() -> list[str]:
+  """The sections to run (`--quick`'s unless `--sections` is given).
+
+  Raises:
+    app.UsageError: `--sections` names one the suite does not have.
+  """
+  known = bench_options.DEFAULT_SECTIONS + bench_options.ON_REQUEST_SECTIONS
+  unknown = [s for s in _SECTIONS.value if s not in known]
+  if unknown:
+    raise app.UsageError(f"--sections={','.join(_SECTIONS.value)}: "
+                         f"{', '.join(unknown)} is not a section. Choose "
+                         f"from {', '.join(known)}.")
+  if _SECTIONS.present or not _QUICK.value:
+    return list(_SECTIONS.value)
+  return list(bench_options.QUICK_SECTIONS)
+
+
+def _replicas() -> tuple[int, ...]:
+  """`--replicas` as counts.
+
+  Raises:
+    app.UsageError: one is not a whole number of at least 1.
+  """
+  try:
+    replicas = tuple(int(r) for r in _REPLICAS.value)
+  except ValueError:
+    replicas = ()
+  if not replicas or min(replicas) < 1:
+    raise app.UsageError(f"--replicas={','.join(_REPLICAS.value)} must be "
+                         "whole numbers of at least 1, e.g. --replicas=1,2,4.")
+  return replicas
 
 
 def _run_suite(replicas: tuple[int, ...], sections: list[str]) -> int:

@@ -266,19 +266,6 @@ def test_one_output_takes_a_one_entry_list_or_a_dict_by_its_name_as_keras():
     objectives.Objective(build(), loss, loss_weights=[0.25, 1.0])
 
 
-@pytest.fixture
-def float64_keras():
-  """`keras.config.floatx()` and the layers' dtype policy float64 for one
-  test, then as they were (the policy, once read, no longer follows
-  floatx)."""
-  floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-  keras.config.set_floatx("float64")
-  keras.config.set_dtype_policy("float64")
-  yield
-  keras.config.set_floatx(floatx)
-  keras.config.set_dtype_policy(policy)
-
-
 def _float64_model():
   keras.utils.set_random_seed(0)
   i = keras.Input((6,))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-# Every section, in running order (`hybrid` only when asked for).
+# The sections a run makes unless `--sections` says otherwise, in order.
 DEFAULT_SECTIONS = ("training", "ceiling", "optimisations", "compression",
                     "inference", "latency", "tf_data", "language_model",
                     "checkpoints", "projection")
+# The sections made only when `--sections` names them.
+ON_REQUEST_SECTIONS = ("hybrid", "generate", "zero")
 # What `--quick` runs unless `--sections` is given: the sections whose
 # figures have targets, each cut down (`SuiteOptions.quick`).
 QUICK_SECTIONS = ("training", "ceiling", "inference", "tf_data",
