@@ -246,16 +246,9 @@ def prepare_floor(model_name, arrays, *, global_batch_size: int, steps: int,
   return one_round
 
 
-def _one_round(prepare: Callable[..., Round]) -> Callable[..., Timing]:
-  def time_path(*args, **kwargs) -> Timing:
-    return prepare(*args, **kwargs)()
-  time_path.__name__ = prepare.__name__.replace("prepare_", "time_")
-  time_path.__doc__ = (f"Builds `{prepare.__name__}`'s path and times one "
-                       "round of it.")
-  return time_path
-
-
-time_tfmgpu = _one_round(prepare_tfmgpu)
+def time_tfmgpu(*args: Any, **kwargs: Any) -> Timing:
+  """Builds `prepare_tfmgpu`'s path and times one round of it."""
+  return prepare_tfmgpu(*args, **kwargs)()
 
 PATHS: dict[str, Callable[..., Round]] = {
     "tfmgpu": prepare_tfmgpu,
