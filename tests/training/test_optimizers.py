@@ -516,6 +516,28 @@ def test_a_float16_model_split_over_devices_scales_its_loss(
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
+def test_a_float16_model_split_and_compiled_by_keras_scales_its_loss(
+    float16_reference):
+  """Keras' `compile` reads the placed model's own policy, the global
+  float32 one it was placed under: a split float16 model compiled and fit
+  as a Keras model trained with a bare SGD (its float16 gradients
+  underflowed). Its compile now reads the source's, as the Trainer does,
+  and `auto_scale_loss=False` still leaves the optimizer bare."""
+  x, y, expected = float16_reference
+  model = _float16_mlp()
+  placed = tfmgpu.StagedModel(
+      model, tfmgpu.plan_stages(model, 2, split_points=["d2"]))
+  placed.compile(optimizer=keras.optimizers.SGD(1e4), loss=_tiny_mse,
+                 auto_scale_loss=False)
+  assert isinstance(placed.optimizer, keras.optimizers.SGD)
+  placed.compile(optimizer=keras.optimizers.SGD(1e4), loss=_tiny_mse)
+  assert isinstance(placed.optimizer, keras.optimizers.LossScaleOptimizer)
+  placed.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  placed.copy_weights_to(model)
+  for a, b in zip(model.get_weights(), expected):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
 def _float32_wrapper():
   """A float32 functional model around `_float16_mlp` (a keras_hub backbone
   in a float32 task model): Keras' compile reads the wrapper's policy."""

@@ -166,7 +166,9 @@ class PerDeviceGradientModel(keras.Model):
 
   def compile(self, *args, jit_compile: bool | str = "auto", **kwargs):
     """`keras.Model.compile`, without XLA, with slots and updates on each
-    variable's device.
+    variable's device, and the loss scaled (a `LossScaleOptimizer`) when
+    the model it was made from computes in `mixed_float16`, as compiling
+    that model would (unless `auto_scale_loss=False`).
 
     Raises:
       ValueError: `jit_compile=True`: XLA cannot compile one step whose
@@ -187,6 +189,10 @@ class PerDeviceGradientModel(keras.Model):
       # model returning a list fails inside `fit`.
       self.output_names = list(names)
     super().compile(*args, jit_compile=False, **kwargs)
+    if kwargs.get("auto_scale_loss", True):
+      # Keras reads this model's own policy (the global one when it was
+      # placed); its source's, recorded, is what compiling it would read.
+      self.optimizer = optimizers_lib.loss_scaled_for(self, self.optimizer)
     if self.optimizer is not None:
       # Build now, eagerly: built lazily inside the traced step, Keras would
       # create every slot on the default device instead of beside its variable.

@@ -208,6 +208,17 @@ def _uses_float16(model: "keras.Model") -> bool:
   return placed_model.dtype_policy_of(model) == "mixed_float16"
 
 
+def loss_scaled_for(model: "keras.Model", optimizer: Any) -> Any:
+  """`optimizer` wrapped in a `LossScaleOptimizer` when Keras' `compile`
+  of `model` would wrap it (`_uses_float16`: a placed model's source's
+  policy is `mixed_float16`) and it is not one already; else `optimizer`."""
+  if optimizer is None or not _uses_float16(model) or isinstance(
+      optimizer, keras.optimizers.LossScaleOptimizer):
+    return optimizer
+  return keras.optimizers.LossScaleOptimizer(
+      optimizer, name="loss_scale_optimizer")
+
+
 def _strategies_of(optimizer: Any) -> list[Any]:
   """The strategies `optimizer` (and a wrapped inner one) were created in."""
   return [_compat.optimizer_strategy(opt)
@@ -372,9 +383,7 @@ def prepare_optimizer(optimizer: Any, model: "keras.Model",
       _check_accumulation(optimizer, strategy)
       _check_own_clipping(optimizer, clip_norm)
       optimizer = _bind_to(optimizer, strategy)
-    if _uses_float16(model) and not isinstance(
-        optimizer, keras.optimizers.LossScaleOptimizer):
-      optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    optimizer = loss_scaled_for(model, optimizer)
     variables = sharded.trainable_parts(model)  # Split ones: their parts.
     _check_parts(optimizer, model, len(variables))
     check_exclusions(optimizer, variables, f"model {model.name!r}")
