@@ -194,13 +194,17 @@ def test_bench_compare_prints_without_loading_tensorflow(tmp_path):
 
 
 def test_bench_cli_says_in_one_line_what_it_cannot_run():
-  """A mistyped section or replica count: one `error:` line naming the flag
-  and the choices, exit 1, before TensorFlow loads (no traceback)."""
+  """A mistyped section or replica count, or more replicas than
+  `--virtual_devices` makes: one `error:` line naming the flag and the
+  choices, exit 1, before TensorFlow loads (no traceback)."""
   for args, said in (
       (["--sections=training,tf-data"], "--sections=training,tf-data: "
        "tf-data is not a section. Choose from training, ceiling"),
       (["--replicas=1,two"], "--replicas=1,two must be whole numbers of at "
-       "least 1, e.g. --replicas=1,2,4.")):
+       "least 1, e.g. --replicas=1,2,4."),
+      (["--replicas=1,4", "--virtual_devices=2"], "--replicas=1,4 needs 4 "
+       "devices but --virtual_devices=2 makes 2. Give --virtual_devices=4 "
+       "or more")):
     out = subprocess.run([sys.executable, "-m", "tfmgpu.bench", *args],
                          capture_output=True, text=True, timeout=300,
                          check=False)

@@ -157,15 +157,24 @@ def _replicas() -> tuple[int, ...]:
   """`--replicas` as counts.
 
   Raises:
-    app.UsageError: one is not a whole number of at least 1.
+    app.UsageError: one is not a whole number of at least 1, or the
+      largest is more than `--virtual_devices` makes.
   """
   try:
     replicas = tuple(int(r) for r in _REPLICAS.value)
   except ValueError:
     replicas = ()
+  given = ",".join(_REPLICAS.value)
   if not replicas or min(replicas) < 1:
-    raise app.UsageError(f"--replicas={','.join(_REPLICAS.value)} must be "
-                         "whole numbers of at least 1, e.g. --replicas=1,2,4.")
+    raise app.UsageError(f"--replicas={given} must be whole numbers of at "
+                         "least 1, e.g. --replicas=1,2,4.")
+  made = device_flags.VIRTUAL_DEVICES.value
+  if made and made < max(replicas):
+    raise app.UsageError(
+        f"--replicas={given} needs {max(replicas)} devices but "
+        f"--virtual_devices={made} makes {made}. Give --virtual_devices="
+        f"{max(replicas)} or more, or leave it out (the bench then makes "
+        "as many as the largest --replicas).")
   return replicas
 
 
