@@ -332,6 +332,45 @@ def test_stage3_checkpoint_restores_into_any_layout_and_resumes(tmp_path):
                                err_msg=v.path)
 
 
+def _nested(seed=0):
+  """A functional model around a functional backbone (a keras_hub task's
+  shape): the backbone's layers are where the weights are."""
+  keras.utils.set_random_seed(seed)
+  inner_in = keras.Input((8,))
+  h = keras.layers.Dense(16, activation="relu", name="inner1")(inner_in)
+  backbone = keras.Model(inner_in, keras.layers.Dense(16, name="inner2")(h),
+                         name="backbone")
+  inputs = keras.Input((8,))
+  outputs = keras.layers.Dense(3, name="head")(backbone(inputs))
+  return keras.Model(inputs, outputs, name="nested")
+
+
+def test_checkpoint_of_a_nested_model_restores_into_other_layouts(tmp_path):
+  """ZeRO keyed its checkpoint's portable view by the top-level layers (the
+  backbone whole), every other layout by the backbone's own layers: a
+  ZeRO run of a keras_hub model resumed as a pipeline (or a pipeline run
+  as ZeRO) failed with "variables do not match". Now the keys agree."""
+  from tfmgpu.training import portable  # pylint: disable=g-import-not-at-top
+  devices = tfmgpu.list_devices("CPU")[:2]
+  sharded = zero.ShardedModel(_nested(), devices, stage=3)
+  staged = tfmgpu.StagedModel(_nested(seed=5), tfmgpu.plan_stages(
+      _nested(seed=5), 2, split_points=["inner2"]))
+  assert (sorted(sharded.weighted_layers())
+          == sorted(staged.weighted_layers())
+          == sorted(portable.weighted_layers(_nested()))
+          == ["head", "inner1", "inner2"])
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 8)).astype("float32")
+  y = rng.integers(0, 3, 64)
+  _fit_dir(sharded, x, y, str(tmp_path / "run"), epochs=1)
+  path = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+  expected = sharded.predict(x, batch_size=16, verbose=0)
+  for target in (_nested(seed=7), staged):
+    portable.restore_weights(target, path)
+    np.testing.assert_allclose(target.predict(x, batch_size=16, verbose=0),
+                               expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.usefixtures("parsed_flags")
 def test_plan_only_prints_the_live_bytes_of_each_device(capsys):
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top

@@ -23,6 +23,8 @@ takes the original's as it is, and its layers are no state to compare
   weights in `finalize_state()`, which Keras' load calls and `set_weights`
   does not: a copy kept the zero mean and unit variance it was built with
   (predictions 6.8 off the model's), so `set_weights` finalizes them.
+* `weighted_layers(model)`: the layers whose weights a checkpoint of any
+  layout keys by name (nested functional models looked into).
 * `variable(layer, name)`: a layer's kernel variable, LoRA or not.
 * `refuse_split(layer, path)`: tensor parallelism makes new variables for
   a layer's shards, so it splits only a layer whose weights are all
@@ -76,6 +78,21 @@ def _record(layer: keras.layers.Layer) -> LayerRecord:
                      getattr(layer, "lora_rank", None) if lora else None,
                      getattr(layer, "lora_alpha", None) if lora else None,
                      vocabulary, getattr(layer, "output_mode", None))
+
+
+def weighted_layers(model: keras.Model) -> dict[str, Any]:
+  """`{layer name: layer}` of `model`'s layers with weights, the layers of
+  nested functional models (a keras_hub backbone) by their own names, as
+  placed models list them (`tfmgpu.parallel.graph` cuts inside them): the
+  names a checkpoint of any layout keys each layer's weights by."""
+  found: dict[str, Any] = {}
+  level = list(model.layers)
+  while level:
+    for layer in level:
+      if layer.weights and not _compat.is_functional(layer):
+        found.setdefault(layer.name, layer)
+    level = [l for m in level if _compat.is_functional(m) for l in m.layers]
+  return found
 
 
 def capture(layer: keras.layers.Layer) -> LayerState:

@@ -393,5 +393,8 @@ class ShardedModel(placed.PerDeviceGradientModel):
     return self.unsplit
 
   def weighted_layers(self) -> dict[str, Any]:
-    """`{name: layer}` of the unsplit model's layers with weights."""
-    return {l.name: l for l in self.unsplit.layers if l.weights}
+    """`{name: layer}` of the unsplit model's layers with weights, nested
+    models looked into as every layout does (`layer_state.weighted_layers`:
+    by top-level layers only, a ZeRO checkpoint of a keras_hub model
+    restored into no other layout)."""
+    return layer_state.weighted_layers(self.unsplit)

@@ -33,18 +33,7 @@ VIEW = "layout_weights"  # The view's name in a tfmgpu checkpoint.
 def weighted_layers(model: keras.Model) -> dict[str, Any]:
   """`{layer name: layer}` of a model's layers with weights, unsplit form."""
   own = getattr(model, "weighted_layers", None)
-  if own is not None:
-    return own()
-  # Nested functional models (a keras_hub backbone) by their layers, as
-  # placed models list them (`tfmgpu.parallel.graph` cuts inside them).
-  found: dict[str, Any] = {}
-  level = list(model.layers)
-  while level:
-    for layer in level:
-      if layer.weights and not _compat.is_functional(layer):
-        found.setdefault(layer.name, layer)
-    level = [l for m in level if _compat.is_functional(m) for l in m.layers]
-  return found
+  return own() if own is not None else layer_state.weighted_layers(model)
 
 
 class _LayerWeights(_compat.Trackable):
