@@ -75,6 +75,47 @@ def test_npz_features_are_used_as_given(tmp_path):
     data.load_dataset("npz", path=str(tmp_path / "mixed.npz"))
 
 
+def test_npz_sequences_keep_their_shape_and_labels_are_checked(tmp_path):
+  """Found by a new user: a float (n, T, F) time series got a channel axis
+  as if it were grey images ((T, F, 1): a model built for (T, F) failed),
+  though the docs say x is used as it is; one-hot labels and an x_test of
+  another width were found only inside training; an empty x_test was
+  reported as a test loss of 0."""
+  rng = np.random.default_rng(0)
+  series = rng.normal(size=(12, 5, 3)).astype(np.float32)
+
+  def save(name, **arrays):
+    np.savez(tmp_path / name, **{
+        "x_train": series, "y_train": np.arange(12) % 2,
+        "x_test": series[:4], "y_test": np.arange(4) % 2, **arrays})
+    return str(tmp_path / name)
+
+  arrays = data.load_dataset("npz", path=save("ts.npz"))
+  assert arrays.input_shape == (5, 3)
+  np.testing.assert_array_equal(arrays.x_test, series[:4])
+  with pytest.raises(ValueError, match=r"y_train in '.*hot.npz' has shape "
+                     r"\(12, 2\) and one 1 per row: one-hot labels. Save "
+                     r"the class indices instead \(y_train.argmax\(axis=1\)\)"
+                     r"; the npz dataset takes class indices only"):
+    data.load_dataset("npz", path=save(
+        "hot.npz", y_train=np.eye(2)[np.arange(12) % 2]))
+  with pytest.raises(ValueError, match=r"y_test in '.*reg.npz' holds non-"
+                     r"integer labels.*for other targets \(regression\) "
+                     r"give your own loader, --dataset=my_data.py:load"):
+    data.load_dataset("npz", path=save("reg.npz", y_test=np.full(4, 0.5)))
+  with pytest.raises(ValueError, match=r"x_test holds examples of shape "
+                     r"\(5, 4\) but x_train of shape \(5, 3\); the model is "
+                     r"built for x_train's"):
+    data.load_dataset("npz", path=save(
+        "wide.npz", x_test=rng.normal(size=(4, 5, 4)).astype(np.float32)))
+  with pytest.raises(ValueError, match=r"x_test has no rows \(shape \(0, 5, "
+                     r"3\)\). Give both splits examples"):
+    data.load_dataset("npz", path=save(
+        "empty.npz", x_test=series[:0], y_test=np.zeros(0, int)))
+  mnist = data.load_dataset("mnist", path=save("ts.npz"))  # Images: a channel.
+  assert mnist.input_shape == (5, 3, 1)
+
+
 def test_npz_errors(tmp_path):
   with pytest.raises(ValueError, match=r"dataset 'npz' needs path="):
     data.load_dataset("npz")

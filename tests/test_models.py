@@ -24,6 +24,23 @@ def test_convnet_is_the_classic_digit_net():
   assert m.output_shape == (None, 10)
 
 
+def test_a_builder_that_returns_no_model_or_gets_no_image_is_named():
+  """Found by a new user: a model function without `return` failed later
+  with "'NoneType' object has no attribute 'trainable_variables'", and
+  convnet on vectors or tokens with Keras' "expected min_ndim=4"."""
+  def build(input_shape, num_classes):
+    keras.Sequential([keras.Input(input_shape), keras.layers.Dense(2)])
+  with pytest.raises(ValueError, match=r"model='.*build' returned NoneType "
+                     r"\('None'\); a model function must return a "
+                     r"keras.Model \(build it and `return model`"):
+    models.build_model(build, input_shape=(4,), num_classes=2)
+  with pytest.raises(ValueError, match=r"model 'convnet' takes images of "
+                     r"shape \(height, width, channels\); the data's "
+                     r"examples have input_shape=\(64,\). Give grey images a "
+                     r"channel axis"):
+    models.build_model("convnet", input_shape=(64,), num_classes=2)
+
+
 def test_same_seed_same_weights():
   a = models.build_model("mlp", input_shape=(4,), num_classes=3, seed=7)
   b = models.build_model("mlp", input_shape=(4,), num_classes=3, seed=7)

@@ -108,7 +108,9 @@ class RunSettings:
   data_path: str | None = setting(
       None, ".npz file (x_train, y_train, x_test, y_test) for "
       "--dataset=npz (x used as it is, as float32; uint8 arrays, images "
-      "0..255, divided by 255 in both splits), a glob of TFRecord shards for --dataset=tfrecord "
+      "0..255, divided by 255 in both splits, (n, H, W) ones given a "
+      "channel axis; y integer class indices: other targets need your own "
+      "--dataset loader), a glob of TFRecord shards for --dataset=tfrecord "
       "(quoted: 'DIR/*.tfrecord'), or a local copy of a downloadable "
       "dataset.")
   loss: str | None = setting(

@@ -290,6 +290,7 @@ def _training_data(config: TrainConfig, arrays: Any) -> Any:
   if isinstance(arrays, data_lib.Arrays):
     data_lib.check_labels(arrays)  # Before a first step fails on one.
     data_lib.check_features(arrays)
+    data_lib.check_shapes(arrays)
   return arrays
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from tfmgpu.datasets.registry import Arrays
 from tfmgpu.datasets.registry import check_features
 from tfmgpu.datasets.registry import check_labels
+from tfmgpu.datasets.registry import check_shapes
 from tfmgpu.datasets.registry import register_dataset
 
 
@@ -104,17 +105,33 @@ def npz(path: str | None = None) -> Arrays:
           f"{len(y)} in y_{split}. Give one label per example: as many rows "
           f"in y_{split} as in x_{split}.")
   for name, y in (("y_train", y_train), ("y_test", y_test)):
-    if y.dtype.kind == "f" and not np.all(np.isfinite(y) & (y == np.round(y))):
-      raise ValueError(f"dataset 'npz': {name} in {path!r} holds non-integer "
-                       "labels; labels must be integer class indices "
-                       "0..num_classes-1.")
+    _check_class_indices(name, y, path)
   x_train, x_test = as_features(x_train, x_test, repr(path))
   y_train, y_test = y_train.astype(np.int32), y_test.astype(np.int32)
   arrays = Arrays("npz", x_train, y_train, x_test, y_test,
                   int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1)
   check_labels(arrays, source=repr(path))
   check_features(arrays, source=repr(path))
+  check_shapes(arrays, source=repr(path))
   return arrays
+
+
+def _check_class_indices(name: str, y: np.ndarray, path: str) -> None:
+  """Raises a ValueError naming `name` unless `y` holds class indices (one
+  per example, or per token): not one-hot rows, not real-valued targets."""
+  other = ("; the npz dataset takes class indices only: for other targets "
+           "(regression) give your own loader, --dataset=my_data.py:load "
+           "returning ((x_train, y_train), (x_test, y_test)).")
+  if (y.ndim == 2 and y.shape[1] > 1 and len(y) and np.isin(y, (0, 1)).all()
+      and (y.sum(axis=1) == 1).all()):
+    raise ValueError(
+        f"dataset 'npz': {name} in {path!r} has shape {y.shape} and one 1 "
+        "per row: one-hot labels. Save the class indices instead "
+        f"({name}.argmax(axis=1)){other}")
+  if y.dtype.kind == "f" and not np.all(np.isfinite(y) & (y == np.round(y))):
+    raise ValueError(f"dataset 'npz': {name} in {path!r} holds non-integer "
+                     "labels; labels must be integer class indices "
+                     f"0..num_classes-1{other}")
 
 
 def _read_npz(path: str) -> tuple[np.ndarray, ...]:
@@ -148,11 +165,13 @@ def _read_npz(path: str) -> tuple[np.ndarray, ...]:
 
 def as_features(x_train: np.ndarray, x_test: np.ndarray,
                 source: str) -> tuple[np.ndarray, np.ndarray]:
-  """Both splits' features as float32, with a channel axis added to 2-D
-  images: uint8 arrays (images, 0..255) divided by 255, any other dtype
-  used as it is. Decided by dtype, the same for both splits: by the
-  values, each split on its own, a float x_train above 1 was divided by
-  255 while an x_test below 1 was not.
+  """Both splits' features as float32: uint8 arrays (images, 0..255)
+  divided by 255, with a channel axis added to 2-D ones (`(n, H, W)`), any
+  other dtype used as it is (a float `(n, T, F)` is a sequence of
+  features, not a grey image: it got a channel axis too, and a model
+  built for `(T, F)` failed on `(T, F, 1)`). Decided by dtype, the same
+  for both splits: by the values, each split on its own, a float x_train
+  above 1 was divided by 255 while an x_test below 1 was not.
 
   Raises:
     ValueError: one split uint8 and the other not (`source` names the
@@ -169,5 +188,7 @@ def as_features(x_train: np.ndarray, x_test: np.ndarray,
 
 
 def _features(x: np.ndarray, image: bool) -> np.ndarray:
-  x = x.astype(np.float32) / (255.0 if image else 1.0)
+  if not image:
+    return x.astype(np.float32)
+  x = x.astype(np.float32) / 255.0
   return x[..., None] if x.ndim == 3 else x

@@ -21,8 +21,13 @@ from tfmgpu.datasets.registry import register_dataset
 
 def _keras_dataset(name: str) -> Callable[..., Arrays]:
   def load(path: str | None = None) -> Arrays:
-    if path:
-      return dataclasses.replace(builtin.npz(path), name=name)
+    if path:  # Images whatever their dtype: (n, H, W) gets its channel.
+      arrays = builtin.npz(path)
+      if arrays.x_train.ndim == 3:
+        return dataclasses.replace(arrays, name=name,
+                                   x_train=arrays.x_train[..., None],
+                                   x_test=arrays.x_test[..., None])
+      return dataclasses.replace(arrays, name=name)
     import keras  # pylint: disable=g-import-not-at-top
     module = getattr(keras.datasets, name)
     try:

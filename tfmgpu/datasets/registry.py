@@ -440,20 +440,54 @@ def check_features(arrays: Arrays, *, source: str | None = None) -> None:
     ValueError: naming the input, how many values and the first row.
   """
   for split, x in (("x_train", arrays.x_train), ("x_test", arrays.x_test)):
-    leaves = (x.items() if isinstance(x, dict) else
-              enumerate(x) if isinstance(x, (list, tuple)) else [(None, x)])
-    for key, value in leaves:
-      value = np.asarray(value)
+    for name, value in _named_inputs(split, x).items():
       if value.dtype.kind != "f" or np.isfinite(value).all():
         continue
       bad = ~np.isfinite(value.reshape(len(value), -1))
-      name = split if key is None else f"{split}[{key!r}]"
       raise ValueError(
           f"dataset {source or repr(arrays.name)}: {name} holds "
           f"{int(bad.sum())} NaN/inf value(s), the first in row "
           f"{int(np.flatnonzero(bad.any(axis=1))[0])}; the loss would turn "
           "NaN at the step that reads it. Clean the data first (drop those "
           "rows, or np.nan_to_num).")
+
+
+def _named_inputs(split: str, x: Any) -> dict[str, np.ndarray]:
+  """Each input array of `x` (one, or a dict/list/tuple of them) by the
+  name a message gives it: `x_train`, `x_train['image']`, `x_train[1]`."""
+  leaves = (x.items() if isinstance(x, dict) else
+            enumerate(x) if isinstance(x, (list, tuple)) else [(None, x)])
+  return {split if key is None else f"{split}[{key!r}]": np.asarray(value)
+          for key, value in leaves}
+
+
+def check_shapes(arrays: Arrays, *, source: str | None = None) -> None:
+  """Checks that each input has rows in both splits, of one example shape.
+
+  Run before training: an x_test of another width failed only in the
+  final evaluation, after every epoch had trained, and an empty one was
+  reported as a test loss and accuracy of 0.
+
+  Raises:
+    ValueError: naming the input, the split and the shapes.
+  """
+  where = f"dataset {source or repr(arrays.name)}"
+  train = _named_inputs("x_train", arrays.x_train)
+  test = _named_inputs("x_test", arrays.x_test)
+  for name, value in {**train, **test}.items():
+    if not len(value):
+      raise ValueError(
+          f"{where}: {name} has no rows (shape {value.shape}). Give both "
+          "splits examples: the test split is what the run's final "
+          "evaluation reports (hold out some training rows if you have no "
+          "other).")
+  for (name, value), (test_name, other) in zip(train.items(), test.items()):
+    if value.shape[1:] != other.shape[1:]:
+      raise ValueError(
+          f"{where}: {test_name} holds examples of shape {other.shape[1:]} "
+          f"but {name} of shape {value.shape[1:]}; the model is built for "
+          f"{name}'s and could not evaluate {test_name}. Give both splits "
+          "the same shape per example.")
 
 
 def check_labels(arrays: Arrays, *, source: str | None = None) -> None:

@@ -16,7 +16,19 @@ keras = LazyModule("keras")
                 "Conv(20,5)-pool-Dense(50)-Dense(10).",
                 blocks=lambda size: 7)
 def convnet(input_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
-  """The classic digit convnet (LeNet-like), as a Sequential model."""
+  """The classic digit convnet (LeNet-like), as a Sequential model.
+
+  Raises:
+    ValueError: `input_shape` is not an image's `(height, width,
+      channels)`, said for the user (Keras named only a layer's `ndim`).
+  """
+  if len(input_shape) != 3:
+    raise ValueError(
+        f"model 'convnet' takes images of shape (height, width, channels); "
+        f"the data's examples have input_shape={tuple(input_shape)}. Give "
+        "grey images a channel axis (x[..., None]; uint8 (n, H, W) images "
+        "get it when loaded), or choose a model for this data (--model=mlp "
+        "for vectors, gpt for token sequences).")
   layers = keras.layers
   return keras.Sequential([
       keras.Input(input_shape),

@@ -253,12 +253,21 @@ def build_model(name_or_fn: str | ModelFn, *, input_shape: tuple[int, ...],
   Raises:
     ValueError: unknown name, listing the available ones; a reference that
       cannot be used (see `model_builder`).
+    ValueError: the builder returned something other than a Keras model.
   """
   builder = model_builder(name_or_fn)
   if seed is not None:
     keras.utils.set_random_seed(seed)
   with dtype_policy(mixed_precision):
-    return builder(_as_shape(input_shape), num_classes, **options)
+    model = builder(_as_shape(input_shape), num_classes, **options)
+  if not isinstance(model, keras.Model):
+    name = (name_or_fn if isinstance(name_or_fn, str)
+            else getattr(name_or_fn, "__qualname__", repr(name_or_fn)))
+    raise ValueError(
+        f"model={name!r} returned {type(model).__name__} "
+        f"({str(model)[:60]!r}); a model function must return a keras.Model "
+        "(build it and `return model`: a missing return gives None).")
+  return model
 
 
 def logits_layer(num_classes: int, name: str = "logits"
