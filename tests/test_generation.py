@@ -404,6 +404,19 @@ def byte_gpt_path(tmp_path_factory):
   return path, model
 
 
+def test_generate_takes_a_saved_models_path_as_predict_does(byte_gpt_path):
+  """Found by a new user: `tfmgpu.predict(path, x)` loads the model, and
+  `tfmgpu.generate(path, ...)` failed with "cannot create weak reference
+  to 'str' object"; a missing file is now named."""
+  path, model = byte_gpt_path
+  ids = np.array([[72, 101, 108, 108]], np.int32)
+  np.testing.assert_array_equal(
+      tfmgpu.generate(path, ids, max_new_tokens=3)["token_ids"],
+      tfmgpu.generate(model, ids, max_new_tokens=3)["token_ids"])
+  with pytest.raises(FileNotFoundError, match=r"nope.keras"):
+    tfmgpu.generate(path + "/../nope.keras", ids, max_new_tokens=3)
+
+
 @pytest.mark.parametrize("placement", [
     {"strategy": "default"},
     # The model is copied into its scope; 2 replicas (not all 4: each

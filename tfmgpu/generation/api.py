@@ -9,6 +9,7 @@ hybrids), each cache beside its layer.
 
 from __future__ import annotations
 
+import os
 import secrets
 import weakref
 from collections.abc import Iterator, Sequence
@@ -234,7 +235,9 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
       used; or a model wrapping one), unplaced; or either placed by
       `hybrid.build_layout`: each layer's cache and work stay on its
       devices, rows split over its data-parallel copies (and over a
-      pipeline's stages).
+      pipeline's stages). Or the path of its `.keras` file (or a run's
+      `--model_dir`), loaded for this call (load it once yourself, e.g.
+      with `tfmgpu.inference.load_model`, to generate many times).
     inputs: keras_hub's form `{"token_ids": (B, T) int, "padding_mask":
       (B, T) bool}` (prompts of different lengths, right-padded), or a
       `(B, T)` token array whose tokens are all prompt (`(T,)`: one row).
@@ -261,6 +264,9 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
       not right-padded prompts, a sequence longer than the model's
       positions, or bad sampler options.
   """
+  if isinstance(model, (str, os.PathLike)):  # Loaded for this call only.
+    from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+    model = inference.load_model(os.fspath(model))
   sampling = samplers.Sampling(sampler, k=k, p=p, temperature=temperature,
                                seed=seed)
   key = strategy if isinstance(strategy, str) or strategy is None else id(
