@@ -381,3 +381,29 @@ def test_opening_a_run_dir_removes_what_a_killed_save_left(tmp_path):
   left.write_bytes(b"a whole model")
   rundir.open_run(str(tmp_path), _record()).release()
   assert not left.exists()
+
+
+def test_a_model_dir_whose_outputs_cannot_be_written_is_refused_first(
+    tmp_path):
+  """Found by a new user: a model.keras of their own in an ordinary folder
+  was replaced by the run's, silently; a `checkpoints` file was found only
+  at the first save, after an epoch had trained. Both are refused before
+  the lock or record is written; a run's own model.keras is not."""
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "model.keras").write_bytes(b"my precious")
+  with pytest.raises(rundir.RunDirError, match=r"holds a model.keras that no "
+                     r"run wrote \(there is no run.json or checkpoint beside "
+                     r"it\): this run would replace it"):
+    rundir.open_run(str(mine), _record())
+  assert sorted(os.listdir(mine)) == ["model.keras"]
+  blocked = tmp_path / "blocked"
+  blocked.mkdir()
+  (blocked / "checkpoints").write_text("not a directory")
+  with pytest.raises(rundir.RunDirError, match=r"checkpoints is a file, not a "
+                     r"directory: the run keeps its checkpoints there"):
+    rundir.open_run(str(blocked), _record())
+  done = tmp_path / "done"
+  rundir.open_run(str(done), _record()).release()
+  (done / "model.keras").write_bytes(b"the run's own")
+  rundir.open_run(str(done), _record()).release()  # Resumed, not refused.

@@ -171,7 +171,8 @@ class RunSettings:
   model_dir: str | None = setting(
       None, "Checkpoints, TensorBoard summaries (the run's summary prints "
       "the tensorboard --logdir command) and model.keras go here; an "
-      "existing directory is resumed. Default: a new "
+      "existing run directory is resumed (a folder holding a model.keras "
+      "that no run wrote is refused). Default: a new "
       "runs/<time>-<strategy>.")
   checkpoint_every_steps: int | None = setting(
       None, "Also save a checkpoint every N global steps, not only per "

@@ -662,6 +662,31 @@ def unconfirmed_error(model_dir: str, error: Exception) -> Exception:
       "new --model_dir to start another run.")
 
 
+def check_outputs(model_dir: str) -> None:
+  """Refuses, before anything trains, a `model_dir` where the run could not
+  write its outputs or would replace a file of the user's.
+
+  Raises:
+    RunDirError: `model_dir/checkpoints` is not a directory (found only
+      at the first save, after an epoch had trained); or the directory
+      holds a `model.keras` but no run record or checkpoints: a file no
+      run wrote, which the run's own would silently replace.
+  """
+  checkpoints = os.path.join(model_dir, "checkpoints")
+  if os.path.exists(checkpoints) and not os.path.isdir(checkpoints):
+    raise RunDirError(
+        f"{checkpoints} is a file, not a directory: the run keeps its "
+        "checkpoints there. Move the file, or give another --model_dir.")
+  model = os.path.join(model_dir, "model.keras")
+  if (os.path.exists(model) and read_record(model_dir) is None
+      and not has_checkpoints(model_dir)):
+    raise RunDirError(
+        f"model_dir={model_dir!r} holds a model.keras that no run wrote "
+        f"(there is no {RECORD_NAME} or checkpoint beside it): this run "
+        "would replace it with its own. Give a new --model_dir, or move "
+        "that file first.")
+
+
 def open_run(model_dir: str, record: Mapping[str, Any], *,
              chief: bool = True) -> RunLock:
   """Prepares `model_dir` for a run: lock (chief), then record.
@@ -683,6 +708,7 @@ def open_run(model_dir: str, record: Mapping[str, Any], *,
   """
   lock = RunLock(model_dir)
   if chief:
+    check_outputs(model_dir)
     lock.acquire()
     files.remove_stale_temporaries(model_dir)  # Of a run killed at a rename.
   try:
