@@ -406,3 +406,25 @@ def test_the_readme_command_trains_the_example_module(tmp_path, parsed_flags,
   served = capsys.readouterr().out
   assert re.search(rf"predicted\s+1000 rows.*\naccuracy\s+{accuracy:.4f}",
                    served, re.S), served
+
+
+def test_an_error_raised_in_the_users_code_says_where(tmp_path):
+  """Found by a new user: a loader's `ValueError("bad row")` printed only
+  `error: bad row` (the CLI prints messages, not tracebacks), naming no
+  file; the message now ends with the user's file, line and function,
+  also through an error tfmgpu raised from it. Not for tfmgpu's own."""
+  path = tmp_path / "my_loader.py"
+  path.write_text("def load():\n  rows = []\n  raise ValueError('bad row')\n")
+  load = user_code.load_function("dataset", f"{path}:load")
+  with pytest.raises(ValueError) as raised:
+    load()
+  where = f"{path}:3 in load"
+  assert user_code.describe_error(raised.value) == f"bad row (raised at {where})"
+  try:
+    try:
+      load()
+    except ValueError as e:
+      raise RuntimeError("loading failed") from e
+  except RuntimeError as e:
+    assert user_code.raised_at(e) == where
+  assert user_code.describe_error(ValueError("ours")) == "ours"

@@ -259,7 +259,7 @@ def _train_once(config: config_lib.TrainConfig) -> tuple[int, str]:
                    f"{config.model_dir or 'the run directory'} are kept; the "
                    "same command resumes from the latest.")
   except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
-    return _failed(1, str(e))
+    return _failed(1, user_code.describe_error(e))
   except OSError as e:  # A full disk while saving, ...: say so, name it.
     return _failed(1, files.describe_os_error(e))
   finally:

@@ -34,6 +34,7 @@ import inspect
 import os
 import re
 import sys
+import traceback
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -334,11 +335,45 @@ def load_function(what: str, value: str, call: Call | None = None
 def _import(what: str, value: str, ref: Reference) -> Any:
   try:
     if ref.is_file:
-      return _import_file(os.path.abspath(ref.module))
-    return importlib.import_module(ref.module)
+      module = _import_file(os.path.abspath(ref.module))
+    else:
+      module = importlib.import_module(ref.module)
   except Exception as e:  # pylint: disable=broad-except  (the user's code)
     raise UserCodeError(f"{what}={value!r}: importing {ref.module!r} failed: "
                         f"{type(e).__name__}: {e}") from e
+  if getattr(module, "__file__", None):
+    _USER_FILES.add(os.path.abspath(module.__file__))
+  return module
+
+
+# The files of the modules `load_function` imported: where an error left
+# the user's code is the innermost frame in one of them (`raised_at`).
+_USER_FILES: set[str] = set()
+
+
+def raised_at(error: BaseException) -> str | None:
+  """`path:line in function` of the innermost frame of `error` (or of the
+  error it was raised from) in the user's code that `load_function`
+  imported; `None` when it was not raised there."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    where = None
+    for frame, line in traceback.walk_tb(error.__traceback__):
+      path = os.path.abspath(frame.f_code.co_filename)
+      if path in _USER_FILES:
+        where = f"{path}:{line} in {frame.f_code.co_name}"
+    if where:
+      return where
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def describe_error(error: BaseException) -> str:
+  """`str(error)`, with where it left the user's code when it was raised
+  there (a CLI prints only the message: `error: bad row` named no file)."""
+  where = raised_at(error)
+  return f"{error} (raised at {where})" if where else str(error)
 
 
 _FILE_MODULES: dict[str, Any] = {}
