@@ -406,6 +406,10 @@ def test_zero_stage_is_refused_where_it_does_not_work():
     tfmgpu.TrainConfig(strategy="mirrored", zero_stage=4)
   with pytest.raises(ValueError, match=r"zero_stage=0 keeps a whole copy"):
     zero.ShardedModel(_gpt(), tfmgpu.list_devices("CPU")[:2], stage=0)
+  # TF placed the shards meant for a missing GPU on a CPU, silently.
+  with pytest.raises(ValueError, match=r"device '/device:GPU:0' does not "
+                     r"exist here. Devices found: /device:CPU:0"):
+    zero.ShardedModel(_gpt(), ["/device:GPU:0", "/device:CPU:1"], stage=3)
   with pytest.raises(ValueError, match=r"get_strategy cannot shard.*"
                      r"ShardedModel"):
     tfmgpu.get_strategy("mirrored", zero_stage=2)

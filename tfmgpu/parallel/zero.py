@@ -66,6 +66,7 @@ import tensorflow as tf
 
 from tfmgpu import _compat
 from tfmgpu import checks
+from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import layer_state
@@ -121,6 +122,10 @@ class ShardedModel(placed.PerDeviceGradientModel):
     if not devices:
       raise ValueError("devices=[] is empty; give the data-parallel devices, "
                        "e.g. ['/cpu:0', '/cpu:1'].")
+    # This process's devices must exist: TF would place a shard meant for a
+    # missing GPU on another device, silently (a cluster's are the job's).
+    devices_lib.resolve_devices([d for d in devices if tf.DeviceSpec.from_string(
+        d if d.startswith("/") else "/" + d).job is None])
     if not model.weights:
       raise ValueError(f"model {model.name!r} has no weights: build it (give "
                        "it a keras.Input or call it once) before sharding.")
