@@ -128,6 +128,11 @@ def test_npz_errors(tmp_path):
                      r"rows in x_test but 5 in y_test. Give one label per "
                      r"example: as many rows in y_test as in x_test."):
     data.load_dataset("npz", path=str(tmp_path / "long.npz"))
+  (tmp_path / "d.csv").write_text("a,b,c\n1,2,3\n")
+  with pytest.raises(ValueError, match=r"d.csv' is not a valid .npz file \(12 "
+                     r"bytes: a text file, starting 'a,b,c'; for CSV or other "
+                     r"text, give your own loader"):
+    data.load_dataset("npz", path=str(tmp_path / "d.csv"))
   np.savez(tmp_path / "bad.npz", x_train=np.zeros(3))
   with pytest.raises(ValueError, match=r"lacks arrays \['y_train', 'x_test', "
                      r"'y_test'\]"):

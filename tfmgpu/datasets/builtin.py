@@ -134,6 +134,19 @@ def _check_class_indices(name: str, y: np.ndarray, path: str) -> None:
                      f"0..num_classes-1{other}")
 
 
+def _text_start(path: str) -> str | None:
+  """The first characters of the file at `path` when it is text (not a
+  zip archive such as .npz, nor a .npy array), else `None`."""
+  with open(path, "rb") as f:
+    head = f.read(64)
+  if head[:2] in (b"PK", b"\x93N") or not head.strip():
+    return None
+  try:
+    return head.decode("utf-8").splitlines()[0][:40]
+  except UnicodeDecodeError:
+    return None
+
+
 def _read_npz(path: str) -> tuple[np.ndarray, ...]:
   """x_train, y_train, x_test, y_test of an .npz file; a damaged, empty or
   non-.npz file is named with its size."""
@@ -142,6 +155,10 @@ def _read_npz(path: str) -> tuple[np.ndarray, ...]:
         f"dataset 'npz': path={path!r} is not a valid .npz file "
         f"({os.path.getsize(path)} bytes: {why}). Write it with "
         "numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...).")
+  text = _text_start(path)
+  if text is not None:  # numpy said "pickled (object) data" of text files.
+    raise invalid(f"a text file, starting {text!r}; for CSV or other "
+                  "text, give your own loader: --dataset=my_data.py:load")
   try:
     loaded = np.load(path, allow_pickle=False)
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
