@@ -414,3 +414,22 @@ def test_tensor_parallel_stages_train_as_unsplit(data, reference,
                     if isinstance(l, tensor.ShardedLayer)]
     assert split_layers and all(l.devices == tuple(devices)
                                 for l in split_layers)
+
+
+def test_a_layout_map_axis_the_weight_lacks_is_refused():
+  """Found by a new user: `{".*query/kernel": 5}` on a 3-D kernel was
+  accepted and ignored. Now an axis outside the weight's rank is named;
+  `None` keeps what it matches whole; a negative axis counts from the
+  last."""
+  from tfmgpu.parallel import layout_maps  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((4,)),
+                            keras.layers.Dense(6, name="up"),
+                            keras.layers.Dense(2, name="down")],
+                           name="mapped")
+  with pytest.raises(ValueError, match=r"layout_map entry 'up/kernel': 5 "
+                     r"matches weight 'mapped/up/kernel' of shape \(4, 6\), which "
+                     r"has no axis 5. Give an axis from 0 to 1"):
+    layout_maps.path_rules(model, {"up/kernel": 5})
+  assert layout_maps.path_rules(
+      model, {"up/kernel": -1, "down/kernel": None, "kernel": 0}) == {
+          "mapped/up/kernel": 1}

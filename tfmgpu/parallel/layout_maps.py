@@ -94,14 +94,29 @@ def split_axes(model: keras.Model, layout_map: Any) -> dict[str, int]:
   return found
 
 
-def path_rules(model: keras.Model, rules: Mapping[str, int]) -> dict[str, int]:
+def path_rules(model: keras.Model, rules: Mapping[str, int | None]
+               ) -> dict[str, int]:
   """`{variable path: axis}` from `{path regex: axis}` (the first regex that
-  matches a path, anywhere in it, as a `LayoutMap` matches)."""
+  matches a path, anywhere in it, as a `LayoutMap` matches; a negative
+  axis counts from the last, `None` keeps the weights it matches whole).
+
+  Raises:
+    ValueError: an axis the weight it matches does not have.
+  """
   found = {}
   for weight in model.weights:
     for regex, axis in rules.items():
       if re.search(regex, weight.path):
-        found[weight.path] = int(axis)
+        if axis is None:
+          break  # Kept whole.
+        rank = len(weight.shape)
+        if not -rank <= int(axis) < rank:
+          raise ValueError(
+              f"layout_map entry {regex!r}: {axis!r} matches weight "
+              f"{weight.path!r} of shape {tuple(weight.shape)}, which has "
+              f"no axis {axis}. Give an axis from 0 to {rank - 1} (or "
+              "None to keep it whole).")
+        found[weight.path] = int(axis) % rank
         break
   return found
 
