@@ -199,7 +199,8 @@ def test_layout_errors(cpu_devices):
   with pytest.raises(ValueError, match=r"needs 16 devices but 4 are given"):
     hybrid.build_layout(gp._gpt(), hybrid.Layout(data=4, stages=2, tensor=2),  # pylint: disable=protected-access
                         devices=cpu_devices)
-  with pytest.raises(ValueError, match="plain data parallelism"):
+  with pytest.raises(ValueError, match=r"plain data parallelism: use "
+                     r"MirroredStrategy.*Trainer\(model, strategy='mirrored'"):
     hybrid.build_layout(gp._gpt(), hybrid.Layout(data=2),  # pylint: disable=protected-access
                         devices=cpu_devices)
   with pytest.raises(ValueError, match=r"data=0 must be an int >= 1"):

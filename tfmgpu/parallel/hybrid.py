@@ -74,8 +74,10 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
     if layout.tensor == 1:
       raise ValueError(
           f"The layout {layout.label} is plain data parallelism: use "
-          "--strategy=mirrored (MirroredStrategy), which runs it with TF's "
-          "own all-reduce.")
+          "MirroredStrategy, which runs it with TF's own all-reduce "
+          "(Trainer(model, strategy='mirrored') with the model built in "
+          "tfmgpu.get_strategy('mirrored').scope(); CLI: "
+          "--strategy=mirrored).")
     return tensor.TensorParallelModel(
         model, grid[0], rules=rules,
         transform=_transform(axes, lambda name: grid[0]))
