@@ -227,6 +227,26 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(
   assert 1 in _saved_numbers(tmp_path)
 
 
+def test_a_skipped_checkpoint_does_not_push_out_the_readable_ones(tmp_path):
+  """Found by a new user: after a resume fell back past a damaged ckpt-2,
+  the next saves deleted the readable ckpt-1 (and the one it resumed
+  from) while the damaged one, counted among the 3 kept, stayed. Now a
+  skipped checkpoint is left on disk but not counted."""
+  _, newest, _ = _two_epochs(tmp_path)
+  _damage(newest, "flipped data")
+  fresh = _checkpointer(tmp_path, seed=7)
+  assert fresh.restore_latest() == 1
+  for epoch in (2, 3):
+    fresh.save(epoch, step=3 * epoch)
+  # ckpt-2 (damaged) is not one of the 3 kept: 1, 3 and 4 are.
+  assert _saved_numbers(tmp_path) == [1, 2, 3, 4]
+  fresh.save(4, step=12)
+  assert _saved_numbers(tmp_path) == [2, 3, 4, 5]
+  state = tf.train.get_checkpoint_state(str(tmp_path / "checkpoints"))
+  assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == [
+      "ckpt-3", "ckpt-4", "ckpt-5"]
+
+
 @pytest.mark.parametrize("state", ["missing", "garbage", "empty",
                                    "names a deleted checkpoint"])
 def test_checkpoints_are_found_without_a_readable_state_file(tmp_path, state):

@@ -17,7 +17,7 @@ Durability: a checkpoint's files and directory are fsynced before the
 `checkpoint` state file (itself written aside, fsynced and renamed) names it;
 old checkpoints beyond `max_to_keep` are deleted only after that. Restore
 takes the newest checkpoint that reads back, logging each one skipped and
-why; checkpoints are also found by scanning the directory, so a missing or
+why (a skipped one is left on disk, not counted among those kept); checkpoints are also found by scanning the directory, so a missing or
 damaged state file never hides them. When checkpoints exist but none reads
 back, restore raises `UnreadableCheckpointError` rather than training from
 scratch over them. A save that fails (a full disk) deletes what it wrote of
@@ -353,6 +353,10 @@ class Checkpointer:
     self._latest: str | None = None  # Restored or saved (the chief's name).
     self.restored: str | None = None  # What `restore_latest` read, if any.
     self._last_number: int | None = None  # Highest number seen or used.
+    # Checkpoints the restore skipped as unreadable (basenames): kept on
+    # disk, but not counted among the `max_to_keep` (they pushed out the
+    # readable ones a resumed run fell back to).
+    self._unreadable: set[str] = set()
 
   @property
   def latest(self) -> str | None:
@@ -412,6 +416,7 @@ class Checkpointer:
         logging.warning("Skipping checkpoint %s: it does not read back (%s). "
                         "Trying the next older one.", path, why)
         skipped.append(f"{os.path.basename(path)} ({why})")
+        self._unreadable.add(os.path.basename(path))
         continue
       try:
         status.assert_existing_objects_matched()
@@ -579,7 +584,8 @@ class Checkpointer:
     for f in _files_of(path):
       files.fsync_path(f)
     files.fsync_path(self.directory)
-    complete = _complete(self.directory)  # `path` is the newest.
+    complete = [c for c in _complete(self.directory)  # `path` the newest.
+                if os.path.basename(c) not in self._unreadable]
     kept = complete[-self.max_to_keep:]
     _write_state(self.directory, kept)
     for old in complete:
