@@ -17,7 +17,8 @@ Durability: a checkpoint's files and directory are fsynced before the
 `checkpoint` state file (itself written aside, fsynced and renamed) names it;
 old checkpoints beyond `max_to_keep` are deleted only after that. Restore
 takes the newest checkpoint that reads back, logging each one skipped and
-why (a skipped one is left on disk, not counted among those kept); checkpoints are also found by scanning the directory, so a missing or
+why (a skipped one is left on disk, not counted among those kept);
+checkpoints are also found by scanning the directory, so a missing or
 damaged state file never hides them. When checkpoints exist but none reads
 back, restore raises `UnreadableCheckpointError` rather than training from
 scratch over them. A save that fails (a full disk) deletes what it wrote of
