@@ -35,10 +35,12 @@ def test_a_builder_that_returns_no_model_or_gets_no_image_is_named():
                      r"keras.Model \(build it and `return model`"):
     models.build_model(build, input_shape=(4,), num_classes=2)
   with pytest.raises(ValueError, match=r"model 'convnet' takes images of "
-                     r"shape \(height, width, channels\); the data's "
-                     r"examples have input_shape=\(64,\). Give grey images a "
-                     r"channel axis"):
+                     r"shape \(height, width, channels\) or \(height, width\); "
+                     r"the data's examples have input_shape=\(64,\). Choose "
+                     r"a model for this data"):
     models.build_model("convnet", input_shape=(64,), num_classes=2)
+  grey = models.build_model("convnet", input_shape=(28, 28), num_classes=10)
+  assert grey.layers[0].name == "channel" and grey.output_shape == (None, 10)
 
 
 def test_same_seed_same_weights():

@@ -18,20 +18,24 @@ keras = LazyModule("keras")
 def convnet(input_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
   """The classic digit convnet (LeNet-like), as a Sequential model.
 
+  `input_shape` `(height, width)` (grey images without a channel axis, as
+  a float npz's `(n, H, W)` arrays) gets one in the model (a `Reshape`).
+
   Raises:
-    ValueError: `input_shape` is not an image's `(height, width,
-      channels)`, said for the user (Keras named only a layer's `ndim`).
+    ValueError: `input_shape` is not an image's, said for the user (Keras
+      named only a layer's `ndim`).
   """
-  if len(input_shape) != 3:
+  if len(input_shape) not in (2, 3):
     raise ValueError(
-        f"model 'convnet' takes images of shape (height, width, channels); "
-        f"the data's examples have input_shape={tuple(input_shape)}. Give "
-        "grey images a channel axis (x[..., None]; uint8 (n, H, W) images "
-        "get it when loaded), or choose a model for this data (--model=mlp "
+        f"model 'convnet' takes images of shape (height, width, channels) "
+        f"or (height, width); the data's examples have input_shape="
+        f"{tuple(input_shape)}. Choose a model for this data (--model=mlp "
         "for vectors, gpt for token sequences).")
   layers = keras.layers
+  grey = ([layers.Reshape((*input_shape, 1), name="channel")]
+          if len(input_shape) == 2 else [])
   return keras.Sequential([
-      keras.Input(input_shape),
+      keras.Input(input_shape), *grey,
       layers.Conv2D(10, 5, activation="relu", name="conv1"),
       layers.MaxPooling2D(2, name="pool1"),
       layers.Conv2D(20, 5, activation="relu", name="conv2"),
