@@ -116,6 +116,21 @@ def test_npz_sequences_keep_their_shape_and_labels_are_checked(tmp_path):
   assert mnist.input_shape == (5, 3, 1)
 
 
+def test_check_shapes_pairs_a_loaders_inputs_by_name():
+  """Several inputs (a dict per split) are compared key by key, whatever
+  their order; the message names the input."""
+  z = np.zeros
+  arrays = data.Arrays("mine", {"a": z((3, 2)), "b": z((3, 5))}, z(3, int),
+                       {"b": z((2, 5)), "a": z((2, 2))}, z(2, int), 1)
+  data.check_shapes(arrays)
+  arrays = data.Arrays("mine", {"a": z((3, 2))}, z(3, int),
+                       {"a": z((2, 3))}, z(2, int), 1)
+  with pytest.raises(ValueError, match=r"dataset 'mine': x_test\['a'\] holds "
+                     r"examples of shape \(3,\) but x_train\['a'\] of shape "
+                     r"\(2,\)"):
+    data.check_shapes(arrays)
+
+
 def test_npz_errors(tmp_path):
   with pytest.raises(ValueError, match=r"dataset 'npz' needs path="):
     data.load_dataset("npz")

@@ -481,8 +481,10 @@ def check_shapes(arrays: Arrays, *, source: str | None = None) -> None:
           "splits examples: the test split is what the run's final "
           "evaluation reports (hold out some training rows if you have no "
           "other).")
-  for (name, value), (test_name, other) in zip(train.items(), test.items()):
-    if value.shape[1:] != other.shape[1:]:
+  for name, value in train.items():  # Inputs paired by key, not by order.
+    test_name = "x_test" + name[len("x_train"):]
+    other = test.get(test_name)
+    if other is not None and value.shape[1:] != other.shape[1:]:
       raise ValueError(
           f"{where}: {test_name} holds examples of shape {other.shape[1:]} "
           f"but {name} of shape {value.shape[1:]}; the model is built for "
