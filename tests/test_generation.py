@@ -415,6 +415,9 @@ def test_generate_takes_a_saved_models_path_as_predict_does(byte_gpt_path):
       tfmgpu.generate(model, ids, max_new_tokens=3)["token_ids"])
   with pytest.raises(FileNotFoundError, match=r"nope.keras"):
     tfmgpu.generate(path + "/../nope.keras", ids, max_new_tokens=3)
+  with pytest.raises(ValueError, match=r"is a path: tfmgpu.generate\(path, "
+                     r"...\) loads it for one call; here, load it first"):
+    generation.generate(path, ids, max_new_tokens=3)
 
 
 @pytest.mark.parametrize("placement", [

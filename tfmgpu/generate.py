@@ -18,6 +18,7 @@ windows (the last half of the context becomes the next prompt).
 from __future__ import annotations
 
 import codecs
+import os
 import sys
 import time
 import types
@@ -218,12 +219,16 @@ def run() -> None:
 
 class _CliAndFunction(types.ModuleType):
   """`tfmgpu.generate` names both this CLI module and the public function
-  `tfmgpu.generation.generate`: calling it generates and `.main` runs the
-  CLI."""
+  `tfmgpu.generation.generate`: calling it generates (a path given as the
+  model is loaded for the call, as `tfmgpu.predict` does) and `.main` runs
+  the CLI."""
 
-  def __call__(self, *args, **kwargs):
+  def __call__(self, model, *args, **kwargs):
     from tfmgpu import generation  # pylint: disable=g-import-not-at-top
-    return generation.generate(*args, **kwargs)
+    from tfmgpu import inference  # pylint: disable=g-import-not-at-top
+    if isinstance(model, (str, os.PathLike)):  # As tfmgpu.predict loads one.
+      model = inference.load_model(os.fspath(model))
+    return generation.generate(model, *args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CliAndFunction

@@ -218,6 +218,16 @@ _GENERATORS: "weakref.WeakKeyDictionary[Any, dict]" = (
     weakref.WeakKeyDictionary())
 
 
+def _refuse_a_path(model: Any) -> None:
+  """A path is loaded by `tfmgpu.generate` (the CLI module's call), which
+  may import `tfmgpu.inference`; this module may not (a circle)."""
+  if isinstance(model, (str, os.PathLike)):
+    raise ValueError(
+        f"model={os.fspath(model)!r} is a path: tfmgpu.generate(path, ...) "
+        "loads it for one call; here, load it first (tfmgpu.inference."
+        "load_model(path)) and pass the model.")
+
+
 def generate(model: Any, inputs: Any, *, max_new_tokens: int,
              sampler: str = "greedy", k: int | None = None,
              p: float | None = None, temperature: float = 1.0,
@@ -235,9 +245,10 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
       used; or a model wrapping one), unplaced; or either placed by
       `hybrid.build_layout`: each layer's cache and work stay on its
       devices, rows split over its data-parallel copies (and over a
-      pipeline's stages). Or the path of its `.keras` file (or a run's
-      `--model_dir`), loaded for this call (load it once yourself, e.g.
-      with `tfmgpu.inference.load_model`, to generate many times).
+      pipeline's stages). `tfmgpu.generate` also takes the path of its
+      `.keras` file (or a run's `--model_dir`), loaded for that call (load
+      it once yourself, `tfmgpu.inference.load_model`, to generate many
+      times).
     inputs: keras_hub's form `{"token_ids": (B, T) int, "padding_mask":
       (B, T) bool}` (prompts of different lengths, right-padded), or a
       `(B, T)` token array whose tokens are all prompt (`(T,)`: one row).
@@ -260,13 +271,11 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
     prompt, then its new tokens, then zeros where `padding_mask` is False.
 
   Raises:
-    ValueError: an unsupported model (see `adapter_for`), inputs that are
-      not right-padded prompts, a sequence longer than the model's
-      positions, or bad sampler options.
+    ValueError: an unsupported model (see `adapter_for`) or a path,
+      inputs that are not right-padded prompts, a sequence longer than the
+      model's positions, or bad sampler options.
   """
-  if isinstance(model, (str, os.PathLike)):  # Loaded for this call only.
-    from tfmgpu import inference  # pylint: disable=g-import-not-at-top
-    model = inference.load_model(os.fspath(model))
+  _refuse_a_path(model)
   sampling = samplers.Sampling(sampler, k=k, p=p, temperature=temperature,
                                seed=seed)
   key = strategy if isinstance(strategy, str) or strategy is None else id(
