@@ -142,9 +142,12 @@ def _text_start(path: str) -> str | None:
   if head[:2] in (b"PK", b"\x93N") or not head.strip():
     return None
   try:
-    return head.decode("utf-8").splitlines()[0][:40]
-  except UnicodeDecodeError:
-    return None
+    text = head.decode("utf-8")
+  except UnicodeDecodeError:  # (A multi-byte character cut at 64 bytes
+    return None               # is taken for binary: numpy's message.)
+  if not all(c.isprintable() or c in "\t\r\n" for c in text):
+    return None  # Zeros and control bytes decode too: binary.
+  return text.splitlines()[0][:40]
 
 
 def _read_npz(path: str) -> tuple[np.ndarray, ...]:
