@@ -1,11 +1,14 @@
 """A step's TF errors that the user can fix are said in their terms."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfmgpu
+from tfmgpu.training import step_errors
 from tfmgpu.training.loop import Trainer
 
 
@@ -28,17 +31,51 @@ def test_a_short_last_batch_under_micro_batches_is_named():
     trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
 
 
-def test_a_batch_leaving_a_replica_no_rows_is_named():
-  """A convolution's gradient fails on the empty replica (Keras' fit too)."""
+def _convnet():
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([
+      keras.Input((6, 6, 1)), keras.layers.Conv2D(2, 3, activation="relu"),
+      keras.layers.Conv2D(2, 3, activation="relu"), keras.layers.Flatten(),
+      keras.layers.Dense(3)])
+
+
+def test_a_batch_leaving_a_replica_no_rows_is_named_or_trains():
+  """A last batch of 1 row over 2 replicas leaves replica 1 none. Where the
+  CPU's convolution gradient rejects an empty batch (Keras' fit fails too;
+  the CPUs of earlier runs did), the error says so in the user's terms;
+  where it takes one (an AVX2 AMD EPYC did), the step trains as one device
+  does on the same rows: either is right, neither is silent."""
   x, y = _rows(9, (6, 6, 1))
+  batches = lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
   with strategy.scope():
-    model = keras.Sequential([
-        keras.Input((6, 6, 1)), keras.layers.Conv2D(2, 3, activation="relu"),
-        keras.layers.Conv2D(2, 3, activation="relu"), keras.layers.Flatten(),
-        keras.layers.Dense(3)])
+    model = _convnet()
   trainer = Trainer(model, strategy=strategy, optimizer="sgd", verbose=0)
-  with pytest.raises(ValueError, match=r"^A step failed in replica 1's "
-                     r"part. If a batch had fewer rows than the 2 replicas "
-                     r".* drop_remainder=True"):
-    trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+  try:
+    trainer.fit(batches())
+  except ValueError as e:
+    assert re.match(r"A step failed in replica 1's part. If a batch had "
+                    r"fewer rows than the 2 replicas .* drop_remainder=True",
+                    str(e), re.S), e
+    return
+  alone = _convnet()
+  Trainer(alone, optimizer="sgd", verbose=0).fit(batches())
+  for a, b in zip(model.get_weights(), alone.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_an_error_in_one_replicas_part_is_said_in_the_users_terms():
+  """The message itself, whatever this CPU's kernels do with no rows."""
+  error = tf.errors.InvalidArgumentError(None, None, (
+      "Graph execution error:\n\nDetected at node StatefulPartitionedCall/"
+      "replica_1/sequential/conv2d/Conv2DBackpropFilter defined at (most "
+      "recent call last):\n"
+      "INVALID_ARGUMENT: Conv2DBackpropFilter: input batch is 0\n"
+      "\t [[{{node StatefulPartitionedCall/replica_1/sequential/conv2d/"
+      "Conv2DBackpropFilter}}]]"))
+  explained = step_errors.explain(error, 2)
+  assert str(explained).startswith(
+      "A step failed in replica 1's part. If a batch had fewer rows than the "
+      "2 replicas (a dataset's short last batch), that replica got none")
+  assert "TF said: INVALID_ARGUMENT: Conv2DBackpropFilter" in str(explained)
+  assert step_errors.explain(error, 1) is None
