@@ -190,9 +190,9 @@ def as_features(x_train: np.ndarray, x_test: np.ndarray,
   other dtype used as it is (a float `(n, T, F)` is a sequence of
   features, not a grey image: it got a channel axis too, and a model
   built for `(T, F)` failed on `(T, F, 1)`; the convnet adds the axis to
-  float grey images itself). Decided by dtype, the same
-  for both splits: by the values, each split on its own, a float x_train
-  above 1 was divided by 255 while an x_test below 1 was not.
+  float grey images itself). Decided by dtype, the same for both splits:
+  by the values, each split on its own, a float x_train above 1 was
+  divided by 255 while an x_test below 1 was not.
 
   Raises:
     ValueError: one split uint8 and the other not (`source` names the

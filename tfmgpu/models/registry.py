@@ -252,8 +252,8 @@ def build_model(name_or_fn: str | ModelFn, *, input_shape: tuple[int, ...],
 
   Raises:
     ValueError: unknown name, listing the available ones; a reference that
-      cannot be used (see `model_builder`).
-    ValueError: the builder returned something other than a Keras model.
+      cannot be used (see `model_builder`); a builder that returned
+      something other than a Keras model.
   """
   builder = model_builder(name_or_fn)
   if seed is not None:
