@@ -215,8 +215,7 @@ def loss_scaled_for(model: "keras.Model", optimizer: Any) -> Any:
   if optimizer is None or not _uses_float16(model) or isinstance(
       optimizer, keras.optimizers.LossScaleOptimizer):
     return optimizer
-  return keras.optimizers.LossScaleOptimizer(
-      optimizer, name="loss_scale_optimizer")
+  return keras.optimizers.LossScaleOptimizer(optimizer)
 
 
 def _strategies_of(optimizer: Any) -> list[Any]:
