@@ -428,3 +428,22 @@ def test_an_error_raised_in_the_users_code_says_where(tmp_path):
   except RuntimeError as e:
     assert user_code.raised_at(e) == where
   assert user_code.describe_error(ValueError("ours")) == "ours"
+
+
+def test_predict_says_where_a_users_loader_raised(tmp_path, parsed_flags,
+                                                 capsys):
+  """`python -m tfmgpu.predict --dataset=file:load` names the user's file,
+  line and function as train does (it printed only `error: bad row`)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import predict  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)],
+                           name="predict_raises")
+  model.save(tmp_path / "model.keras")
+  loader = tmp_path / "rows.py"
+  loader.write_text("def load():\n  raise ValueError('bad row')\n")
+  with flagsaver.flagsaver(model_path=[str(tmp_path / "model.keras")],
+                           dataset=f"{loader}:load"):
+    assert predict.main(["predict"]) == 1
+  err = capsys.readouterr().err
+  assert f"error: bad row (raised at {loader}:2 in load)" in err, err

@@ -26,6 +26,7 @@ from absl import logging
 
 from tfmgpu import files
 from tfmgpu import flags as flags_lib
+from tfmgpu import user_code
 from tfmgpu.flags import data
 from tfmgpu.flags import devices
 from tfmgpu.flags import execution
@@ -102,7 +103,7 @@ def _predict_and_report() -> int:
     predictions = predictor.predict(x)
     seconds = time.perf_counter() - start
   except (ValueError, FileNotFoundError, RuntimeError) as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {user_code.describe_error(e)}", file=sys.stderr)
     return 1
   return _report(predictor, predictions, y, seconds)
 
