@@ -221,9 +221,20 @@ def test_a_resume_applies_and_logs_what_may_change(tmp_path, caplog):
   assert changed == ["learning_rate", "epochs"]
   assert "with learning_rate=0.0001 (was 0.002): applied from now on" in (
       caplog.text)
+  # Written once a checkpoint restores into the run: a resume that fails
+  # before then (its checkpoints do not restore, ...) leaves it as it was.
+  saved = json.loads((tmp_path / rundir.RECORD_NAME).read_text())
+  assert (saved["learning_rate"], saved["epochs"]) == (2e-3, 2)
+  rundir.confirm_record(str(tmp_path))
   saved = json.loads((tmp_path / rundir.RECORD_NAME).read_text())
   assert (saved["learning_rate"], saved["epochs"]) == (1e-4, 4)
   assert "updated" in saved
+  rundir.check_record(str(tmp_path), _record(epochs=6))
+  error = ValueError("no checkpoint restores")
+  assert rundir.unconfirmed_error(str(tmp_path), error) is error
+  assert rundir.confirm_record(str(tmp_path)) is None  # Forgotten.
+  assert json.loads((tmp_path / rundir.RECORD_NAME).read_text())[
+      "epochs"] == 4
   # A directory without checkpoints holds no run yet: anything goes.
   os.remove(tmp_path / "checkpoints" / "ckpt-1.index")
   assert rundir.check_record(str(tmp_path), _record(seed=5)) == []
@@ -272,6 +283,7 @@ def test_a_portable_run_may_resume_in_another_portable_layout(tmp_path):
   assert pipe["portable"]
   assert rundir.check_record(str(tmp_path), pipe) == ["placement",
                                                       "micro_batches"]
+  rundir.confirm_record(str(tmp_path))  # A checkpoint restored.
   saved = json.loads((tmp_path / rundir.RECORD_NAME).read_text())
   assert saved["placement"] == pipe["placement"]
   with pytest.raises(rundir.RunRecordMismatchError,

@@ -22,7 +22,7 @@ written (atomically) when a directory is first used. A resume compares: a
 change of what the checkpoints depend on (`FIXED`) is refused with one line
 per field, `old -> new` (`RunRecordMismatchError`); a change of what may
 change (`CHANGEABLE`: learning rate, epochs, steps per epoch, loss, metrics)
-is applied and logged, and the record updated. The layout (`MOVABLE`:
+is applied and logged, and the record updated once a checkpoint restores. The layout (`MOVABLE`:
 placement, micro-batches) may change when both runs' checkpoints are
 portable (`portable` in the record: the weights by layer name, e.g. a
 `mirrored --zero_stage=3` run resumed as `pipeline --num_stages=2`). A directory without
@@ -69,6 +69,9 @@ MOVABLE = ("placement", "micro_batches")
 # Chief's records waiting for a checkpoint to restore (run.json was missing):
 # real path of the model_dir -> the record to write then.
 _UNCONFIRMED: dict[str, dict[str, Any]] = {}
+# Chief's record updates of a resume (a changed epochs, ...), written once
+# a checkpoint restores: real path of the model_dir -> the updated record.
+_UPDATES: dict[str, dict[str, Any]] = {}
 _CHECKPOINT = re.compile(r"^ckpt-\d+[._]")
 # The record of each model_dir this process runs in, as it stands (real
 # path -> record): put back by `keep_run_dir` if the file is deleted.
@@ -589,10 +592,12 @@ def check_record(model_dir: str, record: Mapping[str, Any], *,
   if old.get("versions") != record.get("versions"):
     logging.info("Resuming %s with versions %s (it was written by %s).",
                  model_dir, record.get("versions"), old.get("versions"))
-  if write and (changed or old.get("versions") != record.get("versions")):
-    write_record(model_dir, {**old, **record, "updated": now})
-  elif write:
+  if write:
     _RECORDS[os.path.realpath(model_dir)] = dict(old)
+  if write and (changed or old.get("versions") != record.get("versions")):
+    # Written once a checkpoint restores (`confirm_record`): a resume that
+    # fails before then leaves the record naming what its checkpoints had.
+    _UPDATES[os.path.realpath(model_dir)] = {**old, **record, "updated": now}
   return changed
 
 
@@ -638,15 +643,18 @@ def _await_restore(model_dir: str, record: dict[str, Any],
 
 def confirm_record(model_dir: str) -> str | None:
   """Writes the record that waited for a checkpoint to restore (see
-  `check_record`); returns its path, or `None` if none waited."""
-  record = _UNCONFIRMED.pop(os.path.realpath(model_dir), None)
+  `check_record`: a missing one, or a resume's update); returns its path,
+  or `None` if none waited."""
+  key = os.path.realpath(model_dir)
+  record = _UNCONFIRMED.pop(key, None) or _UPDATES.pop(key, None)
   return write_record(model_dir, record) if record is not None else None
 
 
 def unconfirmed_error(model_dir: str, error: Exception) -> Exception:
   """`error` (no checkpoint restored) explained when `model_dir` has no
   record: the run's settings, not the checkpoints, may be what is wrong.
-  Forgets the waiting record: it is never written."""
+  Forgets the waiting record (or update): it is never written."""
+  _UPDATES.pop(os.path.realpath(model_dir), None)
   record = _UNCONFIRMED.pop(os.path.realpath(model_dir), None)
   if record is None:
     return error
