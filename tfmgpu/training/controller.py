@@ -376,7 +376,10 @@ class Controller:
     """The steps of one epoch; returns its running loss and metrics, and
     the steps of it done (fewer when a callback stopped training)."""
     self.runner.start_epoch(epoch, first)
-    bar = (progress_lib.EpochProgress(epoch + 1, epochs, steps_per_epoch)
+    title = f"Epoch {epoch + 1}/{epochs}" + (  # Its time counts from here.
+        f" (resumed after step {first})" if first else "")
+    bar = (progress_lib.EpochProgress(epoch + 1, epochs, steps_per_epoch,
+                                      title=title)
            if self.o.verbose else None)
     per_call = bar is not None or bool(self.o.callbacks)
     done, total = first, self._resumed_sums(first, steps_per_epoch)
