@@ -430,20 +430,33 @@ def test_an_error_raised_in_the_users_code_says_where(tmp_path):
   assert user_code.describe_error(ValueError("ours")) == "ours"
 
 
-def test_predict_says_where_a_users_loader_raised(tmp_path, parsed_flags,
-                                                 capsys):
-  """`python -m tfmgpu.predict --dataset=file:load` names the user's file,
-  line and function as train does (it printed only `error: bad row`)."""
+def test_predict_cli_with_a_users_loader(tmp_path, parsed_flags, capsys):
+  """`python -m tfmgpu.predict --dataset=file:load` names where the user's
+  loader raised, as train does (it printed only `error: bad row`); a
+  regression's `--output` is not called logits (it was)."""
   import keras  # pylint: disable=g-import-not-at-top
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
   from tfmgpu import predict  # pylint: disable=g-import-not-at-top
-  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)],
-                           name="predict_raises")
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)],
+                           name="predict_regression")
   model.save(tmp_path / "model.keras")
   loader = tmp_path / "rows.py"
-  loader.write_text("def load():\n  raise ValueError('bad row')\n")
+  loader.write_text(
+      "import numpy as np\n"
+      "def load():\n"
+      "  x, y = np.ones((8, 4), np.float32), np.zeros((8,), np.float32)\n"
+      "  return (x, y), (x, y)\n"
+      "def bad():\n"
+      "  raise ValueError('bad row')\n")
+  out = tmp_path / "out.npy"
   with flagsaver.flagsaver(model_path=[str(tmp_path / "model.keras")],
-                           dataset=f"{loader}:load"):
+                           dataset=f"{loader}:bad"):
     assert predict.main(["predict"]) == 1
   err = capsys.readouterr().err
-  assert f"error: bad row (raised at {loader}:2 in load)" in err, err
+  assert f"error: bad row (raised at {loader}:6 in bad)" in err, err
+  with flagsaver.flagsaver(model_path=[str(tmp_path / "model.keras")],
+                           dataset=f"{loader}:load", output=str(out)):
+    assert predict.main(["predict"]) == 0
+  said = capsys.readouterr().out
+  assert f"output     {out} (the model's outputs)\n" in said, said
+  assert np.load(out).shape == (8, 1)

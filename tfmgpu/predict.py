@@ -263,8 +263,19 @@ def _report(predictor, predictions, y, seconds: float) -> int:
       return 1
     several = (f" ({len(predictions)} outputs, one array each)"
                if isinstance(predictions, (dict, list, tuple)) else "")
-    print(f"output     {written} ({_OUTPUT_KIND.value}){several}")
+    print(f"output     {written} ({_kind_written(predictions)}){several}")
   return 0
+
+
+def _kind_written(predictions) -> str:
+  """What `--output` holds: `--output_kind`, or, for outputs that are no
+  class scores (a regression's), the model's outputs as they are."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  kind = _OUTPUT_KIND.value
+  first = np.asarray(_first_output(predictions))
+  if kind == "logits" and (first.ndim < 2 or first.shape[-1] < 2):
+    return "the model's outputs"
+  return kind
 
 
 def run() -> None:
