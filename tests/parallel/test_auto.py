@@ -296,3 +296,24 @@ def test_a_pipeline_chosen_says_its_micro_batches_change_batchnorm(frozen):
           "(bn_1, bn_4 normalise each micro-batch's rows by their own), so "
           "training differs from the unsplit model's.")
   assert (plan.table().splitlines()[-1] == note) != frozen
+
+
+def test_an_unknown_sequence_length_is_said_and_may_be_given():
+  """A model of `Input((None,))` tokens (a keras_hub Llama's, with no
+  position limit in its config) was weighed at one token per example,
+  said only in a log line a new user did not see: the table says it."""
+  import keras  # pylint: disable=g-import-not-at-top
+  tokens = keras.Input((None,), dtype="int32", name="tokens")
+  h = keras.layers.Embedding(50, 16, name="emb")(tokens)
+  h = keras.layers.Dense(64, name="up")(h)
+  model = keras.Model(tokens, keras.layers.Dense(50, name="out")(h),
+                      name="unknown_length")
+  blind = auto.plan_layout(model, hardware(), global_batch_size=512)
+  assert blind.table().endswith(
+      "note: UNKNOWN length (input 'tokens' (None, None)): every cost above "
+      "counts it as 1, far too few; plan again with input_shape=<one "
+      "example's shape>.")
+  given = auto.plan_layout(model, hardware(), global_batch_size=512,
+                           input_shape=(128,))
+  assert "UNKNOWN" not in given.table()
+  assert given.chosen.compute_s > 20 * blind.chosen.compute_s

@@ -128,6 +128,14 @@ def test_an_unknown_sequence_length_comes_from_the_data_or_the_config(
     cost.model_blocks(unknown)
   assert "unknown length (e.g. input 'tokens' (None, None))" in caplog.text
   assert "UNKNOWN" in caplog.text and "input_shape=" in caplog.text
+  # The plan's table says it too (a new user saw no log line).
+  table = str(plan_stages(_token_model(), 2, check_devices=False,
+                          devices=["/cpu:0", "/cpu:1"]))
+  assert table.endswith(
+      "UNKNOWN length (input 'tokens' (None, None)): FLOPs and bytes above "
+      "count it as 1, far too few; plan again with input_shape=<one "
+      "example's shape>."), table
+  assert "UNKNOWN" not in str(given)
 
 
 class PositionEmbedding(keras.layers.Layer):

@@ -347,8 +347,8 @@ def _unstaged_candidates(whole: plan_lib.StagePlan,
 
 
 def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
-                  optimizer: str | int = "adam", partition: str = "balanced"
-                  ) -> list[Candidate]:
+                  optimizer: str | int = "adam", partition: str = "balanced",
+                  input_shape: Any = None) -> list[Candidate]:
   """Every layout of `hardware`'s devices, costed (see the module docstring).
 
   Args:
@@ -357,6 +357,8 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
     global_batch_size: examples per step.
     optimizer: optimizer name or slots per trainable weight.
     partition: what stage splits balance.
+    input_shape: one example's shape, for a model whose sequence length
+      neither its inputs nor its config give (`plan_stages`).
 
   Returns:
     The candidates, fastest first among those that fit, then the others.
@@ -368,7 +370,7 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
                      "positive int.")
   plan = lambda k: partition_lib.plan_stages(
       model, k, criterion=partition, devices=hardware.devices(k),
-      check_devices=False)
+      check_devices=False, input_shape=input_shape)
   whole, split = plan(1), accounting.tensor_split(model)
   n_all = hardware.num_devices
   out = _unstaged_candidates(whole, split, hardware, global_batch_size,
@@ -416,8 +418,8 @@ def _reason(chosen: Candidate, candidates: Sequence[Candidate],
 
 
 def plan_layout(model: Any, hardware: Hardware, *, global_batch_size: int,
-                optimizer: str | int = "adam", partition: str = "balanced"
-                ) -> AutoPlan:
+                optimizer: str | int = "adam", partition: str = "balanced",
+                input_shape: Any = None) -> AutoPlan:
   """Chooses the fastest predicted layout that fits (see the module
   docstring); arguments as `weigh_layouts`.
 
@@ -427,7 +429,8 @@ def plan_layout(model: Any, hardware: Hardware, *, global_batch_size: int,
   """
   candidates = weigh_layouts(model, hardware,
                              global_batch_size=global_batch_size,
-                             optimizer=optimizer, partition=partition)
+                             optimizer=optimizer, partition=partition,
+                             input_shape=input_shape)
   if not candidates:
     raise ValueError(f"No layout of {hardware.num_devices} device(s) can run "
                      f"global_batch_size={global_batch_size}.")
@@ -444,7 +447,21 @@ def plan_layout(model: Any, hardware: Hardware, *, global_batch_size: int,
   chosen = candidates[0]
   return AutoPlan(tuple(candidates), chosen,
                   _reason(chosen, candidates, hardware), hardware,
-                  global_batch_size, optimizer, _notes(model, chosen))
+                  global_batch_size, optimizer,
+                  _length_note(model, input_shape) + _notes(model, chosen))
+
+
+def _length_note(model: Any, input_shape: Any) -> tuple[str, ...]:
+  """A line when the costs counted a length as 1 (none known): every
+  prediction above it is then far too small."""
+  from tfmgpu.parallel import graph as graph_lib  # pylint: disable=g-import-not-at-top
+  graph = graph_lib.ModelGraph(model, input_shape=input_shape)
+  unknown = graph.unknown()
+  if not unknown:
+    return ()
+  return (f"note: UNKNOWN length ({graph.describe(unknown[0])}): every "
+          "cost above counts it as 1, far too few; plan again with "
+          "input_shape=<one example's shape>.",)
 
 
 def _notes(model: Any, chosen: Candidate) -> tuple[str, ...]:

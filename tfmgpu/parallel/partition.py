@@ -208,8 +208,11 @@ def _stages(graph: graph_lib.ModelGraph, blocks: Sequence[cost_lib.Block],
 def _plan(graph: graph_lib.ModelGraph, stages: tuple[plan_lib.Stage, ...],
           label: str) -> plan_lib.StagePlan:
   """The plan of `stages`, naming the weights shared between them."""
-  return plan_lib.StagePlan(stages, label, graph.model.name,
-                            shared=shared.between_stages(graph, stages))
+  unknown = graph.unknown()
+  return plan_lib.StagePlan(
+      stages, label, graph.model.name,
+      shared=shared.between_stages(graph, stages),
+      unknown_length=graph.describe(unknown[0]) if unknown else None)
 
 
 def plan_stages(model: keras.Model, num_stages: int, *,

@@ -198,11 +198,15 @@ class StagePlan:
       or `"split_points"` when the split was given).
     model_name: the model the plan was made for.
     shared: the weights used on more than one stage (`SharedStages`).
+    unknown_length: a tensor of unknown length that the costs count as
+      length 1 (no `input_shape` given, none in the model's config), as
+      `ModelGraph.describe` names it; `None` when every length is known.
   """
   stages: tuple[Stage, ...]
   criterion: str
   model_name: str = ""
   shared: tuple[SharedStages, ...] = ()
+  unknown_length: str | None = None
 
   def __post_init__(self):
     if not self.stages:
@@ -343,7 +347,15 @@ class StagePlan:
     title = (f"StagePlan for {self.model_name!r}: {self.num_stages} stage(s), "
              f"criterion={self.criterion}")
     return "\n".join([title, line(header)] + [line(r) for r in rows] +
-                     self._shared_lines())
+                     self._shared_lines() + self._length_lines())
+
+  def _length_lines(self) -> list[str]:
+    """What the table says when lengths were unknown (its costs too few)."""
+    if not self.unknown_length:
+      return []
+    return [f"UNKNOWN length ({self.unknown_length}): FLOPs and bytes above "
+            "count it as 1, far too few; plan again with input_shape=<one "
+            "example's shape>."]
 
   def _shared_lines(self) -> list[str]:
     """What the table says about weights used on several stages."""
