@@ -395,3 +395,31 @@ def test_cli_help_does_not_import_tensorflow():
   assert "tfmgpu.doctor" in imported or "tfmgpu" in imported
   assert "tensorflow" not in imported
   assert "keras" not in imported
+
+
+def test_onednn_left_off_by_tensorflow_is_said_on_a_cpu_host():
+  """TensorFlow leaves its oneDNN CPU kernels off on some CPUs (a 2-core
+  AVX2 EPYC: a convnet trained 2.3x slower so): the doctor says so and
+  how to turn them on, unless the user set TF_ENABLE_ONEDNN_OPTS or a GPU
+  trains."""
+  def notes(**changes):
+    return [n for n in diagnostics.recommend(_fake(0, **changes)).notes
+            if "oneDNN" in n]
+  off = diagnostics.CpuInfo(model="Fake CPU", cores=2, onednn=False)
+  assert len(notes(cpu=off)) == 1
+  assert "TF_ENABLE_ONEDNN_OPTS=1, set before TensorFlow starts" in (
+      notes(cpu=off)[0])
+  assert not notes(cpu=off, environment={"TF_ENABLE_ONEDNN_OPTS": "0"})
+  assert not notes(cpu=dataclasses.replace(off, onednn=True))
+  assert not notes(cpu=dataclasses.replace(off, onednn=None))
+  text = diagnostics.format_report(_fake(0, cpu=off),
+                                   diagnostics.recommend(_fake(0, cpu=off)))
+  assert "  oneDNN      off (TensorFlow's oneDNN CPU kernels)" in text
+  with_gpu = diagnostics.recommend(_fake(2, cpu=off)).notes
+  assert not [n for n in with_gpu if "oneDNN" in n]
+
+
+def test_collect_reads_whether_onednn_is_on(report):
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
+  assert report.cpu.onednn is _compat.onednn_enabled()
+  assert report.cpu.onednn in (True, False)

@@ -85,6 +85,17 @@ def runtime_initialized() -> bool:
   return context.context()._context_handle is not None  # pylint: disable=protected-access
 
 
+def onednn_enabled() -> bool | None:
+  """Whether TensorFlow's oneDNN CPU kernels are on (`TF_ENABLE_ONEDNN_OPTS`,
+  else TensorFlow's default for this CPU, off on some); `None` when this
+  TensorFlow cannot say. Starts no runtime."""
+  try:
+    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
+    return bool(_pywrap_util_port.IsMklEnabled())
+  except (ImportError, AttributeError):
+    return None
+
+
 def in_multi_worker_mode(strategy: tf.distribute.Strategy) -> bool:
   """Whether `strategy` spans several worker processes."""
   extended = getattr(strategy, "extended", None)

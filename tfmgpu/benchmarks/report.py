@@ -211,14 +211,17 @@ class Report:
 
 
 def machine_description(cpu: str | None = None) -> str:
-  """One line: CPU, cores, Python, TF and Keras versions, logical devices and
-  threads per op."""
+  """One line: CPU, cores, Python, TF and Keras versions, whether TF's
+  oneDNN CPU kernels are on, logical devices and threads per op."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
   from tfmgpu import devices as devices_lib  # pylint: disable=g-import-not-at-top
   from tfmgpu.training import autotune  # pylint: disable=g-import-not-at-top
   threads = tf.config.threading.get_intra_op_parallelism_threads()
+  onednn = {True: "on", False: "off"}.get(_compat.onednn_enabled(), "?")
   return (f"{cpu or autotune.cpu_model()}; {os.cpu_count()} cores; Python "
           f"{platform.python_version()}; TensorFlow {tf.__version__}; Keras "
-          f"{keras.__version__}; {len(devices_lib.accelerator_devices())} "
-          f"logical devices, {threads or 'all'} thread(s) per op")
+          f"{keras.__version__}; oneDNN {onednn}; "
+          f"{len(devices_lib.accelerator_devices())} logical devices, "
+          f"{threads or 'all'} thread(s) per op")

@@ -58,10 +58,17 @@ def _cpu_and_devices(report: MachineReport) -> list[str]:
           f"  cores       {cpu.cores} ({cpu.usable_cores} usable by this "
           "process)",
           f"  memory      {_mib(cpu.memory_mb)}",
-          f"  bf16 units  {', '.join(bf16) or 'none'}", "", "Devices",
+          f"  bf16 units  {', '.join(bf16) or 'none'}",
+          f"  oneDNN      {_onednn(cpu.onednn)}", "", "Devices",
           f"  logical     {', '.join(report.logical_devices) or 'none'}"
           + ("" if report.runtime_initialized
              else " (runtime not started: as configured)")]
+
+
+def _onednn(on: bool | None) -> str:
+  """TensorFlow's oneDNN CPU kernels: on, off or unknown."""
+  return {True: "on", False: "off"}.get(on, "unknown") + (
+      " (TensorFlow's oneDNN CPU kernels)")
 
 
 def _environment(report: MachineReport) -> list[str]:

@@ -170,10 +170,12 @@ def _cpu() -> CpuInfo:
     usable = len(os.sched_getaffinity(0))
   except AttributeError:  # Not on Linux.
     usable = os.cpu_count()
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top  (TF)
   return CpuInfo(model=model or platform.processor() or None,
                  cores=os.cpu_count(), usable_cores=usable,
                  memory_mb=_memory_mb(), avx512_bf16="avx512_bf16" in flags,
-                 amx_bf16="amx_bf16" in flags)
+                 amx_bf16="amx_bf16" in flags,
+                 onednn=_compat.onednn_enabled())
 
 
 def _memory_mb() -> int | None:

@@ -168,7 +168,22 @@ def _hardware_notes(report: MachineReport) -> list[str]:
   if len({g.name for g in report.gpus}) > 1:
     notes.append("The GPUs differ: synchronous replicas run at the pace of "
                  "the slowest one.")
-  return notes
+  return notes + _onednn_notes(report)
+
+
+def _onednn_notes(report: MachineReport) -> list[str]:
+  """A CPU-only host where TensorFlow left its oneDNN kernels off by its
+  own default (not by the user's `TF_ENABLE_ONEDNN_OPTS=0`)."""
+  if (report.num_gpus or report.cpu.onednn is not False
+      or "TF_ENABLE_ONEDNN_OPTS" in report.environment):
+    return []
+  return ["TensorFlow left its oneDNN CPU kernels off on this CPU (its "
+          "default here). TF_ENABLE_ONEDNN_OPTS=1, set before TensorFlow "
+          "starts, turns them on: on a 2-core AVX2 host a convnet then "
+          "trained 2.3x faster, but a ResNet split in 3 stages on logical "
+          "CPUs crashed TensorFlow (a segmentation fault), and results "
+          "differ in float32 rounding (docs/benchmarks.md). tfmgpu leaves "
+          "it to you: try your model with it before adopting it."]
 
 
 def _command(strategy: str, *, num_gpus: int | None = None,

@@ -38,6 +38,8 @@ class CpuInfo:
     memory_mb: total RAM, or `None` if unknown.
     avx512_bf16: the CPU has AVX512-BF16 instructions.
     amx_bf16: the CPU has AMX tiles with bfloat16 (Sapphire Rapids and later).
+    onednn: TensorFlow's oneDNN CPU kernels are on (`TF_ENABLE_ONEDNN_OPTS`,
+      else TensorFlow's default for this CPU); `None`: unknown.
   """
   model: str | None = None
   cores: int | None = None
@@ -45,6 +47,7 @@ class CpuInfo:
   memory_mb: int | None = None
   avx512_bf16: bool = False
   amx_bf16: bool = False
+  onednn: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)

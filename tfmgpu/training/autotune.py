@@ -212,12 +212,14 @@ def code_version(package_dir: str | None = None) -> str:
 def machine_key() -> dict[str, Any]:
   """What about this machine and process the measurements depend on."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
   gpus = [tf.config.experimental.get_device_details(g).get("device_name", "GPU")
           for g in tf.config.list_physical_devices("GPU")]
   return {"cpu": cpu_model(), "cores": devices_lib.cpu_cores(),
           "threads_per_op":
               tf.config.threading.get_intra_op_parallelism_threads(),
           "gpus": gpus, "tensorflow": tf.__version__,
+          "onednn": _compat.onednn_enabled(),  # Other kernels, other speeds.
           "tfmgpu_code": code_version()}
 
 
