@@ -158,6 +158,7 @@ def test_central_storage_reports_the_losses_and_metrics_of_one_device(
                        shuffle=False, verbose=0).history
   strategy = tfmgpu.get_strategy("central_storage", num_replicas=2)
   assert "report wrong losses and metrics" in caplog.text
+  assert "updated inside your own strategy.run loop" in caplog.text
   model = _built(strategy, weights)
   got = Trainer(model, strategy=strategy, optimizer="sgd", learning_rate=LR,
                 loss=loss, metrics=["accuracy"], verbose=0).fit(

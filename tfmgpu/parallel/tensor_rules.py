@@ -141,12 +141,15 @@ def split_kinds(graph: graph_lib.ModelGraph, rules: Mapping[str, str],
           f"{', or use a T that divides its sizes' if by_size else ''}.")
     kinds[layer.name] = kind
   if not kinds:
+    names = graph.names
+    shown = (", ".join(names) if len(names) <= 12 else
+             f"{', '.join(names[:6])}, ..., {', '.join(names[-6:])}; "
+             f"{len(names)} in all")
     raise ValueError(
         f"the tensor-parallel rules {dict(rules)} match no layer of model "
-        f"{graph.model.name!r} (layers: {graph.names}); nothing would be "
-        "split. Give rules whose regexes fully match layer names (kinds: "
-        "column, row, heads): on the command line "
-        f"`--tensor_rules={graph.names[-1]}=column`, in Python "
-        f"`rules={{{graph.names[-1]!r}: 'column'}}` (the last layer, split "
-        "by columns).")
+        f"{graph.model.name!r}; nothing would be split. Give rules whose "
+        "regexes fully match layer names (kinds: column, row, heads): on "
+        f"the command line `--tensor_rules={names[-1]}=column`, in Python "
+        f"`rules={{{names[-1]!r}: 'column'}}` (the last layer, split by "
+        f"columns). Its layers: {shown}.")
   return kinds

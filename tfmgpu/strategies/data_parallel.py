@@ -415,9 +415,11 @@ class CentralStorage(DataParallel):
       "Keras 3.15's model.fit and model.evaluate under CentralStorageStrategy "
       "report wrong losses and metrics, though they train the right weights "
       "(measured: loss 0.897 against 0.759 on one device, weights 3e-8 "
-      "apart). Train and evaluate with tfmgpu.Trainer(model, "
-      "strategy=strategy), which reports what one device does, or use "
-      "'mirrored'.")
+      "apart); so do Keras metric objects updated inside your own "
+      "strategy.run loop (TF's custom-training tutorial: accuracy 0.418 "
+      "where 'mirrored' reads 0.449, the loss and weights right). Train and "
+      "evaluate with tfmgpu.Trainer(model, strategy=strategy), which reports "
+      "what one device does, or use 'mirrored'.")
 
   def check_config(self, options: Any, run: registry.RunFacts) -> None:
     _check_batch_over_virtual_devices(self.name, options, run)
