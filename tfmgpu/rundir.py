@@ -22,11 +22,12 @@ written (atomically) when a directory is first used. A resume compares: a
 change of what the checkpoints depend on (`FIXED`) is refused with one line
 per field, `old -> new` (`RunRecordMismatchError`); a change of what may
 change (`CHANGEABLE`: learning rate, epochs, steps per epoch, loss, metrics)
-is applied and logged, and the record updated once a checkpoint restores. The layout (`MOVABLE`:
-placement, micro-batches) may change when both runs' checkpoints are
-portable (`portable` in the record: the weights by layer name, e.g. a
-`mirrored --zero_stage=3` run resumed as `pipeline --num_stages=2`). A directory without
-checkpoints holds no run yet: its record is simply rewritten. A directory
+is applied and logged, and the record updated once a checkpoint restores.
+The layout (`MOVABLE`: placement, micro-batches) may change when both runs'
+checkpoints are portable (`portable` in the record: the weights by layer
+name, e.g. a `mirrored --zero_stage=3` run resumed as `pipeline
+--num_stages=2`). A directory without checkpoints holds no run yet: its
+record is simply rewritten. A directory
 with checkpoints but no record (deleted, or an empty file) gets one only
 after a checkpoint restores into the run (`confirm_record`, called by the
 training loop); a record naming none of the settings (`{}`) is refused.
@@ -646,7 +647,8 @@ def confirm_record(model_dir: str) -> str | None:
   `check_record`: a missing one, or a resume's update); returns its path,
   or `None` if none waited."""
   key = os.path.realpath(model_dir)
-  record = _UNCONFIRMED.pop(key, None) or _UPDATES.pop(key, None)
+  missing, update = _UNCONFIRMED.pop(key, None), _UPDATES.pop(key, None)
+  record = missing if missing is not None else update
   return write_record(model_dir, record) if record is not None else None
 
 
