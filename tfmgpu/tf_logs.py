@@ -64,7 +64,8 @@ def prepare_quiet_tensorflow(*, tensorflow_logs: bool = False) -> None:
   (C++ INFO, WARNING and ERROR lines such as a CPU host's `failed call to
   cuInit` are hidden; real failures still surface as Python exceptions),
   and keeps TF's Python INFO records (`Sharding callback duration` after
-  every checkpoint) and a known tf.data warning out. Nothing is imported:
+  every checkpoint), its checkpoint writer's retracing warnings and a known
+  tf.data warning out. Nothing is imported:
   `load_tensorflow` (or the first import of TF after this call, unfiltered)
   loads it when a command gets that far.
 
@@ -94,13 +95,21 @@ def _quiet_python_logs() -> None:
   py_logging.getLogger("tensorflow").setLevel(py_logging.WARNING)
   warnings.filterwarnings(
       "ignore", message="To make it possible to preserve tf.data options")
-  absl_logger = py_logging.getLogger("absl")
-  if not any(isinstance(f, _TensorFlowInfoFilter) for f in absl_logger.filters):
-    absl_logger.addFilter(_TensorFlowInfoFilter())
+  for name in ("absl", "tensorflow"):  # TF's own records use the second.
+    logger = py_logging.getLogger(name)
+    if not any(isinstance(f, _TensorFlowInfoFilter) for f in logger.filters):
+      logger.addFilter(_TensorFlowInfoFilter())
+
+
+# TF's warning that its own checkpoint writer's function retraced (each
+# save of a parameter-server run): nothing a user wrote, nothing to do.
+_OWN_RETRACING = re.compile(r"calls to <function MultiDeviceSaver\.save\.")
 
 
 class _TensorFlowInfoFilter(py_logging.Filter):
-  """Drops absl INFO records logged from TensorFlow's own Python files."""
+  """Drops absl INFO records logged from TensorFlow's own Python files, and
+  TF's warnings that its own checkpoint writer retraced (a user's function
+  that retraces is still said)."""
 
   def __init__(self):
     super().__init__()
@@ -109,8 +118,10 @@ class _TensorFlowInfoFilter(py_logging.Filter):
     self._prefixes = tuple(os.path.join(p, "") for p in locations)
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    return not (record.levelno < py_logging.WARNING and self._prefixes
-                and record.pathname.startswith(self._prefixes))
+    if not (self._prefixes and record.pathname.startswith(self._prefixes)):
+      return True
+    return not (record.levelno < py_logging.WARNING
+                or _OWN_RETRACING.search(record.getMessage()))
 
 
 def _min_log_level() -> int:
