@@ -30,9 +30,24 @@ def _signature_equals_generate(model, vocab, tmp_path):
 
 
 def test_gpt_generate_signature_equals_tfmgpu_generate(tmp_path):
+  """Equal tokens; and what `tfmgpu.generate` refuses, the signature
+  refuses (a new user's left-padded "AB" continued from its padding)."""
   model = models.build_model("gpt", input_shape=(24,), num_classes=50,
                              seed=3)
   _signature_equals_generate(model, 50, tmp_path)
+  generate = tf.saved_model.load(str(tmp_path / "sm")).signatures["generate"]
+  refused = {"right-padded": ([[0, 0, 5, 6]], [[False, False, True, True]]),
+             "at least one prompt token": ([[0, 0]], [[False, False]]),
+             ">= 0": ([[5, -1, 7]], [[True] * 3]),
+             "vocabulary of 50": ([[5, 50]], [[True, True]])}
+  for said, (ids, mask) in refused.items():
+    with pytest.raises(tf.errors.InvalidArgumentError, match=said):
+      generate(token_ids=tf.constant(ids, tf.int32),
+               padding_mask=tf.constant(mask), max_new_tokens=tf.constant(2))
+  out = generate(token_ids=tf.constant([[5, 6, 0, -3]], tf.int32),  # Padding
+                 padding_mask=tf.constant([[True, True, False, False]]),
+                 max_new_tokens=tf.constant(2))  # ids are not read.
+  assert out["token_ids"].shape == (1, 4)
 
 
 def test_a_model_that_is_no_language_model_has_no_generate(tmp_path):

@@ -51,6 +51,30 @@ def _state(token_ids, padding_mask, max_new_tokens):
   return state, tf.reduce_min(lengths), width, longest
 
 
+def _prompt_checks(token_ids, padding_mask, vocab: int) -> list[tf.Operation]:
+  """What `tfmgpu.generate` refuses, refused in the graph: a row without
+  a prompt token, padding before a prompt's end (a left-padded row would
+  continue from its padding: silently wrong tokens), ids outside the
+  vocabulary."""
+  mask = tf.cast(padding_mask, tf.bool)
+  lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+  right_padded = tf.range(tf.shape(mask)[1])[None, :] < lengths[:, None]
+  ids = tf.boolean_mask(token_ids, mask)
+  return [
+      tf.debugging.assert_positive(
+          lengths, message="each row needs at least one prompt token "
+          "(padding_mask True)"),
+      tf.debugging.assert_equal(
+          mask, right_padded, message="padding_mask must be True for each "
+          "row's prompt, then False: prompts are right-padded (a left-padded "
+          "row would continue from its padding)"),
+      tf.debugging.assert_non_negative(
+          ids, message="token_ids must be >= 0 where padding_mask is True"),
+      tf.debugging.assert_less(
+          ids, vocab, message=f"token_ids must be < the model's vocabulary "
+          f"of {vocab} where padding_mask is True")]
+
+
 def generation_function(adapter: decode.CacheAdapter, *,
                         sampling: samplers.Sampling = samplers.Sampling(),
                         stop_token_ids: Sequence[int] | None = None
@@ -77,7 +101,12 @@ def generation_function(adapter: decode.CacheAdapter, *,
   @tf.function(input_signature=input_signature())
   def generate(token_ids, padding_mask, max_new_tokens):
     checks = [tf.debugging.assert_positive(
-        max_new_tokens, message="max_new_tokens must be >= 1")]
+        max_new_tokens, message="max_new_tokens must be >= 1"),
+              *_prompt_checks(token_ids, padding_mask, adapter.vocab)]
+    with tf.control_dependencies(checks):  # Before anything reads them.
+      token_ids, padding_mask, max_new_tokens = (
+          tf.identity(token_ids), tf.identity(padding_mask),
+          tf.identity(max_new_tokens))
     state, first, width, longest = _state(token_ids, padding_mask,
                                           max_new_tokens)
     if limit is not None:
