@@ -448,6 +448,30 @@ def test_cli_prints_the_prompt_and_the_greedy_text_past_the_context(
   assert copied == ("each of its 2 replicas" in caplog.text)
 
 
+def test_cli_reads_as_much_of_a_long_prompt_as_fits_and_says_so(
+    byte_gpt_path, parsed_flags, capsys):
+  """A prompt past the 16 positions was cut to its last 8 silently (a new
+  user's 100-byte prompt: read as its last 32 of 64); now the first token
+  reads the last 15, and the CLI says how many it left out."""
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  path, model = byte_gpt_path
+  prompt = b"import numpy as np, os\n"  # 23 bytes.
+  with flagsaver.flagsaver(model_path=[path], prompt=prompt.decode(),
+                           max_new_tokens=3):
+    assert generate.main(["generate"]) == 0
+  out = capsys.readouterr()
+  expected = list(prompt)
+  for context, new in ((expected[-15:], 1), (None, 2)):
+    context = expected[-8:] if context is None else context
+    tokens = tfmgpu.generate(model, np.array([context]), max_new_tokens=new)
+    expected += list(tokens["token_ids"][0, len(context):])
+  assert out.out.rstrip("\n") == bytes(expected).decode("utf-8", "replace")
+  assert ("note: the prompt's 23 tokens are more than the model's 16 "
+          "positions hold with a new token: it continues from the last 15 "
+          "(the first 8 are not read).") in out.err
+
+
 def test_cli_needs_a_prompt(byte_gpt_path, parsed_flags):
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top

@@ -197,6 +197,12 @@ def _write(generator, prompt: list[int], as_text: bool) -> int:
   decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
   show = ((lambda ids: decoder.decode(bytes(ids))) if as_text
           else (lambda ids: "".join(f"{t} " for t in ids)))
+  cut = generation.prompt_cut(generator, prompt)
+  if cut:  # Said, not done silently.
+    print(f"note: the prompt's {len(prompt)} tokens are more than the "
+          f"model's {len(prompt) - cut + 1} positions hold with a new token: "
+          f"it continues from the last {len(prompt) - cut} (the first {cut} "
+          "are not read).", file=sys.stderr)
   sys.stdout.write(show(prompt))
   count, start = 0, time.perf_counter()
   for token in generation.stream_tokens(

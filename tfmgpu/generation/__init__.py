@@ -14,7 +14,8 @@ from tfmgpu.generation.api import adapter_for
 from tfmgpu.generation.api import generate
 from tfmgpu.generation.api import Generator
 from tfmgpu.generation.samplers import Sampling
+from tfmgpu.generation.streaming import prompt_cut
 from tfmgpu.generation.streaming import stream_tokens
 
-__all__ = ["adapter_for", "generate", "Generator", "Sampling",
+__all__ = ["adapter_for", "generate", "Generator", "Sampling", "prompt_cut",
            "stream_tokens"]

@@ -4,7 +4,9 @@ A model with learned positions (tfmgpu's `gpt`, GPT-2) reads at most
 `max_positions` tokens. To write more, generation goes on in windows: when
 the window is full, the last half of it becomes the next prompt (read
 again by one prefill) and decoding continues. Every window after the first
-has the same shape, so their decode step is traced once.
+has the same shape, so their decode step is traced once. A prompt of
+`max_positions` tokens or more is read from its last `max_positions - 1`
+(`prompt_cut` says how many are left out) for the first new token.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ import numpy as np
 
 from tfmgpu.generation import api
 from tfmgpu.generation import samplers
+
+
+def prompt_cut(generator: "api.Generator", prompt: Sequence[int]) -> int:
+  """How many of `prompt`'s first tokens `stream_tokens` leaves out: those
+  before its last `max_positions - 1` (0 for a model without a limit)."""
+  limit = generator.adapter.max_positions
+  return max(0, len(prompt) - (limit - 1)) if limit else 0
 
 
 def stream_tokens(generator: "api.Generator", prompt: Sequence[int], *,
@@ -47,8 +56,8 @@ def stream_tokens(generator: "api.Generator", prompt: Sequence[int], *,
   left, window = int(max_new_tokens), 0
   stops = set(int(t) for t in stop_token_ids or ())
   while left > 0:
-    context = tokens if limit is None or len(tokens) < limit else (
-        tokens[-keep:])
+    context = tokens if limit is None or len(tokens) < limit or (
+        window == 0) else tokens[-keep:]  # The prompt: as much as fits.
     if limit is not None:
       context = context[-(limit - 1):]
     # A full window even when fewer tokens are left (the stream is left
