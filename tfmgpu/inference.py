@@ -51,9 +51,11 @@ PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 def check_input_shape(model: Any, x: np.ndarray) -> None:
-  """Raises a clear error when rows of `x` do not fit the model's input."""
-  expected = getattr(model, "input_shape", None)
-  if expected is None or isinstance(expected, list):
+  """Raises a clear error when rows of `x` do not fit the model's input
+  (a placed model's: its source's, `source_input_shape`)."""
+  expected = getattr(model, "source_input_shape", None) or getattr(
+      model, "input_shape", None)
+  if not isinstance(expected, tuple):  # None, or one per input.
     return
   want = tuple(expected[1:])
   got = tuple(x.shape[1:])

@@ -141,19 +141,27 @@ class PerDeviceGradientModel(keras.Model):
     source_dtype_policy: the dtype policy name of the model(s) it was made
       from (`record_source_policy`; `placed_model.dtype_policy_of` reads
       it), `None` until recorded.
+    source_input_shape: the `input_shape` of the model(s) it was made from
+      when they share one (`tfmgpu.inference` checks rows against it: a
+      split model has none of its own), else `None`.
   """
 
   places_itself = True
   source_dtype_policy: str | None = None
+  source_input_shape: Any = None
 
   def record_source_policy(self, *sources: keras.Model) -> None:
     """Records the dtype policy of the model(s) this one was made from, as
     Keras' `compile` of them would read it: `"mixed_float16"` when one of
-    them computes in it (a `BranchParallel`'s branches), else the first's.
-    Subclasses call it when placed: the source may not outlive them."""
+    them computes in it (a `BranchParallel`'s branches), else the first's;
+    and their input shape, when they share one. Subclasses call it when
+    placed: the source may not outlive them."""
     names = [placed_model.dtype_policy_of(s) for s in sources]
     self.source_dtype_policy = ("mixed_float16" if "mixed_float16" in names
                                 else next(iter(names), None))
+    shapes = {repr(getattr(s, "input_shape", None)) for s in sources}
+    if len(shapes) == 1:  # Also the input shape, for predict's check.
+      self.source_input_shape = getattr(sources[0], "input_shape", None)
 
   def compute_loss_and_gradients(self, x, y, loss_fn: LossFn, *,
                                  scale_regularization=None):
