@@ -267,6 +267,8 @@ def test_bad_inputs_name_the_file_or_shapes(tmp_path, model, rows):
   with pytest.raises(ValueError, match=r"data rows have shape \(8, 8, 1\) but "
                      r"model 'convnet' expects \(28, 28, 1\)"):
     inference.predict(model, np.zeros((5, 8, 8, 1), np.float32))
+  with pytest.raises(ValueError, match=r"^batch_size=0 must be >= 1\.$"):
+    inference.Predictor(model, batch_size=0)
   # Split models too (a pipeline's error came from its graph, 19 lines,
   # naming a micro-batch's shape).
   split = staged.StagedModel.from_model(model, num_stages=2)

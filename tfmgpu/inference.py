@@ -169,9 +169,10 @@ class Predictor:
   def __init__(self, model: Any, *, strategy: Any = None,
                batch_size: int = 1024, steps_per_execution: int = 4,
                precision: str = "float32", prefetch: bool = True):
-    if batch_size < 1 or steps_per_execution < 1:
-      raise ValueError(f"batch_size={batch_size} and steps_per_execution="
-                       f"{steps_per_execution} must be >= 1.")
+    for name, value in (("batch_size", batch_size),
+                        ("steps_per_execution", steps_per_execution)):
+      if value < 1:  # Each named alone (a user's batch_size=0 named both).
+        raise ValueError(f"{name}={value!r} must be >= 1.")
     if not isinstance(prefetch, bool):
       raise ValueError(f"prefetch={prefetch!r} must be True or False.")
     self.prefetch = prefetch
