@@ -2,6 +2,7 @@
 
 import errno
 import os
+import pathlib
 import signal
 import stat
 import subprocess
@@ -189,3 +190,46 @@ def test_whole_files_left_by_a_kill_before_the_rename_are_cleaned(tmp_path):
   remaining = set(os.listdir(tmp_path))
   assert remaining >= set(kept) | {"p.npy"}
   assert not remaining & set(left)
+
+
+def test_a_directory_output_is_written_whole_and_never_mixes_with_yours(
+    tmp_path):
+  """A SavedModel export wrote straight into the folder it was given: a
+  user's notes.txt ended up beside saved_model.pb, a file there raised
+  TF's raw FailedPreconditionError (a new user's trial)."""
+  def write(content):
+    def fill(name):
+      os.makedirs(name)
+      (pathlib.Path(name) / "saved_model.pb").write_text(content)
+    return fill
+  out = tmp_path / "sm"
+  files.write_directory_atomically(str(out), write("one"),
+                                   marker="saved_model.pb")
+  files.write_directory_atomically(str(out), write("two"),
+                                   marker="saved_model.pb")  # Replaced.
+  assert (out / "saved_model.pb").read_text() == "two"
+
+  def fails(name):
+    write("three")(name)
+    raise OSError("disk full")
+  with pytest.raises(OSError, match="disk full"):
+    files.write_directory_atomically(str(out), fails, marker="saved_model.pb")
+  assert (out / "saved_model.pb").read_text() == "two"  # Untouched.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["sm"]  # No leftover.
+  yours = tmp_path / "yours"
+  yours.mkdir()
+  (yours / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match=r"holds files that are not this kind "
+                     r"of output \(no saved_model.pb\)"):
+    files.write_directory_atomically(str(yours), write("x"),
+                                     marker="saved_model.pb")
+  assert sorted(p.name for p in yours.iterdir()) == ["notes.txt"]
+  (tmp_path / "a_file").write_text("mine")
+  with pytest.raises(ValueError, match=r"is a file; this writes a directory"):
+    files.write_directory_atomically(str(tmp_path / "a_file"), write("x"),
+                                     marker="saved_model.pb")
+  empty = tmp_path / "empty"
+  empty.mkdir()  # An empty directory is taken.
+  files.write_directory_atomically(str(empty), write("e"),
+                                   marker="saved_model.pb")
+  assert (empty / "saved_model.pb").read_text() == "e"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import uuid
 from typing import Any, BinaryIO, Callable
 
@@ -256,6 +257,46 @@ def write_atomically_by_name(path: str, write: Callable[[str], None],
     if os.path.exists(name):
       os.remove(name)
   fsync_directory(directory)
+  return path
+
+
+def write_directory_atomically(path: str, write: Callable[[str], None], *,
+                               marker: str) -> str:
+  """Writes the directory `path` whole or not at all; returns `path`.
+
+  `write(name)` fills a hidden directory beside `path`, which then takes
+  its place (a previous one is moved aside, then deleted). A directory
+  that holds files but no `marker` (say `saved_model.pb`) is someone
+  else's: refused, never mixed into or replaced.
+
+  Raises:
+    ValueError: `path` is a file, or a directory of other files.
+    OSError: the write failed (the previous `path`, if any, is untouched).
+  """
+  parent, base = os.path.split(os.path.abspath(path))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"{path!r} is a file; this writes a directory there. "
+                     "Give a new path.")
+  if (os.path.isdir(path) and os.listdir(path)
+      and not os.path.exists(os.path.join(path, marker))):
+    raise ValueError(
+        f"{path!r} holds files that are not this kind of output (no "
+        f"{marker}): they would be mixed with it. Give a new or empty "
+        "directory.")
+  os.makedirs(parent, exist_ok=True)
+  name = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex}")
+  old = None
+  try:
+    write(name)
+    if os.path.isdir(path):
+      old = os.path.join(parent, f".{base}.old-{uuid.uuid4().hex}")
+      os.replace(path, old)
+    os.replace(name, path)
+  finally:
+    for leftover in (name, old):
+      if leftover and os.path.isdir(leftover):
+        shutil.rmtree(leftover, ignore_errors=True)
+  fsync_directory(parent)
   return path
 
 

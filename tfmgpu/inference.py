@@ -707,6 +707,10 @@ def export_saved_model(model: Any, path: str) -> str:
   the model's forward pass (also `serving_default`); a causal LM (`gpt`, a
   keras_hub `CausalLM`) gets a second signature, `generate`: greedy
   decoding with a KV cache, in TF (`tfmgpu.generation.export`).
+
+  The directory is written whole or not at all: an export replaces an
+  earlier SavedModel at `path`, and refuses a file or a directory of other
+  files there (`ValueError`).
   """
   from tfmgpu.generation import export as generation_export  # pylint: disable=g-import-not-at-top
   model = placed_model.unsplit_of(model)
@@ -727,8 +731,9 @@ def export_saved_model(model: Any, path: str) -> str:
   generate = generation_export.signature_for(plain)
   if generate is not None:
     archive.add_endpoint(generation_export.SIGNATURE, generate)
-  archive.write_out(path, verbose=False)
-  return path
+  return files.write_directory_atomically(  # The user's files kept whole.
+      path, lambda name: archive.write_out(name, verbose=False),
+      marker="saved_model.pb")
 
 
 # ------------------------------------------------------- serving a run
