@@ -786,9 +786,16 @@ def convert_outputs(predictions: Any, kind: str = "logits") -> Any:
   return _convert(predictions, kind, "the output")
 
 
+def holds_class_scores(output: Any) -> bool:
+  """Whether a model's output holds class scores on its last axis (`C >= 2`
+  of them), as `convert_outputs` needs; a regression's does not."""
+  shape = np.shape(output)
+  return len(shape) >= 2 and shape[-1] >= 2
+
+
 def _convert(scores: Any, kind: str, name: str) -> np.ndarray:
   scores = np.asarray(scores, np.float32)
-  if scores.ndim < 2 or scores.shape[-1] < 2:
+  if not holds_class_scores(scores):
     raise ValueError(
         f"output_kind={kind!r} needs class scores, but {name} has shape "
         f"{scores.shape} (per row, {scores.shape[1:] or 'one value'}). Use "

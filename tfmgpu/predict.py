@@ -270,10 +270,10 @@ def _report(predictor, predictions, y, seconds: float) -> int:
 def _kind_written(predictions) -> str:
   """What `--output` holds: `--output_kind`, or, for outputs that are no
   class scores (a regression's), the model's outputs as they are."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfmgpu import inference  # pylint: disable=g-import-not-at-top
   kind = _OUTPUT_KIND.value
-  first = np.asarray(_first_output(predictions))
-  if kind == "logits" and (first.ndim < 2 or first.shape[-1] < 2):
+  if kind == "logits" and not inference.holds_class_scores(
+      _first_output(predictions)):
     return "the model's outputs"
   return kind
 
