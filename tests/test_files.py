@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -233,3 +234,29 @@ def test_a_directory_output_is_written_whole_and_never_mixes_with_yours(
   files.write_directory_atomically(str(empty), write("e"),
                                    marker="saved_model.pb")
   assert (empty / "saved_model.pb").read_text() == "e"
+
+
+def test_a_killed_directory_write_leaves_nothing_behind(tmp_path):
+  """A SIGKILL mid-export left its hidden directory; one between its two
+  renames left the previous export moved aside and none in its place.
+  The next write of that path sweeps the first and restores the second."""
+  gone = subprocess.Popen(["true"])
+  gone.wait()  # A writer that no longer runs.
+  def write(name):
+    os.makedirs(name)
+    (pathlib.Path(name) / "saved_model.pb").write_text("new")
+  for kind, content in (("tmp", "half"), ("old", "previous")):
+    left = tmp_path / f".sm.{kind}-{gone.pid}-{uuid.uuid4().hex}"
+    left.mkdir()
+    (left / "saved_model.pb").write_text(content)
+  running = tmp_path / f".sm.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+  running.mkdir()  # A writer still at work: left alone.
+  other = tmp_path / f".other.tmp-{gone.pid}-{uuid.uuid4().hex}"
+  other.mkdir()  # Another path's: swept by its own next write.
+  files._sweep_killed_directory_writes(str(tmp_path), "sm")
+  assert (tmp_path / "sm" / "saved_model.pb").read_text() == "previous"
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      ["sm", running.name, other.name])
+  files.write_directory_atomically(str(tmp_path / "sm"), write,
+                                   marker="saved_model.pb")
+  assert (tmp_path / "sm" / "saved_model.pb").read_text() == "new"

@@ -6,11 +6,13 @@ temporary file behind. On Linux the aside file is anonymous (`O_TMPFILE`):
 it has no name until it is complete, so even SIGKILL leaves nothing. The new
 file gets the mode a plain `open(path, "w")` would give (0666 less the
 umask), not the 0600 of `tempfile.mkstemp`. `write_atomically_by_name` does
-the same for a writer that needs a file name (Keras' `model.save`). A SIGKILL between naming the
-complete file and the rename leaves it whole under a hidden name with the
-writer's PID; `remove_stale_temporaries` (called by the next write in the
-directory, and for a run directory when a run opens it) deletes those
-whose writer is gone.
+the same for a writer that needs a file name (Keras' `model.save`). A
+SIGKILL between naming the complete file and the rename leaves it whole
+under a hidden name with the writer's PID; `remove_stale_temporaries`
+(called by the next write in the directory, and for a run directory when a
+run opens it) deletes those whose writer is gone.
+`write_directory_atomically` does it for a directory (a SavedModel); its
+next write of the same path sweeps what a killed one left.
 
 `describe_os_error` turns an `OSError` into one sentence naming the path
 and what to do; a full disk says "disk full", a quota or a file-size limit
@@ -284,12 +286,13 @@ def write_directory_atomically(path: str, write: Callable[[str], None], *,
         f"{marker}): they would be mixed with it. Give a new or empty "
         "directory.")
   os.makedirs(parent, exist_ok=True)
-  name = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex}")
-  old = None
+  _sweep_killed_directory_writes(parent, base)
+  tag = f"{os.getpid()}-{uuid.uuid4().hex}"
+  name, old = os.path.join(parent, f".{base}.tmp-{tag}"), None
   try:
     write(name)
     if os.path.isdir(path):
-      old = os.path.join(parent, f".{base}.old-{uuid.uuid4().hex}")
+      old = os.path.join(parent, f".{base}.old-{tag}")
       os.replace(path, old)
     os.replace(name, path)
   finally:
@@ -298,6 +301,34 @@ def write_directory_atomically(path: str, write: Callable[[str], None], *,
         shutil.rmtree(leftover, ignore_errors=True)
   fsync_directory(parent)
   return path
+
+
+def _sweep_killed_directory_writes(parent: str, base: str) -> None:
+  """Deletes what a `write_directory_atomically` of `parent/base` killed
+  mid-write left (its hidden `.BASE.tmp-PID-HEX` directory); a previous
+  output it had moved aside (`.BASE.old-PID-HEX`) goes back to `base` if
+  the kill came before the new one took its place, else is deleted. Best
+  effort: never raises."""
+  pattern = re.compile(
+      rf"^\.{re.escape(base)}\.(tmp|old)-(\d+)-[0-9a-f]{{32}}$")
+  target = os.path.join(parent, base)
+  try:
+    for entry in os.scandir(parent):
+      match = pattern.match(entry.name)
+      if not (match and entry.is_dir(follow_symlinks=False)
+              and writer_is_gone(int(match.group(2)),
+                                 entry.stat(follow_symlinks=False).st_mtime)):
+        continue
+      if match.group(1) == "old" and not os.path.exists(target):
+        os.replace(entry.path, target)
+        logging.warning("Restored %s, which a killed write had moved "
+                        "aside.", target)
+      else:
+        shutil.rmtree(entry.path, ignore_errors=True)
+        logging.warning("Removed %s, left by a killed write of %s.",
+                        entry.path, target)
+  except OSError:
+    return
 
 
 def save_keras_model(model: Any, path: str) -> str:
