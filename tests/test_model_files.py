@@ -68,10 +68,12 @@ def _damaged(tmp_path, how):
     open(path, "wb").close()
   elif how == "truncated":
     open(path, "wb").write(data[:len(data) // 2])
-  else:  # A corrupt weights file inside the zip.
+  else:  # A corrupt weights file inside the zip, or none.
     with zipfile.ZipFile(str(tmp_path / "good.keras"), "w") as out, \
         zipfile.ZipFile(path) as good:
       for name in good.namelist():
+        if name.endswith(".h5") and how == "no weights":
+          continue
         out.writestr(name, b"garbage" if name.endswith(".h5")
                      else good.read(name))
     os.replace(tmp_path / "good.keras", path)
@@ -87,3 +89,12 @@ def test_a_damaged_keras_file_is_named(tmp_path, how):
   # The same through the run directory.
   with pytest.raises(ValueError, match=r"is not a valid \.keras file"):
     inference.load_model(str(tmp_path))
+
+
+def test_a_keras_file_without_weights_is_named(tmp_path):
+  """Keras said only "Expected a model.weights.h5 or model.weights.npz
+  file", naming no file."""
+  path = _damaged(tmp_path, "no weights")
+  with pytest.raises(ValueError, match=rf"^model_path={re.escape(repr(path))} "
+                     r"\(\d+ bytes\) did not load: Expected a model\.weights"):
+    inference.load_model(path)

@@ -656,6 +656,9 @@ def _load_keras_file(path: str) -> keras.Model:
         f"model_path={path!r} is not a valid .keras file ({size} bytes: "
         f"{why}). It may be truncated or damaged: save the model again, or "
         "restore it from the run's checkpoints.") from e
+  except (ValueError, TypeError) as e:  # No weights, an unknown class, ...
+    raise type(e)(f"model_path={path!r} ({size} bytes) did not load: "
+                  f"{e}") from e
 
 
 def _natural_key(name: str) -> list:
