@@ -181,3 +181,8 @@ def test_branch_parallel_trains_saves_each_member_and_serves(tmp_path, capsys):
     assert predict.main(["predict"]) == 0
   assert "predicted  1000 rows with branch_parallel (on 2 devices)" in (
       capsys.readouterr().out)
+  with flagsaver.flagsaver(model_path=paths * 3, strategy="branch_parallel"):
+    assert predict.main(["predict"]) == 1  # 6 models, 4 devices.
+  assert ("6 model paths but only 4 device(s) exist (/device:CPU:0, "
+          "/device:CPU:1, /device:CPU:2, /device:CPU:3). Pass "
+          "--virtual_devices=6" in capsys.readouterr().err)

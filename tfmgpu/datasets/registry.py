@@ -478,9 +478,9 @@ def check_shapes(arrays: Arrays, *, source: str | None = None) -> None:
     if not len(value):
       raise ValueError(
           f"{where}: {name} has no rows (shape {value.shape}). Give both "
-          "splits examples: the test split is what the run's final "
-          "evaluation reports (hold out some training rows if you have no "
-          "other).")
+          "splits examples: a training run reports its final evaluation on "
+          "the test split (hold out some training rows if you have no "
+          "other), and predict reads it unless --split=train.")
   for name, value in train.items():  # Inputs paired by key, not by order.
     test_name = "x_test" + name[len("x_train"):]
     other = test.get(test_name)

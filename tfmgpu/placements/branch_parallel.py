@@ -94,5 +94,13 @@ class BranchParallelPlacement(registry.Distribution):
       raise ValueError("branch_parallel serves 2+ models side by side (one "
                        f"model path per branch); got {len(models)}.")
     base.keras_models_only(self.name, models)
+    devices = devices_lib.accelerator_devices()
+    if len(models) > len(devices):  # BranchParallel's words are Python's.
+      raise ValueError(
+          f"branch_parallel serves each model on its own device: "
+          f"{len(models)} model paths but only {len(devices)} device(s) "
+          f"exist ({', '.join(devices)}). Pass --virtual_devices="
+          f"{len(models)} (logical CPUs) or fewer --model_path entries.")
     return branches.BranchParallel([base.served_view(m) for m in models],
+                                   devices=devices[:len(models)],
                                    combine="mean"), None
