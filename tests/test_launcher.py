@@ -450,3 +450,21 @@ def test_help_gives_the_exit_codes_of_ctrl_c():
           "the code is 42 when every task that trains saved a checkpoint "
           "and exited 42 (python -m tfmgpu.train does: rerun to resume), "
           "else 130 (143)") in text
+
+
+def test_a_task_preempted_on_its_own_is_waited_for_not_failed():
+  """A SIGTERM sent to worker:1 (not the launcher): both workers saved and
+  left with 42, but the launcher took worker:1's 42 for a failure and
+  killed worker:0 while it was leaving (a new user's trial)."""
+  plan = {"worker:1": ["exit:42"], "worker:0": ["sleep:0.5", "exit:42"]}
+  result, output = _launch(plan, grace_s=10)
+  assert result.exit_code == 42, output
+  assert result.outcome == launcher.Outcome.INTERRUPTED
+  assert result.stopped == () and result.first_failure is None
+  assert ("worker:1 exited with 42 (stopped by a signal after saving a "
+          "checkpoint) and every task that trains did the same" in output)
+  # One that does not follow within grace_s fails the run as before.
+  plan = {"worker:1": ["exit:42"], "worker:0": [_SLEEP]}
+  result, output = _launch(plan, grace_s=0.5)
+  assert result.outcome == launcher.Outcome.TASK_FAILED, output
+  assert result.stopped == ("worker:0",)

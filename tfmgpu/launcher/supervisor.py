@@ -18,6 +18,9 @@ TF_CONFIG contract) and waits:
   130 or 143, or 42 when every task that does the work exited with 42
   (stopped after saving a checkpoint: rerun to resume). A second signal
   skips the rest of the grace period.
+* A task that does the work exiting with 42 on its own (a signal sent to it,
+  which every such task saved a checkpoint for) is waited for, not failed:
+  when the others exit with 42 within `grace_s`, the run ends with 42.
 * Stopping a parameter-server cluster goes in order: the coordinator first,
   given `grace_s` to save a checkpoint while the servers still hold its
   variables; then the workers; the parameter servers last. Other clusters
@@ -157,6 +160,9 @@ class _Run:
     while True:
       if self.signals:
         return self._interrupted(primaries)
+      preempted = self._preempted(primaries)
+      if preempted is not None:
+        return preempted
       failed = self._failure()
       if failed is not None:
         return Outcome.TASK_FAILED, failed
@@ -192,6 +198,31 @@ class _Run:
                "(checkpoint saved): run the same command again to resume.")
       return Outcome.INTERRUPTED, _EXIT_PREEMPTED
     return Outcome.INTERRUPTED, 128 + sig
+
+  def _preempted(self, primaries: Sequence[Task]
+                 ) -> tuple[Outcome, int] | None:
+    """42 when a task that trains exited with 42 and so, within `grace_s`,
+    did every other one: a preemption signal sent to a task (not to the
+    launcher) that they all saved a checkpoint for. Stopping them as failed
+    killed a chief that was leaving after its save. `None` otherwise (a
+    task still running then, or another code: `_failure` names it)."""
+    first = next((t for t in primaries
+                  if t.proc.poll() == _EXIT_PREEMPTED), None)
+    if first is None:
+      return None
+    deadline = time.monotonic() + self.grace_s
+    while (any(t.proc.poll() is None for t in primaries)
+           and time.monotonic() < deadline and not self.signals):
+      time.sleep(_POLL_S)
+    if not all(t.proc.returncode == _EXIT_PREEMPTED for t in primaries):
+      return None
+    first.reader.join(_DRAIN_S)
+    self.say(f"{first.name} exited with {_EXIT_PREEMPTED} (stopped by a "
+             "signal after saving a checkpoint) and every task that trains "
+             "did the same: run the same command again to resume.")
+    stop_notes.write(self.note, f"{first.name} was preempted")
+    self.stop(self.running())  # Servers, which never exit on their own.
+    return Outcome.INTERRUPTED, _EXIT_PREEMPTED
 
   def _failure(self) -> int | None:
     """The exit code if a task failed the run (after stopping the others).
