@@ -462,6 +462,8 @@ def test_a_killed_workers_temporary_directory_goes_at_the_next_start(
   host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
   ns = f"pidns{os.stat('/proc/self/ns/pid').st_ino}"
   names = {"stale": f"tfmgpu-ckpt-{dead}-{ns}-{host}-k3j_x9a1",
+           # Claimed by a sweep (renamed) that was killed before its rmtree.
+           "half swept": f"tfmgpu-ckpt-{dead}-{ns}-{host}-k3j_x9a2.x{dead}",
            "live": f"tfmgpu-ckpt-{os.getpid()}-{ns}-{host}-abcdefgh",
            "other namespace": f"tfmgpu-ckpt-{dead}-pidns1-{host}-abcdefgh",
            "no namespace": f"tfmgpu-ckpt-{dead}-{host}-abcdefgh",
@@ -481,6 +483,8 @@ def test_a_killed_workers_temporary_directory_goes_at_the_next_start(
       str(tmp_path / "run"), types.SimpleNamespace(cluster_resolver=resolver),
       model=model, optimizer=optimizer)
   assert not (tmp_path / names.pop("stale")).exists()
+  assert not (tmp_path / names.pop("half swept")).exists()
+  assert not list(tmp_path.glob("*.x*"))  # The claimed names went too.
   assert all((tmp_path / name).is_dir() for name in names.values())
   assert a_file.exists()
   # Its own directory tells its PID, namespace and host the same way.

@@ -288,7 +288,12 @@ def remove_stale_worker_copies(parent: str | None = None) -> list[str]:
       continue
     if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
         and files.writer_is_gone(int(match.group("pid")), info.st_mtime)):
-      shutil.rmtree(path, ignore_errors=True)
+      claimed = f"{path}.x{os.getpid()}"  # Still matched if left half-done.
+      try:  # One rename wins: workers starting together log it once.
+        os.rename(path, claimed)
+      except OSError:
+        continue
+      shutil.rmtree(claimed, ignore_errors=True)
       removed.append(path)
   if removed:
     logging.warning("Removed %d temporary checkpoint director%s left by "
