@@ -258,7 +258,8 @@ def generate(model: Any, inputs: Any, *, max_new_tokens: int,
     p: the `p` of `top_p`.
     temperature: divides the logits before sampling (not greedy).
     seed: an int: the same seed gives the same tokens, however the rows
-      are split over replicas. Defaults to a fresh one per call.
+      are split over replicas (a row draws by its index in the call: at
+      another index it samples others). Defaults to a fresh one per call.
     stop_token_ids: a row ends after any of these tokens (kept in its
       output). Defaults to none: every row gets `max_new_tokens`.
     strategy: `None` (one device), a registered name such as

@@ -6,7 +6,8 @@ whole request, the position being filled and the vocabulary entry, so one
 seed gives the same tokens twice, however the rows are split over
 replicas, copies or batches, compiled with XLA or not (TF's stateless
 random ops draw other numbers under XLA than without it, even for one
-named algorithm).
+named algorithm). The row's index is its place in the call: the same
+prompt at another index, or sent alone, draws other numbers.
 """
 
 from __future__ import annotations
