@@ -602,3 +602,17 @@ def test_the_zero_section_reads_the_bytes_each_device_holds(monkeypatch):
                for r in report.rows}
   assert fractions["zero 1 x4"] == pytest.approx(0.5, abs=0.05)
   assert fractions["zero 3 x4"] == pytest.approx(0.25, abs=0.05)
+
+
+def test_the_expected_time_says_when_onednn_is_off(monkeypatch):
+  """The quick run's "about 2.5 minutes" was measured with TensorFlow's
+  oneDNN kernels; on a CPU where TF leaves them off it took 8."""
+  from tfmgpu import _compat
+  from tfmgpu.benchmarks import suite
+  monkeypatch.setattr(_compat, "onednn_enabled", lambda: False)
+  assert suite._slower_kernels().startswith(
+      " with TensorFlow's oneDNN kernels; they are off here, which made "
+      "--quick take 8 minutes")
+  for state in (True, None):  # On, or a TensorFlow that cannot say.
+    monkeypatch.setattr(_compat, "onednn_enabled", lambda s=state: s)
+    assert suite._slower_kernels() == ""

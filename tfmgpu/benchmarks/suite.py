@@ -45,7 +45,8 @@ def run_suite(opts: SuiteOptions, *,
   report.say(f"Load average {os.getloadavg()[0]:.2f} at the start (other "
              "work on the cores makes every timing noisier); "
              f"{'--quick' if opts.quick else 'a full run'}: expect about "
-             f"{EXPECTED_MINUTES[opts.quick]} on a quiet 2-core machine.")
+             f"{EXPECTED_MINUTES[opts.quick]} on a quiet 2-core machine"
+             + _slower_kernels() + ".")
   arrays = data_lib.load_dataset("digits")
   child.wait_ready()  # Its start-up shares no core with what is timed.
   took = {}
@@ -72,6 +73,16 @@ def run_suite(opts: SuiteOptions, *,
                                     why="on 2 quiet cores"))
   report.say_verdicts()
   return report
+
+
+def _slower_kernels() -> str:
+  """What the expected time leaves out on a CPU host where TensorFlow left
+  its oneDNN kernels off (the times above were measured with them on)."""
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
+  if _compat.onednn_enabled() is not False or devices_lib.list_devices("GPU"):
+    return ""
+  return (" with TensorFlow's oneDNN kernels; they are off here, which made "
+          "--quick take 8 minutes on a 2-core AVX2 EPYC (docs/benchmarks.md)")
 
 
 def _cpu_seconds() -> float:
