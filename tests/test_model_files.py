@@ -1,7 +1,10 @@
 """`model.keras` is replaced whole or not at all; a damaged one is named."""
 
+import json
 import os
 import re
+import subprocess
+import sys
 import zipfile
 
 import keras
@@ -98,3 +101,36 @@ def test_a_keras_file_without_weights_is_named(tmp_path):
   with pytest.raises(ValueError, match=rf"^model_path={re.escape(repr(path))} "
                      r"\(\d+ bytes\) did not load: Expected a model\.weights"):
     inference.load_model(path)
+
+
+_CUSTOM_LAYER = '''
+import keras
+@keras.saving.register_keras_serializable(package="{package}")
+class Triple(keras.layers.Layer):
+  def call(self, x):
+    return x * 3
+def build(input_shape, num_classes):
+  return keras.Sequential([keras.Input(input_shape), Triple(),
+                           keras.layers.Dense(num_classes)], name="mine")
+'''
+
+
+def test_a_runs_custom_layers_load_from_the_model_file_it_records(tmp_path):
+  """A run trained with --model=my_model.py:build and a custom layer: its
+  model.keras failed in `predict` with Keras' "Could not locate class"
+  (and the whole config) until the user's module was imported."""
+  package = f"p{os.getpid()}"  # Registered by no other test.
+  source = tmp_path / "my_model.py"
+  source.write_text(_CUSTOM_LAYER.format(package=package))
+  run = tmp_path / "run"
+  run.mkdir()
+  subprocess.run([sys.executable, "-c", (
+      "import sys; sys.path.insert(0, sys.argv[1]); import my_model; "
+      "my_model.build((3,), 2).save(sys.argv[2])"),
+      str(tmp_path), str(run / "model.keras")], check=True)
+  with pytest.raises(ValueError, match=r"uses 'Triple', which no "
+                     r"module imported here registers. A class of your own"):
+    inference.load_model(str(run / "model.keras"))  # No run.json: unknown.
+  (run / "run.json").write_text(json.dumps({"model": f"{source}:build"}))
+  model = inference.load_model(str(run))
+  np.testing.assert_allclose(model.layers[0](np.ones((1, 3))), 3.0)

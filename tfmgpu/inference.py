@@ -33,7 +33,9 @@ from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu import files
 from tfmgpu import models as models_lib
+from tfmgpu import rundir
 from tfmgpu import strategies as strategies_lib
+from tfmgpu import user_code
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import layer_state
@@ -616,7 +618,26 @@ def load_model(path: str) -> Any:
   if not path.endswith(".keras"):
     raise ValueError(f"model_path={path!r} is not a .keras file or a "
                      "SavedModel directory.")
+  _import_recorded_model_code(os.path.dirname(os.path.abspath(path)))
   return _load_keras_file(path)
+
+
+def _import_recorded_model_code(directory: str) -> None:
+  """Imports the model file or module (`--model=my_model.py:build`) that
+  the run saving a model in `directory` recorded in its `run.json`, so that
+  the custom layers it registers load in this process (Keras: "Could not
+  locate class"). One that no longer imports is logged, not raised."""
+  try:
+    value = (rundir.read_record(directory) or {}).get("model")
+  except rundir.RunDirError:
+    return
+  if not user_code.is_reference(value):
+    return
+  try:
+    user_code.load_function("model", value)
+  except user_code.UserCodeError as e:
+    logging.warning("The run's model code was not imported (%s): a custom "
+                    "class it defines will not load.", e)
 
 
 def _refuse_hub_preset(directory: str) -> None:
@@ -657,8 +678,17 @@ def _load_keras_file(path: str) -> keras.Model:
         f"{why}). It may be truncated or damaged: save the model again, or "
         "restore it from the run's checkpoints.") from e
   except (ValueError, TypeError) as e:  # No weights, an unknown class, ...
-    raise type(e)(f"model_path={path!r} ({size} bytes) did not load: "
-                  f"{e}") from e
+    unknown = re.search(r"Could not locate (?:class|function) '([^']+)'",
+                        str(e))
+    if unknown:  # Keras' message holds the whole model config.
+      raise ValueError(
+          f"model_path={path!r} uses {unknown.group(1)!r}, which no module "
+          "imported here registers. A class of your own: import the module "
+          "that defines it, load the model in Python and pass it to "
+          "tfmgpu.predict (a training run's model.keras imports the --model "
+          "file its run.json records).") from e
+    kind = TypeError if isinstance(e, TypeError) else ValueError
+    raise kind(f"model_path={path!r} ({size} bytes) did not load: {e}") from e
 
 
 def _natural_key(name: str) -> list:
