@@ -152,27 +152,35 @@ def test_a_rerun_with_nothing_to_train_ends_with_the_ema_weights(
     np.testing.assert_array_equal(a, b)
 
 
-def test_a_custom_train_step_is_named_in_a_warning(caplog):
-  """The Trainer runs its own step; a model's `train_step` is not called
-  (a warning names it; with no loss to train instead, an error)."""
+def test_a_model_with_its_own_step_is_refused(caplog):
+  """The Trainer runs its own step; a model's `train_step` is never called.
+  A warning was not enough: a keras.io step computing MAE with "mse"
+  compiled trained MSE (a new user's trial). Refused, with or without a
+  loss; a functional view sharing the weights trains with the Trainer."""
 
   class OwnStep(keras.Sequential):
     def train_step(self, data):
       raise AssertionError("never called")
 
-  model = OwnStep([keras.Input((4,)), keras.layers.Dense(2)])
+  model = OwnStep([keras.Input((4,)), keras.layers.Dense(2)], name="own")
   plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
   with caplog.at_level("WARNING"):
     Trainer(plain, verbose=0)
-    assert "overrides" not in caplog.text
+  assert "overrides" not in caplog.text
+  with pytest.raises(ValueError, match=r"^model 'own' \(OwnStep\) overrides "
+                     r"train_step: .* would train the loss you gave or "
+                     r"compiled \(mse\), not what your step computes"):
     Trainer(model, loss="mse", verbose=0)
-  assert "overrides train_step: tfmgpu's Trainer runs its own step" in (
-      caplog.text)
-  # Without a loss it would train the default one, which the step may not
-  # compute at all (a keras.io VAE): refused.
-  with pytest.raises(ValueError, match=r"overrides train_step and no loss was "
-                     r"given or compiled.*Trainer\(loss=\.\.\.\)"):
+  with pytest.raises(ValueError, match=r"would train the default loss \(sparse "
+                     r"categorical cross-entropy from logits\).*model\.fit "
+                     r"under tfmgpu\.get_strategy\('mirrored'\)\.scope\(\)"):
     Trainer(model, verbose=0)
+  view = keras.Model(model.inputs, model.outputs, name="view")
+  trainer = Trainer(view, loss="mse", optimizer="sgd", verbose=0)
+  before = model.get_weights()[0].copy()
+  trainer.fit(np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32),
+              epochs=1, global_batch_size=8)
+  assert not np.array_equal(model.get_weights()[0], before)  # Shared.
 
 
 def test_evaluate_counts_every_row_on_4_replicas(digits):

@@ -24,14 +24,14 @@ from tfmgpu.training import step as step_lib
 def check_model(model: keras.Model, strategy: tf.distribute.Strategy,
                 options: Any) -> None:
   """The checks of a `Trainer`'s model before its first step: built in
-  the strategy's scope, custom steps it will not call (a warning),
+  the strategy's scope, custom steps it will not call (refused),
   stateful RNNs only on one device, and `options.batch_splits` it can
   train with; a global Keras distribution, which it ignores, said (a
   warning)."""
   layout_maps.warn_if_keras_distribution("tfmgpu's Trainer")
   refuse_stateful_replicas(model, strategy)
   check_built_in_scope(model, strategy)
-  warn_about_custom_steps(model, options.loss)
+  refuse_custom_steps(model, options.loss)
   batch_splits_lib.check(model, options.batch_splits)
 
 
@@ -156,34 +156,41 @@ def refuse_stateful_replicas(model: keras.Model,
         model, f"under {type(strategy).__name__} ({replicas} replicas)")
 
 
-def warn_about_custom_steps(model: keras.Model, loss: Any = None) -> None:
-  """Logs a warning when the model overrides a step the Trainer never
-  calls (`train_step`, `test_step`, `compute_loss`).
+def refuse_custom_steps(model: keras.Model, loss: Any = None) -> None:
+  """Refuses a model that overrides a step the Trainer never calls
+  (`train_step`, `test_step`, `compute_loss`): the Trainer runs its own
+  step, so it would train (or evaluate) something other than the model's.
+
+  A warning was not enough: a keras.io step computing MAE with an `mse`
+  compiled trained MSE, its own tracker gone from the history (a new
+  user's trial); with no loss at all, the default one (a VAE failed deep
+  in TF).
 
   Raises:
-    ValueError: such a model with no `loss` (given or compiled): the
-      Trainer would train the default loss, which the model's own step
-      may not compute at all (a keras.io VAE failed deep in TF).
+    ValueError: naming the model, the steps, and the ways on.
   """
   if step_lib.brings_own_backward(model):
     return  # A placed model: the Trainer runs its per-device backward.
   custom = checks.overridden_steps(
       model, ("train_step", "test_step", "compute_loss"))
-  if custom and loss is None:
-    raise ValueError(
-        f"model {model.name!r} overrides {', '.join(custom)} and no loss was "
-        "given or compiled: tfmgpu's Trainer does not call it, and would "
-        "train the default loss (sparse categorical cross-entropy from "
-        "logits), not the one your step computes. Pass Trainer(loss=...) "
-        "(extra terms: self.add_loss(...) in call()), or train with "
-        "model.fit under strategy.scope() to run your own step.")
-  if custom:
-    logging.warning(
-        "Model %r overrides %s: tfmgpu's Trainer runs its own step (forward, "
-        "Trainer(loss=...), gradients, all-reduce, update) and does not call "
-        "it. Put extra loss terms in call() with self.add_loss(...), or train "
-        "with model.fit under strategy.scope() to use your own step.",
-        model.name, ", ".join(custom))
+  if not custom:
+    return
+  name = (loss if isinstance(loss, str) else getattr(loss, "name", None)
+          or getattr(loss, "__name__", type(loss).__name__))
+  trains = (f"the loss you gave or compiled ({name})" if loss is not None
+            else "the default loss (sparse categorical cross-entropy from "
+            "logits)")
+  raise ValueError(
+      f"model {model.name!r} ({type(model).__name__}) overrides "
+      f"{', '.join(custom)}: tfmgpu's Trainer runs its own step (forward, "
+      "loss, gradients, all-reduce, update) and would not call it, so it "
+      f"would train {trains}, not what your step computes. To run your "
+      "step, train with model.fit under "
+      "tfmgpu.get_strategy('mirrored').scope(). To train the same layers "
+      "with the Trainer's step, pass Trainer(loss=...) and a plain "
+      "functional view that shares their weights: keras.Model(model.inputs, "
+      "model.outputs) (extra loss terms: self.add_loss(...) in a layer's "
+      "call()).")
 
 
 # What a `Trainer` takes from the model's own `compile()` when not given.
