@@ -313,6 +313,13 @@ def test_keras_argument_names_say_what_the_trainer_takes(digits):
     trainer.evaluate(*digits, batch_size=16)
   with pytest.raises(TypeError, match=r"takes Trainer\(model, verbose=0, "):
     trainer.fit(*digits, verbose=0)
+  with pytest.raises(TypeError, match=r"got validation_split=0\.2, Keras' "
+                     r"name: .* validation_data=\(x\[-n:\], y\[-n:\]\) with "
+                     r"fit\(x\[:-n\], y\[:-n\], \.\.\.\), n = int\(len\(x\) "
+                     r"\* 0\.2\)"):
+    trainer.fit(*digits, validation_split=0.2)
+  with pytest.raises(TypeError, match=r"evaluate\(\) got return_dict=True"):
+    trainer.evaluate(*digits, return_dict=True)
   with pytest.raises(TypeError, match=r"unexpected keyword argument 'epoch'"):
     trainer.fit(*digits, epoch=1)
   assert "global_batch_size" in inspect.signature(Trainer.fit).parameters
