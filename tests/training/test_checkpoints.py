@@ -5,6 +5,8 @@ import glob
 import os
 import re
 import socket
+import subprocess
+import sys
 import types
 
 import keras
@@ -464,6 +466,9 @@ def test_a_killed_workers_temporary_directory_goes_at_the_next_start(
   names = {"stale": f"tfmgpu-ckpt-{dead}-{ns}-{host}-k3j_x9a1",
            # Claimed by a sweep (renamed) that was killed before its rmtree.
            "half swept": f"tfmgpu-ckpt-{dead}-{ns}-{host}-k3j_x9a2.x{dead}",
+           # Claimed by a sweep still at work (another worker's): its own.
+           "being swept": f"tfmgpu-ckpt-{dead}-{ns}-{host}-k3j_x9a3"
+                          f".x{os.getpid()}",
            "live": f"tfmgpu-ckpt-{os.getpid()}-{ns}-{host}-abcdefgh",
            "other namespace": f"tfmgpu-ckpt-{dead}-pidns1-{host}-abcdefgh",
            "no namespace": f"tfmgpu-ckpt-{dead}-{host}-abcdefgh",
@@ -484,10 +489,28 @@ def test_a_killed_workers_temporary_directory_goes_at_the_next_start(
       model=model, optimizer=optimizer)
   assert not (tmp_path / names.pop("stale")).exists()
   assert not (tmp_path / names.pop("half swept")).exists()
-  assert not list(tmp_path.glob("*.x*"))  # The claimed names went too.
+  assert [p.name for p in tmp_path.glob("*.x*")] == [names["being swept"]]
   assert all((tmp_path / name).is_dir() for name in names.values())
   assert a_file.exists()
   # Its own directory tells its PID, namespace and host the same way.
   assert os.path.basename(worker.directory).startswith(
       f"tfmgpu-ckpt-{os.getpid()}-{ns}-{host}-")
   worker.close()
+
+
+def test_an_uncaught_preemption_exits_42_as_the_cli_does():
+  """A user's script that let `PreemptedError` out exited 1: a launcher
+  read it as a failure (a new user's trial). A caught one changes
+  nothing."""
+  script = (
+      "from tfmgpu.training.checkpoints import PreemptedError\n"
+      "try:\n"
+      "  raise PreemptedError('caught', checkpoint=None, step=1)\n"
+      "except PreemptedError:\n"
+      "  print('went on', flush=True)\n"
+      "raise PreemptedError('saved ckpt-3', checkpoint='ckpt-3', step=7)\n")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                        text=True, timeout=120)
+  assert done.returncode == checkpoints.EXIT_PREEMPTED, done.stderr
+  assert done.stdout == "went on\n"
+  assert "PreemptedError: saved ckpt-3" in done.stderr  # Printed as before.

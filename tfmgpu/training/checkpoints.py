@@ -34,7 +34,8 @@ Preemption: while `Trainer.fit` runs with a `model_dir`, SIGTERM (what
 schedulers send before they kill a job) is caught; at the next step boundary
 every worker saves a checkpoint and `fit` raises `PreemptedError`. The CLI
 (`python -m tfmgpu.train`) then exits with `EXIT_PREEMPTED` (42): rerun the
-same command to resume from the saved step. A worker killed without notice
+same command to resume from the saved step; a script that leaves the error
+uncaught exits with 42 too. A worker killed without notice
 (SIGKILL, a crashed host) leaves the last checkpoint written.
 
 Multi-worker: every worker restores from the chief's directory
@@ -60,6 +61,7 @@ import re
 import shutil
 import socket
 import stat
+import sys
 import tempfile
 import weakref
 from collections.abc import Sequence
@@ -96,6 +98,26 @@ class PreemptedError(RuntimeError):
     super().__init__(message)
     self.checkpoint = checkpoint
     self.step = step
+    _exit_preempted_when_uncaught()
+
+
+def _exit_preempted_when_uncaught() -> None:
+  """Chains `sys.excepthook` (once) so that an uncaught `PreemptedError`
+  is printed as before, then ends the process with `EXIT_PREEMPTED`, as
+  the CLI does: a user's script exited 1, which launchers and schedulers
+  read as a failure, not a preemption to rerun (a new user's trial). A
+  `SystemExit` raised in the hook sets the exit code; atexit handlers
+  still run."""
+  previous = sys.excepthook
+  if getattr(previous, "tfmgpu_preempted", False):
+    return
+
+  def hook(kind, value, traceback):
+    previous(kind, value, traceback)
+    if isinstance(value, PreemptedError):
+      sys.exit(EXIT_PREEMPTED)
+  hook.tfmgpu_preempted = True
+  sys.excepthook = hook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,8 +308,11 @@ def remove_stale_worker_copies(parent: str | None = None) -> list[str]:
       info = os.lstat(path)
     except OSError:
       continue
+    claimer = re.search(r"\.x(\d+)$", name)  # Another sweep's, at work?
     if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
-        and files.writer_is_gone(int(match.group("pid")), info.st_mtime)):
+        and files.writer_is_gone(int(match.group("pid")), info.st_mtime)
+        and not (claimer and not files.writer_is_gone(int(claimer.group(1)),
+                                                      info.st_mtime))):
       claimed = f"{path}.x{os.getpid()}"  # Still matched if left half-done.
       try:  # One rename wins: workers starting together log it once.
         os.rename(path, claimed)
