@@ -178,8 +178,9 @@ def preempted_error(checkpointer: ckpt_lib.Checkpointer, checkpoint: str, *,
       f"Preempted: {preemption_lib.signal_name()} reached {who}. Saved "
       f"{checkpoint} at global step "
       f"{global_step} ({where}). Run the same command again to {then} "
-      f"(python -m tfmgpu.train exits with code "
-      f"{ckpt_lib.EXIT_PREEMPTED}).", checkpoint=checkpoint, step=global_step)
+      f"(python -m tfmgpu.train exits with code {ckpt_lib.EXIT_PREEMPTED}, "
+      "as does a script that leaves this error uncaught).",
+      checkpoint=checkpoint, step=global_step)
 
 
 class _Clock:
