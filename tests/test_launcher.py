@@ -468,3 +468,13 @@ def test_a_task_preempted_on_its_own_is_waited_for_not_failed():
   result, output = _launch(plan, grace_s=0.5)
   assert result.outcome == launcher.Outcome.TASK_FAILED, output
   assert result.stopped == ("worker:0",)
+
+
+def test_a_crash_while_waiting_for_preempted_tasks_is_named():
+  """worker:0 saved and left (42), then worker:1 crashed: the crash is the
+  run's failure, not worker:0's 42 (a reviewer's scenario)."""
+  plan = {"worker:0": ["exit:42"], "worker:1": ["sleep:0.3", "exit:3"]}
+  result, output = _launch(plan, grace_s=20)
+  assert result.outcome == launcher.Outcome.TASK_FAILED, output
+  assert (result.exit_code, result.first_failure) == (3, "worker:1"), output
+  assert result.duration_s < 15  # Not the whole grace period.

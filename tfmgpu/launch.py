@@ -6,7 +6,8 @@ TF_CONFIG (and TFMGPU_TASK="worker:0"), its output is printed with a
 124 on --timeout_s; on Ctrl-C (or SIGTERM) the tasks are stopped with
 SIGTERM, and the code is 42 when every task that trains saved a checkpoint
 and exited 42 (python -m tfmgpu.train does: rerun to resume), else 130
-(143); otherwise the first failed task's code. See `tfmgpu.launcher` for
+(143); 42 also when the signal went to one task and every task that
+trains saved and exited 42; otherwise the first failed task's code. See `tfmgpu.launcher` for
 the full contract. `scripts/launch_local_cluster.py` runs the same command
 line from a checkout.
 

@@ -79,7 +79,7 @@ class LaunchResult:
   Attributes:
     exit_code: 0 on success; else the first failed task's exit code (128 +
       signal if it was killed), 124 on timeout, 128 + signal if the launcher
-      was interrupted.
+      was interrupted; 42 when every task that trains exited with 42.
     outcome: how the launch ended.
     task_exit_codes: per task name (`"worker:0"`), its exit code in
       `subprocess` form: negative for "killed by signal -code", `None` if it
@@ -212,8 +212,12 @@ class _Run:
       return None
     deadline = time.monotonic() + self.grace_s
     while (any(t.proc.poll() is None for t in primaries)
-           and time.monotonic() < deadline and not self.signals):
+           and time.monotonic() < deadline and not self.signals
+           and not any(t.proc.poll() not in (None, 0, _EXIT_PREEMPTED)
+                       for t in self.tasks)):  # A crash: _failure names it.
       time.sleep(_POLL_S)
+    if self.signals:  # The launcher's own (a scheduler stopping the job).
+      return self._interrupted(primaries)
     if not all(t.proc.returncode == _EXIT_PREEMPTED for t in primaries):
       return None
     first.reader.join(_DRAIN_S)
@@ -230,7 +234,9 @@ class _Run:
     A lost worker of a parameter-server cluster is logged and tolerated
     while another worker runs.
     """
-    for task in self.tasks:
+    # A task that saved and left (42) is named only when no other failed.
+    for task in sorted(self.tasks,
+                       key=lambda t: t.proc.poll() == _EXIT_PREEMPTED):
       code = task.proc.poll()
       if code is None or code == 0 or task.name in self.lost:
         continue
