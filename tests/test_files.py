@@ -245,18 +245,24 @@ def test_a_killed_directory_write_leaves_nothing_behind(tmp_path):
   def write(name):
     os.makedirs(name)
     (pathlib.Path(name) / "saved_model.pb").write_text("new")
+  host = files.host_name()
   for kind, content in (("tmp", "half"), ("old", "previous")):
-    left = tmp_path / f".sm.{kind}-{gone.pid}-{uuid.uuid4().hex}"
+    left = tmp_path / f".sm.{kind}-{gone.pid}-{host}-{uuid.uuid4().hex}"
     left.mkdir()
     (left / "saved_model.pb").write_text(content)
-  running = tmp_path / f".sm.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-  running.mkdir()  # A writer still at work: left alone.
-  other = tmp_path / f".other.tmp-{gone.pid}-{uuid.uuid4().hex}"
+  # A writer still at work: left alone, though the export it moved aside
+  # keeps the mtime of long ago (its ctime is the rename's).
+  running = tmp_path / f".sm.old-{os.getpid()}-{host}-{uuid.uuid4().hex}"
+  running.mkdir()
+  os.utime(running, (1e9, 1e9))
+  other = tmp_path / f".other.tmp-{gone.pid}-{host}-{uuid.uuid4().hex}"
   other.mkdir()  # Another path's: swept by its own next write.
+  elsewhere = tmp_path / f".sm.tmp-{gone.pid}-otherhost-{uuid.uuid4().hex}"
+  elsewhere.mkdir()  # Another host's (a shared volume): not ours to judge.
   files._sweep_killed_directory_writes(str(tmp_path), "sm")
   assert (tmp_path / "sm" / "saved_model.pb").read_text() == "previous"
   assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-      ["sm", running.name, other.name])
+      ["sm", running.name, other.name, elsewhere.name])
   files.write_directory_atomically(str(tmp_path / "sm"), write,
                                    marker="saved_model.pb")
   assert (tmp_path / "sm" / "saved_model.pb").read_text() == "new"

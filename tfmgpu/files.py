@@ -27,6 +27,8 @@ import errno
 import os
 import re
 import shutil
+import socket
+import stat
 import uuid
 from typing import Any, BinaryIO, Callable
 
@@ -287,7 +289,7 @@ def write_directory_atomically(path: str, write: Callable[[str], None], *,
         "directory.")
   os.makedirs(parent, exist_ok=True)
   _sweep_killed_directory_writes(parent, base)
-  tag = f"{os.getpid()}-{uuid.uuid4().hex}"
+  tag = f"{os.getpid()}-{host_name()}-{uuid.uuid4().hex}"
   name, old = os.path.join(parent, f".{base}.tmp-{tag}"), None
   try:
     write(name)
@@ -303,32 +305,46 @@ def write_directory_atomically(path: str, write: Callable[[str], None], *,
   return path
 
 
+def host_name() -> str:
+  """This host's name as a file name can hold it (no `-`, `/`)."""
+  return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
 def _sweep_killed_directory_writes(parent: str, base: str) -> None:
   """Deletes what a `write_directory_atomically` of `parent/base` killed
-  mid-write left (its hidden `.BASE.tmp-PID-HEX` directory); a previous
-  output it had moved aside (`.BASE.old-PID-HEX`) goes back to `base` if
-  the kill came before the new one took its place, else is deleted. Best
-  effort: never raises."""
+  mid-write left (its hidden `.BASE.tmp-PID-HOST-HEX` directory); a
+  previous output it had moved aside (`.BASE.old-...`) goes back to `base`
+  if the kill came before the new one took its place, else is deleted.
+
+  Only this host's and this user's entries whose writer is gone count
+  (`writer_is_gone`, against the entry's ctime: a rename keeps the mtime
+  of what it moves). Best effort: never raises."""
   pattern = re.compile(
-      rf"^\.{re.escape(base)}\.(tmp|old)-(\d+)-[0-9a-f]{{32}}$")
+      rf"\.{re.escape(base)}\.(tmp|old)-(\d+)-{re.escape(host_name())}-"
+      r"[0-9a-f]{32}")
   target = os.path.join(parent, base)
   try:
-    for entry in os.scandir(parent):
-      match = pattern.match(entry.name)
-      if not (match and entry.is_dir(follow_symlinks=False)
-              and writer_is_gone(int(match.group(2)),
-                                 entry.stat(follow_symlinks=False).st_mtime)):
+    entries = list(os.scandir(parent))
+  except OSError:
+    return
+  for entry in entries:
+    match = pattern.fullmatch(entry.name)
+    try:
+      info = entry.stat(follow_symlinks=False)
+      if not (match and stat.S_ISDIR(info.st_mode)
+              and info.st_uid == os.getuid()
+              and writer_is_gone(int(match.group(2)), info.st_ctime)):
         continue
       if match.group(1) == "old" and not os.path.exists(target):
         os.replace(entry.path, target)
         logging.warning("Restored %s, which a killed write had moved "
                         "aside.", target)
       else:
-        shutil.rmtree(entry.path, ignore_errors=True)
+        shutil.rmtree(entry.path)
         logging.warning("Removed %s, left by a killed write of %s.",
                         entry.path, target)
-  except OSError:
-    return
+    except OSError:
+      continue
 
 
 def save_keras_model(model: Any, path: str) -> str:

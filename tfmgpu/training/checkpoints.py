@@ -59,7 +59,6 @@ import glob
 import os
 import re
 import shutil
-import socket
 import stat
 import sys
 import tempfile
@@ -107,15 +106,18 @@ def _exit_preempted_when_uncaught() -> None:
   the CLI does: a user's script exited 1, which launchers and schedulers
   read as a failure, not a preemption to rerun (a new user's trial). A
   `SystemExit` raised in the hook sets the exit code; atexit handlers
-  still run."""
+  still run. An error left uncaught in another thread, or a hook installed
+  later that does not call this one, still exits 1."""
   previous = sys.excepthook
   if getattr(previous, "tfmgpu_preempted", False):
     return
 
   def hook(kind, value, traceback):
-    previous(kind, value, traceback)
-    if isinstance(value, PreemptedError):
-      sys.exit(EXIT_PREEMPTED)
+    try:
+      previous(kind, value, traceback)
+    finally:
+      if isinstance(value, PreemptedError):
+        sys.exit(EXIT_PREEMPTED)
   hook.tfmgpu_preempted = True
   sys.excepthook = hook
 
@@ -262,10 +264,6 @@ _WORKER_COPY = re.compile(
     r"^tfmgpu-ckpt-(?P<pid>\d+)-(?P<ns>[A-Za-z0-9]+)-(?P<host>[^-]+)-[^-]+$")
 
 
-def _host() -> str:
-  return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
-
-
 def _pid_namespace() -> str | None:
   """What PIDs are numbered in: `pidns` + the inode of /proc/self/ns/pid;
   `None` where it cannot be read. Containers sharing /tmp and a host name
@@ -281,7 +279,7 @@ def _worker_copy_prefix() -> str:
   """Names the worker's directory by its PID, PID namespace and host, so
   that a later run can tell when it is left by a killed process."""
   return (f"tfmgpu-ckpt-{os.getpid()}-{_pid_namespace() or 'unknown'}-"
-          f"{_host()}-")
+          f"{files.host_name()}-")
 
 
 def remove_stale_worker_copies(parent: str | None = None) -> list[str]:
@@ -300,7 +298,7 @@ def remove_stale_worker_copies(parent: str | None = None) -> list[str]:
     return removed
   for name in names:
     match = _WORKER_COPY.match(name)
-    if (not match or match.group("host") != _host()
+    if (not match or match.group("host") != files.host_name()
         or namespace is None or match.group("ns") != namespace):
       continue
     path = os.path.join(parent, name)
@@ -308,11 +306,13 @@ def remove_stale_worker_copies(parent: str | None = None) -> list[str]:
       info = os.lstat(path)
     except OSError:
       continue
-    claimer = re.search(r"\.x(\d+)$", name)  # Another sweep's, at work?
+    # Claimed by another sweep (renamed `.xPID`) still at work? A rename
+    # keeps the mtime, so the claim's time is the ctime.
+    claimer = re.search(r"\.x(\d+)$", name)
     if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
         and files.writer_is_gone(int(match.group("pid")), info.st_mtime)
         and not (claimer and not files.writer_is_gone(int(claimer.group(1)),
-                                                      info.st_mtime))):
+                                                      info.st_ctime))):
       claimed = f"{path}.x{os.getpid()}"  # Still matched if left half-done.
       try:  # One rename wins: workers starting together log it once.
         os.rename(path, claimed)
