@@ -618,26 +618,38 @@ def load_model(path: str) -> Any:
   if not path.endswith(".keras"):
     raise ValueError(f"model_path={path!r} is not a .keras file or a "
                      "SavedModel directory.")
-  _import_recorded_model_code(os.path.dirname(os.path.abspath(path)))
   return _load_keras_file(path)
 
 
-def _import_recorded_model_code(directory: str) -> None:
+def _import_recorded_model_code(directory: str) -> bool:
   """Imports the model file or module (`--model=my_model.py:build`) that
-  the run saving a model in `directory` recorded in its `run.json`, so that
-  the custom layers it registers load in this process (Keras: "Could not
-  locate class"). One that no longer imports is logged, not raised."""
+  the run which saved a model in `directory` recorded in its `run.json`,
+  so that the custom layers it registers load (Keras: "Could not locate
+  class"); whether it did. Only an absolute path to an existing file (what
+  runs record) or a module; one that fails to import is logged."""
   try:
     value = (rundir.read_record(directory) or {}).get("model")
   except rundir.RunDirError:
-    return
+    return False
   if not user_code.is_reference(value):
-    return
+    return False  # No record, or a registry name.
+  try:
+    ref = user_code.parse_reference("model", value)
+  except user_code.UserCodeError:
+    return False
+  if ref.is_file and not (os.path.isabs(ref.module)
+                          and os.path.isfile(ref.module)):
+    return False
+  logging.info("Importing %s, the model code %s records, for a class Keras "
+               "could not find.", value,
+               os.path.join(directory, rundir.RECORD_NAME))
   try:
     user_code.load_function("model", value)
-  except user_code.UserCodeError as e:
+  except (user_code.UserCodeError, SystemExit) as e:
     logging.warning("The run's model code was not imported (%s): a custom "
                     "class it defines will not load.", e)
+    return False
+  return True
 
 
 def _refuse_hub_preset(directory: str) -> None:
@@ -659,8 +671,19 @@ def _refuse_hub_preset(directory: str) -> None:
       "DIR/model.keras.")
 
 
+# Keras' words for a class or function no imported module registers.
+_UNKNOWN = re.compile(r"Could not locate (?:class|function) '([^']+)'")
+
+
+def _keras_load(path: str) -> keras.Model:
+  return keras.saving.load_model(path, compile=False,
+                                 custom_objects=models_lib.custom_objects())
+
+
 def _load_keras_file(path: str) -> keras.Model:
-  """Loads a `.keras` file; a damaged one is named, not a raw traceback."""
+  """Loads a `.keras` file; a damaged one is named, not a raw traceback. A
+  class Keras cannot find is looked for in the model code of the run that
+  saved it (`_import_recorded_model_code`), then the load is tried again."""
   size = os.path.getsize(path)
   if not zipfile.is_zipfile(path):  # Keras would say "File not found".
     raise ValueError(
@@ -668,8 +691,13 @@ def _load_keras_file(path: str) -> keras.Model:
         "a zip archive). It may be truncated or damaged: save the model "
         "again, or restore it from the run's checkpoints.")
   try:
-    return keras.saving.load_model(
-        path, compile=False, custom_objects=models_lib.custom_objects())
+    try:
+      return _keras_load(path)
+    except (ValueError, TypeError) as e:  # A class of the run's own code?
+      if not (_UNKNOWN.search(str(e)) and _import_recorded_model_code(
+          os.path.dirname(os.path.abspath(path)))):
+        raise
+    return _keras_load(path)
   except (OSError, KeyError, EOFError, zipfile.BadZipFile,
           json.JSONDecodeError) as e:  # A damaged member of the zip.
     why = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
@@ -678,8 +706,7 @@ def _load_keras_file(path: str) -> keras.Model:
         f"{why}). It may be truncated or damaged: save the model again, or "
         "restore it from the run's checkpoints.") from e
   except (ValueError, TypeError) as e:  # No weights, an unknown class, ...
-    unknown = re.search(r"Could not locate (?:class|function) '([^']+)'",
-                        str(e))
+    unknown = _UNKNOWN.search(str(e))
     if unknown:  # Keras' message holds the whole model config.
       raise ValueError(
           f"model_path={path!r} uses {unknown.group(1)!r}, which no module "
