@@ -173,8 +173,26 @@ def test_a_model_with_its_own_step_is_refused(caplog):
     Trainer(model, loss="mse", verbose=0)
   with pytest.raises(ValueError, match=r"would train the default loss \(sparse "
                      r"categorical cross-entropy from logits\).*model\.fit "
-                     r"under tfmgpu\.get_strategy\('mirrored'\)\.scope\(\)"):
+                     r"under tfmgpu\.get_strategy\('mirrored'\)\.scope\(\)"
+                     r"\. To train the same layers .* keras\.Model\("
+                     r"model\.inputs, model\.outputs\)"):
     Trainer(model, verbose=0)
+
+  class PureOwn(keras.Model):  # No inputs: no view to offer.
+    def __init__(self):
+      super().__init__(name="pure")
+      self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+      return self.dense(x)
+
+    def train_step(self, data):
+      raise AssertionError("never called")
+
+  pure = PureOwn()
+  pure(np.ones((1, 4), np.float32))
+  with pytest.raises(ValueError, match=r"scope\(\)\.$"):
+    Trainer(pure, loss="mse", verbose=0)
   view = keras.Model(model.inputs, model.outputs, name="view")
   trainer = Trainer(view, loss="mse", optimizer="sgd", verbose=0)
   before = model.get_weights()[0].copy()
@@ -314,9 +332,9 @@ def test_keras_argument_names_say_what_the_trainer_takes(digits):
   with pytest.raises(TypeError, match=r"takes Trainer\(model, verbose=0, "):
     trainer.fit(*digits, verbose=0)
   with pytest.raises(TypeError, match=r"got validation_split=0\.2, Keras' "
-                     r"name: .* validation_data=\(x\[-n:\], y\[-n:\]\) with "
-                     r"fit\(x\[:-n\], y\[:-n\], \.\.\.\), n = int\(len\(x\) "
-                     r"\* 0\.2\)"):
+                     r"name: .* fit\(x\[:k\], y\[:k\], validation_data=\("
+                     r"x\[k:\], y\[k:\]\), \.\.\.\) with k = int\(len\(x\) "
+                     r"\* \(1 - 0\.2\)\)"):
     trainer.fit(*digits, validation_split=0.2)
   with pytest.raises(TypeError, match=r"evaluate\(\) got return_dict=True"):
     trainer.evaluate(*digits, return_dict=True)

@@ -21,17 +21,20 @@ INSTEAD = {
     "callbacks": "Trainer(model, callbacks={value!r}, ...)",
     "verbose": "Trainer(model, verbose={value!r}, ...)",
     # Keras holds out the last rows, before shuffling.
-    "validation_split": "validation_data=(x[-n:], y[-n:]) with fit(x[:-n], "
-                        "y[:-n], ...), n = int(len(x) * {value!r}): the rows "
-                        "Keras' validation_split holds out",
+    "validation_split": "fit(x[:k], y[:k], validation_data=(x[k:], y[k:]), "
+                        "...) with k = int(len(x) * (1 - {value!r})): the "
+                        "rows Keras' validation_split holds out",
     "initial_epoch": "Trainer(model, model_dir=DIR, ...): a run resumes at "
                      "the epoch its checkpoints in DIR hold",
-    "validation_steps": "validation_data of the rows to evaluate (every row "
-                        "of it is read each epoch)",
+    "validation_steps": "validation_data of the rows to evaluate, read "
+                        "whole each epoch (a repeated dataset: "
+                        "dataset.take({value!r}))",
     "validation_batch_size": "validation_data evaluated at fit's "
                              "global_batch_size",
     "validation_freq": "validation_data, evaluated after every epoch",
-    "steps": "x of the rows to evaluate (every row is read)",
+    "steps": "steps_per_epoch={value!r} in fit; in evaluate, x of the rows "
+             "to evaluate, read whole (a repeated dataset: "
+             "dataset.take({value!r}))",
     "return_dict": "nothing: evaluate() returns a dict already",
 }
 METHODS = ("fit", "evaluate")

@@ -180,17 +180,22 @@ def refuse_custom_steps(model: keras.Model, loss: Any = None) -> None:
   trains = (f"the loss you gave or compiled ({name})" if loss is not None
             else "the default loss (sparse categorical cross-entropy from "
             "logits)")
+  try:  # A functional (or Sequential) model: a view can share its layers.
+    functional = bool(model.inputs) and "compute_loss" not in custom
+  except (AttributeError, ValueError):
+    functional = False
+  view = (" To train the same layers with the Trainer's step, pass "
+          "Trainer(loss=...) and a plain functional view that shares their "
+          "weights: keras.Model(model.inputs, model.outputs) (extra loss "
+          "terms: self.add_loss(...) in a layer's call())." if functional
+          else "")
   raise ValueError(
       f"model {model.name!r} ({type(model).__name__}) overrides "
       f"{', '.join(custom)}: tfmgpu's Trainer runs its own step (forward, "
       "loss, gradients, all-reduce, update) and would not call it, so it "
       f"would train {trains}, not what your step computes. To run your "
       "step, train with model.fit under "
-      "tfmgpu.get_strategy('mirrored').scope(). To train the same layers "
-      "with the Trainer's step, pass Trainer(loss=...) and a plain "
-      "functional view that shares their weights: keras.Model(model.inputs, "
-      "model.outputs) (extra loss terms: self.add_loss(...) in a layer's "
-      "call()).")
+      f"tfmgpu.get_strategy('mirrored').scope().{view}")
 
 
 # What a `Trainer` takes from the model's own `compile()` when not given.
