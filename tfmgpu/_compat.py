@@ -161,6 +161,14 @@ AutoTrackable = tf.__internal__.tracking.AutoTrackable
 # The Keras layer graph.
 
 
+def squeeze_or_expand_to_same_rank(y_true: Any, y_pred: Any) -> tuple[Any, Any]:
+  """What Keras' loss wrapper does to a loss function's arguments before
+  it calls it: a last axis of 1 squeezed or added so both ranks agree
+  ((N,) labels against an (N, 1) output no longer broadcast to (N, N))."""
+  from keras.src.losses import loss as loss_lib  # pylint: disable=g-import-not-at-top
+  return loss_lib.squeeze_or_expand_to_same_rank(y_true, y_pred)
+
+
 def keras_history(tensor: keras.KerasTensor) -> tuple[Any, int, int]:
   """`(operation, node_index, tensor_index)`: where a symbolic tensor was
   made (what `keras.Model` itself uses to walk its graph)."""

@@ -48,6 +48,28 @@ def test_a_loss_returning_a_scalar_is_refused_by_name():
                                np.zeros((3, 1), np.float32))
 
 
+def test_a_loss_function_gets_labels_of_its_outputs_rank_as_in_keras():
+  """(N,) labels against an (N, 1) output reached a user's loss function
+  as they were, broadcast to (N, N) inside it: it trained on every row
+  against every other, silently (a new user's trial). Keras' compile makes
+  the ranks agree first; so does the Trainer now."""
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+
+  def absolute(y_true, y_pred):
+    return tf.reduce_mean(tf.abs(y_true - y_pred), axis=-1)
+  objective = objectives.Objective(model, absolute)
+  pred = np.array([[1.0], [2.0], [4.0]], np.float32)
+  flat = objective.per_example_loss(np.array([1.0, 2.0, 3.0], np.float32),
+                                    pred).numpy()
+  column = objective.per_example_loss(
+      np.array([[1.0], [2.0], [3.0]], np.float32), pred).numpy()
+  np.testing.assert_allclose(flat, [0.0, 0.0, 1.0])
+  np.testing.assert_array_equal(flat, column)
+  compiled = keras.losses.get("mae")  # What Keras' fit gives for both.
+  np.testing.assert_allclose(compiled(np.array([1.0, 2.0, 3.0]), pred),
+                             flat)
+
+
 @pytest.mark.parametrize("loss,message", [
     (keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                 ignore_class=0),
