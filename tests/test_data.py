@@ -222,3 +222,26 @@ def test_distribute_rejects_indivisible_batch():
     from tfmgpu.training import inputs  # pylint: disable=g-import-not-at-top
     inputs.distribute_arrays(strategy, (np.zeros((10, 2)), np.zeros(10)),
                              global_batch_size=6)
+
+
+def test_float_targets_without_a_loss_are_refused_not_cast():
+  """A loader's float targets trained with the default loss (sparse
+  categorical cross-entropy) were cast to class indices, silently:
+  targets in (0, 1) all read as class 0 (a new user's trial)."""
+  x = np.zeros((4, 3), np.float32)
+
+  def arrays(y):
+    return data.Arrays("mine", x, y, x, y, None)
+  with pytest.raises(ValueError, match=r"^dataset 'mine': y_train\[1\]=0\.25 "
+                     r"is not a class index, and no --loss was given.*read it "
+                     r"as class 0\. Give the loss your targets need: "
+                     r"--loss=mse"):
+    data.check_labels_for_default_loss(
+        arrays(np.array([1.0, 0.25, 0.5, 2.0], np.float32)))
+  with pytest.raises(ValueError, match=r"y_train holds one-hot rows \(shape "
+                     r"\(4, 3\)\).*Return y\.argmax\(-1\)"):
+    data.check_labels_for_default_loss(
+        arrays(np.eye(3, dtype=np.float32)[[0, 1, 2, 0]]))
+  for fine in (np.array([0.0, 1.0, 2.0, 1.0], np.float32),  # Whole numbers.
+               np.array([0, 1, 2, 1])):  # Integers.
+    data.check_labels_for_default_loss(arrays(fine))

@@ -19,6 +19,7 @@ from tfmgpu.datasets.registry import Baseline
 from tfmgpu.datasets.registry import check_dataset
 from tfmgpu.datasets.registry import check_features
 from tfmgpu.datasets.registry import check_labels
+from tfmgpu.datasets.registry import check_labels_for_default_loss
 from tfmgpu.datasets.registry import check_shapes
 from tfmgpu.datasets.registry import dataset_entry
 from tfmgpu.datasets.registry import DatasetEntry
@@ -36,7 +37,8 @@ from tfmgpu.datasets.registry import UserDatasets
 
 __all__ = [
     "Arrays", "available_datasets", "Baseline", "cache_dir", "check_dataset",
-    "check_features", "check_labels", "check_shapes", "dataset_entry",
+    "check_features", "check_labels", "check_labels_for_default_loss",
+    "check_shapes", "dataset_entry",
     "DatasetEntry", "DatasetUnavailableError", "default_metrics", "load_dataset",
     "open_dataset", "register_dataset", "StreamedDataset",
     "unregister_dataset", "USER_LOADER_CALL", "user_arrays", "user_datasets",

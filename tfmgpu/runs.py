@@ -289,6 +289,8 @@ def _training_data(config: TrainConfig, arrays: Any) -> Any:
   logging.info("Data: %r", arrays)
   if isinstance(arrays, data_lib.Arrays):
     data_lib.check_labels(arrays)  # Before a first step fails on one.
+    if config.loss is None:
+      data_lib.check_labels_for_default_loss(arrays)
     data_lib.check_features(arrays)
     data_lib.check_shapes(arrays)
   return arrays

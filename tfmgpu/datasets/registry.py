@@ -492,6 +492,41 @@ def check_shapes(arrays: Arrays, *, source: str | None = None) -> None:
           "the same shape per example.")
 
 
+def check_labels_for_default_loss(arrays: Arrays, *,
+                                  source: str | None = None) -> None:
+  """Refuses float labels that are not class indices when no loss is
+  given: the default loss (sparse categorical cross-entropy) casts each to
+  an integer and trains, silently (a new user's trial: targets in (0, 1)
+  read as class 0, loss and accuracy 0 every epoch); one-hot rows failed
+  in Keras with a rank error.
+
+  Raises:
+    ValueError: naming the first such label and the losses to give.
+  """
+  y = arrays.y_train
+  if not (isinstance(y, np.ndarray) and y.dtype.kind == "f" and y.size):
+    return
+  where = f"dataset {source or repr(arrays.name)}"
+  if (y.ndim == 2 and y.shape[1] > 1 and np.isin(y, (0, 1)).all()
+      and (y.sum(axis=1) == 1).all()):
+    raise ValueError(
+        f"{where}: y_train holds one-hot rows (shape {y.shape}), and no "
+        "--loss was given: the default loss, sparse categorical "
+        "cross-entropy, takes class indices. Return y.argmax(-1) from your "
+        "loader, or give --loss=categorical_crossentropy for a model "
+        "ending in a softmax.")
+  fractional = np.flatnonzero(np.mod(y, 1) != 0)
+  if fractional.size:
+    i = int(fractional[0])
+    raise ValueError(
+        f"{where}: y_train[{i}]={y.flat[i].item()!r} is not a class index, "
+        "and no --loss was given: the default loss (sparse categorical "
+        f"cross-entropy) would read it as class {int(y.flat[i])}. Give the "
+        "loss your targets need: --loss=mse (regression), "
+        "--loss=binary_crossentropy (0/1 targets, a sigmoid output), or "
+        "your own fn as --loss=my_loss.py:fn.")
+
+
 def check_labels(arrays: Arrays, *, source: str | None = None) -> None:
   """Checks that every label is a class index in `0..num_classes - 1`.
 
