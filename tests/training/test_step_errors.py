@@ -79,3 +79,19 @@ def test_an_error_in_one_replicas_part_is_said_in_the_users_terms():
       "2 replicas (a dataset's short last batch), that replica got none")
   assert "TF said: INVALID_ARGUMENT: Conv2DBackpropFilter" in str(explained)
   assert step_errors.explain(error, 1) is None
+
+
+def test_a_label_the_logits_have_no_class_for_is_named():
+  """Labels 0/1 under the default loss with a one-logit model: on one
+  device TF's traceback, on replicas a short batch was blamed (a new
+  user's trial)."""
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)],
+                           name="one_logit")
+  x = np.zeros((8, 3), np.float32)
+  y = np.array([0, 1] * 4)
+  with pytest.raises(ValueError, match=r"^A label of 1 is not a class of the "
+                     r"model's output, which gives 1 logit\(s\) per example: "
+                     r"sparse categorical cross-entropy \(the default loss\) "
+                     r"takes labels 0\.\.0\. End the model with one logit per "
+                     r"class \(Dense\(num_classes\)\)"):
+    Trainer(model, verbose=0).fit(x, y, global_batch_size=8)

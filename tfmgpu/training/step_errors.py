@@ -5,7 +5,8 @@ that `micro_batches` does not divide (a dataset's short last batch, found
 only when it comes: TF's `Assert` message is 3 kB long, its point at the
 end), or, likely, a batch with fewer rows than replicas, which leaves a replica
 an empty slice that some kernels (convolutions) reject: TF names the
-replica whose part failed.
+replica whose part failed; or a label the model's logits have no class
+for (a one-logit model under sparse cross-entropy).
 `explain` turns such an error into one that says what to change.
 """
 
@@ -18,6 +19,8 @@ import tensorflow as tf
 _MICRO = re.compile(r"not divisible by micro_batches=(\d+)")
 _SIZE = re.compile(r"batch size:\]?\s*\[?(\d+)")
 _REPLICA = re.compile(r"/replica_([1-9]\d*)/")
+_LABEL = re.compile(r"Received a label value of (-?\d+) which is outside the "
+                    r"valid range of \[0, (\d+)\)")
 
 
 def explain(error: tf.errors.OpError, replicas: int) -> ValueError | None:
@@ -34,6 +37,16 @@ def explain(error: tf.errors.OpError, replicas: int) -> ValueError | None:
         "short last batch?): batch the dataset with drop_remainder=True, use "
         f"a batch size that is a multiple of {m}, or micro_batches that "
         "divides every batch. The steps before it were trained.")
+  label = _LABEL.search(text)
+  if label:  # A short batch was blamed; one device gave TF's traceback.
+    value, classes = label.groups()
+    return ValueError(
+        f"A label of {value} is not a class of the model's output, which "
+        f"gives {classes} logit(s) per example: sparse categorical "
+        f"cross-entropy (the default loss) takes labels 0..{int(classes) - 1}. "
+        "End the model with one logit per class (Dense(num_classes)), or "
+        "give the loss your targets need (e.g. --loss=mse, or your own "
+        "--loss=my_loss.py:fn).")
   replica = _REPLICA.search(text)
   if replicas > 1 and replica:
     said = next((line for line in text.splitlines()
