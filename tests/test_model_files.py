@@ -131,6 +131,12 @@ def test_a_runs_custom_layers_load_from_the_model_file_it_records(tmp_path):
   with pytest.raises(ValueError, match=r"uses 'Triple', which no "
                      r"module imported here registers. A class of your own"):
     inference.load_model(str(run / "model.keras"))  # No run.json: unknown.
+  (run / "run.json").write_text(json.dumps(
+      {"model": f"{tmp_path}/moved.py:build"}))
+  with pytest.raises(ValueError, match=r"Here .*run\.json records "
+                     r"--model=.*moved\.py:build, and .*moved\.py is not there "
+                     r"now: give the file back its path"):
+    inference.load_model(str(run))
   (run / "run.json").write_text(json.dumps({"model": f"{source}:build"}))
   model = inference.load_model(str(run))
   np.testing.assert_allclose(model.layers[0](np.ones((1, 3))), 3.0)

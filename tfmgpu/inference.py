@@ -621,35 +621,33 @@ def load_model(path: str) -> Any:
   return _load_keras_file(path)
 
 
-def _import_recorded_model_code(directory: str) -> bool:
+def _import_recorded_model_code(directory: str) -> str | None:
   """Imports the model file or module (`--model=my_model.py:build`) that
   the run which saved a model in `directory` recorded in its `run.json`,
   so that the custom layers it registers load (Keras: "Could not locate
-  class"); whether it did. Only an absolute path to an existing file (what
-  runs record) or a module; one that fails to import is logged."""
+  class"). Only an absolute path to an existing file (what runs record)
+  or a module. `None` when it imported it, else why not (`""`: no record
+  of such code)."""
+  record = os.path.join(directory, rundir.RECORD_NAME)
   try:
     value = (rundir.read_record(directory) or {}).get("model")
-  except rundir.RunDirError:
-    return False
-  if not user_code.is_reference(value):
-    return False  # No record, or a registry name.
-  try:
-    ref = user_code.parse_reference("model", value)
-  except user_code.UserCodeError:
-    return False
+    ref = (user_code.parse_reference("model", value)
+           if user_code.is_reference(value) else None)
+  except (rundir.RunDirError, user_code.UserCodeError):
+    return ""
+  if ref is None:
+    return ""  # No record, or a registry name.
   if ref.is_file and not (os.path.isabs(ref.module)
                           and os.path.isfile(ref.module)):
-    return False
+    return (f"{record} records --model={value}, and {ref.module} is not "
+            "there now: give the file back its path, or load in Python.")
   logging.info("Importing %s, the model code %s records, for a class Keras "
-               "could not find.", value,
-               os.path.join(directory, rundir.RECORD_NAME))
+               "could not find.", value, record)
   try:
     user_code.load_function("model", value)
   except (user_code.UserCodeError, SystemExit) as e:
-    logging.warning("The run's model code was not imported (%s): a custom "
-                    "class it defines will not load.", e)
-    return False
-  return True
+    return f"importing the model code {record} records failed: {e}"
+  return None
 
 
 def _refuse_hub_preset(directory: str) -> None:
@@ -690,12 +688,15 @@ def _load_keras_file(path: str) -> keras.Model:
         f"model_path={path!r} is not a valid .keras file ({size} bytes, not "
         "a zip archive). It may be truncated or damaged: save the model "
         "again, or restore it from the run's checkpoints.")
+  why = ""  # Why the run's own code was not imported, if it was not.
   try:
     try:
       return _keras_load(path)
     except (ValueError, TypeError) as e:  # A class of the run's own code?
-      if not (_UNKNOWN.search(str(e)) and _import_recorded_model_code(
-          os.path.dirname(os.path.abspath(path)))):
+      if _UNKNOWN.search(str(e)):
+        why = _import_recorded_model_code(os.path.dirname(
+            os.path.abspath(path)))
+      if why is not None:
         raise
     return _keras_load(path)
   except (OSError, KeyError, EOFError, zipfile.BadZipFile,
@@ -713,7 +714,8 @@ def _load_keras_file(path: str) -> keras.Model:
           "imported here registers. A class of your own: import the module "
           "that defines it, load the model in Python and pass it to "
           "tfmgpu.predict (a training run's model.keras imports the --model "
-          "file its run.json records).") from e
+          "file its run.json records)." + (f" Here {why}" if why else "")
+      ) from e
     kind = TypeError if isinstance(e, TypeError) else ValueError
     raise kind(f"model_path={path!r} ({size} bytes) did not load: {e}") from e
 
