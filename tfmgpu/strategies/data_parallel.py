@@ -195,8 +195,9 @@ class Mirrored(_Shardable):
     if not layout.gpus and len(layout.cpus) == 1:
       logging.warning(
           "No GPU found: 'mirrored' trains one replica on the CPU. To "
-          "simulate N devices, add --virtual_devices=N (Python: "
-          "tfmgpu.configure_devices(logical_cpus=N) before any TF work).")
+          "simulate N devices, give --virtual_devices=N with N >= 2 "
+          "(Python: tfmgpu.configure_devices(logical_cpus=N) before any TF "
+          "work).")
     if options.zero_stage:  # The model places its own shards.
       return _sharded_placement("place")(self, options, build)
     return super().place(options, build, strategy=strategy, seed=seed)
