@@ -242,6 +242,10 @@ def test_float_targets_without_a_loss_are_refused_not_cast():
                      r"\(4, 3\)\).*Return y\.argmax\(-1\)"):
     data.check_labels_for_default_loss(
         arrays(np.eye(3, dtype=np.float32)[[0, 1, 2, 0]]))
+  with pytest.raises(ValueError, match=r"y_train\[2\]=nan is not a class "
+                     r"index.*has no class for it"):  # Not int(nan)'s error.
+    data.check_labels_for_default_loss(
+        arrays(np.array([1.0, 0.0, np.nan, 2.0], np.float32)))
   for fine in (np.array([0.0, 1.0, 2.0, 1.0], np.float32),  # Whole numbers.
                np.array([0, 1, 2, 1])):  # Integers.
     data.check_labels_for_default_loss(arrays(fine))

@@ -19,6 +19,7 @@ from tfmgpu.datasets.registry import Arrays
 from tfmgpu.datasets.registry import check_features
 from tfmgpu.datasets.registry import check_labels
 from tfmgpu.datasets.registry import check_shapes
+from tfmgpu.datasets.registry import not_class_indices
 from tfmgpu.datasets.registry import register_dataset
 
 
@@ -122,16 +123,17 @@ def _check_class_indices(name: str, y: np.ndarray, path: str) -> None:
   other = ("; the npz dataset takes class indices only: for other targets "
            "(regression) give your own loader, --dataset=my_data.py:load "
            "returning ((x_train, y_train), (x_test, y_test)).")
-  if (y.ndim == 2 and y.shape[1] > 1 and len(y) and np.isin(y, (0, 1)).all()
-      and (y.sum(axis=1) == 1).all()):
+  problem = not_class_indices(y)
+  if problem is None:
+    return
+  if problem[0] == "one-hot":
     raise ValueError(
         f"dataset 'npz': {name} in {path!r} has shape {y.shape} and one 1 "
         "per row: one-hot labels. Save the class indices instead "
         f"({name}.argmax(axis=1)){other}")
-  if y.dtype.kind == "f" and not np.all(np.isfinite(y) & (y == np.round(y))):
-    raise ValueError(f"dataset 'npz': {name} in {path!r} holds non-integer "
-                     "labels; labels must be integer class indices "
-                     f"0..num_classes-1{other}")
+  raise ValueError(f"dataset 'npz': {name} in {path!r} holds non-integer "
+                   "labels; labels must be integer class indices "
+                   f"0..num_classes-1{other}")
 
 
 def _text_start(path: str) -> str | None:

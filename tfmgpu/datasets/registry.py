@@ -492,6 +492,20 @@ def check_shapes(arrays: Arrays, *, source: str | None = None) -> None:
           "the same shape per example.")
 
 
+def not_class_indices(y: np.ndarray) -> tuple[str, int | None] | None:
+  """Why labels `y` are not class indices: `("one-hot", None)` for rows of
+  0/1 with one 1 each, `("fraction", i)` for the first float label that is
+  not a whole finite number; `None` when they are."""
+  if (y.ndim == 2 and y.shape[1] > 1 and len(y) and np.isin(y, (0, 1)).all()
+      and (y.sum(axis=1) == 1).all()):
+    return "one-hot", None
+  if y.dtype.kind == "f":
+    bad = np.flatnonzero(~(np.isfinite(y) & (y == np.round(y))))
+    if bad.size:
+      return "fraction", int(bad[0])
+  return None
+
+
 def check_labels_for_default_loss(arrays: Arrays, *,
                                   source: str | None = None) -> None:
   """Refuses float labels that are not class indices when no loss is
@@ -507,24 +521,26 @@ def check_labels_for_default_loss(arrays: Arrays, *,
   if not (isinstance(y, np.ndarray) and y.dtype.kind == "f" and y.size):
     return
   where = f"dataset {source or repr(arrays.name)}"
-  if (y.ndim == 2 and y.shape[1] > 1 and np.isin(y, (0, 1)).all()
-      and (y.sum(axis=1) == 1).all()):
+  problem = not_class_indices(y)
+  if problem is None:
+    return
+  kind, i = problem
+  if kind == "one-hot":
     raise ValueError(
         f"{where}: y_train holds one-hot rows (shape {y.shape}), and no "
         "--loss was given: the default loss, sparse categorical "
         "cross-entropy, takes class indices. Return y.argmax(-1) from your "
         "loader, or give --loss=categorical_crossentropy for a model "
         "ending in a softmax.")
-  fractional = np.flatnonzero(np.mod(y, 1) != 0)
-  if fractional.size:
-    i = int(fractional[0])
-    raise ValueError(
-        f"{where}: y_train[{i}]={y.flat[i].item()!r} is not a class index, "
-        "and no --loss was given: the default loss (sparse categorical "
-        f"cross-entropy) would read it as class {int(y.flat[i])}. Give the "
-        "loss your targets need: --loss=mse (regression), "
-        "--loss=binary_crossentropy (0/1 targets, a sigmoid output), or "
-        "your own fn as --loss=my_loss.py:fn.")
+  value = y.flat[i].item()
+  read = (f"would read it as class {int(value)}" if np.isfinite(value)
+          else "has no class for it")
+  raise ValueError(
+      f"{where}: y_train[{i}]={value!r} is not a class index, and no --loss "
+      f"was given: the default loss (sparse categorical cross-entropy) "
+      f"{read}. Give the loss your targets need: --loss=mse (regression), "
+      "--loss=binary_crossentropy (0/1 targets, a sigmoid output), or your "
+      "own fn as --loss=my_loss.py:fn.")
 
 
 def check_labels(arrays: Arrays, *, source: str | None = None) -> None:
