@@ -43,6 +43,19 @@ def test_a_builder_that_returns_no_model_or_gets_no_image_is_named():
   assert grey.layers[0].name == "channel" and grey.output_shape == (None, 10)
 
 
+def test_convnet_names_images_too_small_for_it():
+  """Found this session: the default model on the built-in `digits8x8`
+  failed with Keras' "Computed output size would be zero or negative"."""
+  with pytest.raises(ValueError, match=r"model 'convnet' takes images of at "
+                     r"least 16x16 pixels .* the data's examples are 8x8 "
+                     r"\(input_shape=\(8, 8, 1\)\). Choose a model that "
+                     r"takes them: --model=mlp or small_resnet"):
+    models.build_model("convnet", input_shape=(8, 8, 1), num_classes=10)
+  smallest = models.build_model("convnet", input_shape=(16, 16, 1),
+                                num_classes=10)
+  assert smallest.output_shape == (None, 10)
+
+
 def test_same_seed_same_weights():
   a = models.build_model("mlp", input_shape=(4,), num_classes=3, seed=7)
   b = models.build_model("mlp", input_shape=(4,), num_classes=3, seed=7)

@@ -11,6 +11,10 @@ from tfmgpu.models.registry import register_model
 
 keras = LazyModule("keras")
 
+# The smallest height and width convnet's two valid 5x5 convolutions and
+# two 2x2 poolings leave a pixel of: 16 -> 12 -> 6 -> 2 -> 1.
+CONVNET_MIN_SIZE = 16
+
 
 @register_model("convnet", "Classic 28x28 digit net: Conv(10,5)-pool-"
                 "Conv(20,5)-pool-Dense(50)-Dense(10).",
@@ -22,8 +26,9 @@ def convnet(input_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
   a float npz's `(n, H, W)` arrays) gets one in the model (a `Reshape`).
 
   Raises:
-    ValueError: `input_shape` is not an image's, said for the user (Keras
-      named only a layer's `ndim`).
+    ValueError: `input_shape` is not an image's, or one smaller than
+      `CONVNET_MIN_SIZE` a side, said for the user (Keras named only a
+      layer's `ndim`, or a convolution's "output size would be zero").
   """
   if len(input_shape) not in (2, 3):
     raise ValueError(
@@ -31,6 +36,14 @@ def convnet(input_shape: tuple[int, ...], num_classes: int) -> "keras.Model":
         f"or (height, width); the data's examples have input_shape="
         f"{tuple(input_shape)}. Choose a model for this data (--model=mlp "
         "for vectors, gpt for token sequences).")
+  if min(input_shape[:2]) < CONVNET_MIN_SIZE:
+    raise ValueError(
+        f"model 'convnet' takes images of at least {CONVNET_MIN_SIZE}x"
+        f"{CONVNET_MIN_SIZE} pixels (two 5x5 convolutions and two 2x2 "
+        f"poolings); the data's examples are {input_shape[0]}x"
+        f"{input_shape[1]} (input_shape={tuple(input_shape)}). Choose a "
+        "model that takes them: --model=mlp or small_resnet, or resnet50 / "
+        "mobilenet_v2, which pad small images.")
   layers = keras.layers
   grey = ([layers.Reshape((*input_shape, 1), name="channel")]
           if len(input_shape) == 2 else [])
