@@ -430,6 +430,26 @@ def test_an_error_raised_in_the_users_code_says_where(tmp_path):
   assert user_code.describe_error(ValueError("ours")) == "ours"
 
 
+def test_an_error_in_a_traced_loss_is_said_by_its_own_message(tmp_path):
+  """Found this session: a shape error in the user's `--loss` file printed
+  AutoGraph's "in user code:" page of tfmgpu's and TF's frames; the CLI
+  now prints the error it re-raised and the user's line."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "my_loss.py"
+  path.write_text("import tensorflow as tf\n"
+                  "def bad(y, p):\n"
+                  "  return tf.reshape(p, [-1, 3])\n")
+  bad = user_code.load_function("loss", f"{path}:bad")
+  step = tf.function(lambda p: bad(None, p))
+  with pytest.raises(ValueError) as raised:
+    step(tf.zeros([4, 10]))
+  assert str(raised.value).startswith("in user code:")
+  said = user_code.describe_error(raised.value)
+  assert said.startswith("Dimension size must be evenly divisible by 3"), said
+  assert said.endswith(f"(raised at {path}:3 in bad)"), said
+  assert "in user code" not in said
+
+
 def test_predict_cli_with_a_users_loader(tmp_path, parsed_flags, capsys):
   """`python -m tfmgpu.predict --dataset=file:load` names where the user's
   loader raised, as train does (it printed only `error: bad row`); a

@@ -369,11 +369,37 @@ def raised_at(error: BaseException) -> str | None:
   return None
 
 
+# How AutoGraph begins the message of an error raised while tracing a
+# `tf.function`: the traced frames, then the error it re-raises.
+_TRACED = "in user code:"
+_TRACED_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _traced_origin(error: BaseException) -> tuple[BaseException, str | None]:
+  """For AutoGraph's re-raise of an error from a traced function: the
+  error it re-raised (its `__context__`) and the innermost traced frame in
+  the user's code (`path:line in function`); else `(error, None)`."""
+  if not str(error).startswith(_TRACED):
+    return error, None
+  where = None
+  for path, line, function in _TRACED_FRAME.findall(str(error)):
+    if os.path.abspath(path) in _USER_FILES:
+      where = f"{os.path.abspath(path)}:{line} in {function}"
+  origin = error
+  while (origin.__context__ is not None
+         and str(origin).startswith(_TRACED)):
+    origin = origin.__context__
+  return origin, where
+
+
 def describe_error(error: BaseException) -> str:
   """`str(error)`, with where it left the user's code when it was raised
-  there (a CLI prints only the message: `error: bad row` named no file)."""
-  where = raised_at(error)
-  return f"{error} (raised at {where})" if where else str(error)
+  there (a CLI prints only the message: `error: bad row` named no file).
+  An error from a traced step is said by the error AutoGraph re-raised
+  (its message began with a page of TF's and tfmgpu's frames)."""
+  origin, where = _traced_origin(error)
+  where = where or raised_at(error)
+  return f"{origin} (raised at {where})" if where else str(origin)
 
 
 _FILE_MODULES: dict[str, Any] = {}

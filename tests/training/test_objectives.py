@@ -70,6 +70,26 @@ def test_a_loss_function_gets_labels_of_its_outputs_rank_as_in_keras():
                              flat)
 
 
+@pytest.mark.parametrize("loss", ["mse", keras.losses.MeanAbsoluteError()])
+def test_labels_a_loss_cannot_compare_with_the_output_are_named(loss):
+  """Found this session: `--loss=mse` on a two-head model with class
+  indices failed with TF's `Sub` node shapes under a page of frames; the
+  error now names the loss, the output, both shapes and what fits."""
+  objective = objectives.Objective(_two_outputs(as_dict=True), loss)
+  labels = {"score": np.array([1, 0, 1]), "value": np.zeros((3, 1))}
+  outputs = {"score": np.zeros((3, 2), np.float32),
+             "value": np.zeros((3, 1), np.float32)}
+  for traced in (False, True):  # TF says it as a kernel or a shape error.
+    call = (tf.function(objective.per_example_loss) if traced
+            else objective.per_example_loss)
+    with pytest.raises(ValueError, match=(
+        r"loss '(mean_squared_error|mean_absolute_error)' cannot compare the "
+        r"labels of output 'score', shaped \[3\], with the model's output, "
+        r"shaped \[3, 2\]\. Class indices .* take sparse categorical "
+        r"cross-entropy .* TF said: .*\[3\](, | vs. )\[3,2\]")):
+      call(labels, outputs)
+
+
 @pytest.mark.parametrize("loss,message", [
     (keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                 ignore_class=0),

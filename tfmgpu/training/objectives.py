@@ -159,6 +159,39 @@ def _from_logits(loss: Any) -> bool:
   return True
 
 
+# TF's words for tensors whose shapes cannot meet (shape inference, kernels).
+_SHAPE_CLASH = ("Dimensions must be equal", "Incompatible shapes",
+                "are incompatible")
+
+
+def _call_loss(out: _Output, y_true: Any, y_pred: Any) -> tf.Tensor:
+  """`out.loss_fn(y_true, y_pred)`; labels it cannot compare with the
+  output said as such (TF named a `Sub` node's shapes, a new user's
+  `--loss=mse` on class indices against 10 logits).
+
+  Raises:
+    ValueError: the labels' and the output's shapes clash in the loss.
+  """
+  try:
+    return out.loss_fn(y_true, y_pred)
+  except (ValueError, tf.errors.InvalidArgumentError) as e:
+    said = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+    if not any(words in said for words in _SHAPE_CLASH):
+      raise
+    fn = out.loss_fn
+    name = getattr(getattr(fn, "__self__", None), "name", None) or getattr(
+        fn, "__name__", type(fn).__name__)
+    shapes = [list(getattr(t, "shape", np.shape(t))) for t in (y_true, y_pred)]
+    raise ValueError(
+        f"loss {name!r} cannot compare the labels of output {out.name!r}, "
+        f"shaped {shapes[0]}, with the model's output, shaped {shapes[1]}. "
+        "Class indices (one integer per example) take sparse categorical "
+        "cross-entropy (the default loss, or --loss="
+        "sparse_categorical_crossentropy) with one logit per class; 'mse' "
+        "and 'mae' take targets shaped like the output (one value per "
+        f"output unit). TF said: {said[:300]}") from e
+
+
 def accuracy_by_shape(y_true: Any, y_pred: Any) -> tf.Tensor:
   """Keras' reading of "accuracy" from the shapes: one output unit is
   binary, targets shaped like the predictions are one-hot, and other
@@ -443,7 +476,7 @@ class Objective:
     y_pred = _floats_as(tf.convert_to_tensor(y_pred), out.loss_dtype)
     y_true = tf.nest.map_structure(
         lambda t: _floats_as(t, out.loss_dtype), y_true)
-    values = tf.cast(out.loss_fn(y_true, y_pred), self.loss_dtype)
+    values = tf.cast(_call_loss(out, y_true, y_pred), self.loss_dtype)
     if values.shape.rank == 0:
       raise ValueError(
           f"loss for output {out.name!r} returned a scalar; it must return "
