@@ -669,6 +669,10 @@ def _refuse_hub_preset(directory: str) -> None:
       "DIR/model.keras.")
 
 
+# The model config Keras puts in "could not be deserialized properly",
+# once per nested layer: kilobytes that hide its last line, the cause.
+_CONFIG = re.compile(r"\n\nconfig=.*?\.\n\nException encountered: ", re.S)
+
 # Keras' words for a class or function no imported module registers.
 _UNKNOWN = re.compile(r"Could not locate (?:class|function) '([^']+)'")
 
@@ -717,7 +721,15 @@ def _load_keras_file(path: str) -> keras.Model:
           "file its run.json records)." + (f" Here {why}" if why else "")
       ) from e
     kind = TypeError if isinstance(e, TypeError) else ValueError
-    raise kind(f"model_path={path!r} ({size} bytes) did not load: {e}") from e
+    said, configs = _CONFIG.subn(" Keras said: ", str(e))
+    said = said.replace("\n\nException encountered: ", " Keras said: ")
+    fix = (" A layer of your own rebuilds from its get_config(): return "
+           "every __init__ argument from get_config() and pass **kwargs on "
+           "to super().__init__." if configs else "")
+    if fix:
+      said = said.rstrip(". ") + "."
+    raise kind(f"model_path={path!r} ({size} bytes) did not load: "
+               f"{said}{fix}") from e
 
 
 def _natural_key(name: str) -> list:
