@@ -39,6 +39,30 @@ def test_dict_outputs_are_keyed_by_their_dict_keys_and_none_means_no_loss():
   assert listed.outputs[1].loss_fn is None
 
 
+def test_lists_for_dict_outputs_follow_keras_order_not_the_dicts():
+  """A new user's trial: with outputs `{"zeta": ..., "alpha": ...}`,
+  `loss_weights=[1, 0]` weighted the heads in the dict's order where
+  Keras' is sorted (`output_names`), and trained the other head, silently;
+  a list `loss` put `mse` on the logits. Both now as Keras' compile."""
+  i = keras.Input((3,))
+  model = keras.Model(i, {"zeta": keras.layers.Dense(2, name="zeta")(i),
+                          "alpha": keras.layers.Dense(1, name="alpha")(i)})
+  losses = [["mse", keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True)], {"zeta": keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True), "alpha": "mse"}]
+  y = {"zeta": np.array([0, 1, 1, 0]),
+       "alpha": np.array([[0.5], [1.0], [-1.0], [2.0]], np.float32)}
+  pred = {"zeta": np.array([[1, 0], [0, 2], [1, 1], [3, 0]], np.float32),
+          "alpha": np.array([[0.0], [1.5], [1.0], [2.0]], np.float32)}
+  for loss in losses:
+    objective = objectives.Objective(model, loss, loss_weights=[1.0, 0.25])
+    assert [o.name for o in objective.outputs] == model.output_names
+    model.compile(loss=loss, loss_weights=[1.0, 0.25])
+    want = model.compute_loss(y=y, y_pred=pred)
+    got = np.mean(objective.per_example_loss(y, pred))
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
 def test_a_loss_returning_a_scalar_is_refused_by_name():
   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
   objective = objectives.Objective(model, lambda y, p: tf.reduce_mean(p - y))

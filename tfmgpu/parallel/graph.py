@@ -59,7 +59,9 @@ def output_names(model: keras.Model) -> tuple[str, ...]:
 
   The dict's keys for a model returning a dict (a keras_hub `BertBackbone`
   returns `{"sequence_output": ..., "pooled_output": ...}`; Keras'
-  `output_names` would name the layers that make them instead), the output
+  `output_names` would name the layers that make them instead), sorted as
+  Keras orders them (`model.outputs`, and the entries of a list given for
+  them: `loss_weights=[...]`), not as the dict was written; the output
   layers' names for a list, and a functional model's single output's (the
   layer that makes it: the name a Trainer of the unsplit model gives it;
   `()` for a Sequential's, which has no `output_names`).
@@ -72,7 +74,7 @@ def output_names(model: keras.Model) -> tuple[str, ...]:
   except (AttributeError, ValueError):  # Sequential before its first call.
     output = None
   if isinstance(output, Mapping):
-    return tuple(output)
+    return tuple(sorted(output))  # Keras' order (its tree flattens sorted).
   return tuple(model.output_names)
 
 

@@ -152,7 +152,7 @@ class ShardedModel(placed.PerDeviceGradientModel):
     trainable = model.trainable_variables
     self._copies = (Copies(trainable, self._owner_list(trainable), devices)
                     if stage < 3 else None)
-    self.unsplit_output_names = tuple(getattr(model, "output_names", ()) or ())
+    self.unsplit_output_names = graph_lib.output_names(model)
     self.unsplit_output_shapes = graph_lib.output_shapes(model)
     self.unsplit_input_dtypes = graph_lib.input_dtypes(model)
     self.unsplit_input_keys = graph_lib.input_keys(model)

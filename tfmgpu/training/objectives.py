@@ -324,7 +324,11 @@ def output_names(model: keras.Model) -> list[str]:
   except (AttributeError, ValueError):  # Subclassed: no symbolic output.
     output = None
   if isinstance(output, Mapping) and len(output) > 1:
-    return list(output)  # Dict outputs: keyed like y_pred.
+    # Dict outputs: keyed like y_pred, in Keras' order (sorted, as its tree
+    # flattens them), which a list of losses, loss weights or labels
+    # follows; in the dict's own order, `loss_weights=[1, 0]` trained the
+    # other head, silently (a new user's trial).
+    return sorted(output)
   outputs = getattr(model, "outputs", None)
   names = list(getattr(model, "output_names", None) or [])
   if outputs is not None and len(tf.nest.flatten(outputs)) > 1 and names:
