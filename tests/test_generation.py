@@ -13,6 +13,7 @@ import tfmgpu
 from tfmgpu import devices as devices_lib
 from tfmgpu import generation
 from tfmgpu import models
+from tfmgpu.generation import samplers
 from tfmgpu.parallel import cloning
 
 VOCAB = 50
@@ -261,6 +262,18 @@ def test_bad_options_are_named(gpt):
     tfmgpu.generate(gpt, ids, max_new_tokens=2, stop_token_ids=5)
 
 
+def test_seeds_are_the_samplers_32_bit_ones_numpy_ints_too():
+  """A new user's trial: seeds 2**32 apart wrote the same tokens, silently
+  (an int32 counter), and `np.int64(5)` was refused."""
+  for seed in (2**32, 2**31, -2**31 - 1):
+    with pytest.raises(ValueError, match=rf"seed={seed} is outside the "
+                       r"samplers' 32-bit seeds \(-2147483648\.\.2147483647\)"):
+      generation.Sampling("random", seed=seed)
+  assert generation.Sampling("top_k", k=np.int64(3), seed=np.int64(5)).seed == 5
+  assert generation.Sampling("random", seed=2**31 - 1).seed == 2**31 - 1
+  assert samplers.offset_seed(2**31 - 1, 1) == -2**31  # A later window's.
+
+
 def test_a_placed_model_refuses_a_strategy_and_a_placed_non_gpt(
     gpt, cpu_devices):
   import keras  # pylint: disable=g-import-not-at-top
@@ -496,6 +509,26 @@ def test_cli_names_prompt_ids_outside_the_vocabulary(
                            prompt_ids=ids, max_new_tokens=2):
     assert generate.main(["generate"]) == 1
   assert re.search("error: " + match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("given,match", [
+    ({"top_k": 5}, r"--top_k=5 is read only by --sampler=top_k, and "
+     r"--sampler=greedy is in use: add --sampler=top_k"),
+    ({"sampler": "top_p", "top_k": 5}, r"--top_k=5 is read only by "),
+    ({"temperature": 5.0}, r"--temperature=5\.0 is read only by --sampler="
+     r"top_k or --sampler=top_p or --sampler=random"),
+    ({"sample_seed": 1}, r"--sample_seed=1 is read only by ")])
+def test_cli_refuses_a_sampling_flag_its_sampler_does_not_read(
+    byte_gpt_path, parsed_flags, given, match):
+  """A new user's trial: `--top_k=5 --temperature=5 --sample_seed=1`
+  without `--sampler` wrote greedy text, silently."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from tfmgpu import generate  # pylint: disable=g-import-not-at-top
+  with flagsaver.flagsaver(model_path=[byte_gpt_path[0]], prompt="x",
+                           **given):
+    with pytest.raises(app.UsageError, match=match):
+      generate.main(["generate"])
 
 
 def test_cli_takes_only_one_of_prompt_and_prompt_ids(byte_gpt_path,

@@ -54,7 +54,8 @@ _TEMPERATURE = flags.DEFINE_float(
     "temperature", 1.0, "Divides the logits before sampling (not greedy).")
 _SAMPLE_SEED = flags.DEFINE_integer(
     "sample_seed", None, "Seed of the sampler: the same seed writes the same "
-    "text. Defaults to a fresh one.")
+    "text. Defaults to a fresh one.", lower_bound=-2**31,
+    upper_bound=2**31 - 1)
 _STOP_TOKEN_IDS = flags.DEFINE_list(
     "stop_token_ids", None, "Stop after any of these token ids.")
 _MEMORY_PLAN = flags.DEFINE_bool(
@@ -87,6 +88,9 @@ def main(argv: list[str]) -> int:
                          '--prompt_ids=1,2,3, not both.')
   if not planning and _PROMPT.value is None and _PROMPT_IDS.value is None:
     raise app.UsageError('Give one of --prompt="text" or --prompt_ids=1,2,3.')
+  unread = _unread_sampling_flag()
+  if unread:
+    raise app.UsageError(unread)
   flags_lib.quiet_tensorflow()
   try:
     if planning:
@@ -98,6 +102,27 @@ def main(argv: list[str]) -> int:
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+
+
+# The samplers that read each sampling flag.
+_READ_BY = {"top_k": ("top_k",), "top_p": ("top_p",),
+            "temperature": ("top_k", "top_p", "random"),
+            "sample_seed": ("top_k", "top_p", "random")}
+
+
+def _unread_sampling_flag() -> str | None:
+  """Why a sampling flag given is one `--sampler` does not read, or `None`
+  (`--top_k=5` with the default greedy sampler wrote greedy text,
+  silently: a new user's trial)."""
+  for name, readers in _READ_BY.items():
+    flag = flags.FLAGS[name]
+    given = flag.present or flag.value != flag.default
+    if given and _SAMPLER.value not in readers:
+      needs = " or ".join(f"--sampler={r}" for r in readers)
+      return (f"--{name}={flag.value} is read only by {needs}, and "
+              f"--sampler={_SAMPLER.value} is in use: add {needs.split()[0]}"
+              f" (or drop --{name}).")
+  return None
 
 
 def _prepare():
@@ -181,8 +206,10 @@ def _prompt_tokens(as_text: bool, vocab: int) -> list[int]:
     prompts.check_ids(ids, vocab, given)
     return ids
   if not as_text:
-    raise ValueError("--prompt is text, and this model's vocabulary is not "
-                     f"bytes ({BYTE_VOCAB} tokens): give --prompt_ids.")
+    raise ValueError(f"--prompt is text, read as UTF-8 bytes by a model of "
+                     f"{BYTE_VOCAB} tokens; this model's vocabulary has "
+                     f"{vocab}: give its token ids with --prompt_ids (from "
+                     "the tokenizer it was trained with).")
   return list(_PROMPT.value.encode("utf-8"))
 
 

@@ -13,6 +13,7 @@ prompt at another index, or sent alone, draws other numbers.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import tensorflow as tf
 
@@ -43,7 +44,8 @@ class Sampling:
       raise ValueError(f"sampler={self.sampler!r} is unknown. Choose one of "
                        f"{', '.join(SAMPLERS)}.")
     if self.sampler == "top_k" and (
-        not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1):
+        not isinstance(self.k, numbers.Integral) or isinstance(self.k, bool)
+        or self.k < 1):
       raise ValueError(f"k={self.k!r} must be a positive int for "
                        "sampler='top_k', e.g. k=40.")
     if self.sampler == "top_p" and (
@@ -59,9 +61,36 @@ class Sampling:
     if not float(self.temperature) > 0.0:
       raise ValueError(f"temperature={self.temperature!r} must be > 0, e.g. "
                        "1.0 (greedy ignores it).")
-    if self.seed is not None and (not isinstance(self.seed, int)
-                                  or isinstance(self.seed, bool)):
-      raise ValueError(f"seed={self.seed!r} must be an int or None.")
+    if self.seed is not None:
+      object.__setattr__(self, "seed", _checked_seed(self.seed))
+
+
+# The seeds the samplers' int32 counters tell apart.
+SEED_RANGE = (-2**31, 2**31 - 1)
+
+
+def _checked_seed(seed: object) -> int:
+  """`seed` as an int in `SEED_RANGE` (a NumPy integer too).
+
+  Raises:
+    ValueError: not an integer, or outside the range, where seeds 2**32
+      apart wrote the same tokens, silently (a new user's trial).
+  """
+  if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    raise ValueError(f"seed={seed!r} must be an int or None.")
+  low, high = SEED_RANGE
+  if not low <= int(seed) <= high:
+    raise ValueError(
+        f"seed={seed!r} is outside the samplers' 32-bit seeds ({low}.."
+        f"{high}), where seeds 2**32 apart write the same tokens: pass a "
+        "seed in that range.")
+  return int(seed)
+
+
+def offset_seed(seed: int, by: int) -> int:
+  """`seed + by`, wrapped into `SEED_RANGE` (a later window's seed)."""
+  low, high = SEED_RANGE
+  return (seed - low + by) % (high - low + 1) + low
 
 
 def row_seeds(seed: tf.Tensor, rows: tf.Tensor, position: tf.Tensor

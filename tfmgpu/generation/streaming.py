@@ -63,7 +63,8 @@ def stream_tokens(generator: "api.Generator", prompt: Sequence[int], *,
     # A full window even when fewer tokens are left (the stream is left
     # early): every window after the first has one shape, traced once.
     room = left if limit is None else limit - len(context)
-    seed = None if sampling.seed is None else sampling.seed + window
+    seed = (None if sampling.seed is None
+            else samplers.offset_seed(sampling.seed, window))
     for new, written in generator.stream(
         np.asarray([context], np.int32), max_new_tokens=room,
         sampling=dataclasses.replace(sampling, seed=seed),
