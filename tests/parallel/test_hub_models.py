@@ -303,6 +303,24 @@ def test_a_local_preset_loads_its_weights(tmp_path):
     hub.check_preset("gpt", str(tmp_path / "qwen"))
 
 
+def test_a_preset_with_fewer_positions_than_the_data_is_refused(tmp_path):
+  """A new user's trial: a GPT-2 preset of 32 positions on 64-token
+  windows failed deep in TF's gradient ("Paddings must be non-negative")."""
+  from tfmgpu import models  # pylint: disable=g-import-not-at-top
+  from tfmgpu.models import hub  # pylint: disable=g-import-not-at-top
+  hub.causal_lm("gpt2", vocabulary_size=64, sequence_length=8).save_to_preset(
+      str(tmp_path / "gpt2"))
+  with pytest.raises(ValueError, match=r"model_preset='.*gpt2' has "
+                     r"max_sequence_length=8 positions, but the data's "
+                     r"examples are 16 tokens long: .* a preset with at least "
+                     r"16 positions"):
+    models.build_model("gpt2", input_shape=(16,), num_classes=64,
+                       preset=str(tmp_path / "gpt2"))
+  fits = models.build_model("gpt2", input_shape=(8,), num_classes=64,
+                            preset=str(tmp_path / "gpt2"))
+  assert fits.output_shape == (None, 8, 64)
+
+
 def test_a_bert_preset_loads_its_classifier_head(tmp_path):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tfmgpu import models  # pylint: disable=g-import-not-at-top

@@ -205,6 +205,7 @@ def build(family: str, input_shape: Any, num_classes: int, *,
   lm = causal_lm(family, size, vocabulary_size=int(num_classes or 256),
                  sequence_length=length, preset=preset)
   _check_vocabulary(lm, num_classes, preset)
+  _check_positions(lm.backbone, length, preset)
   inputs, ids, mask = _token_inputs(length, masked)
   logits = lm({"token_ids": ids, "padding_mask": mask})
   return keras.Model(inputs, logits, name=family)
@@ -227,6 +228,23 @@ def _check_vocabulary(lm: Any, num_classes: int, preset: str | None
       f"vocabulary (ids below {vocabulary}; --dataset=module:function "
       "for your own), or a preset whose vocabulary_size is at least "
       f"{num_classes}.")
+
+
+def _check_positions(backbone: Any, length: int, preset: str | None) -> None:
+  """Refuses a preset with learned positions (GPT-2, BERT:
+  `max_sequence_length`) fewer than the data's `length` tokens per
+  example: its position embedding failed deep in TF's gradient ("Paddings
+  must be non-negative", a new user's trial). Rotary models have no such
+  limit."""
+  limit = getattr(backbone, "max_sequence_length", None)
+  if preset is None or not limit or length <= int(limit):
+    return
+  raise ValueError(
+      f"model_preset={preset!r} has max_sequence_length={limit} positions, "
+      f"but the data's examples are {length} tokens long: the model has no "
+      f"position for token {limit} on. Use sequences of at most {limit} "
+      "tokens (your own --dataset=module:function), or a preset with at "
+      f"least {length} positions.")
 
 
 def text_classifier(family: str, size: str = TINY, *, num_classes: int,
@@ -279,6 +297,7 @@ def build_classifier(family: str, input_shape: Any, num_classes: int, *,
         "and needs class labels (stdlib_modules, the default, has 12).")
   task = text_classifier(family, size, num_classes=int(num_classes),
                          sequence_length=length, preset=preset)
+  _check_positions(task.backbone, length, preset)
   inputs, ids, mask = _token_inputs(length, masked)
   logits = task({"token_ids": ids, "segment_ids": keras.ops.zeros_like(ids),
                  "padding_mask": mask})
