@@ -107,6 +107,48 @@ def test_model_built_under_another_strategy_is_served(rows, reference, model,
   np.testing.assert_allclose(predictor.predict(rows), reference, rtol=1e-5,
                              atol=1e-5)
 
+class _Mlp(keras.Model):
+  """A subclassed model whose config rebuilds it (Keras' default)."""
+
+  def __init__(self, units=8, **kwargs):
+    super().__init__(**kwargs)
+    self.units = units
+    self.hidden = keras.layers.Dense(units, activation="relu")
+    self.out = keras.layers.Dense(3)
+
+  def call(self, x):
+    return self.out(self.hidden(x))
+
+
+class _Wrapped(_Mlp):
+  """A subclassed model taking a layer: its config cannot rebuild it."""
+
+  def __init__(self, head, **kwargs):
+    super().__init__(**kwargs)
+    self.out = head
+
+
+def test_a_subclassed_model_is_served_under_a_new_strategy():
+  """A new user's trial: `tfmgpu.predict(subclassed, x, strategy=
+  "mirrored")` failed with Keras' "Arguments 'clone_function' and
+  'input_tensors' are only supported for Sequential models or Functional
+  models"; it is copied by its config now, or refused saying what to do."""
+  x = np.random.default_rng(0).normal(size=(37, 5)).astype("float32")
+  model = _Mlp(name="sub")
+  want = model.predict(x, verbose=0)
+  got = tfmgpu.predict(model, x, batch_size=8,
+                       strategy=tfmgpu.get_strategy("mirrored",
+                                                    num_replicas=2))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  wrapped = _Wrapped(keras.layers.Dense(3), name="wrapped")
+  wrapped.predict(x, verbose=0)
+  with pytest.raises(ValueError, match=r"model 'wrapped' \(_Wrapped, a "
+                     r"subclassed keras.Model\) must be copied here .* pass "
+                     r"that strategy object \(strategy=s, not a name"):
+    tfmgpu.predict(wrapped, x, strategy=tfmgpu.get_strategy(
+        "mirrored", num_replicas=2))
+
+
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_model_parallel_equals_single_device(model, rows, reference, num_stages):
   split = staged.StagedModel(model, partition.plan_stages(model, num_stages))

@@ -219,6 +219,16 @@ def _library_model(layer: keras.layers.Layer) -> bool:
           and not checks.users_class(layer))
 
 
+def _build_like(clone: keras.Model, model: keras.Model) -> None:
+  """Builds `clone` on the shapes `model` was built on (a subclassed
+  model has no `input_shape`: Keras recorded the shapes of its first call)."""
+  build_config = model.get_build_config()
+  if build_config:
+    clone.build_from_config(build_config)
+  else:
+    clone.build(model.input_shape)
+
+
 def _from_own_config(model: keras.Model) -> keras.Model:
   """A copy of a library's functional model (a keras_hub backbone) by its
   class's own `from_config`, as a split copies its blocks (`copy_layer`):
@@ -506,21 +516,46 @@ def copy_model(model: keras.Model,
   """
   weights = model.get_weights()
   scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+  graph = isinstance(model, keras.Sequential) or _compat.is_functional(model)
   with scope, _compat.copying_layers():
-    if dtype is None and not same_class:  # A config that fails: attributes.
+    if dtype is None and not same_class and graph:  # Attributes kept.
       clone = keras.models.clone_model(model, clone_function=_clone_layer)
     else:
-      # A copy: `Functional.from_config` consumes parts of the dict it gets.
-      config = copy.deepcopy(model.get_config())
-      clone = type(model).from_config(
-          config if dtype is None else _with_dtype(config, dtype))
+      clone = _from_own_config(model, dtype)
     if not clone.built:
-      clone.build(model.input_shape)
+      _build_like(clone, model)
     shared_lib.tie({l.name: l for l in clone.layers},
                    shared_lib.find_shared(model.layers), "copy")
     layer_state.mirror(model, clone)
     layer_state.set_weights(clone, weights)
   return clone
+
+
+def _from_own_config(model: keras.Model, dtype: str | None) -> keras.Model:
+  """`model` rebuilt by its class's `from_config` (in `dtype`).
+
+  Raises:
+    ValueError: a subclassed model whose config does not rebuild it (Keras
+      cloning takes only functional and Sequential models, and said so of
+      its `clone_function` argument, a new user's trial).
+  """
+  try:
+    # A copy: `Functional.from_config` consumes parts of the dict it gets.
+    config = copy.deepcopy(model.get_config())
+    return type(model).from_config(
+        config if dtype is None else _with_dtype(config, dtype))
+  except (NotImplementedError, TypeError, ValueError) as e:
+    if _compat.is_functional(model) or isinstance(model, keras.Sequential):
+      raise
+    raise ValueError(
+        f"model {model.name!r} ({type(model).__name__}, a subclassed "
+        "keras.Model) must be copied here (into a strategy's scope, or "
+        "another dtype), and its get_config()/from_config() do not rebuild "
+        f"it: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
+        "Build it in the strategy's scope and pass that strategy object "
+        "(strategy=s, not a name, which makes a new one), serve it with no "
+        "strategy, give the class a get_config() returning its __init__ "
+        "arguments, or write it as a functional model.") from e
 
 
 def _with_dtype(config: Any, dtype: str) -> Any:
