@@ -613,6 +613,29 @@ def test_a_lambda_reading_the_users_globals_splits():
                              model.predict(rows, verbose=0), atol=1e-6)
 
 
+def test_a_masked_input_crosses_stages_without_keras_false_warning():
+  """A new user's trial: Keras warned, once per stage and micro-batch, that
+  the stage "will destroy the mask information", while the stage's own
+  layers carried it (the predictions equal the unsplit model's)."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  ids = keras.Input((6,), dtype="int32")
+  h = keras.layers.Embedding(20, 8, mask_zero=True, name="emb")(ids)
+  h = keras.layers.LSTM(8, name="lstm")(keras.layers.Dense(8, name="d")(h))
+  model = keras.Model(ids, keras.layers.Dense(3, name="out")(h))
+  rows = np.array([[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0]], "int32")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    staged = StagedModel(model, partition.plan_stages(
+        model, 2, split_points=["lstm"]))
+    got = staged.predict(rows, verbose=0)
+  np.testing.assert_allclose(got, model.predict(rows, verbose=0), atol=1e-6)
+  unmasked = model.predict(np.where(rows > 0, rows, 7), verbose=0)
+  assert np.abs(got - unmasked).max() > 1e-3  # The mask mattered.
+  said = [str(w.message) for w in caught if "destroy the mask" in str(
+      w.message)]
+  assert not said, said
+
+
 class _ScaledModel(keras.Model):
   """A functional model whose own call() adds to its graph."""
 

@@ -56,6 +56,7 @@ class ColumnParallelDense(ShardedLayer):
                kernel_initializer: Any = "glorot_uniform",
                bias_initializer: Any = "zeros", **kwargs):
     super().__init__(devices, **kwargs)
+    self.supports_masking = True  # As Dense: the output keeps the mask.
     self.units = int(units)
     self.shard_units = split_size(self.units, len(self.devices),
                                     f"layer {self.name!r} units")
@@ -153,6 +154,7 @@ class RowParallelDense(ShardedLayer):
                kernel_initializer: Any = "glorot_uniform",
                bias_initializer: Any = "zeros", **kwargs):
     super().__init__(devices, **kwargs)
+    self.supports_masking = True  # As Dense: the output keeps the mask.
     self.units = int(units)
     self.activation = keras.activations.get(activation)
     self.use_bias = bool(use_bias)

@@ -83,7 +83,23 @@ def _build_stage(graph: graph_lib.ModelGraph, start: int, end: int,
   else:
     out = [tensors[id(t)] for t in graph.crossing(end)]
     out = out[0] if len(out) == 1 else out
-  return keras.Model(inputs, out, name=name)
+  return _keeping_own_masks(keras.Model(inputs, out, name=name))
+
+
+def _no_mask(inputs: Any, previous_mask: Any) -> None:
+  del inputs, previous_mask
+  return None
+
+
+def _keeping_own_masks(stage: keras.Model) -> keras.Model:
+  """`stage` taking inputs that carry a Keras mask without Keras' warning
+  that it "will destroy the mask information" (once per stage and
+  micro-batch): its own layers compute its outputs' masks, as in the
+  unsplit model (a new user's trial: masks cross stages, the weights equal
+  Keras' fit), and it adds none of its own."""
+  stage.supports_masking = True
+  stage.compute_mask = _no_mask
+  return stage
 
 
 def _check_shared(graph: graph_lib.ModelGraph,
