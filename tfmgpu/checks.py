@@ -191,6 +191,24 @@ def stateful_layers(model: Any) -> list[str]:
   return found
 
 
+def per_replica_norms(model: Any) -> list[str]:
+  """The names of `model`'s training `BatchNormalization` layers that are
+  not `synchronized`: under data parallelism each replica normalises its
+  own rows by their own statistics (as Keras' `fit` under a strategy)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
+  if not isinstance(model, keras.layers.Layer):
+    return []
+  return [l.name for l in _compat.flatten_layers(model)
+          if isinstance(l, keras.layers.BatchNormalization) and l.trainable
+          and not getattr(l, "synchronized", False)]
+
+
+def shown_names(names: list[str], most: int = 4) -> str:
+  """`names` joined for a message, the first `most` of them."""
+  return ", ".join(names[:most]) + (" ..." if len(names) > most else "")
+
+
 def refuse_stateful_layers(model: Any, layout: str,
                            label: str = "model") -> None:
   """Raises when `model` holds stateful RNN layers (`stateful_layers`)

@@ -641,7 +641,8 @@ def test_only_batch_norms_that_train_are_said_to_differ(caplog, cpu_devices):
     model.get_layer("base_norm").trainable = not frozen
     caplog.clear()
     pipeline.PipelinedModel.from_model(model, num_stages=2, micro_batches=2)
-    said.append("normalise each micro-batch" in caplog.text)
+    said.append("normalise each of the 2 micro-batches with its own "
+                "statistics (of its rows alone)" in caplog.text)
   assert said == [False, True]
 
 

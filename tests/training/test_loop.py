@@ -152,6 +152,30 @@ def test_a_rerun_with_nothing_to_train_ends_with_the_ema_weights(
     np.testing.assert_array_equal(a, b)
 
 
+def test_batch_norms_normalising_each_replica_say_so(caplog):
+  """A new user's trial: mirrored trained a BatchNormalization model 1.1e-2
+  off one device (each replica's own statistics, as Keras' fit) unsaid,
+  where the pipeline's micro-batches said so."""
+  strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+
+  def build(synchronized):
+    with strategy.scope():
+      return keras.Sequential([
+          keras.Input((4,)), keras.layers.BatchNormalization(
+              synchronized=synchronized, name="bn"), keras.layers.Dense(2)],
+          name=f"bn_{synchronized}")
+  with caplog.at_level("WARNING"):
+    Trainer(build(False), strategy=strategy, verbose=0)
+  assert ("BatchNormalization layers (bn) normalise each of the 2 replicas' "
+          "rows by their own statistics, as Keras' fit does under "
+          "MirroredStrategy, so training differs from one device"
+          ) in caplog.text
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    Trainer(build(True), strategy=strategy, verbose=0)
+  assert "normalise" not in caplog.text
+
+
 def test_a_model_with_its_own_step_is_refused(caplog):
   """The Trainer runs its own step; a model's `train_step` is never called.
   A warning was not enough: a keras.io step computing MAE with "mse"

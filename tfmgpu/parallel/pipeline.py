@@ -348,9 +348,10 @@ def _warn_per_micro_batch(name: str, stages: Sequence[keras.Model],
   norms = training_norms(stages)
   if norms and micro_batches > 1:
     logging.warning(
-        "%s: BatchNormalization layers (%s) normalise each micro-batch of "
-        "%d with its own statistics, so training differs from the unsplit "
-        "model.", name, ", ".join(norms), micro_batches)
+        "%s: BatchNormalization layers (%s) normalise each of the %d "
+        "micro-batches with its own statistics (of its rows alone), so "
+        "training differs from the unsplit model's; micro_batches=1 "
+        "normalises the whole batch.", name, ", ".join(norms), micro_batches)
   stateful = [l.name for l in layers if l.trainable and l.non_trainable_weights
               and checks.users_class(l)
               and not getattr(l, "lora_enabled", False)]

@@ -38,6 +38,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu import checks
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import microbatch
@@ -48,14 +49,22 @@ from tfmgpu.training import allreduce as allreduce_lib
 
 def warn_unsynchronized_norms(model: keras.Model, copies: int,
                               name: str) -> None:
-  """Says that `BatchNormalization(synchronized=True)` layers are not
-  synchronized over `copies` data-parallel copies that a placed model runs
-  itself (outside a strategy's replica context, where Keras would
-  all-reduce their moments): each copy normalises its own rows, so training
-  differs from one device and from `mirrored`, where they are synced."""
+  """Says that training `BatchNormalization` layers normalise each of
+  `copies` data-parallel copies' rows by their own statistics, so training
+  differs from one device: plain ones as under `mirrored`, and
+  `synchronized=True` ones too, as a placed model runs its copies itself
+  (outside a strategy's replica context, where Keras would all-reduce
+  their moments), unlike `mirrored`, where they are synced."""
   synced = [l.name for l in _compat.flatten_layers(model)
             if isinstance(l, keras.layers.BatchNormalization)
             and l.trainable and getattr(l, "synchronized", False)]
+  plain = checks.per_replica_norms(model)
+  if plain and copies > 1:
+    logging.warning(
+        "%s: BatchNormalization layers (%s) normalise each of its %d "
+        "data-parallel copies' rows by their own statistics, as mirrored "
+        "does, so training differs from one device.", name,
+        checks.shown_names(plain), copies)
   if synced and copies > 1:
     logging.warning(
         "%s: BatchNormalization layers %s ask for synchronized=True, but "
@@ -64,7 +73,7 @@ def warn_unsynchronized_norms(model: keras.Model, copies: int,
         "devices), so training differs from one device. For synchronized "
         "statistics train under --strategy=mirrored without --zero_stage "
         "or data copies (TF all-reduces them there).", name,
-        ", ".join(synced[:4]) + (" ..." if len(synced) > 4 else ""), copies)
+        checks.shown_names(synced), copies)
 
 
 def _check_replicas(replicas: Sequence[Any]) -> list[Any]:
