@@ -173,6 +173,18 @@ def test_unknown_split_point_lists_the_valid_ones():
                      r"of model 'deep_mlp'. Valid split points: hidden_1, "
                      r"hidden_2, logits"):
     plan_stages(model, 2, split_points=["hidden_9"])
+  # A new user's trial: a layer of a nested Sequential (kept whole) was
+  # said to be no layer of the model at all.
+  body = keras.Sequential([keras.layers.Dense(4, name="s1"),
+                           keras.layers.Dense(4, name="s2")], name="body")
+  inputs = keras.Input((4,))
+  nested = keras.Model(inputs, keras.layers.Dense(2, name="out")(
+      body(keras.layers.Dense(4, name="pre")(inputs))), name="nested")
+  with pytest.raises(ValueError, match=r"split point 's2' is inside 'body' "
+                     r"\(Sequential\) of model 'nested', which a split keeps "
+                     r"whole .* build 'body' as a functional model to cut "
+                     r"inside it. Valid split points: body, out"):
+    plan_stages(nested, 2, split_points=["s2"])
 
 
 def test_split_point_inside_a_residual_block_sends_both_tensors():

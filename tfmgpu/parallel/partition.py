@@ -19,6 +19,7 @@ from typing import Any
 
 import keras
 
+from tfmgpu import _compat
 from tfmgpu import devices as devices_lib
 from tfmgpu.parallel import choices
 from tfmgpu.parallel import cost as cost_lib
@@ -129,6 +130,22 @@ def _valid_names(blocks: Sequence[cost_lib.Block]) -> str:
   return ", ".join(names) or "none"
 
 
+def _kept_whole(graph: graph_lib.ModelGraph, name: str) -> str:
+  """Where a layer `name` sits inside a layer the split keeps whole (a
+  nested Sequential or subclassed model), said for an error ("is inside
+  ..."); else `""`."""
+  for layer in graph.layers().values():
+    inner = [l.name for l in _compat.flatten_layers(layer)
+             if l is not layer]
+    if name in inner:
+      return (f"is inside {layer.name!r} ({type(layer).__name__}) of "
+              f"model {graph.model.name!r}, which a split keeps whole (only "
+              "nested functional models are opened). Split before or after "
+              f"{layer.name!r}, or build {layer.name!r} as a functional "
+              "model to cut inside it")
+  return ""
+
+
 def _split_starts(graph: graph_lib.ModelGraph,
                   blocks: Sequence[cost_lib.Block],
                   split_points: Sequence[str], num_stages: int) -> list[int]:
@@ -144,9 +161,10 @@ def _split_starts(graph: graph_lib.ModelGraph,
     try:
       pos = graph.position(name)
     except KeyError:
-      raise ValueError(
-          f"split point {name!r} is not a layer of model {graph.model.name!r}. "
-          f"Valid split points: {valid}.") from None
+      where = _kept_whole(graph, name) or (
+          f"is not a layer of model {graph.model.name!r}")
+      raise ValueError(f"split point {name!r} {where}. Valid split points: "
+                       f"{valid}.") from None
     if pos == 0:
       raise ValueError(
           f"split point {name!r} is the model's first layer: a stage "
