@@ -6,6 +6,8 @@ No training: the planner reads the cost model of small models built once.
 import dataclasses
 import re
 
+import keras
+import numpy as np
 import pytest
 
 from tfmgpu import models
@@ -149,6 +151,27 @@ def test_unknown_link_is_named():
   with pytest.raises(ValueError, match="link='nvlink9' is unknown"):
     links.link_bandwidth("nvlink9")
   assert links.link_bandwidth("auto", "GPU") == ("pcie4", 24e9)
+
+
+def test_a_subclassed_model_is_pointed_to_mirrored():
+  """A new user's trial: auto refused a subclassed model with the split's
+  "Rewrite it functionally", where mirrored trains it as it is."""
+
+  class Sub(keras.Model):
+    def __init__(self, **kwargs):
+      super().__init__(**kwargs)
+      self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+      return self.dense(x)
+
+  model = Sub(name="sub")
+  model(np.zeros((1, 4), np.float32))
+  with pytest.raises(ValueError, match=r"strategy 'auto' weighs layouts from "
+                     r"the model's layer graph, and model 'sub' has no "
+                     r"symbolic inputs/outputs .* use data parallelism: "
+                     r"--strategy=mirrored"):
+    auto.plan_layout(model, hardware(), global_batch_size=8)
 
 
 def test_one_device_weighs_only_itself(mlp):

@@ -371,7 +371,15 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
   plan = lambda k: partition_lib.plan_stages(
       model, k, criterion=partition, devices=hardware.devices(k),
       check_devices=False, input_shape=input_shape)
-  whole, split = plan(1), accounting.tensor_split(model)
+  try:
+    whole = plan(1)
+  except ValueError as e:  # No graph to cost (a subclassed model).
+    raise ValueError(
+        f"strategy 'auto' weighs layouts from the model's layer graph, and "
+        f"{e} To train it on several devices as it is, use data "
+        "parallelism: --strategy=mirrored (Python: tfmgpu.get_strategy("
+        "'mirrored')), which runs its call().") from e
+  split = accounting.tensor_split(model)
   n_all = hardware.num_devices
   out = _unstaged_candidates(whole, split, hardware, global_batch_size,
                              optimizer)
