@@ -19,6 +19,7 @@ import json
 import os
 import re
 import time
+import warnings
 import weakref
 import zipfile
 from collections.abc import Mapping
@@ -678,8 +679,16 @@ _UNKNOWN = re.compile(r"Could not locate (?:class|function) '([^']+)'")
 
 
 def _keras_load(path: str) -> keras.Model:
-  return keras.saving.load_model(path, compile=False,
-                                 custom_objects=models_lib.custom_objects())
+  """`keras.saving.load_model(path)` without compiling. A keras_hub task
+  inside the model compiles itself as it is rebuilt, with an optimizer of
+  its own that the file's (none) does not fill: Keras' "Skipping variable
+  loading for optimizer" warning on every load read as lost state (a new
+  user's trial), and serving never uses that optimizer."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message="Skipping variable loading for optimizer")
+    return keras.saving.load_model(
+        path, compile=False, custom_objects=models_lib.custom_objects())
 
 
 def _load_keras_file(path: str) -> keras.Model:
