@@ -114,6 +114,23 @@ def test_labels_a_loss_cannot_compare_with_the_output_are_named(loss):
       call(labels, outputs)
 
 
+@pytest.mark.parametrize("labels,outputs,match", [
+    (np.zeros((4,), np.int32), np.zeros((4, 6, 12), np.float32),
+     r"The model gives logits per position \(a sequence model"),
+    (np.zeros((4, 6), np.int32), np.zeros((4, 12), np.float32),
+     r"The data gives a label per position \(token data\)")])
+def test_a_sequence_model_on_per_example_labels_and_back_is_named(
+    labels, outputs, match):
+  """Found this session: gpt on stdlib_modules, bert on stdlib_text said
+  only Keras' "Argument `output` must have rank (ndim) `target.ndim - 1`"."""
+  model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(12)])
+  objective = objectives.Objective(model)
+  with pytest.raises(ValueError, match=r"^the default loss \(sparse "
+                     r"categorical cross-entropy\) cannot compare the labels "
+                     r".* " + match):
+    objective.per_example_loss(labels, outputs)
+
+
 @pytest.mark.parametrize("loss,message", [
     (keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                 ignore_class=0),

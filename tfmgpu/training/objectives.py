@@ -159,9 +159,10 @@ def _from_logits(loss: Any) -> bool:
   return True
 
 
-# TF's words for tensors whose shapes cannot meet (shape inference, kernels).
+# TF's and Keras' words for labels and outputs whose shapes cannot meet
+# (shape inference, kernels, Keras' sparse cross-entropy rank check).
 _SHAPE_CLASH = ("Dimensions must be equal", "Incompatible shapes",
-                "are incompatible")
+                "are incompatible", "must have rank (ndim)")
 
 
 def _call_loss(out: _Output, y_true: Any, y_pred: Any) -> tf.Tensor:
@@ -181,15 +182,36 @@ def _call_loss(out: _Output, y_true: Any, y_pred: Any) -> tf.Tensor:
     fn = out.loss_fn
     name = getattr(getattr(fn, "__self__", None), "name", None) or getattr(
         fn, "__name__", type(fn).__name__)
+    sparse = fn is default_loss or "sparse" in str(name)
+    name = ("the default loss (sparse categorical cross-entropy)"
+            if fn is default_loss else f"loss {name!r}")
     shapes = [list(getattr(t, "shape", np.shape(t))) for t in (y_true, y_pred)]
     raise ValueError(
-        f"loss {name!r} cannot compare the labels of output {out.name!r}, "
-        f"shaped {shapes[0]}, with the model's output, shaped {shapes[1]}. "
-        "Class indices (one integer per example) take sparse categorical "
-        "cross-entropy (the default loss, or --loss="
-        "sparse_categorical_crossentropy) with one logit per class; 'mse' "
-        "and 'mae' take targets shaped like the output (one value per "
-        f"output unit). TF said: {said[:300]}") from e
+        f"{name} cannot compare the labels of output {out.name!r}, shaped "
+        f"{shapes[0]}, with the model's output, shaped {shapes[1]}. "
+        f"{_shape_advice(len(shapes[0]), len(shapes[1]), sparse)} TF said: "
+        f"{said[:300]}") from e
+
+
+def _shape_advice(label_rank: int, output_rank: int, sparse: bool) -> str:
+  """What fits labels of `label_rank` dimensions to an output of
+  `output_rank` under a (`sparse`) cross-entropy or another loss."""
+  if sparse and label_rank + 2 == output_rank:
+    return ("The model gives logits per position (a sequence model: gpt, "
+            "llama, ...) and the data one label per example: train it on "
+            "per-token labels (--dataset=stdlib_text), or use a model with "
+            "one output per example for these labels (e.g. bert on "
+            "stdlib_modules).")
+  if sparse and label_rank == output_rank == 2:
+    return ("The data gives a label per position (token data) and the model "
+            "one output per example: train a sequence model on it (gpt, "
+            "llama, ...), or give one label per example (e.g. "
+            "stdlib_modules for bert).")
+  return ("Class indices (one integer per example) take sparse categorical "
+          "cross-entropy (the default loss, or --loss="
+          "sparse_categorical_crossentropy) with one logit per class; 'mse' "
+          "and 'mae' take targets shaped like the output (one value per "
+          "output unit).")
 
 
 def accuracy_by_shape(y_true: Any, y_pred: Any) -> tf.Tensor:
