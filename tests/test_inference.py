@@ -110,14 +110,14 @@ def test_model_built_under_another_strategy_is_served(rows, reference, model,
 class _Mlp(keras.Model):
   """A subclassed model whose config rebuilds it (Keras' default)."""
 
-  def __init__(self, units=8, **kwargs):
+  def __init__(self, units=8, scale=1.0, **kwargs):
     super().__init__(**kwargs)
-    self.units = units
+    self.units, self.scale = units, scale
     self.hidden = keras.layers.Dense(units, activation="relu")
     self.out = keras.layers.Dense(3)
 
   def call(self, x):
-    return self.out(self.hidden(x))
+    return self.out(self.hidden(x)) * self.scale
 
 
 class _Wrapped(_Mlp):
@@ -140,6 +140,11 @@ def test_a_subclassed_model_is_served_under_a_new_strategy():
                        strategy=tfmgpu.get_strategy("mirrored",
                                                     num_replicas=2))
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  model.scale = 2.0  # Not what its config rebuilds: refused, not served.
+  with pytest.raises(ValueError, match=r"its copy differs in scale=2\.0 "
+                     r"\(copy: 1\.0\)"):
+    tfmgpu.predict(model, x, strategy=tfmgpu.get_strategy(
+        "mirrored", num_replicas=2))
   wrapped = _Wrapped(keras.layers.Dense(3), name="wrapped")
   wrapped.predict(x, verbose=0)
   with pytest.raises(ValueError, match=r"model 'wrapped' \(_Wrapped, a "

@@ -527,6 +527,27 @@ def test_synchronized_batchnorm_not_synced_by_copies_says_so(caplog):
   assert "each of its 2 data-parallel copies" in caplog.text
 
 
+def test_a_subclassed_model_shards_and_predicts_as_it_is():
+  """The review: naming a model's outputs read `model.outputs`, which a
+  subclassed model has not, after its variables had moved to owners."""
+
+  class Sub(keras.Model):
+    def __init__(self, **kwargs):
+      super().__init__(**kwargs)
+      self.dense = keras.layers.Dense(4, name="d")
+
+    def call(self, x, training=None):
+      return self.dense(x)
+
+  model = Sub(name="sub")
+  rows = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
+  want = model.predict(rows, verbose=0)
+  sharded = zero.ShardedModel(model, tfmgpu.list_devices("CPU")[:2], stage=3)
+  assert sharded.unsplit_output_names == ()
+  np.testing.assert_allclose(sharded.predict(rows, verbose=0), want,
+                             atol=1e-6)
+
+
 def test_enable_lora_after_sharding_is_refused():
   """`enable_lora()` on the model after sharding it: its LoRA weights had
   no owner, and the step failed with a bare `KeyError` deep in TF."""

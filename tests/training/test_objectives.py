@@ -1,5 +1,6 @@
 """Losses and metrics as Keras takes them (`tfmgpu.training.objectives`)."""
 
+import collections
 import re
 
 import keras
@@ -45,15 +46,25 @@ def test_lists_for_dict_outputs_follow_keras_order_not_the_dicts():
   Keras' is sorted (`output_names`), and trained the other head, silently;
   a list `loss` put `mse` on the logits. Both now as Keras' compile."""
   i = keras.Input((3,))
-  model = keras.Model(i, {"zeta": keras.layers.Dense(2, name="zeta")(i),
-                          "alpha": keras.layers.Dense(1, name="alpha")(i)})
-  losses = [["mse", keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True)], {"zeta": keras.losses.SparseCategoricalCrossentropy(
-          from_logits=True), "alpha": "mse"}]
-  y = {"zeta": np.array([0, 1, 1, 0]),
-       "alpha": np.array([[0.5], [1.0], [-1.0], [2.0]], np.float32)}
-  pred = {"zeta": np.array([[1, 0], [0, 2], [1, 1], [3, 0]], np.float32),
-          "alpha": np.array([[0.0], [1.5], [1.0], [2.0]], np.float32)}
+  heads = {"zeta": keras.layers.Dense(2, name="zeta")(i),
+           "alpha": keras.layers.Dense(1, name="alpha")(i)}
+  for kind in (dict, collections.OrderedDict):  # Keras: sorted, as written.
+    _check_list_order(keras.Model(i, kind(heads)))
+
+
+def _check_list_order(model):
+  by_name = {"zeta": keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True), "alpha": "mse"}
+  losses = [[by_name[n] for n in model.output_names]]
+  if type(model.output) is dict:  # pylint: disable=unidiomatic-typecheck
+    losses.append(by_name)  # Keras' compile_utils: not with an OrderedDict.
+  as_model = lambda d: type(model.output)(  # What the model returns.
+      (n, tf.constant(d[n])) for n in model.output_names)
+  y = as_model({"zeta": np.array([0, 1, 1, 0]),
+                "alpha": np.array([[0.5], [1.0], [-1.0], [2.0]], np.float32)})
+  pred = as_model({
+      "zeta": np.array([[1, 0], [0, 2], [1, 1], [3, 0]], np.float32),
+      "alpha": np.array([[0.0], [1.5], [1.0], [2.0]], np.float32)})
   for loss in losses:
     objective = objectives.Objective(model, loss, loss_weights=[1.0, 0.25])
     assert [o.name for o in objective.outputs] == model.output_names
@@ -61,6 +72,18 @@ def test_lists_for_dict_outputs_follow_keras_order_not_the_dicts():
     want = model.compute_loss(y=y, y_pred=pred)
     got = np.mean(objective.per_example_loss(y, pred))
     assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_a_losss_own_error_on_equal_shapes_is_left_as_it_is():
+  """The review: a loss of one's own failing inside (a matmul) on labels
+  shaped like the output was said as labels it "cannot compare"."""
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+  objective = objectives.Objective(
+      model, lambda y, p: tf.matmul(y, p) + 0.0 * tf.reduce_sum(p))
+  with pytest.raises((ValueError, tf.errors.InvalidArgumentError)) as raised:
+    objective.per_example_loss(np.zeros((4, 3), np.float32),
+                               np.zeros((4, 3), np.float32))
+  assert "cannot compare" not in str(raised.value)
 
 
 def test_a_loss_returning_a_scalar_is_refused_by_name():
@@ -118,7 +141,10 @@ def test_labels_a_loss_cannot_compare_with_the_output_are_named(loss):
     (np.zeros((4,), np.int32), np.zeros((4, 6, 12), np.float32),
      r"The model gives logits per position \(a sequence model"),
     (np.zeros((4, 6), np.int32), np.zeros((4, 12), np.float32),
-     r"The data gives a label per position \(token data\)")])
+     r"The data gives a label per position \(token data\)"),
+    (np.eye(12, dtype=np.float32)[:4], np.zeros((4, 12), np.float32),
+     r"Labels shaped like the output \(one-hot rows\) take categorical "
+     r"cross-entropy")])
 def test_a_sequence_model_on_per_example_labels_and_back_is_named(
     labels, outputs, match):
   """Found this session: gpt on stdlib_modules, bert on stdlib_text said

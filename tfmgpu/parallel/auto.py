@@ -373,8 +373,10 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
       check_devices=False, input_shape=input_shape)
   try:
     whole = plan(1)
-  except ValueError as e:  # No graph to cost (a subclassed model).
-    raise ValueError(
+  except ValueError as e:
+    if _has_graph(model):
+      raise
+    raise ValueError(  # No graph to cost (a subclassed model).
         f"strategy 'auto' weighs layouts from the model's layer graph, and "
         f"{e} To train it on several devices as it is, use data "
         "parallelism: --strategy=mirrored (Python: tfmgpu.get_strategy("
@@ -396,6 +398,14 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
         out += _stage_candidates(staged, split, hardware, global_batch_size,
                                  optimizer, data, tensor)
   return sorted(out, key=lambda c: (not c.fits, c._key()))  # pylint: disable=protected-access
+
+
+def _has_graph(model: Any) -> bool:
+  """Whether `model` has symbolic inputs (not a subclassed model)."""
+  try:
+    return bool(model.inputs)
+  except (AttributeError, ValueError):
+    return False
 
 
 def _reason(chosen: Candidate, candidates: Sequence[Candidate],

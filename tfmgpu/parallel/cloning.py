@@ -521,7 +521,7 @@ def copy_model(model: keras.Model,
     if dtype is None and not same_class and graph:  # Attributes kept.
       clone = keras.models.clone_model(model, clone_function=_clone_layer)
     else:
-      clone = _from_own_config(model, dtype)
+      clone = _from_class_config(model, dtype)
     if not clone.built:
       _build_like(clone, model)
     shared_lib.tie({l.name: l for l in clone.layers},
@@ -531,19 +531,24 @@ def copy_model(model: keras.Model,
   return clone
 
 
-def _from_own_config(model: keras.Model, dtype: str | None) -> keras.Model:
+def _from_class_config(model: keras.Model, dtype: str | None) -> keras.Model:
   """`model` rebuilt by its class's `from_config` (in `dtype`).
 
   Raises:
     ValueError: a subclassed model whose config does not rebuild it (Keras
       cloning takes only functional and Sequential models, and said so of
-      its `clone_function` argument, a new user's trial).
+      its `clone_function` argument, a new user's trial), or rebuilds it
+      with other constructor arguments than it holds now (`m.scale = 2.0`
+      after it was made: its copy would predict with 1.0).
   """
   try:
     # A copy: `Functional.from_config` consumes parts of the dict it gets.
     config = copy.deepcopy(model.get_config())
-    return type(model).from_config(
+    clone = type(model).from_config(
         config if dtype is None else _with_dtype(config, dtype))
+    if not (_compat.is_functional(model) or isinstance(model, keras.Sequential)):
+      _check_kept(model, clone)  # Its own attributes: no graph to copy.
+    return clone
   except (NotImplementedError, TypeError, ValueError) as e:
     if _compat.is_functional(model) or isinstance(model, keras.Sequential):
       raise

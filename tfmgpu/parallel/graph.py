@@ -59,23 +59,33 @@ def output_names(model: keras.Model) -> tuple[str, ...]:
 
   The dict's keys for a model returning a dict (a keras_hub `BertBackbone`
   returns `{"sequence_output": ..., "pooled_output": ...}`; Keras'
-  `output_names` would name the layers that make them instead), sorted as
-  Keras orders them (`model.outputs`, and the entries of a list given for
-  them: `loss_weights=[...]`), not as the dict was written; the output
+  `output_names` would name the layers that make them instead), in the
+  order of `model.outputs` (`dict_output_keys`), which a list given for
+  them follows (`loss_weights=[...]`); the output
   layers' names for a list, and a functional model's single output's (the
   layer that makes it: the name a Trainer of the unsplit model gives it;
   `()` for a Sequential's, which has no `output_names`).
   """
-  flat = tf.nest.flatten(model.outputs)
-  if len(flat) < 2:
+  flat = tf.nest.flatten(getattr(model, "outputs", None) or [])
+  if len(flat) < 2:  # One output, or a subclassed model (no graph).
     return tuple(getattr(model, "output_names", None) or ())[:1]
   try:
     output = model.output
   except (AttributeError, ValueError):  # Sequential before its first call.
     output = None
   if isinstance(output, Mapping):
-    return tuple(sorted(output))  # Keras' order (its tree flattens sorted).
+    return tuple(dict_output_keys(output, flat))
   return tuple(model.output_names)
+
+
+def dict_output_keys(output: Mapping, flat: Sequence[Any]) -> list[str]:
+  """The keys of a model's dict `output` in the order of its `outputs`
+  (`flat`), as Keras orders them: sorted for a dict, as written for an
+  `OrderedDict`. In the dict's own order, `loss_weights=[1, 0]` trained
+  the other head, silently (a new user's trial)."""
+  key_of = {id(tensor): key for key, tensor in output.items()}
+  keys = [key_of.get(id(tensor)) for tensor in flat]
+  return keys if None not in keys else sorted(output)
 
 
 def output_shapes(model: Any) -> tuple[tuple[int | None, ...], ...]:

@@ -177,25 +177,32 @@ def _call_loss(out: _Output, y_true: Any, y_pred: Any) -> tf.Tensor:
     return out.loss_fn(y_true, y_pred)
   except (ValueError, tf.errors.InvalidArgumentError) as e:
     said = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-    if not any(words in said for words in _SHAPE_CLASH):
-      raise
     fn = out.loss_fn
     name = getattr(getattr(fn, "__self__", None), "name", None) or getattr(
         fn, "__name__", type(fn).__name__)
     sparse = fn is default_loss or "sparse" in str(name)
+    shapes = [list(getattr(t, "shape", np.shape(t))) for t in (y_true, y_pred)]
+    if ((shapes[0] == shapes[1] and not sparse)
+        or not any(w in said for w in _SHAPE_CLASH)):
+      raise  # Not the labels against the output: the loss's own error.
     name = ("the default loss (sparse categorical cross-entropy)"
             if fn is default_loss else f"loss {name!r}")
-    shapes = [list(getattr(t, "shape", np.shape(t))) for t in (y_true, y_pred)]
     raise ValueError(
         f"{name} cannot compare the labels of output {out.name!r}, shaped "
         f"{shapes[0]}, with the model's output, shaped {shapes[1]}. "
-        f"{_shape_advice(len(shapes[0]), len(shapes[1]), sparse)} TF said: "
+        f"{_shape_advice(shapes[0], shapes[1], sparse)} TF said: "
         f"{said[:300]}") from e
 
 
-def _shape_advice(label_rank: int, output_rank: int, sparse: bool) -> str:
-  """What fits labels of `label_rank` dimensions to an output of
-  `output_rank` under a (`sparse`) cross-entropy or another loss."""
+def _shape_advice(labels: list, output: list, sparse: bool) -> str:
+  """What fits labels shaped `labels` to an output shaped `output` under a
+  (`sparse`) cross-entropy or another loss."""
+  label_rank, output_rank = len(labels), len(output)
+  if sparse and labels[-1:] == output[-1:] and label_rank == output_rank:
+    return ("Labels shaped like the output (one-hot rows) take "
+            "categorical cross-entropy (--loss=categorical_crossentropy, "
+            "or keras.losses.CategoricalCrossentropy(from_logits=True) for "
+            "logits); the default loss takes one class index per example.")
   if sparse and label_rank + 2 == output_rank:
     return ("The model gives logits per position (a sequence model: gpt, "
             "llama, ...) and the data one label per example: train it on "
@@ -346,11 +353,11 @@ def output_names(model: keras.Model) -> list[str]:
   except (AttributeError, ValueError):  # Subclassed: no symbolic output.
     output = None
   if isinstance(output, Mapping) and len(output) > 1:
-    # Dict outputs: keyed like y_pred, in Keras' order (sorted, as its tree
-    # flattens them), which a list of losses, loss weights or labels
-    # follows; in the dict's own order, `loss_weights=[1, 0]` trained the
-    # other head, silently (a new user's trial).
-    return sorted(output)
+    # Dict outputs: keyed like y_pred, in the order of model.outputs (as
+    # Keras: sorted, an OrderedDict's own), which a list of losses, loss
+    # weights or labels follows.
+    return graph_lib.dict_output_keys(
+        output, tf.nest.flatten(getattr(model, "outputs", None) or []))
   outputs = getattr(model, "outputs", None)
   names = list(getattr(model, "output_names", None) or [])
   if outputs is not None and len(tf.nest.flatten(outputs)) > 1 and names:
