@@ -519,22 +519,57 @@ def test_stage_times_feed_the_simulator():
 # ------------------------------------------------------------------ errors
 
 
-def test_batch_not_divisible_by_micro_batches_names_both():
+def test_a_batch_of_fewer_rows_than_micro_batches_is_refused():
   pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=4)
   x, y = _data()
-  with pytest.raises(ValueError, match=r"batch of 10 examples is not "
-                     r"divisible by micro_batches=4.*E\.g\. batch size 12"):
-    pipe.compute_loss_and_gradients(x[:10], y[:10], _loss())
+  with pytest.raises(ValueError, match=r"batch of 3 examples has fewer rows "
+                     r"than micro_batches=4, so some micro-batches would be "
+                     r"empty"):
+    pipe.compute_loss_and_gradients(x[:3], y[:3], _loss())
 
 
-def test_fit_with_a_ragged_last_batch_fails_with_the_rule():
-  pipe = PipelinedModel.from_model(_mlp(), num_stages=2, micro_batches=2)
-  pipe.compile(optimizer="adam", loss=_loss())
-  x, y = _data(19)  # Batches of 8, 8 and 3.
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"(?s)not divisible by micro_batches=2.*"
-                     r"batch size:\] \[3\]"):  # The size, not its remainder.
-    pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+@pytest.mark.parametrize("name,signature", [("gpipe", False),
+                                            ("1f1b", True)])
+def test_a_batch_the_micro_batches_do_not_divide_gives_unsplit_gradients(
+    name, signature):
+  """10 rows in micro-batches of 3, 3, 2, 2; activity regularisers and
+  1F1B's mean loss weighted by their rows; the size static, or known only
+  when the step runs (a dataset's short last batch)."""
+  model = _regularized()
+  x, y = _data(10)
+  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=4,
+                                   schedule=name)
+  grads_fn = lambda xb, yb: pipe.compute_loss_and_gradients(
+      xb, yb, _loss(), loss_reduction="mean")
+  if signature:
+    grads_fn = tf.function(grads_fn, input_signature=[
+        tf.TensorSpec([None, 12], tf.float32), tf.TensorSpec([None], tf.int64)])
+  loss, y_pred, grads = grads_fn(x, y)
+  with tf.GradientTape() as tape:
+    want_pred = model(x, training=True)
+    want_loss = _loss()(y, want_pred) + tf.add_n(model.losses)
+  np.testing.assert_allclose(y_pred, want_pred, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  want = tape.gradient(want_loss, model.trainable_variables)
+  for v, g, w in zip(pipe.trainable_variables, grads, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=v.path)
+
+
+def test_fit_with_a_ragged_last_batch_matches_unsplit_fit():
+  """Keras' fit trains a short last batch; so does the pipeline's (it used
+  to stop there)."""
+  model = _mlp()
+  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=2,
+                                   schedule="1f1b")
+  x, y = _data(19)  # Batches of 8, 8 and 3 (in micro-batches of 2 and 1).
+  for m in (pipe, model):
+    m.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
+  got = pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+  want = model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+  assert pipe.optimizer.iterations.numpy() == 3
+  np.testing.assert_allclose(got.history["loss"], want.history["loss"],
+                             rtol=1e-5)
+  _assert_same_weights(pipe.to_unsplit(), model)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -24,10 +24,10 @@ def test_a_short_last_batch_under_micro_batches_is_named():
   model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(
       8, name="a"), keras.layers.Dense(3, name="b")])
   pipe = tfmgpu.PipelinedModel.from_model(model, num_stages=2,
-                                          micro_batches=4)
+                                          micro_batches=8)
   trainer = Trainer(pipe, optimizer="sgd", verbose=0)
-  with pytest.raises(ValueError, match=r"^A batch of 5 examples is not "
-                     r"divisible by micro_batches=4 .* drop_remainder=True"):
+  with pytest.raises(ValueError, match=r"^A batch of 5 examples has fewer "
+                     r"rows than micro_batches=8 .* drop_remainder=True"):
     trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
 
 

@@ -2,7 +2,8 @@
 
 The helpers `PipelinedModel` uses to cut a step into `M` micro-batches and
 make their sum equal the unsplit step: `split` cuts every tensor of a batch
-(any structure) along its first axis and `concat` joins the parts again
+(any structure) along its first axis (into near-equal parts when `M` does
+not divide it: `part_sizes`, `part_divisors`) and `concat` joins the parts again
 (with their Keras masks), `sum_gradients` adds one variable's gradients
 (dense or `tf.IndexedSlices`), `call_losses` and `weight_regularization`
 separate the losses a call adds (counted per micro-batch) from the weight
@@ -34,13 +35,21 @@ def check_micro_batches(micro_batches: Any) -> int:
   return micro_batches
 
 
-def split(structure: Any, num: int) -> list[Any]:
+def split(structure: Any, num: int, *, uneven: bool = False) -> list[Any]:
   """Splits every tensor of a structure along axis 0 into `num` parts.
 
-  A batch whose size is known only when it runs (a dataset's) is checked
-  then, with an error that says what to do (a short last batch).
+  Equal parts by default: a batch whose size is known only when it runs (a
+  dataset's) is checked then, with an error that says what to do (a short
+  last batch). With `uneven`, a batch of `n >= num` rows that `num` does not
+  divide gives `n % num` parts one row longer than the rest (`part_sizes`).
   """
   flat = tf.nest.flatten(structure)
+  if uneven and num > 1:
+    sizes = part_sizes(structure, num)
+    parts = [[None] * num if t is None else tf.split(t, sizes, num=num, axis=0)
+             for t in flat]
+    return [tf.nest.pack_sequence_as(structure, [p[m] for p in parts])
+            for m in range(num)]
   dynamic = [t for t in flat if isinstance(t, tf.Tensor) and t.shape.rank
              and t.shape[0] is None]
   if dynamic and num > 1:
@@ -56,6 +65,36 @@ def split(structure: Any, num: int) -> list[Any]:
            for t in flat]
   return [tf.nest.pack_sequence_as(structure, [p[m] for p in parts])
           for m in range(num)]
+
+
+def rows(structure: Any) -> Any:
+  """The rows of a batch (its first tensor's): an int when the shape says
+  it, else a scalar int32 tensor."""
+  first = tf.convert_to_tensor(tf.nest.flatten(structure)[0])
+  return first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
+
+
+def part_sizes(structure: Any, num: int) -> Any:
+  """The rows of each of `num` near-equal parts of a batch: `n // num`,
+  plus one for the first `n % num` parts. A list of ints when the batch
+  size is known, else a `(num,)` int32 tensor."""
+  n = rows(structure)
+  if isinstance(n, int):
+    return [n // num + (1 if m < n % num else 0) for m in range(num)]
+  return n // num + tf.cast(tf.range(num) < n % num, tf.int32)
+
+
+def part_divisors(structure: Any, num: int) -> list[Any]:
+  """For each of `split(structure, num, uneven=True)`'s parts, the batch's
+  rows over the part's: `num` itself for equal parts (so a per-row mean of
+  the part divided by it is exactly its share of the batch's mean), else
+  `n / n_m` (floats, or float tensors when the size is known only when it
+  runs)."""
+  n, sizes = rows(structure), part_sizes(structure, num)
+  if isinstance(n, int):
+    return [float(num) if n % num == 0 else n / size for size in sizes]
+  n = tf.cast(n, tf.float32)
+  return [n / tf.cast(sizes[m], tf.float32) for m in range(num)]
 
 
 def concat(parts: Sequence[Any]) -> Any:

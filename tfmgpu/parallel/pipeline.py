@@ -1,7 +1,10 @@
 """Pipeline parallelism: micro-batches streamed through device-placed stages.
 
 `PipelinedModel` is a `StagedModel` whose training step splits the batch into
-`M` micro-batches. Stage `k`'s forward `F(k, m)` and backward `B(k, m)` run
+`M` micro-batches (equal ones when `M` divides it; a short last batch of
+`n >= M` rows into `n % M` parts one row longer than the rest, each
+weighted by its rows wherever a loss is averaged per part, so a step on it
+equals the unsplit step too). Stage `k`'s forward `F(k, m)` and backward `B(k, m)` run
 under stage `k`'s device; the graph is unrolled in Python, one block of ops
 per (stage, micro-batch, direction), so TF's executor runs `F(k, m)` on
 device `k` while `F(k + 1, m - 1)` runs on device `k + 1`: nothing in the
@@ -37,7 +40,7 @@ the price of `V` times more sends between devices.
 Regularisation: weight regularisers are counted once per step (their own
 small backward per stage); losses added during a call (activity
 regularisers, which Keras divides by the batch size, and `add_loss`) are
-averaged over the micro-batches.
+averaged over the micro-batches, each weighted by its share of the rows.
 
 `recompute=True` keeps only each stage's input per micro-batch: the forward
 runs without a tape, and the backward re-runs the stage forward under its
@@ -62,7 +65,7 @@ its own unmasked entries).
 Inference (`call`, `predict`, `evaluate`) streams the micro-batches through
 the stages the same way and concatenates the outputs in order. A batch that
 `micro_batches` does not divide is zero-padded to the next multiple and the
-padding's outputs are dropped (inference only: training raises).
+padding's outputs are dropped (training splits it unevenly instead).
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ class PipelinedModel(staged.StagedModel):
     pipe = tfmgpu.parallel.PipelinedModel.from_model(
         model, num_stages=4, micro_batches=8, schedule="1f1b")
     pipe.compile(optimizer="adam", loss=...)
-    pipe.fit(x, y, batch_size=256)      # batch_size divisible by 8
+    pipe.fit(x, y, batch_size=256)      # 8 micro-batches of 32
 
   Attributes:
     micro_batches: micro-batches per step (`M`).
@@ -192,31 +195,29 @@ class PipelinedModel(staged.StagedModel):
   # ------------------------------------------------------------ helpers
 
   def _check_batch(self, x) -> list[Any]:
-    """Raises (or, for an unknown batch size, asserts at run time) that
-    `micro_batches` divides the batch; returns the run-time checks."""
-    first = tf.nest.flatten(x)[0]
-    size = first.shape[0] if hasattr(first, "shape") else None
-    m = self.micro_batches
-    rule = (f"is not divisible by micro_batches={m}. Use a batch size that "
-            f"is a multiple of {m} (with fit, also drop or pad the last "
-            "partial batch), or micro_batches that divides the batch.")
-    if size is not None:
-      if size % m:
-        raise ValueError(f"The batch of {size} examples {rule} E.g. batch "
-                         f"size {-(-size // m) * m}.")
+    """Raises (or, for an unknown batch size, asserts at run time) that the
+    batch has at least `micro_batches` rows (it splits into near-equal
+    parts); returns the run-time checks."""
+    size, m = microbatch.rows(x), self.micro_batches
+    rule = (f"has fewer rows than micro_batches={m}, so some micro-batches "
+            f"would be empty. Use batches of at least {m} rows (with a "
+            "dataset's short last batch: drop_remainder=True), or fewer "
+            "micro_batches.")
+    if isinstance(size, int):
+      if size < m:
+        raise ValueError(f"The batch of {size} examples {rule}")
       return []
     if m == 1:
       return []
-    n = tf.shape(first)[0]
     return [tf.debugging.Assert(
-        tf.equal(n % m, 0), [f"The batch (of the size that follows) {rule}",
-                             "batch size:", n])]
+        tf.greater_equal(size, m),
+        [f"The batch (of the size that follows) {rule}", "batch size:", size])]
 
   def _forward_only(self, x, training: bool):
     """Streams micro-batches through the stages (no backward)."""
     K, M = len(self.stages), self.micro_batches
     with tf.device(self.stage_devices[0]), tf.name_scope("micro_batches"):
-      xs = microbatch.split(x, M)
+      xs = microbatch.split(x, M, uneven=training)
     outs, done = {}, [[] for _ in range(K)]
     orders = schedule_lib.stage_orders(K, M, self.schedule, forward_only=True)
     deps = lambda t: schedule_lib.dependencies(t, K, M, self.schedule)
@@ -271,9 +272,9 @@ class PipelinedModel(staged.StagedModel):
 
     Args:
       x: a batch of inputs, as the unsplit model takes them (a tensor, or a
-        list or dict of them); its size must be a multiple of
-        `micro_batches`. Inputs that later stages read travel with the
-        activations.
+        list or dict of them) of at least `micro_batches` rows (split
+        into near-equal parts). Inputs that later stages read travel with
+        the activations.
       y: its targets (any structure of tensors with the batch axis first).
       loss_fn: `loss_fn(y_true, y_pred)` returns the scalar loss to
         differentiate, averaged and scaled by the caller. It runs on the
@@ -284,7 +285,8 @@ class PipelinedModel(staged.StagedModel):
       loss_reduction: for `"1f1b"` only, how per-micro-batch losses make
         the batch loss: `"sum"` when `loss_fn` divides by a fixed global
         batch size (tfmgpu's Trainer), `"mean"` when it averages over the
-        rows it gets. Defaults to `"sum"`.
+        rows it gets (each micro-batch then weighted by its rows).
+        Defaults to `"sum"`.
 
     Returns:
       `(loss, y_pred, grads)`: the differentiated objective (loss plus
@@ -293,8 +295,8 @@ class PipelinedModel(staged.StagedModel):
       micro-batches.
 
     Raises:
-      ValueError: the batch size is not a multiple of `micro_batches`, or
-        an unknown `loss_reduction`.
+      ValueError: a batch of fewer rows than `micro_batches`, or an
+        unknown `loss_reduction`.
     """
     step = pipeline_step.PipelineStep(
         self.stages, self.stage_devices, micro_batches=self.micro_batches,

@@ -71,7 +71,8 @@ class PipelineStep:
     Args:
       stages: the stage models, `stages[k]` on `devices[k]`.
       devices: one device per stage.
-      micro_batches: `M`, which divides the batch.
+      micro_batches: `M`: the batch splits into `M` near-equal parts
+        (`microbatch.part_sizes`; a batch of fewer rows is refused).
       schedule: `"gpipe"` or `"1f1b"`.
       recompute: re-run each stage's forward in its backward.
       loss_fn: `loss_fn(y_true, y_pred)`, the scalar loss (see
@@ -91,7 +92,9 @@ class PipelineStep:
     self.stages, self.devices = list(stages), list(devices)
     self.micro_batches, self.schedule = micro_batches, schedule
     self.recompute, self.loss_fn, self.scale = recompute, loss_fn, scale
-    self.factor = 1.0 / micro_batches if loss_reduction == "mean" else 1.0
+    self.mean = loss_reduction == "mean"
+    # Per micro-batch: the batch's rows over its rows (`M` for equal parts).
+    self.divisors: list[Any] = [float(micro_batches)] * micro_batches
     self.last = len(self.stages) - 1
     self.gpipe = schedule == schedule_lib.Schedule.GPIPE.value
     self.virtual_stages = virtual_stages
@@ -152,12 +155,13 @@ class PipelineStep:
     M = self.micro_batches
     with tf.device(self.devices[0]), tf.name_scope("micro_batches"), \
         tf.control_dependencies(checks):
-      self.xs = microbatch.split(x, M)
+      self.xs = microbatch.split(x, M, uneven=True)
+      self.divisors = microbatch.part_divisors(x, M)
     self.y = y
     if not self.gpipe:
       with tf.device(self.devices[self.last]), \
           tf.name_scope("micro_targets"), tf.control_dependencies(checks):
-        self.ys = microbatch.split(y, M)
+        self.ys = microbatch.split(y, M, uneven=True)
 
   def _loss_term(self, k: int, m: int):
     """Micro-batch `m`'s loss as a function of its output (1F1B's last
@@ -175,7 +179,7 @@ class PipelineStep:
         mean over its own unmasked entries, and their mean is not the
         batch's.
     """
-    if self.factor != 1.0 and microbatch.carries_mask(out):
+    if self.mean and microbatch.carries_mask(out):
       raise ValueError(
           "schedule='1f1b' averages the per-micro-batch losses "
           "(loss_reduction='mean'), but the model's output carries a Keras "
@@ -183,9 +187,11 @@ class PipelineStep:
           "would be averaged over its own unmasked entries, which differs "
           "from the unsplit loss. Use schedule='gpipe' (one loss on the whole "
           "batch), micro_batches=1, or a loss with reduction='sum'.")
-    return self.loss_fn(self.ys[m], out) * self.factor
+    loss = self.loss_fn(self.ys[m], out)
+    return loss / self.divisors[m] if self.mean else loss
 
-  def _run_stage(self, k: int, inp, *, record: bool, loss_term=None):
+  def _run_stage(self, k: int, m: int, inp, *, record: bool,
+                 loss_term=None):
     """Runs stage `k` on one micro-batch (training); with `record`, under a
     tape.
 
@@ -210,7 +216,7 @@ class PipelineStep:
       if calls:
         total = tf.add_n([tf.cast(tf.reduce_sum(l), keras.config.floatx())
                           for l in calls])
-        objective = self.scale(total) / float(self.micro_batches)
+        objective = self.scale(total) / self.divisors[m]
       if loss_term is not None:
         term = loss_term(out)
         objective = term if objective is None else term + objective
@@ -223,7 +229,7 @@ class PipelineStep:
         FORWARD_SCOPE.format(k=k, m=m)), tf.control_dependencies(
             self.done[self._lane(k)]):
       tape, out, objective = self._run_stage(
-          k, inp, record=not self.recompute, loss_term=self._loss_term(k, m))
+          k, m, inp, record=not self.recompute, loss_term=self._loss_term(k, m))
     self.inputs[(k, m)], self.outs[(k, m)] = inp, out
     self.tapes[(k, m)], self.objectives[(k, m)] = tape, objective
     self.done[self._lane(k)] = (
@@ -282,7 +288,7 @@ class PipelineStep:
         with tf.device(device), tf.name_scope(
             RECOMPUTE_SCOPE.format(k=k, m=m)):
           tape, out, objective = self._run_stage(
-              k, inp, record=True, loss_term=self._loss_term(k, m))
+              k, m, inp, record=True, loss_term=self._loss_term(k, m))
       sources = [v.value for v in self.stages[k].trainable_variables]
       result = placed.backward_on_device(
           tape, device, BACKWARD_SCOPE.format(k=k, m=m),

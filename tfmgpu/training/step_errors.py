@@ -1,7 +1,7 @@
 """TF's errors from a training step, said in the user's terms.
 
 A step fails deep in TF for causes the user can fix in one line: a batch
-that `micro_batches` does not divide (a dataset's short last batch, found
+of fewer rows than `micro_batches` (a dataset's short last batch, found
 only when it comes: TF's `Assert` message is 3 kB long, its point at the
 end), or, likely, a batch with fewer rows than replicas, which leaves a replica
 an empty slice that some kernels (convolutions) reject: TF names the
@@ -16,7 +16,7 @@ import re
 
 import tensorflow as tf
 
-_MICRO = re.compile(r"not divisible by micro_batches=(\d+)")
+_MICRO = re.compile(r"fewer rows than micro_batches=(\d+)")
 _SIZE = re.compile(r"batch size:\]?\s*\[?(\d+)")
 _REPLICA = re.compile(r"/replica_([1-9]\d*)/")
 _LABEL = re.compile(r"Received a label value of (-?\d+) which is outside the "
@@ -33,10 +33,10 @@ def explain(error: tf.errors.OpError, replicas: int) -> ValueError | None:
     m = int(micro.group(1))
     batch = f"of {size.group(1)} examples " if size else ""
     return ValueError(
-        f"A batch {batch}is not divisible by micro_batches={m} (a dataset's "
-        "short last batch?): batch the dataset with drop_remainder=True, use "
-        f"a batch size that is a multiple of {m}, or micro_batches that "
-        "divides every batch. The steps before it were trained.")
+        f"A batch {batch}has fewer rows than micro_batches={m} (a dataset's "
+        "short last batch?), so some micro-batches would be empty: batch the "
+        f"dataset with drop_remainder=True, or use fewer micro_batches. The "
+        "steps before it were trained.")
   label = _LABEL.search(text)
   if label:  # A short batch was blamed; one device gave TF's traceback.
     value, classes = label.groups()
