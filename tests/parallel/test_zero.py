@@ -527,25 +527,36 @@ def test_synchronized_batchnorm_not_synced_by_copies_says_so(caplog):
   assert "each of its 2 data-parallel copies" in caplog.text
 
 
-def test_a_subclassed_model_shards_and_predicts_as_it_is():
+def test_a_subclassed_model_shards_predicts_and_trains_as_it_is():
   """The review: naming a model's outputs read `model.outputs`, which a
-  subclassed model has not, after its variables had moved to owners."""
+  subclassed model has not, after its variables had moved to owners. Its
+  `call` takes no `training` (Keras' fit drops the argument; the replicas'
+  `stateless_call` passed it on, and failed)."""
 
   class Sub(keras.Model):
     def __init__(self, **kwargs):
       super().__init__(**kwargs)
       self.dense = keras.layers.Dense(4, name="d")
 
-    def call(self, x, training=None):
+    def call(self, x):
       return self.dense(x)
 
-  model = Sub(name="sub")
+  model, reference = Sub(name="sub"), Sub(name="ref")
   rows = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
   want = model.predict(rows, verbose=0)
+  reference(rows)
+  reference.set_weights(model.get_weights())
   sharded = zero.ShardedModel(model, tfmgpu.list_devices("CPU")[:2], stage=3)
   assert sharded.unsplit_output_names == ()
   np.testing.assert_allclose(sharded.predict(rows, verbose=0), want,
                              atol=1e-6)
+  targets = np.ones((6, 4), "float32")
+  Trainer(sharded, optimizer="sgd", loss="mse", learning_rate=0.1,
+          verbose=0).fit(rows, targets, global_batch_size=6, epochs=1)
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  reference.fit(rows, targets, batch_size=6, shuffle=False, verbose=0)
+  for got, wanted in zip(model.get_weights(), reference.get_weights()):
+    np.testing.assert_allclose(got, wanted, atol=1e-6)
 
 
 def test_enable_lora_after_sharding_is_refused():
