@@ -191,17 +191,29 @@ def stateful_layers(model: Any) -> list[str]:
   return found
 
 
-def per_replica_norms(model: Any) -> list[str]:
-  """The names of `model`'s training `BatchNormalization` layers that are
-  not `synchronized`: under data parallelism each replica normalises its
-  own rows by their own statistics (as Keras' `fit` under a strategy)."""
+def training_norms(models: Any, synchronized: bool | None = None
+                   ) -> list[str]:
+  """The names of the `BatchNormalization` layers in `models` (a model or
+  layer, or a list of them; nested layers included) that normalise by the
+  batch's own statistics in training: each part of a split batch (a
+  replica's rows, a micro-batch) by its own.
+
+  Those that are trainable: a frozen one (`trainable=False`) uses its
+  moving statistics. One recorded in a functional graph with
+  `training=False` (keras.io's `base(x, training=False)`) is listed too:
+  Keras 3.15 lets the model's call-time `training=True` (what `fit`
+  passes) override it, so it trains on the batch's statistics.
+  `synchronized`: only those with (`True`) or without (`False`)
+  `synchronized=True`; `None` (the default), all.
+  """
   import keras  # pylint: disable=g-import-not-at-top
   from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
-  if not isinstance(model, keras.layers.Layer):
-    return []
-  return [l.name for l in _compat.flatten_layers(model)
-          if isinstance(l, keras.layers.BatchNormalization) and l.trainable
-          and not getattr(l, "synchronized", False)]
+  items = models if isinstance(models, (list, tuple)) else [models]
+  found = {id(l): l for item in items if isinstance(item, keras.layers.Layer)
+           for l in _compat.flatten_layers(item)
+           if isinstance(l, keras.layers.BatchNormalization) and l.trainable
+           and synchronized in (None, bool(getattr(l, "synchronized", False)))}
+  return [layer.name for layer in found.values()]
 
 
 def shown_names(names: list[str], most: int = 4) -> str:

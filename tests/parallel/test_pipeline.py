@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfmgpu.parallel
+from tfmgpu import checks
 from tfmgpu import strategies
 from tfmgpu.benchmarks import pipeline as bench_pipeline
 from tfmgpu.models import demo
@@ -679,6 +680,37 @@ def test_only_batch_norms_that_train_are_said_to_differ(caplog, cpu_devices):
     said.append("normalise each of the 2 micro-batches with its own "
                 "statistics (of its rows alone)" in caplog.text)
   assert said == [False, True]
+
+
+def test_batch_norms_recorded_with_training_false_are_said_too(caplog,
+                                                              cpu_devices):
+  """keras.io's fine-tuning pattern, `base(x, training=False)`, and a
+  BatchNormalization called so: Keras 3.15's `model(x, training=True)`
+  (what `fit` passes) overrides the recorded `False`, so they normalise by
+  the batch's statistics and the warning is right for them (the review
+  thought not); a frozen one is left out."""
+  L = keras.layers
+  inner = keras.Input((6,))
+  base = keras.Model(inner, L.BatchNormalization(name="inner_norm")(
+      L.Dense(6, name="base_dense")(inner)), name="base")
+  x = keras.Input((6,))
+  h = L.BatchNormalization(name="called_norm")(base(x, training=False),
+                                               training=False)
+  h = L.BatchNormalization(name="frozen")(L.Dense(6, name="mid")(h))
+  h = L.BatchNormalization(name="synced", synchronized=True)(h)
+  model = keras.Model(x, L.Dense(2, name="head")(h), name="finetuned")
+  model.get_layer("frozen").trainable = False
+  rows = np.random.default_rng(0).normal(5.0, 2.0, (8, 6)).astype("float32")
+  assert np.abs(np.asarray(model(rows, training=True))
+                - np.asarray(model(rows, training=False))).max() > 0.1
+  assert checks.training_norms(model) == ["inner_norm", "called_norm",
+                                          "synced"]
+  assert checks.training_norms(model, synchronized=False) == [
+      "inner_norm", "called_norm"]
+  assert checks.training_norms([model], synchronized=True) == ["synced"]
+  pipeline.PipelinedModel.from_model(model, num_stages=2, micro_batches=2)
+  assert ("BatchNormalization layers (inner_norm, called_norm, synced) "
+          "normalise each of the 2 micro-batches") in caplog.text
 
 
 class _RunningCount(keras.layers.Layer):

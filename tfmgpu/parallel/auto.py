@@ -42,6 +42,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from tfmgpu import checks
 from tfmgpu.parallel import accounting
 from tfmgpu.parallel import plan as plan_lib
 from tfmgpu.parallel import zero_cost
@@ -488,8 +489,7 @@ def _notes(model: Any, chosen: Candidate) -> tuple[str, ...]:
   warns again when it is built)."""
   if chosen.micro_batches <= 1:
     return ()
-  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
-  norms = pipeline.training_norms([model])
+  norms = checks.training_norms(model)
   if not norms:
     return ()
   return (f"note: its {chosen.micro_batches} micro-batches change "

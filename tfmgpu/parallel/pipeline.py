@@ -330,15 +330,6 @@ class PipelinedModel(staged.StagedModel):
         "the loss once on the whole batch).")
 
 
-def training_norms(models: Sequence[keras.layers.Layer]) -> list[str]:
-  """The names of the BatchNormalization layers in `models` (nested ones
-  included) that normalise by the batch's own statistics in training, so
-  each micro-batch by its own: the trainable ones (a frozen one uses its
-  moving statistics)."""
-  return [l.name for m in models for l in _compat.flatten_layers(m)
-          if isinstance(l, keras.layers.BatchNormalization) and l.trainable]
-
-
 def _warn_per_micro_batch(name: str, stages: Sequence[keras.Model],
                           micro_batches: int, recompute: bool) -> None:
   """Says what micro-batches and recomputation change: a training
@@ -347,7 +338,7 @@ def _warn_per_micro_batch(name: str, stages: Sequence[keras.Model],
   `call`) updates it once per micro-batch, and again when recomputed; with
   recomputation, dropout draws other masks for the backward."""
   layers = [l for s in stages for l in _compat.flatten_layers(s)]
-  norms = training_norms(stages)
+  norms = checks.training_norms(stages)
   if norms and micro_batches > 1:
     logging.warning(
         "%s: BatchNormalization layers (%s) normalise each of the %d "

@@ -37,7 +37,6 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu.parallel import graph as graph_lib
 from tfmgpu.parallel import layer_state
@@ -55,10 +54,8 @@ def warn_unsynchronized_norms(model: keras.Model, copies: int,
   `synchronized=True` ones too, as a placed model runs its copies itself
   (outside a strategy's replica context, where Keras would all-reduce
   their moments), unlike `mirrored`, where they are synced."""
-  synced = [l.name for l in _compat.flatten_layers(model)
-            if isinstance(l, keras.layers.BatchNormalization)
-            and l.trainable and getattr(l, "synchronized", False)]
-  plain = checks.per_replica_norms(model)
+  synced = checks.training_norms(model, synchronized=True)
+  plain = checks.training_norms(model, synchronized=False)
   if plain and copies > 1:
     logging.warning(
         "%s: BatchNormalization layers (%s) normalise each of its %d "

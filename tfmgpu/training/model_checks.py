@@ -164,7 +164,7 @@ def say_replica_norms(model: keras.Model,
   replicas, as Keras' `fit` does there, so training differs from one
   device (a new user's trial: 1.1e-2 after one epoch, unsaid)."""
   replicas = strategy.num_replicas_in_sync
-  names = checks.per_replica_norms(model) if replicas > 1 else []
+  names = checks.training_norms(model, synchronized=False) if replicas > 1 else []
   if names:
     logging.warning(
         "BatchNormalization layers (%s) normalise each of the %d replicas' "
