@@ -200,6 +200,13 @@ def is_functional(layer: Any) -> bool:
   return isinstance(layer, functional) and type(layer).call is functional.call
 
 
+def has_graph(model: Any) -> bool:
+  """A Sequential or functional model, whose layer graph is what it
+  computes (not a subclassed model, nor a functional one overriding
+  `call()`)."""
+  return isinstance(model, keras.Sequential) or is_functional(model)
+
+
 def overrides_call(layer: Any) -> bool:
   """A functional model whose class overrides `call()`: its graph (inputs
   to outputs) is not what it computes."""

@@ -42,6 +42,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from tfmgpu import _compat
 from tfmgpu import checks
 from tfmgpu.parallel import accounting
 from tfmgpu.parallel import plan as plan_lib
@@ -375,7 +376,7 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
   try:
     whole = plan(1)
   except ValueError as e:
-    if _has_graph(model):
+    if _compat.has_graph(model):
       raise
     raise ValueError(  # No graph to cost (a subclassed model).
         f"strategy 'auto' weighs layouts from the model's layer graph, and "
@@ -399,14 +400,6 @@ def weigh_layouts(model: Any, hardware: Hardware, *, global_batch_size: int,
         out += _stage_candidates(staged, split, hardware, global_batch_size,
                                  optimizer, data, tensor)
   return sorted(out, key=lambda c: (not c.fits, c._key()))  # pylint: disable=protected-access
-
-
-def _has_graph(model: Any) -> bool:
-  """Whether `model` has symbolic inputs (not a subclassed model)."""
-  try:
-    return bool(model.inputs)
-  except (AttributeError, ValueError):
-    return False
 
 
 def _reason(chosen: Candidate, candidates: Sequence[Candidate],

@@ -516,7 +516,7 @@ def copy_model(model: keras.Model,
   """
   weights = model.get_weights()
   scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-  graph = isinstance(model, keras.Sequential) or _compat.is_functional(model)
+  graph = _compat.has_graph(model)
   with scope, _compat.copying_layers():
     if dtype is None and not same_class and graph:  # Attributes kept.
       clone = keras.models.clone_model(model, clone_function=_clone_layer)
@@ -546,11 +546,11 @@ def _from_class_config(model: keras.Model, dtype: str | None) -> keras.Model:
     config = copy.deepcopy(model.get_config())
     clone = type(model).from_config(
         config if dtype is None else _with_dtype(config, dtype))
-    if not (_compat.is_functional(model) or isinstance(model, keras.Sequential)):
+    if not _compat.has_graph(model):
       _check_kept(model, clone)  # Its own attributes: no graph to copy.
     return clone
   except (NotImplementedError, TypeError, ValueError) as e:
-    if _compat.is_functional(model) or isinstance(model, keras.Sequential):
+    if _compat.has_graph(model):
       raise
     raise ValueError(
         f"model {model.name!r} ({type(model).__name__}, a subclassed "
