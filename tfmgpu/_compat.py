@@ -200,6 +200,38 @@ def is_functional(layer: Any) -> bool:
   return isinstance(layer, functional) and type(layer).call is functional.call
 
 
+def stateless_call(model: keras.Model, trainable: Any, non_trainable: Any,
+                   *args, return_losses: bool = False, **kwargs) -> Any:
+  """`model.stateless_call(...)`, except that the model is called as Keras'
+  `fit` calls it (`model(...)`, not `model.call(...)`) inside the stateless
+  scope: with the autocast scope that opens (mixed precision), and
+  without a `training` argument its `call` does not take.
+
+  Keras' `stateless_call` runs `call` with no autocast scope, so a layer
+  that does not autocast (Keras' `Embedding`, keras_hub's
+  `ReversibleEmbedding`) opened one of its own; and with one opened around
+  it, the given values were rounded to the compute dtype on the way in. A
+  mixed_bfloat16 Llama's logits came out 4.5e-4 from Keras' call either
+  way (called inside a mixed-precision model's own call, as in
+  `ShardedModel.predict`, too); and a subclassed model whose `call` takes
+  no `training` failed.
+
+  Returns:
+    `(outputs, non-trainable values)`, and the losses with `return_losses`.
+  """
+  from keras.src import backend  # pylint: disable=g-import-not-at-top
+  mapping = (list(zip(model.trainable_variables, trainable))
+             + list(zip(model.non_trainable_variables, non_trainable)))
+  with backend.AutocastScope(None):  # The values as given, not rounded.
+    scope = backend.StatelessScope(state_mapping=mapping,
+                                   collect_losses=return_losses)
+  with scope:
+    outputs = model(*args, **kwargs)
+    losses = model.losses if return_losses else None
+  state = [scope.get_current_value(v) for v in model.non_trainable_variables]
+  return (outputs, state, losses) if return_losses else (outputs, state)
+
+
 def has_graph(model: Any) -> bool:
   """A Sequential or functional model, whose layer graph is what it
   computes (not a subclassed model, nor a functional one overriding

@@ -472,6 +472,56 @@ def test_dropout_mixed_precision_predict_and_a_short_batch():
     keras.mixed_precision.set_global_policy("float32")
 
 
+class _Float32Head(keras.layers.Layer):
+  """Logits in float32 from a mixed-precision model's bfloat16 features, as
+  keras_hub's ReversibleEmbedding gives them: the layer does not autocast,
+  so it reads its kernel in float32."""
+
+  def __init__(self, units, **kwargs):
+    super().__init__(**kwargs)
+    self.units, self.autocast = units, False
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(shape=(input_shape[-1], self.units),
+                                  initializer="glorot_uniform")
+
+  def call(self, x):
+    return keras.ops.matmul(keras.ops.cast(x, "float32"), self.kernel)
+
+
+def test_mixed_precision_shards_as_keras_calls_the_model():
+  """A trial's mixed_bfloat16 Llama: its replicas' `stateless_call` read
+  the float32 logits' kernel in bfloat16 (Keras' call does not): 4.5e-4
+  off in predict, and 3e-4 off mirrored over as many replicas after 4
+  steps (7.9e-5 from one device), silently."""
+  keras.mixed_precision.set_global_policy("mixed_bfloat16")
+  try:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="tanh", name="d")(inputs)
+    model = keras.Model(inputs, _Float32Head(5, name="head")(hidden),
+                        name="mixed")
+    strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
+    with strategy.scope():  # Its replicas split the batch as ZeRO's do.
+      reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    rows = np.random.default_rng(0).normal(size=(8, 8)).astype("float32")
+    labels = np.arange(8) % 5
+    want = reference.predict(rows, verbose=0)
+    sharded = zero.ShardedModel(model, tfmgpu.list_devices("CPU")[:2],
+                                stage=3)
+    np.testing.assert_allclose(sharded.predict(rows, verbose=0), want,
+                               atol=1e-6)
+    Trainer(sharded, optimizer="sgd", learning_rate=0.5, verbose=0).fit(
+        rows, labels, global_batch_size=8, epochs=1)
+    Trainer(reference, strategy=strategy, optimizer="sgd", learning_rate=0.5,
+            verbose=0).fit(rows, labels, global_batch_size=8, epochs=1)
+    for got, wanted in zip(model.get_weights(), reference.get_weights()):
+      np.testing.assert_allclose(got, wanted, atol=1e-6)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
 def test_predictions_made_before_sharding_follow_the_trained_weights():
   """Sharding gives each variable new storage: a predict function traced
   before (tfmgpu's cached one, Keras' own) kept serving the initial

@@ -58,7 +58,6 @@ serve (`tfmgpu.in_graph`).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -252,9 +251,9 @@ class ShardedModel(placed.PerDeviceGradientModel):
     outs = []
     for i, part in enumerate(microbatch.split(x, r)):
       with tf.device(self._devices[i]), tf.name_scope(f"replica_{i}"):
-        y, _ = self.unsplit.stateless_call(
-            self._weights_on(i, False), self._state_on(i), part,
-            **_training_kwargs(self.unsplit, bool(training)))
+        y, _ = _compat.stateless_call(
+            self.unsplit, self._weights_on(i, False), self._state_on(i), part,
+            training=bool(training))
       outs.append(y)
     return microbatch.head(microbatch.concat(outs), n)
 
@@ -268,9 +267,9 @@ class ShardedModel(placed.PerDeviceGradientModel):
       weights = self._weights_on(r, True)
       with tf.GradientTape() as tape:
         tape.watch(weights)
-        y_pred, state, losses = self.unsplit.stateless_call(
-            weights, self._state_on(r), x, return_losses=True,
-            **_training_kwargs(self.unsplit, True))
+        y_pred, state, losses = _compat.stateless_call(
+            self.unsplit, weights, self._state_on(r), x, return_losses=True,
+            training=True)
         total = loss_fn(y, y_pred)
         if losses:
           total += scale(tf.add_n([tf.cast(tf.reduce_sum(l), total.dtype)
@@ -405,13 +404,3 @@ class ShardedModel(placed.PerDeviceGradientModel):
     by top-level layers only, a ZeRO checkpoint of a keras_hub model
     restored into no other layout)."""
     return layer_state.weighted_layers(self.unsplit)
-
-
-def _training_kwargs(model: keras.Model, training: bool) -> dict[str, bool]:
-  """`{"training": training}` when `model.call` takes it (or `**kwargs`),
-  else `{}`: `stateless_call` passes its keyword arguments to `call` as
-  they are, where calling the model (what `fit` does) drops an argument
-  `call` does not take."""
-  params = inspect.signature(model.call).parameters.values()
-  takes = any(p.name == "training" or p.kind is p.VAR_KEYWORD for p in params)
-  return {"training": training} if takes else {}
