@@ -101,7 +101,7 @@ def test_a_model_dir_deleted_mid_run_is_locked_again_at_the_next_save(
         shutil.rmtree(model_dir)
         seen.append("deleted")
 
-    def on_epoch_end(self, epoch, logs=None):  # After its checkpoint.
+    def on_train_end(self, logs=None):  # After the epoch's checkpoint.
       seen.append(sorted(os.listdir(model_dir)))
 
   lock = rundir.open_run(str(model_dir), {"model": "mlp"})  # As the CLI.
@@ -205,6 +205,33 @@ def test_the_learning_rate_given_on_resume_wins(digits, tmp_path, caplog,
   assert tf.train.load_variable(
       saved, "optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE") == (
           np.float32(1e-9))
+
+
+class _TenthEachEpoch(keras.callbacks.Callback):
+  """Lowers the learning rate at each epoch's end, as ReduceLROnPlateau
+  does when the loss stalls."""
+
+  def on_epoch_end(self, epoch, logs=None):
+    rate = self.model.optimizer.learning_rate
+    rate.assign(rate * 0.1)
+
+
+def test_a_rate_callbacks_lowered_resumes_lowered(digits, tmp_path):
+  """A trial: the checkpoint was written before the callbacks ran, and a
+  restore put back the rate given; the resumed epochs trained at 1e-2
+  where the run, not stopped, went on at 1e-4 (6.8e-2 off, silently)."""
+  fit = dict(global_batch_size=32, steps_per_epoch=3)
+  whole = make_trainer(tmp_path / "whole", learning_rate=1e-2,
+                       callbacks=[_TenthEachEpoch()])
+  whole.fit(*digits, epochs=4, **fit)
+  make_trainer(tmp_path / "stopped", learning_rate=1e-2,
+               callbacks=[_TenthEachEpoch()]).fit(*digits, epochs=2, **fit)
+  resumed = make_trainer(tmp_path / "stopped", learning_rate=1e-2,
+                         callbacks=[_TenthEachEpoch()])
+  assert resumed.fit(*digits, epochs=4, **fit).initial_epoch == 2
+  assert float(resumed.optimizer.learning_rate) == pytest.approx(1e-6)
+  for got, want in zip(resumed.model.get_weights(), whole.model.get_weights()):
+    np.testing.assert_array_equal(got, want)
 
 
 # ------------------------------------------------ periodic checkpoints

@@ -25,10 +25,11 @@ scratch over them. A save that fails (a full disk) deletes what it wrote of
 its own number and raises `OSError` (`errno.ENOSPC` when the disk is full,
 naming the directory); the checkpoints saved before are untouched.
 
-Learning rate: restore brings back the optimizer's state except its
-learning rate, which keeps the value the optimizer holds when restore is
-called (the `learning_rate` given to this run): a resumed run with a new
-`--learning_rate` trains with it, as the NaN error's advice expects.
+Learning rate: restore brings back the optimizer's state with its learning
+rate when this run was given the rate the saving run was (so a rate that
+callbacks such as `ReduceLROnPlateau` lowered resumes lowered, as the run
+would have gone on); given another one (a new `--learning_rate`), the run
+trains with that, as the NaN error's advice expects.
 
 Preemption: while `Trainer.fit` runs with a `model_dir`, SIGTERM (what
 schedulers send before they kill a job) is caught; at the next step boundary
@@ -165,6 +166,7 @@ class OtherRunCheckpointError(UnreadableCheckpointError):
 
 
 _SUMS = "epoch_sums"  # The epoch's running sums in a checkpoint.
+_GIVEN = "given_learning_rate"  # The learning rate its run was given.
 _STATE = "checkpoint"  # TF's state file: which checkpoints a directory holds.
 _FILE = re.compile(r"^ckpt-(\d+)(?:\.|_temp)")  # A checkpoint's file or temp.
 
@@ -376,8 +378,15 @@ class Checkpointer:
     seeds = seed_states.SeedStates(model)
     self._seeds = {seed_states.KEY: seeds} if seeds else {}
     self._sums = {_SUMS: self._epoch_sums}
+    # The learning rate given to the run that saved (NaN: none, a schedule,
+    # an older tfmgpu): a resumed run given the same rate keeps the one its
+    # callbacks left (ReduceLROnPlateau's), another rate is the user's.
+    self._given_lr = tf.Variable(float("nan"), dtype=tf.float64,
+                                 trainable=False, name=_GIVEN)
+    self._given = {_GIVEN: self._given_lr}
     self.checkpoint = tf.train.Checkpoint(**self._objects, **view,
-                                          **self._seeds, **self._sums)
+                                          **self._seeds, **self._sums,
+                                          **self._given)
     # Saves counted as `tf.train.CheckpointManager` did, so that checkpoints
     # of either kind restore with every object matched.
     self._saves = self.checkpoint.save_counter
@@ -436,6 +445,7 @@ class Checkpointer:
     optimizer = self.checkpoint.optimizer
     lr = _learning_rate_variable(optimizer)
     given = float(lr.numpy()) if lr is not None else None
+    self._given_lr.assign(float("nan") if given is None else given)
     skipped = []
     for path in self.candidates():
       try:
@@ -454,13 +464,32 @@ class Checkpointer:
       except AssertionError as e:
         raise self._moved_error() or self._other_run_error(
             path, str(e).splitlines()[0]) from e
-      _keep_learning_rate(optimizer, given, path)
+      self._resume_learning_rate(optimizer, given, path)
       self._latest = self.restored = path
       logging.info("Resumed from %s: %s.", path,
                    describe_position(self.progress))
       return self.progress.epoch
     self._check_nothing_left(skipped)
+    self._given_lr.assign(float("nan") if given is None else given)
     return 0
+
+  def _resume_learning_rate(self, optimizer, given: float | None,
+                            path: str) -> None:
+    """After restoring `path`: the learning rate it holds when this run was
+    given the rate its run was (what callbacks set resumes, as a run not
+    stopped would go on), else the one `given` to this run (a new
+    `--learning_rate`, or a checkpoint that does not say)."""
+    saved = float(self._given_lr.numpy())
+    variable = _learning_rate_variable(optimizer)
+    if given is not None and saved == given and variable is not None:
+      held = float(variable.numpy())
+      if held != given:
+        logging.info("learning_rate: %.6g, as %s holds it (set during the "
+                     "run that saved it, given %.6g as this one).", held,
+                     path, given)
+      return
+    _keep_learning_rate(optimizer, given, path)
+    self._given_lr.assign(float("nan") if given is None else given)
 
   def _read(self, path: str):
     """Restores checkpoint `path`; returns the restore's status.
@@ -475,10 +504,13 @@ class Checkpointer:
     view = self._has_view and portable.has_view(path)
     seeds = self._seeds_held(path, seed_states.held_in(names))
     sums = self._sums if f"{_SUMS}/.ATTRIBUTES/VARIABLE_VALUE" in names else {}
+    given = (self._given if f"{_GIVEN}/.ATTRIBUTES/VARIABLE_VALUE" in names
+             else {})
     self._epoch_sums.assign("")
-    if view == self._has_view and seeds is self._seeds and sums:
+    self._given_lr.assign(float("nan"))
+    if view == self._has_view and seeds is self._seeds and sums and given:
       return self.checkpoint.restore(path)
-    partial = tf.train.Checkpoint(**self._objects, **seeds, **sums,
+    partial = tf.train.Checkpoint(**self._objects, **seeds, **sums, **given,
                                   **(self._view if view else {}))
     status = partial.restore(path)
     self._saves.assign(partial.save_counter)

@@ -554,7 +554,9 @@ class Controller:
 
   def _finish_epoch(self, epoch: int, epochs: int, logs: dict[str, float],
                     callbacks, at: tuple[int, int]) -> None:
-    """Validation, summaries, checkpoint, callbacks and history of an epoch.
+    """Validation, summaries, callbacks, history and checkpoint of an epoch
+    (saved after the callbacks: what they change, such as a learning rate
+    `ReduceLROnPlateau` lowers, resumes too).
 
     `at`: the position to save, `(epochs done, steps done in the next)`.
     """
@@ -566,9 +568,11 @@ class Controller:
       with self.o.summary_writer.as_default(step=epoch + 1):
         for k, v in epoch_logs.items():
           tf.summary.scalar(f"epoch/{k}", v)
-    if self.o.checkpointer is not None:
-      self.last_checkpoint = self._save(*at)
     if not self.o.verbose:
       logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
           f"{k}={v:.4g}" for k, v in epoch_logs.items()))
-    callbacks.on_epoch_end(epoch, epoch_logs)  # The last one fills history.
+    try:  # The last one fills history.
+      callbacks.on_epoch_end(epoch, epoch_logs)
+    finally:  # After them: what they change (a learning rate) resumes too.
+      if self.o.checkpointer is not None:
+        self.last_checkpoint = self._save(*at)
