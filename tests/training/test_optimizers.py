@@ -1,5 +1,7 @@
 """Optimizers a Trainer is given: names, and objects made outside its scope."""
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -157,6 +159,43 @@ def test_a_compiled_model_trains_with_its_compile_unless_told_otherwise():
                      r"with optimizer=Adam"):
     Trainer(build(), options=tfmgpu.TrainerOptions(
         optimizer=keras.optimizers.Adam(1e-2), learning_rate=5e-4))
+
+
+def test_a_compiled_steps_per_execution_runs_batch_callbacks_as_fit_does(
+    caplog):
+  """A trial: `compile(steps_per_execution=3)` was dropped; batch callbacks
+  ran every step where `fit` runs them once per call, and a callback
+  setting the rate per call ended 4.9e-2 from `fit`. `jit_compile=True` is
+  said, not taken."""
+  x = np.random.RandomState(0).normal(size=(24, 5)).astype("float32")
+  y = np.arange(24) % 3
+
+  class Batches(keras.callbacks.Callback):
+    def __init__(self):
+      super().__init__()
+      self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+      self.seen.append(batch)
+
+  def build():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)],
+                             name="spe")
+    model.compile(optimizer="sgd", steps_per_execution=3, jit_compile=True,
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+  reference, ours = Batches(), Batches()
+  build().fit(x, y, batch_size=4, callbacks=[reference], verbose=0)
+  caplog.set_level(logging.INFO)
+  trainer = Trainer(build(), callbacks=[ours], verbose=0)
+  trainer.fit(x, y, global_batch_size=4, epochs=1)
+  assert trainer.options.steps_per_execution == 3
+  assert ours.seen == reference.seen == [2, 5]
+  assert "takes its optimizer, loss, steps_per_execution" in caplog.text
+  assert "compiled with jit_compile=True; the Trainer compiles" in caplog.text
+  assert not trainer.options.jit_compile
 
 
 def test_compiled_metric_objects_are_reported_as_fit_reports_them():

@@ -218,7 +218,7 @@ def refuse_custom_steps(model: keras.Model, loss: Any = None) -> None:
 
 # What a `Trainer` takes from the model's own `compile()` when not given.
 _FROM_COMPILE = ("optimizer", "loss", "loss_weights", "metrics",
-                 "weighted_metrics")
+                 "weighted_metrics", "steps_per_execution")
 
 
 def _compiled_value(model: keras.Model, name: str,
@@ -231,6 +231,8 @@ def _compiled_value(model: keras.Model, name: str,
   if name == "loss":
     return _plain(model.loss)
   value = (model.get_compile_config() or {}).get(name)
+  if name == "steps_per_execution":  # Batch callbacks run once per call.
+    return value if isinstance(value, int) and value > 1 else None
   if name.endswith("metrics") and value is not None:
     dropped: list[str] = []
     value = _rebuilt_metrics(_compat.compiled_metrics(model, name), value,
@@ -412,8 +414,10 @@ def compiled_settings(model: keras.Model, options: Any,
                       settings: dict[str, Any]) -> dict[str, Any]:
   """`settings` (the `Trainer`'s keyword arguments) completed with what
   the model's own `compile()` set, for each of optimizer, loss, loss
-  weights and metrics not given, and logged: a compiled model trains as its
-  `fit` would (it trained with the Trainer's defaults, silently). A
+  weights, metrics and `steps_per_execution` (above 1: batch callbacks run
+  once per call, as under `fit`) not given, and logged: a compiled model
+  trains as its `fit` would (it trained with the Trainer's defaults,
+  silently). `jit_compile=True` is said, not taken (placements refuse it). A
   `learning_rate` given applies to the compiled optimizer, and
   `fused_optimizer=True` fuses it. A `TrainerOptions` given counts as
   keyword arguments for its fields set away from their defaults (it took
@@ -430,6 +434,12 @@ def compiled_settings(model: keras.Model, options: Any,
   taken = {name: _compiled_value(compiled, name, given, compiled is model)
            for name in names}
   taken = {k: v for k, v in taken.items() if v is not None}
+  if ("jit_compile" not in given
+      and (compiled.get_compile_config() or {}).get("jit_compile") is True):
+    logging.info("Model %r was compiled with jit_compile=True; the Trainer "
+                 "compiles with XLA when given Trainer(jit_compile=True) "
+                 "(--jit_compile), which placed models refuse.",
+                 compiled.name)
   if taken:
     source = ("" if compiled is model else
               f" (split from it as {type(model).__name__} {model.name!r})")
