@@ -713,6 +713,28 @@ def test_batch_norms_recorded_with_training_false_are_said_too(caplog,
           "normalise each of the 2 micro-batches") in caplog.text
 
 
+def test_an_unregistered_layer_of_the_users_rebuilds_unsplit():
+  """A trial: `to_unsplit()` of a model holding a layer class the user had
+  not registered (one that calls `add_loss`) failed in Keras' "Could not
+  locate class"; the split itself took it."""
+
+  class Penalty(keras.layers.Layer):
+    def call(self, x):
+      self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+      return x
+
+  keras.utils.set_random_seed(0)
+  x = keras.Input((12,))
+  h = Penalty(name="penalty")(keras.layers.Dense(8, name="a")(x))
+  model = keras.Model(x, keras.layers.Dense(3, name="b")(h), name="users")
+  pipe = PipelinedModel.from_model(model, num_stages=2, micro_batches=2)
+  rows = _data(4)[0]
+  unsplit = pipe.to_unsplit()
+  assert type(unsplit.get_layer("penalty")) is Penalty
+  np.testing.assert_allclose(unsplit.predict(rows, verbose=0),
+                             model.predict(rows, verbose=0), atol=1e-6)
+
+
 class _RunningCount(keras.layers.Layer):
   """A user's BatchNorm-like layer: state it assigns in call."""
 

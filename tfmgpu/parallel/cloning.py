@@ -51,6 +51,8 @@ class ModelSpec:
   shared: tuple[shared_lib.SharedWeight, ...] = ()
   state: layer_state.LayerState | None = None  # Frozen weights, LoRA.
   source: Any = None  # A weak reference to the model split.
+  # Its layers' classes by name: a user's unregistered class rebuilds too.
+  classes: tuple[tuple[str, type], ...] = ()
 
   @classmethod
   def of(cls, model: keras.Model) -> "ModelSpec":
@@ -61,9 +63,15 @@ class ModelSpec:
       config = model.get_config()
     except NotImplementedError:
       config = None
+    classes = {}
+    for layer in _compat.flatten_layers(model):
+      kind = type(layer)
+      classes.setdefault(kind.__name__, kind)
+      classes.setdefault(keras.saving.get_registered_name(kind), kind)
     return cls(type(model), config, tuple(l.name for l in model.layers),
                shared_lib.find_shared(model.layers),
-               layer_state.capture(model), weakref.ref(model))
+               layer_state.capture(model), weakref.ref(model),
+               tuple(classes.items()))
 
   def rebuild(self) -> keras.Model:
     """A new model from the config, its layers named as the original's.
@@ -80,7 +88,8 @@ class ModelSpec:
           "model trains and its checkpoints hold its weights.")
     # A copy: `Functional.from_config` consumes parts of the dict it gets,
     # and the model must rebuild from the same config every call.
-    with _compat.copying_layers():
+    with _compat.copying_layers(), keras.saving.custom_object_scope(
+        dict(self.classes)):
       model = self.cls.from_config(copy.deepcopy(self.config))
     if len(model.layers) == len(self.layer_names):
       for layer, name in zip(model.layers, self.layer_names):
