@@ -107,6 +107,18 @@ def test_placed_greedy_equals_keras_hub_generate(name, layout, generators,
   assert _rows(out) == keras_hub_greedy(name)
 
 
+def test_a_zero_sharded_lm_generates_as_unsharded(prompts):
+  """A trial: a ShardedModel of a Gemma was refused as "neither tfmgpu's
+  gpt nor a keras_hub CausalLM"; it decodes with the model it shards."""
+  from tfmgpu.parallel import zero  # pylint: disable=g-import-not-at-top
+  want = tfmgpu.generate(_lm("gemma"), prompts, max_new_tokens=NEW, **TOP_K)
+  sharded = zero.ShardedModel(_lm("gemma"), tfmgpu.list_devices("CPU")[:2],
+                              stage=3)
+  got = tfmgpu.generate(sharded, prompts, max_new_tokens=NEW, **TOP_K)
+  for key in ("token_ids", "padding_mask"):
+    np.testing.assert_array_equal(got[key], want[key])
+
+
 def test_seeded_top_k_is_the_same_on_every_layout(lms, generators,
                                                   prompts):
   unplaced = tfmgpu.generate(lms["llama"], prompts, max_new_tokens=NEW,

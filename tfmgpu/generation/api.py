@@ -29,16 +29,21 @@ from tfmgpu.generation import samplers
 from tfmgpu.parallel import cloning
 from tfmgpu.parallel import layer_state
 from tfmgpu.parallel import placed_model
+from tfmgpu.parallel import zero
 
 
 def adapter_for(model: Any) -> decode.CacheAdapter:
   """The cache adapter of `model`: `GPTCache`, `HubCache`, or for a placed
-  model its copies' and stages' caches (`placed.placed_adapter`).
+  model its copies' and stages' caches (`placed.placed_adapter`); a ZeRO
+  `ShardedModel` decodes with the model it shards, whose weights its
+  owners hold (a trial's sharded Gemma was refused as no causal LM).
 
   Raises:
     ValueError: a model that is neither a `gpt` nor a keras_hub `CausalLM`
       (nor wraps one), placed or not.
   """
+  if isinstance(model, zero.ShardedModel):  # Its weights on their owners,
+    return adapter_for(model.unsplit)  # read across devices as it decodes.
   if placed_model.is_placed(model):
     return placed_lib.placed_adapter(model)
   lm = hub_cache.causal_lm_in(model)
