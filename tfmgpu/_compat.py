@@ -220,11 +220,19 @@ def stateless_call(model: keras.Model, trainable: Any, non_trainable: Any,
     `(outputs, non-trainable values)`, and the losses with `return_losses`.
   """
   from keras.src import backend  # pylint: disable=g-import-not-at-top
+  from keras.src.backend.common import global_state  # pylint: disable=g-import-not-at-top
   mapping = (list(zip(model.trainable_variables, trainable))
              + list(zip(model.non_trainable_variables, non_trainable)))
-  with backend.AutocastScope(None):  # The values as given, not rounded.
+  # No autocast scope while the values are taken: each kept in its
+  # variable's own dtype (an open scope rounded float32 weights to
+  # bfloat16; an `AutocastScope(None)` made a bfloat16 model's float32).
+  outer = global_state.get_global_attribute("autocast_scope")
+  global_state.set_global_attribute("autocast_scope", None)
+  try:
     scope = backend.StatelessScope(state_mapping=mapping,
                                    collect_losses=return_losses)
+  finally:
+    global_state.set_global_attribute("autocast_scope", outer)
   with scope:
     outputs = model(*args, **kwargs)
     losses = model.losses if return_losses else None

@@ -520,6 +520,14 @@ def test_mixed_precision_shards_as_keras_calls_the_model():
       np.testing.assert_allclose(got, wanted, atol=1e-6)
   finally:
     keras.mixed_precision.set_global_policy("float32")
+  # A model in bfloat16 throughout keeps its weights' dtype (the review:
+  # the first mend read them as float32, and the step failed).
+  plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(
+      4, dtype="bfloat16", name="b16")], name="pure")
+  want = plain.predict(rows, verbose=0)
+  np.testing.assert_array_equal(zero.ShardedModel(
+      plain, tfmgpu.list_devices("CPU")[:2], stage=3).predict(
+          rows, verbose=0), want)
 
 
 def test_predictions_made_before_sharding_follow_the_trained_weights():

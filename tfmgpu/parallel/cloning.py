@@ -51,7 +51,7 @@ class ModelSpec:
   shared: tuple[shared_lib.SharedWeight, ...] = ()
   state: layer_state.LayerState | None = None  # Frozen weights, LoRA.
   source: Any = None  # A weak reference to the model split.
-  # Its layers' classes by name: a user's unregistered class rebuilds too.
+  # The user's layer classes by name: an unregistered one rebuilds too.
   classes: tuple[tuple[str, type], ...] = ()
 
   @classmethod
@@ -63,18 +63,15 @@ class ModelSpec:
       config = model.get_config()
     except NotImplementedError:
       config = None
-    classes = {}
-    for layer in _compat.flatten_layers(model):
-      kind = type(layer)
-      classes.setdefault(kind.__name__, kind)
-      classes.setdefault(keras.saving.get_registered_name(kind), kind)
     return cls(type(model), config, tuple(l.name for l in model.layers),
                shared_lib.find_shared(model.layers),
                layer_state.capture(model), weakref.ref(model),
-               tuple(classes.items()))
+               _users_classes(model))
 
-  def rebuild(self) -> keras.Model:
-    """A new model from the config, its layers named as the original's.
+  def rebuild(self, custom_objects: dict[str, Any] | None = None
+              ) -> keras.Model:
+    """A new model from the config, its layers named as the original's
+    (`custom_objects` first, then the user's layer classes it held).
 
     Keras' automatic config of a custom layer holds only the arguments its
     constructor was given, so a layer Keras named gets a new name when
@@ -89,7 +86,7 @@ class ModelSpec:
     # A copy: `Functional.from_config` consumes parts of the dict it gets,
     # and the model must rebuild from the same config every call.
     with _compat.copying_layers(), keras.saving.custom_object_scope(
-        dict(self.classes)):
+        {**dict(self.classes), **(custom_objects or {})}):
       model = self.cls.from_config(copy.deepcopy(self.config))
     if len(model.layers) == len(self.layer_names):
       for layer, name in zip(model.layers, self.layer_names):
@@ -101,6 +98,21 @@ class ModelSpec:
     if self.state is not None and model.built:
       layer_state.apply(self.state, model)
     return model
+
+
+def _users_classes(model: keras.Model) -> tuple[tuple[str, type], ...]:
+  """`(name, class)` of the user's own layer classes in `model`, by the
+  name its config looks them up by (`get_registered_name`), so that
+  `from_config` finds one not registered. A name two classes share is left
+  out (Keras then says it cannot locate it), as is every library class:
+  a user's `Dense` must not stand in for Keras' (nor Keras' for it)."""
+  found: dict[str, set[type]] = {}
+  for layer in _compat.flatten_layers(model):
+    if checks.users_class(layer):
+      kind = type(layer)
+      found.setdefault(keras.saving.get_registered_name(kind), set()).add(kind)
+  return tuple((name, next(iter(kinds))) for name, kinds in found.items()
+               if len(kinds) == 1)
 
 
 def weighted_layers(models: Sequence[keras.Model]) -> dict[str, Any]:
@@ -492,8 +504,8 @@ class UnsplitWeights:
     spec = self._unsplit_spec
     place = (tf.device(devices_lib.resolve_devices([device])[0]) if device
              else contextlib.nullcontext())
-    with place, keras.saving.custom_object_scope(custom_objects or {}):
-      model = spec.rebuild()
+    with place:
+      model = spec.rebuild(custom_objects)
     self.copy_weights_to(model)
     return model
 

@@ -56,7 +56,7 @@ def split(structure: Any, num: int, *, uneven: bool = False) -> list[Any]:
     with tf.control_dependencies([tf.debugging.assert_equal(
         tf.shape(dynamic[0])[0] % num, 0, message=(
             f"a batch must split into {num} equal parts (data-parallel "
-            "replicas or micro-batches), and this one's rows do not (a "
+            "replicas or copies), and this one's rows do not (a "
             "dataset's short last batch?): batch the dataset with "
             "drop_remainder=True, or use a batch size that every batch, the "
             "last included, divides."))]):

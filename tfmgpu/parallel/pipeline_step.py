@@ -188,7 +188,16 @@ class PipelineStep:
           "from the unsplit loss. Use schedule='gpipe' (one loss on the whole "
           "batch), micro_batches=1, or a loss with reduction='sum'.")
     loss = self.loss_fn(self.ys[m], out)
-    return loss / self.divisors[m] if self.mean else loss
+    return self._share(loss, m) if self.mean else loss
+
+  def _share(self, value, m: int):
+    """Micro-batch `m`'s share of a per-row mean `value`: divided by the
+    batch's rows over its own (`microbatch.part_divisors`), in `value`'s
+    dtype (a float64 model's too)."""
+    divisor = self.divisors[m]
+    if isinstance(divisor, float):
+      return value / divisor
+    return value / tf.cast(divisor, value.dtype)
 
   def _run_stage(self, k: int, m: int, inp, *, record: bool,
                  loss_term=None):
@@ -216,7 +225,7 @@ class PipelineStep:
       if calls:
         total = tf.add_n([tf.cast(tf.reduce_sum(l), keras.config.floatx())
                           for l in calls])
-        objective = self.scale(total) / self.divisors[m]
+        objective = self._share(self.scale(total), m)
       if loss_term is not None:
         term = loss_term(out)
         objective = term if objective is None else term + objective
