@@ -25,11 +25,11 @@ scratch over them. A save that fails (a full disk) deletes what it wrote of
 its own number and raises `OSError` (`errno.ENOSPC` when the disk is full,
 naming the directory); the checkpoints saved before are untouched.
 
-Learning rate: restore brings back the optimizer's state with its learning
-rate when this run was given the rate the saving run was (so a rate that
-callbacks such as `ReduceLROnPlateau` lowered resumes lowered, as the run
-would have gone on); given another one (a new `--learning_rate`), the run
-trains with that, as the NaN error's advice expects.
+Learning rate: a resumed run trains with the rate the stopped run went on
+with (one that `ReduceLROnPlateau` lowered after the epoch's checkpoint,
+recorded by `note_learning_rate`), unless given another one (a new
+`--learning_rate`), which wins, as the NaN error's advice expects
+(`resume_rate`).
 
 Preemption: while `Trainer.fit` runs with a `model_dir`, SIGTERM (what
 schedulers send before they kill a job) is caught; at the next step boundary
@@ -70,12 +70,12 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfmgpu import _compat
 from tfmgpu import files
 from tfmgpu import rundir
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import checkpoint_match
 from tfmgpu.training import portable
+from tfmgpu.training import resume_rate
 from tfmgpu.training import seed_states
 from tfmgpu.training import slot_order
 
@@ -232,25 +232,6 @@ def _delete(prefix: str) -> None:
   shutil.rmtree(prefix + "_temp", ignore_errors=True)
 
 
-def _learning_rate_variable(optimizer):
-  """The variable holding `optimizer`'s learning rate (`None`: a schedule)."""
-  while getattr(optimizer, "inner_optimizer", None) is not None:
-    optimizer = optimizer.inner_optimizer  # LossScaleOptimizer's own is unused.
-  return _compat.learning_rate_variable(optimizer)
-
-
-def _keep_learning_rate(optimizer, given, path: str) -> None:
-  """Puts back the learning rate given to this run after a restore."""
-  variable = _learning_rate_variable(optimizer)
-  if variable is None or given is None:
-    return
-  restored = float(variable.numpy())
-  if restored != given:
-    variable.assign(given)
-    logging.info("learning_rate: %s holds %.6g; training with the %.6g given "
-                 "to this run.", path, restored, given)
-
-
 def describe_position(p: Progress) -> str:
   """Where a checkpoint stands, in words (`after 4 whole epochs, ...`)."""
   if not p.epoch_step:
@@ -384,6 +365,7 @@ class Checkpointer:
     self._given_lr = tf.Variable(float("nan"), dtype=tf.float64,
                                  trainable=False, name=_GIVEN)
     self._given = {_GIVEN: self._given_lr}
+    self._rate_saved: dict[str, float] = {}  # The last save's rate.
     self.checkpoint = tf.train.Checkpoint(**self._objects, **view,
                                           **self._seeds, **self._sums,
                                           **self._given)
@@ -443,7 +425,7 @@ class Checkpointer:
     self.restored = None
     slot_order.check(self.chief_directory, slot_order.order_of(self._model))
     optimizer = self.checkpoint.optimizer
-    lr = _learning_rate_variable(optimizer)
+    lr = resume_rate.rate_variable(optimizer)
     given = float(lr.numpy()) if lr is not None else None
     self._given_lr.assign(float("nan") if given is None else given)
     skipped = []
@@ -475,21 +457,22 @@ class Checkpointer:
 
   def _resume_learning_rate(self, optimizer, given: float | None,
                             path: str) -> None:
-    """After restoring `path`: the learning rate it holds when this run was
-    given the rate its run was (what callbacks set resumes, as a run not
-    stopped would go on), else the one `given` to this run (a new
-    `--learning_rate`, or a checkpoint that does not say)."""
-    saved = float(self._given_lr.numpy())
-    variable = _learning_rate_variable(optimizer)
-    if given is not None and saved == given and variable is not None:
-      held = float(variable.numpy())
-      if held != given:
-        logging.info("learning_rate: %.6g, as %s holds it (set during the "
-                     "run that saved it, given %.6g as this one).", held,
-                     path, given)
+    """After restoring `path`: the learning rate its run went on with,
+    unless this run was given another (`resume_rate.resumed_rate`)."""
+    kept = resume_rate.resumed_rate(optimizer, given,
+                                    float(self._given_lr.numpy()), path,
+                                    self.chief_directory)
+    self._given_lr.assign(float("nan") if kept is None else kept)
+
+  def note_learning_rate(self, path: str) -> None:
+    """Records the rate the run goes on with from `path`, the epoch's
+    checkpoint, when the callbacks changed it after it was written."""
+    variable = resume_rate.rate_variable(self.checkpoint.optimizer)
+    if not self.chief or variable is None or path is None:
       return
-    _keep_learning_rate(optimizer, given, path)
-    self._given_lr.assign(float("nan") if given is None else given)
+    rate = float(variable.numpy())
+    if rate != self._rate_saved.get(path, rate):
+      resume_rate.record(self.chief_directory, path, rate)
 
   def _read(self, path: str):
     """Restores checkpoint `path`; returns the restore's status.
@@ -619,6 +602,9 @@ class Checkpointer:
     if self.chief:  # What order its optimizer slots belong to.
       slot_order.write(self.directory, slot_order.order_of(self._model))
     self._latest = self.chief_path(path)
+    variable = resume_rate.rate_variable(self.checkpoint.optimizer)
+    self._rate_saved = ({path: float(variable.numpy())}
+                        if variable is not None else {})
     return path
 
   def _write(self, prefix: str) -> str:

@@ -554,9 +554,9 @@ class Controller:
 
   def _finish_epoch(self, epoch: int, epochs: int, logs: dict[str, float],
                     callbacks, at: tuple[int, int]) -> None:
-    """Validation, summaries, callbacks, history and checkpoint of an epoch
-    (saved after the callbacks: what they change, such as a learning rate
-    `ReduceLROnPlateau` lowers, resumes too).
+    """Validation, summaries, checkpoint, callbacks and history of an epoch
+    (the checkpoint before the callbacks, which may change the model for a
+    moment: `SwapEMAWeights`; a learning rate they set is recorded after).
 
     `at`: the position to save, `(epochs done, steps done in the next)`.
     """
@@ -568,11 +568,11 @@ class Controller:
       with self.o.summary_writer.as_default(step=epoch + 1):
         for k, v in epoch_logs.items():
           tf.summary.scalar(f"epoch/{k}", v)
+    if self.o.checkpointer is not None:
+      self.last_checkpoint = self._save(*at)
     if not self.o.verbose:
       logging.info("epoch %d/%d: %s", epoch + 1, epochs, ", ".join(
           f"{k}={v:.4g}" for k, v in epoch_logs.items()))
-    try:  # The last one fills history.
-      callbacks.on_epoch_end(epoch, epoch_logs)
-    finally:  # After them: what they change (a learning rate) resumes too.
-      if self.o.checkpointer is not None:
-        self.last_checkpoint = self._save(*at)
+    callbacks.on_epoch_end(epoch, epoch_logs)  # The last one fills history.
+    if self.o.checkpointer is not None:  # A rate they set resumes too.
+      self.o.checkpointer.note_learning_rate(self.last_checkpoint)
