@@ -530,7 +530,7 @@ def test_a_batch_of_fewer_rows_than_micro_batches_is_refused():
 
 
 @pytest.mark.parametrize("name,signature", [("gpipe", False),
-                                            ("1f1b", True)])
+                                            ("1f1b", False), ("1f1b", True)])
 def test_a_batch_the_micro_batches_do_not_divide_gives_unsplit_gradients(
     name, signature):
   """10 rows in micro-batches of 3, 3, 2, 2; activity regularisers and
