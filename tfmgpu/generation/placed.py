@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfmgpu.generation import gpt_cache
 from tfmgpu.generation import hub_blocks
+from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import pipeline
 from tfmgpu.parallel import replicated
 
@@ -62,12 +63,6 @@ def placed_adapter(model: Any) -> Any:
   return RowGroups(adapters, groups)
 
 
-def _shares(total: int, parts: int) -> list[int]:
-  """`total` split into `parts` near-equal non-negative sizes, the larger
-  first."""
-  return [total // parts + (i < total % parts) for i in range(parts)]
-
-
 class RowGroups:
   """Several cache adapters, each decoding its own rows (a
   `decode.CacheAdapter`).
@@ -91,9 +86,10 @@ class RowGroups:
   def _split(self, batch: int) -> list[tuple[Any, int]]:
     """`(adapter, rows)` of each non-empty group, in row order."""
     out = []
-    for adapter, share, groups in zip(
-        self.adapters, _shares(batch, len(self.adapters)), self.groups):
-      out += [(adapter, n) for n in _shares(share, min(groups, share) or 1)
+    shares = microbatch.near_equal(batch, len(self.adapters))
+    for adapter, share, groups in zip(self.adapters, shares, self.groups):
+      out += [(adapter, n)
+              for n in microbatch.near_equal(share, min(groups, share) or 1)
               if n]
     return out
 

@@ -74,13 +74,19 @@ def rows(structure: Any) -> Any:
   return first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
 
 
+def near_equal(total: int, parts: int) -> list[int]:
+  """`total` split into `parts` near-equal non-negative sizes: `total //
+  parts`, plus one for the first `total % parts`."""
+  return [total // parts + (m < total % parts) for m in range(parts)]
+
+
 def part_sizes(structure: Any, num: int) -> Any:
-  """The rows of each of `num` near-equal parts of a batch: `n // num`,
-  plus one for the first `n % num` parts. A list of ints when the batch
-  size is known, else a `(num,)` int32 tensor."""
+  """The rows of each of `num` near-equal parts of a batch (`near_equal`).
+  A list of ints when the batch size is known, else a `(num,)` int32
+  tensor."""
   n = rows(structure)
   if isinstance(n, int):
-    return [n // num + (1 if m < n % num else 0) for m in range(num)]
+    return near_equal(n, num)
   return n // num + tf.cast(tf.range(num) < n % num, tf.int32)
 
 

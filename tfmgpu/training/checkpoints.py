@@ -427,7 +427,6 @@ class Checkpointer:
     optimizer = self.checkpoint.optimizer
     lr = resume_rate.rate_variable(optimizer)
     given = float(lr.numpy()) if lr is not None else None
-    self._given_lr.assign(float("nan") if given is None else given)
     skipped = []
     for path in self.candidates():
       try:
