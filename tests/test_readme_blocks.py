@@ -244,6 +244,9 @@ COMMANDS = {
         ("run", "--plan_only"),
     "python -m tfmgpu.train --strategy=mirrored --virtual_devices=2 "
     "--epochs=5": ("run", _TINY),
+    "python -m tfmgpu.train --strategy=pipeline --num_stages=1 "
+    "--micro_batches=4 --schedule=1f1b --data_parallel=2 "
+    "--virtual_devices=2": ("run", _TINY),
     # Programs named in the text: each must exist and print its --help.
     "python -m tfmgpu.train": ("help",),
     "python -m tfmgpu.predict": ("help",),

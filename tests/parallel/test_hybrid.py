@@ -183,6 +183,27 @@ def test_data_x_interleaved_pipeline_trains_as_unsplit(data, unsplit,
   _assert_replica_ops_on_their_devices(model, step)
 
 
+def test_data_x_one_stage_in_micro_batches_accumulates_as_unsplit(
+    data, unsplit, cpu_devices):
+  """One stage in micro-batches is gradient accumulation: each copy runs
+  its half of the batch a micro-batch at a time (1F1B: one in flight) on
+  its own device, and the update equals the unsplit model's (Adam)."""
+  from tfmgpu.parallel import pipeline  # pylint: disable=g-import-not-at-top
+  make, tol = gp.OPTIMIZERS["adam"]
+  layout = hybrid.Layout(data=2, stages=1, micro_batches=gp.MICRO,
+                         schedule="1f1b")
+  model = hybrid.build_layout(gp._gpt(), layout, devices=cpu_devices)  # pylint: disable=protected-access
+  assert [type(r) for r in model.replicas] == [pipeline.PipelinedModel] * 2
+  assert [r.stage_devices for r in model.replicas] == [
+      (cpu_devices[0],), (cpu_devices[1],)]
+  assert {(r.micro_batches, r.schedule) for r in model.replicas} == {
+      (gp.MICRO, "1f1b")}
+  losses, step = _train(model, *data, make)
+  _assert_same((losses, model.to_unsplit().get_weights()), unsplit("adam"),
+               tol)
+  _assert_replica_ops_on_their_devices(model, step)
+
+
 def test_data_x_pipeline_compresses_what_travels(data, unsplit, cpu_devices):
   model = hybrid.build_layout(
       gp._gpt(), hybrid.Layout(data=2, stages=2, micro_batches=2),  # pylint: disable=protected-access
@@ -202,6 +223,15 @@ def test_layout_errors(cpu_devices):
   with pytest.raises(ValueError, match=r"plain data parallelism: use "
                      r"MirroredStrategy.*Trainer\(model, strategy='mirrored'"):
     hybrid.build_layout(gp._gpt(), hybrid.Layout(data=2),  # pylint: disable=protected-access
+                        devices=cpu_devices)
+  with pytest.raises(ValueError, match=r"To accumulate gradients over "
+                     r"micro-batches .* micro_batches=N >= 2"):
+    hybrid.build_layout(gp._gpt(), hybrid.Layout(data=2, micro_batches=1),  # pylint: disable=protected-access
+                        devices=cpu_devices)
+  with pytest.raises(ValueError, match=r"micro_batches=2 with the layout "
+                     r"data 1 x stages 1 x tensor 2: tensor shards without "
+                     r"stages do not run in micro-batches"):
+    hybrid.build_layout(gp._gpt(), hybrid.Layout(tensor=2, micro_batches=2),  # pylint: disable=protected-access
                         devices=cpu_devices)
   with pytest.raises(ValueError, match=r"data=0 must be an int >= 1"):
     hybrid.Layout(data=0)

@@ -60,7 +60,9 @@ def test_gradient_accumulation_under_a_strategy_is_a_clear_error(digits):
   (TF's "merge_call called while defining a new graph" otherwise)."""
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
   with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2\).*"
-                     r"MirroredStrategy.*global_batch_size by 2"):
+                     r"MirroredStrategy.*global_batch_size by 2.*"
+                     r"Layout\(data=<copies>, micro_batches=2, "
+                     r"schedule='1f1b'\)"):
     train(strategy, lambda: keras.optimizers.SGD(
         0.1, gradient_accumulation_steps=2), digits)
   with pytest.raises(ValueError, match=r"use_ema=True, ema_overwrite_"

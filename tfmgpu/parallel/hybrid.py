@@ -70,14 +70,7 @@ def _copy(model: keras.Model, layout: Layout, plan: plan_lib.StagePlan,
   if layout.tensor > 1:
     from tfmgpu.parallel import tensor  # pylint: disable=g-import-not-at-top
   homes = stage_homes(grid)
-  if layout.stages == 1:
-    if layout.tensor == 1:
-      raise ValueError(
-          f"The layout {layout.label} is plain data parallelism: use "
-          "MirroredStrategy, which runs it with TF's own all-reduce "
-          "(Trainer(model, strategy='mirrored') with the model built in "
-          "tfmgpu.get_strategy('mirrored').scope(); CLI: "
-          "--strategy=mirrored).")
+  if layout.stages == 1 and layout.tensor > 1:
     return tensor.TensorParallelModel(
         model, grid[0], rules=rules,
         transform=_transform(axes, lambda name: grid[0]))
@@ -150,6 +143,32 @@ def _split_axes(model: keras.Model, layout_map: Any, rules: Any,
   return axes
 
 
+def _check_one_stage(layout: Layout) -> None:
+  """Refuses a layout of one stage that is plain data parallelism (no
+  micro-batches) or that asks tensor shards for micro-batches (not built).
+  One stage in micro-batches is gradient accumulation: each copy runs its
+  share of the batch a micro-batch at a time and sums the gradients."""
+  if layout.stages > 1:
+    return
+  if layout.tensor > 1 and layout.micro_batches not in (None, 1):
+    raise ValueError(
+        f"micro_batches={layout.micro_batches} with the layout "
+        f"{layout.label}: tensor shards without stages do not run in "
+        "micro-batches (not built). Use micro_batches=None, or stages >= 2 "
+        "to pipeline the shards.")
+  if layout.tensor == 1 and layout.micro_batches in (None, 1):
+    raise ValueError(
+        f"The layout {layout.label} is plain data parallelism: use "
+        "MirroredStrategy, which runs it with TF's own all-reduce "
+        "(Trainer(model, strategy='mirrored') with the model built in "
+        "tfmgpu.get_strategy('mirrored').scope(); CLI: "
+        "--strategy=mirrored). To accumulate gradients over micro-batches "
+        "of each copy's batch (activations of one micro-batch at a time), "
+        "give micro_batches=N >= 2 with schedule='1f1b' (CLI: "
+        "--strategy=pipeline --num_stages=1 --micro_batches=N "
+        "--schedule=1f1b --data_parallel=R).")
+
+
 def _stage_plan(model: keras.Model, layout: Layout,
                 plan: plan_lib.StagePlan | None, homes: Sequence[str], *,
                 criterion: str, split_points: Sequence[str] | None
@@ -157,7 +176,8 @@ def _stage_plan(model: keras.Model, layout: Layout,
   """`plan`, checked, or one made: `stages * virtual_stages` stages on the
   first replica's stage devices, repeating in order."""
   chunks = layout.stages * layout.virtual_stages
-  if plan is None and layout.stages > 1:
+  _check_one_stage(layout)
+  if plan is None and (layout.stages > 1 or layout.tensor == 1):
     return partition.plan_stages(
         model, chunks, criterion=criterion, split_points=split_points,
         devices=[homes[k % layout.stages] for k in range(chunks)])
@@ -206,7 +226,9 @@ def build_layout(model: keras.Model, layout: Layout, *,
 
   Raises:
     ValueError: too few devices, a plan for another number of stages,
-      plain data parallelism (1 stage, 1 shard: use `MirroredStrategy`), or
+      plain data parallelism (1 stage, 1 shard, no micro-batches: use
+      `MirroredStrategy`; with micro-batches it accumulates gradients),
+      micro-batches of tensor shards without stages, or
       a model whose class overrides a Keras step (`train_step`, ...: a
       split model would not call it).
   """

@@ -189,12 +189,21 @@ def sum_parts(grads: Sequence[Any]) -> Any:
   position table 7.5e-4 off one device in 2 steps)."""
   grads = [g for g in grads if g is not None]
   if len(grads) > 1 and all(
-      isinstance(g, tf.IndexedSlices) and _reads_no_input(g.indices)
-      and g.indices.shape == grads[0].indices.shape
-      and g.indices.shape.is_fully_defined() for g in grads):
+      shared_lookup(g) and g.indices.shape == grads[0].indices.shape
+      for g in grads):
     return tf.IndexedSlices(tf.add_n([g.values for g in grads]),
                             grads[0].indices, grads[0].dense_shape)
   return sum_gradients(grads)
+
+
+def shared_lookup(gradient: Any) -> bool:
+  """Whether `gradient` is a traced lookup's that every row shares
+  (`tf.IndexedSlices` whose indices, of a static shape, read no input:
+  positions `arange(length)`). Parts of a batch then give one row per
+  index each, to be summed row by row as one device's lookup is."""
+  return (isinstance(gradient, tf.IndexedSlices)
+          and gradient.indices.shape.is_fully_defined()
+          and _reads_no_input(gradient.indices))
 
 
 # Ops whose values depend on an input's shape only.

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu.parallel import microbatch
 from tfmgpu.training.choices import COMPRESSION_CHOICES
 
 
@@ -117,7 +118,11 @@ def all_reduce_gradients(grads: Sequence[tf.Tensor | None],
   """
   ctx = tf.distribute.get_replica_context()
   present = [i for i, g in enumerate(grads) if g is not None]
-  values = [grads[i] for i in present]
+  # A lookup every row shares (positions): its rows are summed, not
+  # concatenated as TF joins sparse gradients (Keras' Adam would square
+  # each replica's row before adding them; one device has one row).
+  shared = {i for i in present if microbatch.shared_lookup(grads[i])}
+  values = [grads[i].values if i in shared else grads[i] for i in present]
   if ctx is not None and values:
     dtypes = [g.dtype for g in values]
     if options.compression != "none":
@@ -129,7 +134,8 @@ def all_reduce_gradients(grads: Sequence[tf.Tensor | None],
   values = options.clip(values)
   out = list(grads)
   for i, g in zip(present, values):
-    out[i] = g
+    out[i] = (tf.IndexedSlices(g, grads[i].indices, grads[i].dense_shape)
+              if i in shared else g)
   return out
 
 

@@ -354,7 +354,12 @@ def _check_accumulation(optimizer: Any, strategy: Any) -> None:
       "applies accumulated gradients inside a tf.cond, where a distributed "
       "update cannot run. Leave gradient_accumulation_steps unset and "
       f"multiply global_batch_size by {steps} instead (the same mean "
-      "gradient per update).")
+      "gradient per update); to hold one micro-batch's activations at a "
+      f"time, run that batch in {steps} micro-batches on each copy: "
+      "build_layout(model, Layout(data=<copies>, micro_batches="
+      f"{steps}, schedule='1f1b')) from tfmgpu.parallel (CLI: "
+      f"--strategy=pipeline --num_stages=1 --micro_batches={steps} "
+      "--schedule=1f1b --data_parallel=<copies>).")
 
 
 def prepare_optimizer(optimizer: Any, model: "keras.Model",
