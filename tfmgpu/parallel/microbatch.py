@@ -103,6 +103,31 @@ def part_divisors(structure: Any, num: int) -> list[Any]:
   return [n / tf.cast(sizes[m], tf.float32) for m in range(num)]
 
 
+def divide(value: Any, divisor: Any) -> Any:
+  """`value` over one of `part_divisors`' divisors, in `value`'s dtype (a
+  float64 model's too): a part's share of a per-row mean."""
+  if isinstance(divisor, (int, float)):
+    return value / divisor
+  return value / tf.cast(divisor, value.dtype)
+
+
+def check_rows(structure: Any, num: int, rule: str) -> list[Any]:
+  """Raises `ValueError(f"The batch of {n} examples {rule}")` for a batch
+  known to have fewer than `num` rows; for one whose size is known only
+  when it runs, returns the run-time check (its message: the rule, then
+  `batch size:` and the size), to run before the batch is split."""
+  size = rows(structure)
+  if isinstance(size, int):
+    if size < num:
+      raise ValueError(f"The batch of {size} examples {rule}")
+    return []
+  if num == 1:
+    return []
+  return [tf.debugging.Assert(
+      tf.greater_equal(size, num),
+      [f"The batch (of the size that follows) {rule}", "batch size:", size])]
+
+
 def concat(parts: Sequence[Any]) -> Any:
   """Joins micro-batch structures along axis 0 (the inverse of `split`).
 

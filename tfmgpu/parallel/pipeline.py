@@ -198,20 +198,12 @@ class PipelinedModel(staged.StagedModel):
     """Raises (or, for an unknown batch size, asserts at run time) that the
     batch has at least `micro_batches` rows (it splits into near-equal
     parts); returns the run-time checks."""
-    size, m = microbatch.rows(x), self.micro_batches
-    rule = (f"has fewer rows than micro_batches={m}, so some micro-batches "
-            f"would be empty. Use batches of at least {m} rows (with a "
-            "dataset's short last batch: drop_remainder=True), or fewer "
-            "micro_batches.")
-    if isinstance(size, int):
-      if size < m:
-        raise ValueError(f"The batch of {size} examples {rule}")
-      return []
-    if m == 1:
-      return []
-    return [tf.debugging.Assert(
-        tf.greater_equal(size, m),
-        [f"The batch (of the size that follows) {rule}", "batch size:", size])]
+    m = self.micro_batches
+    return microbatch.check_rows(x, m, (
+        f"has fewer rows than micro_batches={m}, so some micro-batches "
+        f"would be empty. Use batches of at least {m} rows (with a "
+        "dataset's short last batch: drop_remainder=True), or fewer "
+        "micro_batches."))
 
   def _forward_only(self, x, training: bool):
     """Streams micro-batches through the stages (no backward)."""

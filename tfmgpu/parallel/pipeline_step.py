@@ -194,10 +194,7 @@ class PipelineStep:
     """Micro-batch `m`'s share of a per-row mean `value`: divided by the
     batch's rows over its own (`microbatch.part_divisors`), in `value`'s
     dtype (a float64 model's too)."""
-    divisor = self.divisors[m]
-    if isinstance(divisor, float):
-      return value / divisor
-    return value / tf.cast(divisor, value.dtype)
+    return microbatch.divide(value, self.divisors[m])
 
   def _run_stage(self, k: int, m: int, inp, *, record: bool,
                  loss_term=None):

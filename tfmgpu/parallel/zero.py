@@ -5,7 +5,8 @@ and optimizer slots on every device. `ShardedModel` holds one model whose
 every variable has an *owner* among the `R` data-parallel devices (balanced
 by bytes, `assign_owners`) and trains it as `R` replicas:
 
-1. the batch is split into `R` equal slices, one per replica device;
+1. the batch is split into `R` near-equal slices, one per replica device
+   (a short last batch too, each slice weighted by its rows);
 2. each replica's forward and backward run on its device
    (`model.stateless_call` on that replica's weight values, one tape), its
    loss averaged over the *global* batch, so the replicas' gradients add up
@@ -235,8 +236,15 @@ class ShardedModel(placed.PerDeviceGradientModel):
 
   # ------------------------------------------------------------ forward
 
-  def _check_batch(self, x) -> None:
-    replicated.ReplicatedModel._check_batch(self, x)  # pylint: disable=protected-access
+  def _check_rows(self, x) -> list[Any]:
+    """A batch splits into `R` near-equal parts, one per replica, weighted
+    by their rows (a dataset's short last batch trains as `fit` trains
+    it); one of fewer rows than `R` is refused (`microbatch.check_rows`)."""
+    r = self.data_parallel
+    return microbatch.check_rows(x, r, (
+        f"has fewer rows than data_parallel={r} replicas, so some replicas "
+        f"would get none. Use batches of at least {r} rows (with a "
+        "dataset's short last batch: drop_remainder=True)."))
 
   def call(self, inputs, training=None):
     """Splits the batch over the replicas (padding it outside training);
@@ -284,7 +292,8 @@ class ShardedModel(placed.PerDeviceGradientModel):
     summed (`reduce_gradients` sums them on their owners).
 
     Args:
-      x, y: the whole batch (its size a multiple of `data_parallel`).
+      x, y: the whole batch, of at least `data_parallel` rows (split into
+        near-equal parts, each weighted by its rows).
       loss_fn: `loss_fn(y_true, y_pred)`. `"sum"`: it divides by the global
         batch size (tfmgpu's Trainer), so the replicas' losses add up;
         `"mean"`: it averages the rows it gets (Keras `fit`), so each
@@ -302,17 +311,22 @@ class ShardedModel(placed.PerDeviceGradientModel):
                        "'mean'.")
     r = self.data_parallel
     base = scale_regularization or (lambda t: t)
-    share = loss_fn if loss_reduction == "sum" else (
-        lambda y_true, y_pred: loss_fn(y_true, y_pred) / r)
-    self._check_batch(x)
+    with tf.control_dependencies(self._check_rows(x)):
+      x = tf.nest.map_structure(tf.identity, x)
     if self._copies is not None:
       with tf.name_scope("zero_all_gather"):
         self._copies.gather(self.unsplit.trainable_variables)
     totals, preds, grads, states = [], [], [], []
-    for i, (xi, yi) in enumerate(zip(microbatch.split(x, r),
-                                     microbatch.split(y, r))):
+    parts = zip(microbatch.split(x, r, uneven=True),
+                microbatch.split(y, r, uneven=True),
+                microbatch.part_divisors(x, r))
+    for i, (xi, yi, d) in enumerate(parts):
+      # A mean's share: the replica's rows over the batch's (1/R if equal).
+      share = loss_fn if loss_reduction == "sum" else (
+          lambda y_true, y_pred, d=d: microbatch.divide(
+              loss_fn(y_true, y_pred), d))
       total, y_pred, g, state = self._replica_backward(
-          i, xi, yi, share, lambda t: base(t) / r)
+          i, xi, yi, share, lambda t, d=d: microbatch.divide(base(t), d))
       totals.append(total)
       preds.append(y_pred)
       grads.extend(g)

@@ -16,7 +16,7 @@ import re
 
 import tensorflow as tf
 
-_MICRO = re.compile(r"fewer rows than micro_batches=(\d+)")
+_MICRO = re.compile(r"fewer rows than (micro_batches|data_parallel)=(\d+)")
 _SIZE = re.compile(r"batch size:\]?\s*\[?(\d+)")
 _REPLICA = re.compile(r"/replica_([1-9]\d*)/")
 _LABEL = re.compile(r"Received a label value of (-?\d+) which is outside the "
@@ -30,13 +30,16 @@ def explain(error: tf.errors.OpError, replicas: int) -> ValueError | None:
   micro = _MICRO.search(text)
   if micro:
     size = _SIZE.search(text)
-    m = int(micro.group(1))
+    name, m = micro.group(1), int(micro.group(2))
     batch = f"of {size.group(1)} examples " if size else ""
+    parts, fewer = (("micro-batches", "use fewer micro_batches")
+                    if name == "micro_batches" else
+                    ("replicas", f"give every batch at least {m} rows"))
     return ValueError(
-        f"A batch {batch}has fewer rows than micro_batches={m} (a dataset's "
-        "short last batch?), so some micro-batches would be empty: batch the "
-        f"dataset with drop_remainder=True, or use fewer micro_batches. The "
-        "steps before it were trained.")
+        f"A batch {batch}has fewer rows than {name}={m} (a dataset's "
+        f"short last batch?), so some {parts} would get none: batch the "
+        f"dataset with drop_remainder=True, or {fewer}. The steps before it "
+        "were trained.")
   label = _LABEL.search(text)
   if label:  # A short batch was blamed; one device gave TF's traceback.
     value, classes = label.groups()
