@@ -216,6 +216,36 @@ def training_norms(models: Any, synchronized: bool | None = None
   return [layer.name for layer in found.values()]
 
 
+def random_layers(models: Any) -> list[str]:
+  """The names of the layers in `models` (a model or layer, or a list of
+  them; nested layers included) that draw random numbers when training:
+  those holding a Keras `SeedGenerator` (dropout, noise, augmentation such
+  as `RandomFlip`), except a dropout or noise of rate (stddev) 0."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tfmgpu import _compat  # pylint: disable=g-import-not-at-top
+  items = models if isinstance(models, (list, tuple)) else [models]
+  found = {id(l): l for item in items if isinstance(item, keras.layers.Layer)
+           for l in _compat.flatten_layers(item)
+           if _compat.own_seed_generators(l)
+           and getattr(l, "rate", getattr(l, "stddev", 1)) != 0}
+  return [layer.name for layer in found.values()]
+
+
+def say_random_draws(name: str, models: Any, how: str) -> None:
+  """Warns that `models`' random layers (`random_layers`) draw `how` (e.g.
+  "for each of the 4 micro-batches"), so a run follows other draws than
+  one device's: the same in distribution, other weights."""
+  names = random_layers(models)
+  if names:
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.warning(
+        "%s: layers drawing random numbers in training (%s) draw them %s, "
+        "not as one device draws them for the whole batch: the same in "
+        "distribution, but other draws, so the weights differ from a "
+        "one-device run. To compare layouts exactly, set their rates to 0.",
+        name, shown_names(names), how)
+
+
 def shown_names(names: list[str], most: int = 4) -> str:
   """`names` joined for a message, the first `most` of them."""
   return ", ".join(names[:most]) + (" ..." if len(names) > most else "")

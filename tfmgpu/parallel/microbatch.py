@@ -265,6 +265,32 @@ def call_losses(stage: keras.Model) -> list[Any]:
   return losses[:len(losses) - weighted]
 
 
+_SAID_LOSSES: set[str] = set()
+
+
+def loss_adders(model: keras.Model) -> list[str]:
+  """The names of `model`'s layers whose last call added losses other than
+  an activity regulariser's (those are per example)."""
+  return [l.name for l in model.layers if call_losses(l)
+          and getattr(l, "activity_regularizer", None) is None]
+
+
+def say_call_losses(name: str, adders: Sequence[str], parts: str) -> None:
+  """Warns once per `name` (at trace time) that the losses layers `adders`
+  add in call() (`add_loss`) are computed on `parts` and averaged: exact
+  for means over examples, not for a batch statistic."""
+  if not adders or name in _SAID_LOSSES:
+    return
+  _SAID_LOSSES.add(name)
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.warning(
+      "%s: losses added in call() by layers %s are computed on %s and "
+      "averaged. That equals the whole batch's loss when each is a mean "
+      "over examples; a batch statistic (a mixture-of-experts "
+      "load-balancing loss) trains differently from one device.", name,
+      ", ".join(adders), parts)
+
+
 def weight_regularization(stage: keras.Model) -> list[Any]:
   """One loss term per regularised trainable weight of `stage`."""
   return [v.regularizer(v) for v in stage.trainable_weights

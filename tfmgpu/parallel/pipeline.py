@@ -334,9 +334,14 @@ def _warn_per_micro_batch(name: str, stages: Sequence[keras.Model],
   if norms and micro_batches > 1:
     logging.warning(
         "%s: BatchNormalization layers (%s) normalise each of the %d "
-        "micro-batches with its own statistics (of its rows alone), so "
-        "training differs from the unsplit model's; micro_batches=1 "
-        "normalises the whole batch.", name, ", ".join(norms), micro_batches)
+        "micro-batches with its own statistics (of its rows alone), and "
+        "update their moving statistics once per micro-batch (%d times a "
+        "step), so training differs from the unsplit model's; "
+        "micro_batches=1 normalises the whole batch.", name,
+        ", ".join(norms), micro_batches, micro_batches)
+  if micro_batches > 1:
+    checks.say_random_draws(name, stages, f"for each of the {micro_batches} "
+                            "micro-batches")
   stateful = [l.name for l in layers if l.trainable and l.non_trainable_weights
               and checks.users_class(l)
               and not getattr(l, "lora_enabled", False)]

@@ -56,6 +56,9 @@ def warn_unsynchronized_norms(model: keras.Model, copies: int,
   their moments), unlike `mirrored`, where they are synced."""
   synced = checks.training_norms(model, synchronized=True)
   plain = checks.training_norms(model, synchronized=False)
+  if copies > 1:
+    checks.say_random_draws(name, model, f"on each of its {copies} "
+                            "data-parallel copies apart")
   if plain and copies > 1:
     logging.warning(
         "%s: BatchNormalization layers (%s) normalise each of its %d "

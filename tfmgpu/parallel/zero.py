@@ -139,6 +139,10 @@ class ShardedModel(placed.PerDeviceGradientModel):
     self.stage = stage
     self._devices = tuple(devices)
     replicated.warn_unsynchronized_norms(model, len(devices), self.name)
+    # Activity regularisers' losses (per example: exact on replicas).
+    self._activity_losses = sum(
+        getattr(l, "activity_regularizer", None) is not None
+        for l in _compat.flatten_layers(model))
     # Seed generators' states (Dropout) are variables but not weights.
     weights = unique(list(model.weights) + list(model.non_trainable_variables))
     owners = assign_owners([variable_bytes(v) for v in weights], len(devices))
@@ -279,6 +283,11 @@ class ShardedModel(placed.PerDeviceGradientModel):
             self.unsplit, weights, self._state_on(r), x, return_losses=True,
             training=True)
         total = loss_fn(y, y_pred)
+        if len(losses) > self._activity_losses and self.data_parallel > 1:
+          # Added in a stateless call, they are on no layer: unnamed.
+          microbatch.say_call_losses(
+              self.name, [f"of {self.unsplit.name!r}"],
+              f"each of the {self.data_parallel} replicas' rows")
         if losses:
           total += scale(tf.add_n([tf.cast(tf.reduce_sum(l), total.dtype)
                                    for l in losses]))

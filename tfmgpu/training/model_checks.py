@@ -165,6 +165,12 @@ def say_replica_norms(model: keras.Model,
   device (a new user's trial: 1.1e-2 after one epoch, unsaid)."""
   replicas = strategy.num_replicas_in_sync
   names = checks.training_norms(model, synchronized=False) if replicas > 1 else []
+  if replicas > 1:
+    checks.say_random_draws(
+        f"Model {model.name!r}", model, f"under {type(strategy).__name__} "
+        f"on each of the {replicas} replicas from the same seeds (as Keras' "
+        f"fit does there: row i and row i + B/{replicas} of a batch of B "
+        "get the same draw)")
   if names:
     logging.warning(
         "BatchNormalization layers (%s) normalise each of the %d replicas' "
@@ -213,7 +219,9 @@ def refuse_custom_steps(model: keras.Model, loss: Any = None) -> None:
       "loss, gradients, all-reduce, update) and would not call it, so it "
       f"would train {trains}, not what your step computes. To run your "
       "step, train with model.fit under "
-      f"tfmgpu.get_strategy('mirrored').scope().{view}")
+      "tfmgpu.get_strategy('mirrored').scope(), where TF sums the "
+      "replicas' gradients: divide a loss your step averages by hand by "
+      f"self.distribute_strategy.num_replicas_in_sync.{view}")
 
 
 # What a `Trainer` takes from the model's own `compile()` when not given.

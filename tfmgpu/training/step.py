@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmgpu import _compat
+from tfmgpu.parallel import microbatch
 from tfmgpu.parallel import placed_model
 from tfmgpu.training import allreduce as allreduce_lib
 from tfmgpu.training import batch_splits as batch_splits_lib
@@ -107,6 +108,11 @@ def _regularization(model: keras.Model, dtype: str) -> tf.Tensor | float:
   sums them), scaled for the replica count."""
   if not model.losses:
     return 0.0
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  if replicas > 1:
+    microbatch.say_call_losses(f"Model {model.name!r}",
+                               microbatch.loss_adders(model),
+                               f"each of the {replicas} replicas' rows")
   return tf.nn.scale_regularization_loss(_added_losses(model, dtype))
 
 
