@@ -556,6 +556,40 @@ def test_a_batch_the_micro_batches_do_not_divide_gives_unsplit_gradients(
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=v.path)
 
 
+@pytest.mark.parametrize("signature", [False, True])
+def test_data_copies_split_a_short_batch_into_unsplit_gradients(
+    cpu_devices, signature):
+  """11 rows over 2 data copies (6 and 5, each in 2 micro-batches): each
+  copy's mean and activity regularisers weighted by its rows; the size
+  static, or known only when the step runs. They used to refuse it."""
+  from tfmgpu.parallel import hybrid  # pylint: disable=g-import-not-at-top
+  model = _regularized()
+  x, y = _data(11)
+  placed = hybrid.build_layout(
+      model, hybrid.Layout(data=2, stages=2, micro_batches=2,
+                           schedule="1f1b"), devices=cpu_devices[:4])
+
+  def grads_fn(xb, yb):
+    loss, y_pred, grads = placed.compute_loss_and_gradients(
+        xb, yb, _loss(), loss_reduction="mean")
+    return loss, y_pred, placed.reduce_gradients(grads)
+  if signature:
+    grads_fn = tf.function(grads_fn, input_signature=[
+        tf.TensorSpec([None, 12], tf.float32), tf.TensorSpec([None], tf.int64)])
+  loss, y_pred, grads = grads_fn(x, y)
+  with tf.GradientTape() as tape:
+    want_pred = model(x, training=True)
+    want_loss = _loss()(y, want_pred) + tf.add_n(model.losses)
+  np.testing.assert_allclose(y_pred, want_pred, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  want = tape.gradient(want_loss, model.trainable_variables)
+  for v, g, w in zip(placed.trainable_variables, grads, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=v.path)
+  with pytest.raises(ValueError, match=r"batch of 1 examples has fewer rows "
+                     r"than data_parallel=2 copies"):
+    placed.compute_loss_and_gradients(x[:1], y[:1], _loss())
+
+
 def test_fit_with_a_ragged_last_batch_matches_unsplit_fit():
   """Keras' fit trains a short last batch; so does the pipeline's (it used
   to stop there)."""

@@ -4,7 +4,8 @@
 devices (a `StagedModel`, `PipelinedModel` or `TensorParallelModel`), each
 copy on its own devices. One training step:
 
-1. splits the batch into `R` equal slices, one per copy;
+1. splits the batch into `R` near-equal slices, one per copy (a short
+   last batch too, each slice weighted by its rows);
 2. runs each copy's forward and backward on its devices (its own
    `compute_loss_and_gradients`), with the loss still averaged over the
    *global* batch, so the sum of the copies' gradients is the gradient of
@@ -154,23 +155,27 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
 
   # ------------------------------------------------------------- forward
 
-  def _check_batch(self, x) -> None:
-    first = tf.nest.flatten(x)[0]
-    size = first.shape[0]
-    if size is not None and size % self.data_parallel:
-      r = self.data_parallel
-      raise ValueError(
-          f"The batch of {size} examples is not divisible by data_parallel="
-          f"{r}: each replica takes an equal slice. Use a batch size that is "
-          f"a multiple of {r} (e.g. {-(-size // r) * r}).")
+  def _split(self, structure, checked) -> list[Any]:
+    """`structure` (a batch, or its targets) in `R` near-equal parts, one
+    per copy, after the run-time check of `checked` (the batch's inputs):
+    a dataset's short last batch splits too, each part weighted by its rows
+    (`microbatch.part_divisors`); one of fewer rows than `R` is refused."""
+    r = self.data_parallel
+    checks_ = microbatch.check_rows(checked, r, (
+        f"has fewer rows than data_parallel={r} copies, so some copies "
+        f"would get none. Use batches of at least {r} rows (with a "
+        "dataset's short last batch: drop_remainder=True)."))
+    with tf.control_dependencies(checks_):
+      structure = tf.nest.map_structure(
+          lambda t: None if t is None else tf.identity(t), structure)
+    return microbatch.split(structure, r, uneven=True)
 
   def call(self, inputs, training=None):
     """Splits the batch over the copies (padding it outside training)."""
     r = self.data_parallel
     x = tf.nest.map_structure(tf.convert_to_tensor, inputs)
     if training:
-      self._check_batch(x)
-      parts = microbatch.split(x, r)
+      parts = self._split(x, x)
       return microbatch.concat([m(p, training=True)
                                 for m, p in zip(self.replicas, parts)])
     first = tf.nest.flatten(x)[0]
@@ -191,7 +196,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
     """Each copy's forward and backward on its slice; gradients not summed.
 
     Args:
-      x, y: the whole batch (its size a multiple of `data_parallel`).
+      x, y: the whole batch, of at least `data_parallel` rows.
       loss_fn: `loss_fn(y_true, y_pred)`, as for the copies. `"sum"`: it
         divides by the global batch size (tfmgpu's Trainer), so the copies'
         losses add up; `"mean"`: it averages the rows it gets (Keras
@@ -210,24 +215,27 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
                        "'mean'.")
     r = self.data_parallel
     base = scale_regularization or (lambda t: t)
-    scale = lambda t: base(t) / r
-    share = loss_fn if loss_reduction == "sum" else (
-        lambda y_true, y_pred: self._mean_share(loss_fn, y_true, y_pred))
-    self._check_batch(x)
-    xs, ys = microbatch.split(x, r), microbatch.split(y, r)
+    xs, ys = self._split(x, x), self._split(y, x)
+    divisors = microbatch.part_divisors(x, r)  # `R` for equal parts.
     totals, preds, grads = [], [], []
     for i, (model, xi, yi) in enumerate(zip(self.replicas, xs, ys)):
+      d = divisors[i]
+      share = loss_fn if loss_reduction == "sum" else (
+          lambda y_true, y_pred, d=d: self._mean_share(loss_fn, y_true,
+                                                       y_pred, d))
       with tf.name_scope(f"replica_{i}"):
         total, y_pred, g = model.compute_loss_and_gradients(
-            xi, yi, share, scale_regularization=scale,
+            xi, yi, share,
+            scale_regularization=lambda t, d=d: microbatch.divide(base(t), d),
             **_inner_options(model, loss_reduction))
       totals.append(total)
       preds.append(y_pred)
       grads.extend(g)
     return tf.add_n(totals), microbatch.concat(preds), grads
 
-  def _mean_share(self, loss_fn: placed.LossFn, y_true, y_pred):
-    """A copy's `1/R` of a loss that averages the rows it gets.
+  def _mean_share(self, loss_fn: placed.LossFn, y_true, y_pred, divisor):
+    """A copy's share of a loss that averages the rows it gets: divided by
+    `divisor`, the batch's rows over the copy's (`R` for equal parts).
 
     Raises:
       ValueError: the output carries a Keras mask (Keras averages the loss
@@ -243,7 +251,7 @@ class ReplicatedModel(placed.PerDeviceGradientModel):
           "their mean differs from the whole batch's. Pass the mask as "
           "sample_weight instead (an output without a Keras mask), or use "
           "data=1.")
-    return loss_fn(y_true, y_pred) / self.data_parallel
+    return microbatch.divide(loss_fn(y_true, y_pred), divisor)
 
   def loss_parts(self) -> str | None:
     """`fit` averages the copies' losses (a copy may average its own)."""
