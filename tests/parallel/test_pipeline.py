@@ -529,6 +529,20 @@ def test_a_batch_of_fewer_rows_than_micro_batches_is_refused():
     pipe.compute_loss_and_gradients(x[:3], y[:3], _loss())
 
 
+def _assert_unsplit_step(model, x, y, got, variables):
+  """`got` (loss, predictions, summed gradients of `variables`) equals the
+  unsplit `model`'s on the whole batch, its regularisers included."""
+  loss, y_pred, grads = got
+  with tf.GradientTape() as tape:
+    want_pred = model(x, training=True)
+    want_loss = _loss()(y, want_pred) + tf.add_n(model.losses)
+  np.testing.assert_allclose(y_pred, want_pred, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  want = tape.gradient(want_loss, model.trainable_variables)
+  for v, g, w in zip(variables, grads, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=v.path)
+
+
 @pytest.mark.parametrize("name,signature", [("gpipe", False),
                                             ("1f1b", False), ("1f1b", True)])
 def test_a_batch_the_micro_batches_do_not_divide_gives_unsplit_gradients(
@@ -546,14 +560,8 @@ def test_a_batch_the_micro_batches_do_not_divide_gives_unsplit_gradients(
     grads_fn = tf.function(grads_fn, input_signature=[
         tf.TensorSpec([None, 12], tf.float32), tf.TensorSpec([None], tf.int64)])
   loss, y_pred, grads = grads_fn(x, y)
-  with tf.GradientTape() as tape:
-    want_pred = model(x, training=True)
-    want_loss = _loss()(y, want_pred) + tf.add_n(model.losses)
-  np.testing.assert_allclose(y_pred, want_pred, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  want = tape.gradient(want_loss, model.trainable_variables)
-  for v, g, w in zip(pipe.trainable_variables, grads, want):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=v.path)
+  _assert_unsplit_step(model, x, y, (loss, y_pred, grads),
+                       pipe.trainable_variables)
 
 
 @pytest.mark.parametrize("signature", [False, True])
@@ -577,14 +585,8 @@ def test_data_copies_split_a_short_batch_into_unsplit_gradients(
     grads_fn = tf.function(grads_fn, input_signature=[
         tf.TensorSpec([None, 12], tf.float32), tf.TensorSpec([None], tf.int64)])
   loss, y_pred, grads = grads_fn(x, y)
-  with tf.GradientTape() as tape:
-    want_pred = model(x, training=True)
-    want_loss = _loss()(y, want_pred) + tf.add_n(model.losses)
-  np.testing.assert_allclose(y_pred, want_pred, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  want = tape.gradient(want_loss, model.trainable_variables)
-  for v, g, w in zip(placed.trainable_variables, grads, want):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=v.path)
+  _assert_unsplit_step(model, x, y, (loss, y_pred, grads),
+                       placed.trainable_variables)
   with pytest.raises(ValueError, match=r"batch of 1 examples has fewer rows "
                      r"than data_parallel=2 copies"):
     placed.compute_loss_and_gradients(x[:1], y[:1], _loss())
