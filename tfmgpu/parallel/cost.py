@@ -355,7 +355,8 @@ def model_blocks(model: keras.Model | graph_lib.ModelGraph) -> list[Block]:
         "data nor the model's config (max_sequence_length) gives: its FLOPs, "
         "activation and transfer bytes are UNKNOWN and counted here as if "
         "that length were 1 (far too small). Give the length: "
-        "plan_stages(model, ..., input_shape=<one example's shape>).",
+        "plan_stages(model, ..., input_shape=<one example's shape>), and "
+        "give that plan to build_layout(..., plan=plan) or PipelinedModel.",
         graph.model.name, graph.describe(unknown[0]))
   _log_estimated(graph)
   blocks = []
