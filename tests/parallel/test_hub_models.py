@@ -259,7 +259,8 @@ def test_kernels_a_backbones_own_layout_leaves_whole_are_named(
       num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
   model = keras_hub.models.MistralCausalLM(backbone, preprocessor=None)
   hybrid.build_layout(model, hybrid.Layout(tensor=2), devices=cpu_devices[:2])
-  assert ("leaves 1 Dense kernel(s) whole on each stage's first device (11% "
+  assert ("leaves 1 Dense kernel(s) whole on the first device of each "
+          "tensor group (11% "
           "of its weights): transformer_layer_0/feedforward_gate_dense/"
           "kernel") in caplog.text
   caplog.clear()

@@ -105,7 +105,8 @@ def _say_left_whole(model: keras.Model, axes: dict[str, int],
   if whole:
     logging.warning(
         "tensor=%d splits model %r by its keras_hub layout, which leaves %d "
-        "Dense kernel(s) whole on each stage's first device (%.0f%% of its "
+        "Dense kernel(s) whole on the first device of each tensor group "
+        "(%.0f%% of its "
         "weights): %s%s. To split them too, pass layout_map={path regex: "
         "axis} naming them with the others.", tensor, model.name, len(whole),
         100 * fraction, ", ".join(whole[:4]), " ..." if len(whole) > 4 else "")
