@@ -3,6 +3,7 @@
 import glob
 import inspect
 import os
+import re
 
 import keras
 import numpy as np
@@ -675,3 +676,23 @@ def test_a_stateful_rnn_trains_as_keras_on_one_device_only():
   with pytest.raises(ValueError, match=r"batch_splits=2 cannot train model "
                      r"'rnn' exactly: its stateful RNN layers \(lstm\)"):
     Trainer(_stateful_rnn(), loss=loss, batch_splits=2)
+
+
+def test_a_fit_that_trains_nothing_says_so(tmp_path, caplog):
+  """A trial: a second `fit(epochs=1)` with a `model_dir` trained nothing
+  (epochs counts the run's total) and said nothing: the user took it for a
+  second epoch, as in Keras."""
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)],
+                           name="twice")
+  trainer = Trainer(model, optimizer="sgd", verbose=0,
+                    model_dir=str(tmp_path / "run"))
+  x, y = np.ones((16, 4), np.float32), np.zeros(16, np.int64)
+  trainer.fit(x, y, epochs=1, global_batch_size=8)
+  before = model.get_weights()
+  with caplog.at_level("WARNING"):
+    trainer.fit(x, y, epochs=1, global_batch_size=8)
+  for a, b in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(a, b)
+  assert re.search(r"fit\(epochs=1\) trains nothing: the checkpoints in .* "
+                   r"already hold 1 epoch\(s\)\..* pass epochs=2 to train "
+                   r"one more", caplog.text), caplog.text

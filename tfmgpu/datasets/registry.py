@@ -386,16 +386,26 @@ def _leaf_list(x: Any) -> list[np.ndarray]:
 
 
 def _class_count(y_train: Any, y_test: Any) -> int | None:
-  """`max + 1` of integer class labels, one per example `(N,)` or one per
-  token `(N, T, ...)` (a language model's next tokens); `None` for other
-  targets (floats, several arrays, negative labels)."""
+  """`max + 1` of the integer class labels of the training split, one per
+  example `(N,)` or one per token `(N, T, ...)` (a language model's next
+  tokens); `None` for other targets (floats, several arrays, negative
+  labels: said, as a model built for classes then fails). Test labels do
+  not widen it: one the training labels lack is refused (`check_labels`;
+  a trial's test label 7 made a 2-class model of 8 outputs, unsaid)."""
   ys = (y_train, y_test)
   if not all(isinstance(y, np.ndarray) and y.dtype.kind in "iu"
              and y.ndim >= 1 for y in ys):
     return None
-  if any(y.size and y.min() < 0 for y in ys):
-    return None
-  return int(max(y.max(initial=0) for y in ys)) + 1
+  for split, y in zip(("y_train", "y_test"), ys):
+    if y.size and y.min() < 0:
+      i = int(np.argmin(y.reshape(-1)))
+      logging.warning(
+          "%s[%d]=%d is negative: the integer targets are not class indices "
+          "(0..K-1), so num_classes is not known and a model built for "
+          "classes cannot be made. Class labels must be 0..K-1; give "
+          "regression targets as floats.", split, i, y.flat[i])
+      return None
+  return int(y_train.max(initial=0)) + 1
 
 
 def load_dataset(name: str = "digits", **options) -> Arrays:
@@ -569,5 +579,11 @@ def check_labels(arrays: Arrays, *, source: str | None = None) -> None:
       raise ValueError(
           f"dataset {source or repr(arrays.name)}: {split}[{i}]={y.flat[i]} "
           f"is outside the class range 0..{arrays.num_classes - 1} "
-          f"({bad.size} label(s) out of range). Labels must be integer class "
-          "indices from 0 to num_classes - 1: fix the labels.")
+          f"({bad.size} label(s) out of range{_classes_from(split)}). Labels "
+          "must be integer class indices from 0 to num_classes - 1: fix the "
+          "labels.")
+
+
+def _classes_from(split: str) -> str:
+  return ("; the training labels give the classes" if split == "y_test"
+          else "")

@@ -318,9 +318,14 @@ class Controller:
     initial_epoch = _restore(ckpt, self.o.any_worker) if ckpt else 0
     progress = ckpt.progress if ckpt else ckpt_lib.Progress()
     self._check_resume_point(progress, initial_epoch, steps_per_epoch)
-    if initial_epoch >= epochs:
-      logging.info("model_dir already holds %d epoch(s) >= epochs=%d; nothing "
-                   "to train.", initial_epoch, epochs)
+    if ckpt is not None and initial_epoch >= epochs:  # Else silent.
+      logging.warning(
+          "fit(epochs=%d) trains nothing: the checkpoints in %s already hold "
+          "%d epoch(s). epochs counts the run's total epochs (a resumed run "
+          "trains only the missing ones; Keras' fit trains epochs more on "
+          "each call): pass epochs=%d to train one more.", epochs,
+          os.path.dirname(ckpt.chief_directory), initial_epoch,
+          initial_epoch + 1)
     self.watcher, self.global_step = watcher, progress.step
     self._saved_at = (progress.step, time.monotonic())
     self.last_checkpoint = ckpt.latest if ckpt else None
