@@ -215,8 +215,10 @@ def finalize(target: Any) -> None:
 def _mismatch(copy: keras.layers.Layer, what: str) -> ValueError:
   return ValueError(
       f"layer {copy.name!r} ({type(copy).__name__}) holds state its config "
-      "leaves out (frozen weights, LoRA or a lookup vocabulary), and its "
-      f"copy rebuilt from that config differs in {what}, so tfmgpu cannot "
+      "leaves out (frozen weights, LoRA, a lookup vocabulary, or a "
+      "constructor argument its get_config drops: keras_hub 0.32's "
+      "LlamaBackbone drops tie_word_embeddings), and its copy rebuilt "
+      f"from that config differs in {what}, so tfmgpu cannot "
       "carry the state over exactly. Train it with data parallelism "
       "(mirrored, ZeRO), which keeps the model as it is.")
 

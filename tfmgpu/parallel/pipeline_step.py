@@ -344,17 +344,17 @@ def _warn_call_losses(stage: keras.Model, k: int, micro_batches: int) -> None:
   own layers that add them, copies named as the user's layers (a sublayer
   of a copy bears a name of Keras' making: `mixtral_sparse_moe_block_2`
   for the user's `mixtral_sparse_moe_block`)."""
-  if stage in _WARNED:
+  # Activity regularisers are per example, weighted by rows: exact.
+  adders = microbatch.loss_adders(stage)
+  if stage in _WARNED or not adders:
     return
   _WARNED.add(stage)
-  adders = [l.name for l in stage.layers if microbatch.call_losses(l)]
   logging.warning(
       "Pipeline stage %d: losses added in call() by %s are computed per "
       "micro-batch and averaged over the %d micro-batches. That equals the "
       "whole batch's loss when each is a mean over examples; a batch "
       "statistic (a mixture-of-experts load-balancing loss) trains "
       "differently from the unsplit model. Use micro_batches=1 (model "
-      "parallelism) to train it exactly.", k,
-      f"layers {', '.join(adders)}" if adders else "activity regularisers",
+      "parallelism) to train it exactly.", k, f"layers {', '.join(adders)}",
       micro_batches)
 

@@ -122,6 +122,9 @@ def all_reduce_gradients(grads: Sequence[tf.Tensor | None],
   # concatenated as TF joins sparse gradients (Keras' Adam would square
   # each replica's row before adding them; one device has one row).
   shared = {i for i in present if microbatch.shared_lookup(grads[i])}
+  if ctx is not None and ctx.num_replicas_in_sync > 1:
+    microbatch.say_mixed_lookups(
+        [grads[i] for i in present if i not in shared], "replicas")
   values = [grads[i].values if i in shared else grads[i] for i in present]
   if ctx is not None and values:
     dtypes = [g.dtype for g in values]
