@@ -228,10 +228,8 @@ def build_layout(model: keras.Model, layout: Layout, *,
   Raises:
     ValueError: too few devices, a plan for another number of stages,
       plain data parallelism (1 stage, 1 shard, no micro-batches: use
-      `MirroredStrategy`; with micro-batches it accumulates gradients),
-      micro-batches of tensor shards without stages, or
-      a model whose class overrides a Keras step (`train_step`, ...: a
-      split model would not call it).
+      `MirroredStrategy`), micro-batches of shards without stages, or a
+      model overriding a Keras step (`train_step`, ...).
   """
   checks.refuse_custom_steps(model)  # Before planning: fail fast.
   checks.refuse_stateful_layers(model, f"in the layout {layout.label}")

@@ -255,6 +255,18 @@ class LoopOptions:
   any_worker: Callable[[bool], bool] = bool
 
 
+def _say_nothing_to_train(ckpt: ckpt_lib.Checkpointer, done: int,
+                          epochs: int) -> None:
+  """A warning, not INFO: a second `fit(epochs=1)` was taken for a second
+  epoch (a trial), as Keras' `fit` would train one."""
+  logging.warning(
+      "fit(epochs=%d) trains nothing: the checkpoints in %s already hold %d "
+      "epoch(s). epochs counts the run's total epochs (a resumed run trains "
+      "only the missing ones; Keras' fit trains epochs more on each call): "
+      "pass epochs=%d to train one more.", epochs,
+      os.path.dirname(ckpt.chief_directory), done, done + 1)
+
+
 def _restore(ckpt: ckpt_lib.Checkpointer, any_worker: Any) -> int:
   """`ckpt.restore_latest()`, the same checkpoint on every worker
   (`workers.require_same_start`); then the run directory's record, if it
@@ -318,14 +330,8 @@ class Controller:
     initial_epoch = _restore(ckpt, self.o.any_worker) if ckpt else 0
     progress = ckpt.progress if ckpt else ckpt_lib.Progress()
     self._check_resume_point(progress, initial_epoch, steps_per_epoch)
-    if ckpt is not None and initial_epoch >= epochs:  # Else silent.
-      logging.warning(
-          "fit(epochs=%d) trains nothing: the checkpoints in %s already hold "
-          "%d epoch(s). epochs counts the run's total epochs (a resumed run "
-          "trains only the missing ones; Keras' fit trains epochs more on "
-          "each call): pass epochs=%d to train one more.", epochs,
-          os.path.dirname(ckpt.chief_directory), initial_epoch,
-          initial_epoch + 1)
+    if ckpt is not None and initial_epoch >= epochs:
+      _say_nothing_to_train(ckpt, initial_epoch, epochs)
     self.watcher, self.global_step = watcher, progress.step
     self._saved_at = (progress.step, time.monotonic())
     self.last_checkpoint = ckpt.latest if ckpt else None
