@@ -190,8 +190,8 @@ def test_random_draws_and_batch_losses_per_replica_say_so(caplog, zero_stage):
   """A trial's keras.io models under mirrored and ZeRO: augmentation
   (RandomFlip) trained 8.4e-3 off one device and a batch-statistic
   `add_loss` 0.061 off, with no word (BatchNorm and the pipeline said
-  theirs). Dropout of rate 0 and an activity regulariser (per example)
-  are exact and say nothing."""
+  theirs). Dropout of rate 0, an activity regulariser (per example) and a
+  weight regulariser (once a step) are exact and say nothing."""
   strategy = tfmgpu.get_strategy("mirrored", num_replicas=2)
 
   def build(noisy):
@@ -202,7 +202,8 @@ def test_random_draws_and_batch_losses_per_replica_say_so(caplog, zero_stage):
       h = keras.layers.Flatten(name="flat")(h)
       h = keras.layers.Dropout(0.0, name="no_drop")(h)
       h = keras.layers.Dense(
-          3, name="dense", activity_regularizer=keras.regularizers.L2(0.1))(h)
+          3, name="dense", activity_regularizer=keras.regularizers.L2(0.1),
+          kernel_regularizer=keras.regularizers.L2(0.1))(h)
       if noisy:
         h = _BatchStatisticLoss(name="balance")(h)
       return keras.Model(inputs, h, name=f"noisy_{noisy}")
@@ -222,7 +223,7 @@ def test_random_draws_and_batch_losses_per_replica_say_so(caplog, zero_stage):
       continue
     assert len(draws) == 1 and "(flip)" in draws[0], said
     assert ("on each of the 2 replicas from the same seeds" in draws[0]
-            if zero_stage == 0 else "each of its 2 data-parallel copies"
+            if zero_stage == 0 else "each of its 2 data-parallel copies' rows"
             in draws[0]), draws
     adder = "balance" if zero_stage == 0 else "of 'noisy_True'"
     assert len(losses) == 1 and (

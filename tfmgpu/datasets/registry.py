@@ -386,12 +386,10 @@ def _leaf_list(x: Any) -> list[np.ndarray]:
 
 
 def _class_count(y_train: Any, y_test: Any) -> int | None:
-  """`max + 1` of the integer class labels of the training split, one per
-  example `(N,)` or one per token `(N, T, ...)` (a language model's next
-  tokens); `None` for other targets (floats, several arrays, negative
-  labels: said, as a model built for classes then fails). Test labels do
-  not widen it: one the training labels lack is refused (`check_labels`;
-  a trial's test label 7 made a 2-class model of 8 outputs, unsaid)."""
+  """`max + 1` of integer class labels, one per example `(N,)` or one per
+  token `(N, T, ...)` (a language model's next tokens); `None` for other
+  targets (floats, several arrays, negative labels: said, as a model built
+  for classes then fails)."""
   ys = (y_train, y_test)
   if not all(isinstance(y, np.ndarray) and y.dtype.kind in "iu"
              and y.ndim >= 1 for y in ys):
@@ -405,7 +403,7 @@ def _class_count(y_train: Any, y_test: Any) -> int | None:
           "classes cannot be made. Class labels must be 0..K-1; give "
           "regression targets as floats.", split, i, y.flat[i])
       return None
-  return int(y_train.max(initial=0)) + 1
+  return int(max(y.max(initial=0) for y in ys)) + 1
 
 
 def load_dataset(name: str = "digits", **options) -> Arrays:
@@ -579,11 +577,5 @@ def check_labels(arrays: Arrays, *, source: str | None = None) -> None:
       raise ValueError(
           f"dataset {source or repr(arrays.name)}: {split}[{i}]={y.flat[i]} "
           f"is outside the class range 0..{arrays.num_classes - 1} "
-          f"({bad.size} label(s) out of range{_classes_from(split)}). Labels "
-          "must be integer class indices from 0 to num_classes - 1: fix the "
-          "labels.")
-
-
-def _classes_from(split: str) -> str:
-  return ("; the training labels give the classes" if split == "y_test"
-          else "")
+          f"({bad.size} label(s) out of range). Labels must be integer class "
+          "indices from 0 to num_classes - 1: fix the labels.")

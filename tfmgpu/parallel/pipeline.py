@@ -335,10 +335,10 @@ def _warn_per_micro_batch(name: str, stages: Sequence[keras.Model],
     logging.warning(
         "%s: BatchNormalization layers (%s) normalise each of the %d "
         "micro-batches with its own statistics (of its rows alone), and "
-        "update their moving statistics once per micro-batch (%d times a "
-        "step), so training differs from the unsplit model's; "
+        "update their moving statistics once per micro-batch run (%d times "
+        "a step), so training differs from the unsplit model's; "
         "micro_batches=1 normalises the whole batch.", name,
-        ", ".join(norms), micro_batches, micro_batches)
+        ", ".join(norms), micro_batches, micro_batches * (1 + recompute))
   if micro_batches > 1:
     checks.say_random_draws(name, stages, f"for each of the {micro_batches} "
                             "micro-batches")

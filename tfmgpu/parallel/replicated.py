@@ -58,8 +58,8 @@ def warn_unsynchronized_norms(model: keras.Model, copies: int,
   synced = checks.training_norms(model, synchronized=True)
   plain = checks.training_norms(model, synchronized=False)
   if copies > 1:
-    checks.say_random_draws(name, model, f"on each of its {copies} "
-                            "data-parallel copies apart")
+    checks.say_random_draws(name, model, f"for each of its {copies} "
+                            "data-parallel copies' rows")
   if plain and copies > 1:
     logging.warning(
         "%s: BatchNormalization layers (%s) normalise each of its %d "

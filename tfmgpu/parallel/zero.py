@@ -140,9 +140,12 @@ class ShardedModel(placed.PerDeviceGradientModel):
     self._devices = tuple(devices)
     replicated.warn_unsynchronized_norms(model, len(devices), self.name)
     # Activity regularisers' losses (per example: exact on replicas).
+    # and weight regularisers' (counted once a step): not a batch statistic.
     self._activity_losses = sum(
         getattr(l, "activity_regularizer", None) is not None
-        for l in _compat.flatten_layers(model))
+        for l in _compat.flatten_layers(model)) + sum(
+            getattr(v, "regularizer", None) is not None
+            for v in model.trainable_weights)
     # Seed generators' states (Dropout) are variables but not weights.
     weights = unique(list(model.weights) + list(model.non_trainable_variables))
     owners = assign_owners([variable_bytes(v) for v in weights], len(devices))
