@@ -44,6 +44,8 @@ def split(structure: Any, num: int, *, uneven: bool = False) -> list[Any]:
   divide gives `n % num` parts one row longer than the rest (`part_sizes`).
   """
   flat = tf.nest.flatten(structure)
+  if all(t is None for t in flat):  # No targets (a loss from add_loss).
+    return [structure] * num
   if uneven and num > 1:
     sizes = part_sizes(structure, num)
     parts = [[None] * num if t is None else tf.split(t, sizes, num=num, axis=0)
@@ -70,7 +72,8 @@ def split(structure: Any, num: int, *, uneven: bool = False) -> list[Any]:
 def rows(structure: Any) -> Any:
   """The rows of a batch (its first tensor's): an int when the shape says
   it, else a scalar int32 tensor."""
-  first = tf.convert_to_tensor(tf.nest.flatten(structure)[0])
+  first = tf.convert_to_tensor(next(
+      t for t in tf.nest.flatten(structure) if t is not None))
   return first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
 
 
